@@ -1,0 +1,1 @@
+"""Strategy search and partitioning over cost_models' predictions (imports cost_models only)."""
