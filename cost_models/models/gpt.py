@@ -1,0 +1,105 @@
+"""GPT-2 (Radford et al. 2019) as a unit chain: learned token + position embeddings, pre-LN blocks, tied LM head.
+
+Shapes follow the released GPT-2 checkpoints (and nanoGPT's `model.py`): biases on every Linear and LayerNorm,
+GELU with the tanh approximation, vocabulary 50257 without padding, so the parameter counts match exactly
+(gpt2-small 124,439,808).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cost_models.records import Record, record
+
+
+@record
+class GPTConfig(Record):
+    vocab_size: int
+    max_seq_len: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+
+
+class GPTEmbedding(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.c_attn = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.c_proj = nn.Linear(cfg.dim, cfg.dim)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.c_proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * cfg.dim, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.dim)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.dim)
+        self.mlp = GPTMLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPTHead(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = GPTEmbedding(cfg)
+        self.blocks = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.n_layers))
+        self.head = GPTHead(cfg)
+        if cfg.tie_embeddings:
+            # GPT-2 ties the output projection to the token embedding (one tensor, counted once).
+            self.head.lm_head.weight = self.embed.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -1,0 +1,242 @@
+"""Resolve a `--model` reference into something that builds the module and its example input.
+
+Three kinds of reference:
+  * a zoo name (`gpt2-small`, `llama3-70b`, `gpt-tiny`, ...);
+  * `package.module:factory` or `path/to/file.py:factory`: `factory()` returns an `nn.Module`; its example input
+    comes from `--input package.module:function` (`function(batch_size, seq_len)`), else from the model's own
+    `example_input(batch_size, seq_len)` method, else token ids when the model's first module is an nn.Embedding;
+  * `hf:MODEL_TYPE[?key=value&...]` or `hf:path/to/config.json`: a transformers causal LM built from its config
+    alone (never downloading weights); needs the `hf` extra.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from cost_models.errors import ModelSourceError
+from cost_models.models.zoo import ZOO, ZooEntry, build_zoo_model
+from cost_models.profile import InputSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved `--model` reference: how to build the module and one micro-batch of input for it."""
+
+    ref: str
+    kind: str  # "zoo" | "factory" | "hf"
+    name: str
+    _build: Callable[[], nn.Module]
+    _input: Callable[[nn.Module, int, int], tuple[torch.Tensor, ...]]
+    max_seq_len: int | None = None
+    _forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Context to run the model's forward in (hf: models need one on the meta device, see _hf_source)."""
+        return self._forward_context()
+
+    def build(self, *, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+        """Build the model on `device` ("meta" allocates nothing) in `dtype`, seeded for reproducible init."""
+        torch.manual_seed(seed)
+        try:
+            with torch.device(device):
+                model = self._build()
+        except ModelSourceError:
+            raise
+        except Exception as exc:  # a user's factory can raise anything; report it in one line
+            raise ModelSourceError(f"building model '{self.ref}' failed: {type(exc).__name__}: {exc}") from None
+        if not isinstance(model, nn.Module):
+            raise ModelSourceError(f"'{self.ref}' returned {type(model).__name__}, not a torch.nn.Module")
+        return model.to(dtype=dtype)
+
+    def example_input(self, model: nn.Module, batch_size: int, seq_len: int, device: str | torch.device) -> tuple[torch.Tensor, ...]:
+        """One micro-batch of synthetic input, made on the CPU with a fixed seed and moved to `device`."""
+        if self.max_seq_len is not None and seq_len > self.max_seq_len:
+            raise ModelSourceError(f"{self.name} supports --seq-len up to {self.max_seq_len}, got {seq_len}")
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(1234)
+        try:
+            inputs = self._input(model, batch_size, seq_len)
+        except ModelSourceError:
+            raise
+        except Exception as exc:
+            raise ModelSourceError(f"making the example input for '{self.ref}' failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            torch.random.set_rng_state(gen_state)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise ModelSourceError(f"the example input for '{self.ref}' must be a tensor or a tuple of tensors")
+        return tuple(t.to(device) for t in inputs)
+
+
+def input_spec(inputs: tuple[torch.Tensor, ...], *, kind: str, vocab_size: int | None) -> InputSpec:
+    first = inputs[0]
+    return InputSpec(kind=kind, shape=tuple(first.shape), dtype=str(first.dtype).removeprefix("torch."), vocab_size=vocab_size)
+
+
+def source_input_kind(source: ModelSource, model: nn.Module) -> tuple[str, int | None]:
+    """('tokens', vocab) for models fed integer ids, ('features', None) for float inputs, ('custom', None) otherwise."""
+    if source.kind == "zoo":
+        entry = ZOO[source.ref]
+        return entry.input_kind, getattr(entry.config, "vocab_size", None)
+    emb = _first_embedding(model)
+    if source.kind == "hf" and emb is not None:
+        return "tokens", emb.num_embeddings
+    return "custom", None
+
+
+def resolve(ref: str, *, input_ref: str | None = None) -> ModelSource:
+    """Turn a `--model` string into a ModelSource, or raise ModelSourceError with the fix in one line."""
+    ref = ref.strip()
+    if not ref:
+        raise ModelSourceError("--model is empty; give a zoo name (see `planner models`), module:factory, or hf:TYPE")
+    if ref in ZOO:
+        if input_ref:
+            raise ModelSourceError("--input applies to module:factory models only; zoo models make their own input")
+        return _zoo_source(ZOO[ref])
+    if ref.startswith("hf:"):
+        return _hf_source(ref)
+    if ":" in ref:
+        return _factory_source(ref, input_ref)
+    close = [n for n in ZOO if ref.split("-")[0] in n]
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ModelSourceError(f"unknown model '{ref}'{hint}; use a zoo name (see `planner models`), module:factory, or hf:TYPE")
+
+
+# --- zoo --------------------------------------------------------------------------------------------------------
+
+def _zoo_source(entry: ZooEntry) -> ModelSource:
+    def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
+        cfg = entry.config
+        if entry.input_kind == "tokens":
+            return (torch.randint(0, cfg.vocab_size, (b, s)),)
+        return (torch.randn(b, s, cfg.in_dim),)
+
+    return ModelSource(ref=entry.name, kind="zoo", name=entry.name, _build=lambda: build_zoo_model(entry),
+                       _input=make_input, max_seq_len=entry.max_seq_len)
+
+
+# --- module:factory ---------------------------------------------------------------------------------------------
+
+def _load_attr(ref: str, what: str) -> Callable[..., Any]:
+    mod_name, _, attr = ref.rpartition(":")
+    if not mod_name or not attr:
+        raise ModelSourceError(f"{what} '{ref}' must look like package.module:function or path/to/file.py:function")
+    try:
+        if mod_name.endswith(".py") or os.sep in mod_name:
+            path = Path(mod_name)
+            if not path.is_file():
+                raise ModelSourceError(f"{what} '{ref}': no such file {path}")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            # Like `python -m`, look in the current directory first so a user's own package is found.
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(mod_name)
+    except ModelSourceError:
+        raise
+    except Exception as exc:
+        raise ModelSourceError(f"{what} '{ref}': importing {mod_name} failed: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ModelSourceError(f"{what} '{ref}': {mod_name} has no callable '{attr}'")
+    return fn
+
+
+def _first_embedding(model: nn.Module) -> nn.Embedding | None:
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def _factory_source(ref: str, input_ref: str | None) -> ModelSource:
+    factory = _load_attr(ref, "model factory")
+    input_fn = _load_attr(input_ref, "input function") if input_ref else None
+
+    def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
+        if input_fn is not None:
+            return input_fn(b, s)
+        if callable(getattr(model, "example_input", None)):
+            return model.example_input(b, s)
+        emb = _first_embedding(model)
+        if emb is not None:
+            return (torch.randint(0, emb.num_embeddings, (b, s)),)
+        raise ModelSourceError(f"cannot guess the input of '{ref}'; pass --input package.module:function "
+                               "(function(batch_size, seq_len) -> tensor) or give the model an example_input method")
+
+    return ModelSource(ref=ref, kind="factory", name=ref.rpartition(":")[2], _build=factory, _input=make_input)
+
+
+# --- transformers configs ----------------------------------------------------------------------------------------
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _hf_source(ref: str) -> ModelSource:
+    body = ref[len("hf:"):]
+    target, _, query = body.partition("?")
+    overrides: dict[str, Any] = {}
+    for item in filter(None, query.split("&")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ModelSourceError(f"hf override '{item}' must be key=value (e.g. hf:gpt2?n_layer=4&n_embd=256)")
+        overrides[key] = _parse_value(value)
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSourceError("hf: models need transformers; install the extra: pip install 'zeropipe[hf]'") from None
+
+    def load_config():
+        cfg_path = Path(target)
+        try:
+            if target.endswith(".json") or cfg_path.is_dir():
+                cfg_dir = cfg_path.parent if target.endswith(".json") else cfg_path
+                if not (cfg_dir / "config.json").is_file():
+                    raise ModelSourceError(f"{ref}: no config.json at {cfg_dir}")
+                cfg = transformers.AutoConfig.from_pretrained(str(cfg_dir), local_files_only=True, **overrides)
+            else:
+                cfg = transformers.AutoConfig.for_model(target, **overrides)
+        except ModelSourceError:
+            raise
+        except Exception as exc:
+            raise ModelSourceError(f"{ref}: transformers cannot make a config: {type(exc).__name__}: {exc}") from None
+        cfg.use_cache = False
+        return cfg
+
+    config = load_config()
+
+    def build() -> nn.Module:
+        with contextlib.redirect_stdout(sys.stderr):
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+    def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
+        return (torch.randint(0, int(config.vocab_size), (b, s)),)
+
+    def forward_context() -> contextlib.AbstractContextManager:
+        # transformers (5.x) probes position_ids for packed sequences with a data-dependent branch, which cannot run
+        # on meta tensors. Synthetic batches hold one sequence per row, so the probe's answer is known: not packed.
+        from unittest import mock
+        masking = sys.modules.get("transformers.masking_utils")
+        if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+            return contextlib.nullcontext()
+        return mock.patch.object(masking, "find_packed_sequence_indices", lambda *a, **k: None)
+
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return ModelSource(ref=ref, kind="hf", name=getattr(config, "model_type", target), _build=build,
+                       _input=make_input, max_seq_len=max_pos, _forward_context=forward_context)
