@@ -1,0 +1,379 @@
+"""Profile a torch model unit by unit: parameters, FLOPs, boundary bytes, saved-for-backward bytes, and times.
+
+How (each unit is measured alone, on the exact input it receives inside the whole model):
+ 1. one forward of the whole model, with forward pre-hooks that record the order modules run in and capture
+    each candidate module's (args, kwargs);
+ 2. the units: the model's largest nn.ModuleList gives one unit per element; the modules that run before it form
+    the embedding unit, those after it the head unit (or the user lists units by module name);
+ 3. each unit's modules run alone on their captured inputs (float inputs made leaves that require grad, so the
+    backward includes the input gradient a pipeline stage must send back) under
+    torch.utils.flop_counter.FlopCounterMode for FLOPs and torch.autograd.graph.saved_tensors_hooks for the bytes
+    kept for backward, deduplicated by storage, parameters and buffers excluded;
+ 4. in real mode, forward and backward are timed (warm-up, then the median of repeats, with min and max).
+The last unit is run with the training loss attached, because an LM's loss keeps float logits for backward.
+
+Meta mode builds the model on the meta device: exact counts and bytes for models of any size, no weights, no times.
+On meta, SDPA would fall to the math path and store the s x s score matrix that no fused kernel keeps; the
+profiler substitutes torch's fused CPU flash kernel (which has meta support) so meta and real profiles agree.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import statistics
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from cost_models.errors import ConfigError, ProfileError
+from cost_models.models.losses import compute_loss, loss_kind, synthetic_target
+from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
+from cost_models.profile import ModelProfile, SharedParam, Timing, UnitProfile
+
+ProgressFn = Callable[[int, int, str], None]
+
+_aten = torch.ops.aten
+# torch's FlopCounterMode has no formula for the CPU flash-attention kernels, so it would count attention as 0.
+# They compute the same products as the CUDA kernels; reuse torch's own SDPA formulas (4*b*s^2*h forward).
+def _cpu_flash_fwd_flop(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_flash_bwd_flop(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+_FLOP_MAPPING = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd_flop,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd_flop,
+}
+_ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+
+
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    """On meta tensors, run F.scaled_dot_product_attention through the fused CPU flash kernel, not the math path."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            extra = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
+            # The CPU flash kernel takes grouped-query K/V (fewer heads) natively, as enable_gqa asks.
+            if q.is_meta and extra.get("attn_mask") is None and (q.shape[1] == k.shape[1] or extra.get("enable_gqa")):
+                return _aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, extra.get("dropout_p", 0.0), bool(extra.get("is_causal", False)), scale=extra.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # The StorageImpl address: shared by all views of one storage, distinct per storage, valid on meta too.
+    return t.untyped_storage()._cdata
+
+
+class _Capture:
+    """Forward pre-hooks that record module call order and the first call's inputs of each watched module."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.order: list[str] = []
+        self.inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self.handles = [m.register_forward_pre_hook(self._hook(name), with_kwargs=True) for name, m in modules.items()]
+
+    def _hook(self, name: str):
+        def hook(module, args, kwargs):
+            if name not in self.inputs:
+                self.order.append(name)
+                self.inputs[name] = (args, kwargs)
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _largest_module_list(model: nn.Module) -> str:
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ProfileError("the model has no nn.ModuleList to take pipeline units from; pass --units with module names")
+    def size(item):
+        return (sum(p.numel() for p in item[1].parameters()), len(item[1]))
+    return max(lists, key=size)[0]
+
+
+def _path_siblings(model: nn.Module, list_name: str) -> list[str]:
+    """Modules next to the block list along its path from the root: candidates for the embedding and head units."""
+    parts = list_name.split(".")
+    siblings: list[str] = []
+    for depth in range(len(parts)):
+        parent_name = ".".join(parts[:depth])
+        parent = model.get_submodule(parent_name)
+        for child_name, _ in parent.named_children():
+            if child_name != parts[depth]:
+                siblings.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    return siblings
+
+
+def _parse_units(spec: str | list[str], model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    if not items:
+        raise ConfigError("--units is empty; give comma-separated module names, '+' joining modules of one unit")
+    names = {n for n, _ in model.named_modules() if n}
+    units, seen = [], set()
+    for item in items:
+        mods = tuple(m.strip() for m in item.split("+"))
+        for m in mods:
+            if m not in names:
+                raise ConfigError(f"--units: the model has no module '{m}'")
+            if m in seen:
+                raise ConfigError(f"--units: module '{m}' appears in two units")
+            seen.add(m)
+        units.append((item, mods))
+    return units
+
+
+def _derive_units(model: nn.Module, list_name: str, order: list[str]) -> list[tuple[str, tuple[str, ...]]]:
+    blocks = [f"{list_name}.{i}" for i in range(len(model.get_submodule(list_name)))]
+    pos = {name: i for i, name in enumerate(order)}
+    missing = [b for b in blocks if b not in pos]
+    if missing:
+        raise ProfileError(f"block {missing[0]} never ran in the forward pass; pass --units with the modules that run")
+    first, last = pos[blocks[0]], pos[blocks[-1]]
+    siblings = [s for s in _path_siblings(model, list_name) if s in pos]
+    before = tuple(sorted((s for s in siblings if pos[s] < first), key=pos.__getitem__))
+    after = tuple(sorted((s for s in siblings if pos[s] > last), key=pos.__getitem__))
+    units = []
+    if before:
+        units.append((before[0] if len(before) == 1 else "embed", before))
+    units += [(b, (b,)) for b in blocks]
+    if after:
+        units.append((after[0] if len(after) == 1 else "head", after))
+    return units
+
+
+def _flop_counter() -> FlopCounterMode:
+    return FlopCounterMode(display=False, custom_mapping=_FLOP_MAPPING)
+
+
+def _attention_ops(fc: FlopCounterMode) -> set[str]:
+    return {str(op) for op in fc.get_flop_counts().get("Global", {}) if any(k in str(op) for k in _ATTENTION_OPS)}
+
+
+class _ModuleResult:
+    def __init__(self) -> None:
+        self.fwd_flops = self.bwd_flops = self.output_bytes = self.saved_bytes = 0
+        self.fwd_times: list[float] = []
+        self.bwd_times: list[float] = []
+        self.attention: set[str] = set()
+
+
+def _measure_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, Any]], *, excluded: set[int],
+                    loss: str | None, timed: bool, warmup: int, repeats: int) -> _ModuleResult:
+    """Run one module alone on its captured input: FLOPs, saved bytes, output bytes, and (if timed) times."""
+    res = _ModuleResult()
+
+    def fresh_inputs():
+        def leaf(t):
+            if isinstance(t, torch.Tensor):
+                return t.detach().requires_grad_(t.is_floating_point())
+            return t
+        return tree_map(leaf, captured)
+
+    def forward(args, kwargs):
+        out = module(*args, **kwargs)
+        return out
+
+    def diff_outputs(out, target):
+        if loss is not None:
+            return [compute_loss(loss, out, target)]
+        return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in excluded:
+            saved.setdefault(key, t.untyped_storage().nbytes())
+        return t
+
+    args, kwargs = fresh_inputs()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _flop_counter() as fwd_fc:
+        out = forward(args, kwargs)
+        target = synthetic_target(loss, out) if loss is not None else None
+        roots = diff_outputs(out, target)
+    res.output_bytes = sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    res.saved_bytes = sum(saved.values())
+    res.fwd_flops = fwd_fc.get_total_flops()
+    with _flop_counter() as bwd_fc:
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+    res.bwd_flops = bwd_fc.get_total_flops()
+    res.attention = _attention_ops(fwd_fc) | _attention_ops(bwd_fc)
+    del out, roots, saved
+    module.zero_grad(set_to_none=True)
+
+    if timed:
+        for i in range(warmup + repeats):
+            args, kwargs = fresh_inputs()
+            t0 = time.perf_counter()
+            out = forward(args, kwargs)
+            roots = diff_outputs(out, target)
+            t1 = time.perf_counter()
+            if roots:
+                torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+            t2 = time.perf_counter()
+            module.zero_grad(set_to_none=True)
+            if i >= warmup:
+                res.fwd_times.append(t1 - t0)
+                res.bwd_times.append(t2 - t1)
+    return res
+
+
+def _timing(per_module: list[list[float]]) -> Timing:
+    """Unit time = sum over its modules; median, min and max are taken per module and summed."""
+    return Timing(median_s=sum(statistics.median(t) for t in per_module), min_s=sum(min(t) for t in per_module),
+                  max_s=sum(max(t) for t in per_module), repeats=len(per_module[0]))
+
+
+UnitResults = list[tuple[str, tuple[str, ...], list[_ModuleResult]]]
+
+
+def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_name: str, units, *, excluded: set[int],
+                   loss: str, timed: bool, warmup: int, repeats: int,
+                   on_progress: ProgressFn | None) -> tuple[UnitResults, int, set[str]]:
+    """Find the units (steps 1-2 of the module doc), then measure each of their modules alone (steps 3-4)."""
+    explicit = _parse_units(units, model) if units else None
+    if explicit:
+        watched = {m: model.get_submodule(m) for _, mods in explicit for m in mods}
+    else:
+        list_name = _largest_module_list(model)
+        names = _path_siblings(model, list_name) + [f"{list_name}.{i}" for i in range(len(model.get_submodule(list_name)))]
+        watched = {n: model.get_submodule(n) for n in names}
+    capture = _Capture(watched)
+    try:
+        with torch.no_grad(), _flop_counter() as model_fc:
+            model(*inputs)
+    except Exception as exc:
+        raise ProfileError(f"the forward pass of {model_name} failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        capture.remove()
+    unit_defs = explicit or _derive_units(model, list_name, capture.order)
+    for name, mods in unit_defs:
+        for m in mods:
+            if m not in capture.inputs:
+                raise ProfileError(f"unit '{name}': module '{m}' never ran in the forward pass")
+
+    results_by_unit: UnitResults = []
+    attention: set[str] = set(_attention_ops(model_fc))
+    for i, (name, mods) in enumerate(unit_defs):
+        if on_progress:
+            on_progress(i, len(unit_defs), name)
+        results = []
+        for j, m in enumerate(mods):
+            is_last = i == len(unit_defs) - 1 and j == len(mods) - 1
+            results.append(_measure_module(model.get_submodule(m), capture.inputs[m], excluded=excluded,
+                                           loss=loss if is_last else None, timed=timed, warmup=warmup, repeats=repeats))
+            attention |= results[-1].attention
+        results_by_unit.append((name, mods, results))
+    if on_progress:
+        on_progress(len(unit_defs), len(unit_defs), "done")
+    return results_by_unit, model_fc.get_total_flops(), attention
+
+
+def _check_fits_in_memory(source: ModelSource, dtype: torch.dtype) -> None:
+    meta_model = source.build(device="meta", dtype=dtype)
+    param_bytes = sum(_nbytes(p) for p in meta_model.parameters())
+    # parameters + gradients + a working margin of the same size: a floor, not an estimate of the activations.
+    need, avail = 3 * param_bytes, psutil.virtual_memory().available
+    if need > avail:
+        raise ProfileError(f"real-mode profiling of {source.name} needs about {need / 2**30:.1f} GiB, this machine has "
+                           f"{avail / 2**30:.1f} GiB available; add --meta to profile it without weights")
+
+
+def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str = "fp32",
+                  meta: bool = False, units: str | list[str] | None = None, warmup: int = 2, repeats: int = 5,
+                  command: str = "", on_progress: ProgressFn | None = None) -> ModelProfile:
+    """Measure `source` at one micro-batch of (micro_batch_size, seq_len) and return its ModelProfile."""
+    if micro_batch_size <= 0:
+        raise ConfigError(f"--micro-batch-size must be positive, got {micro_batch_size}")
+    if seq_len <= 0:
+        raise ConfigError(f"--seq-len must be positive, got {seq_len}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    if repeats < 1 or warmup < 0:
+        raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
+    torch_dtype = DTYPES[dtype]
+    device = "meta" if meta else "cpu"
+    if not meta:
+        _check_fits_in_memory(source, torch_dtype)
+
+    model = source.build(device=device, dtype=torch_dtype)
+    model.train()
+    inputs = source.example_input(model, micro_batch_size, seq_len, device)
+    in_kind, vocab = source_input_kind(source, model)
+    loss = loss_kind(in_kind)
+    excluded = {_storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(source.forward_context())
+        if meta:
+            stack.enter_context(_FusedAttentionOnMeta())
+        unit_results, model_fwd_flops, attention = _measure_units(
+            model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
+            repeats=repeats, on_progress=on_progress)
+    unit_profiles, shared = _account_params(model, unit_results)
+    total_params = sum(p.numel() for p in model.parameters())
+    assigned = sum(u.params for u in unit_profiles)
+    largest = max(unit_profiles, key=lambda u: (u.params, u.fwd_flops))
+    return ModelProfile(
+        name=source.name, source=source.ref, mode="meta" if meta else "real", dtype=dtype,
+        micro_batch_size=micro_batch_size, seq_len=seq_len,
+        input=input_spec(inputs, kind=in_kind, vocab_size=vocab), loss=loss, units=tuple(unit_profiles),
+        total_params=total_params, total_param_bytes=sum(_nbytes(p) for p in model.parameters()),
+        unassigned_params=total_params - assigned, shared=tuple(shared),
+        model_fwd_flops=model_fwd_flops, attention_kernels=tuple(sorted(attention)),
+        largest_unit=largest.name, device=device, threads=torch.get_num_threads(), torch_version=torch.__version__,
+        command=command, created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _account_params(model: nn.Module, unit_results) -> tuple[list[UnitProfile], list[SharedParam]]:
+    """Count each parameter once, in the first unit (in call order) that uses it; record tied ones as shared."""
+    owner: dict[int, tuple[str, str]] = {}            # id(param) -> (canonical name, owning unit)
+    aliases: "OrderedDict[int, list[tuple[str, str]]]" = OrderedDict()
+    profiles = []
+    for name, mods, results in unit_results:
+        params = pbytes = 0
+        shared_here: list[str] = []
+        for m in mods:
+            for pname, p in model.get_submodule(m).named_parameters(prefix=m, remove_duplicate=False):
+                if id(p) not in owner:
+                    owner[id(p)] = (pname, name)
+                    params += p.numel()
+                    pbytes += _nbytes(p)
+                elif owner[id(p)][0] != pname:
+                    shared_here.append(pname)
+                    aliases.setdefault(id(p), []).append((pname, name))
+        timed = bool(results[0].fwd_times)
+        profiles.append(UnitProfile(
+            name=name, modules=mods, params=params, param_bytes=pbytes, shared_params=tuple(shared_here),
+            fwd_flops=sum(r.fwd_flops for r in results), bwd_flops=sum(r.bwd_flops for r in results),
+            output_bytes=results[-1].output_bytes, saved_bytes=sum(r.saved_bytes for r in results),
+            fwd_time=_timing([r.fwd_times for r in results]) if timed else None,
+            bwd_time=_timing([r.bwd_times for r in results]) if timed else None,
+        ))
+    numel = {id(p): p.numel() for p in model.parameters()}
+    shared = [SharedParam(name=owner[pid][0], aliases=tuple(a for a, _ in al),
+                          units=tuple(dict.fromkeys([owner[pid][1]] + [u for _, u in al])), numel=numel[pid])
+              for pid, al in aliases.items()]
+    return profiles, shared

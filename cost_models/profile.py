@@ -1,0 +1,104 @@
+"""The profile file: what the profilers measured, as plain frozen records (no torch import needed to read one).
+
+Conventions (see README "Conventions"): bytes are bytes; FLOPs count one multiply-add as 2 FLOPs (as
+torch.utils.flop_counter does); times are seconds; `*_bytes` of activations are at the profile's dtype.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from cost_models.records import Record, record
+
+SCHEMA_VERSION = 1
+PROFILE_KIND = "zeropipe.profile"
+
+
+@record
+class Timing(Record):
+    """A measured duration: median of `repeats` runs after warm-up, with the fastest and slowest run."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    repeats: int
+
+
+@record
+class InputSpec(Record):
+    """One micro-batch of model input (shape of the first positional input)."""
+
+    kind: str  # "tokens" (integer ids) | "features" (float) | "custom" (user function)
+    shape: tuple[int, ...]
+    dtype: str
+    vocab_size: int | None = None
+
+
+@record
+class UnitProfile(Record):
+    """One pipeline unit: the smallest piece a stage boundary may not cut (embedding, one block, norm + head)."""
+
+    name: str
+    modules: tuple[str, ...]             # module names (model.named_modules) that make up the unit, in call order
+    params: int                          # parameters counted here (a tied parameter is counted in its first unit)
+    param_bytes: int
+    shared_params: tuple[str, ...] = ()  # parameter names used here but counted in an earlier unit (tied weights)
+    fwd_flops: int                       # FlopCounterMode, forward of the unit alone on its real input
+    bwd_flops: int                       # FlopCounterMode, backward incl. the input gradient (what a stage computes)
+    output_bytes: int                    # bytes of the unit's output: what crosses a pipeline boundary after it
+    saved_bytes: int                     # bytes saved for backward (saved_tensors_hooks, by storage, params excluded)
+    fwd_time: Timing | None = None       # real mode only
+    bwd_time: Timing | None = None
+
+
+@record
+class SharedParam(Record):
+    """A parameter reachable under several names (tied weights): counted once, in `units[0]`."""
+
+    name: str
+    aliases: tuple[str, ...]
+    units: tuple[str, ...]
+    numel: int
+
+
+@record
+class ModelProfile(Record):
+    name: str
+    source: str                          # the --model reference, enough to rebuild the module
+    mode: Literal["real", "meta"]
+    dtype: str
+    micro_batch_size: int
+    seq_len: int
+    input: InputSpec
+    loss: str                            # loss the last unit was profiled with ("cross_entropy" | "mse")
+    units: tuple[UnitProfile, ...]
+    total_params: int
+    total_param_bytes: int
+    unassigned_params: int               # parameters outside every unit (e.g. on the root module); in the totals
+    shared: tuple[SharedParam, ...]
+    model_fwd_flops: int                 # the whole model's forward; minus the units' sum = work outside any unit
+    attention_kernels: tuple[str, ...]   # SDPA kernels seen (meta mode substitutes the fused CPU kernel)
+    largest_unit: str
+    device: str
+    threads: int
+    torch_version: str
+    command: str
+    created_at: str
+
+    def unit(self, name: str) -> UnitProfile:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    @property
+    def unattributed_fwd_flops(self) -> int:
+        return self.model_fwd_flops - sum(u.fwd_flops for u in self.units)
+
+
+@record
+class ProfileFile(Record):
+    """profile.json: the model profile (and, from `planner profile`, the cluster it was taken on)."""
+
+    schema_version: int = SCHEMA_VERSION
+    kind: str = PROFILE_KIND
+    model: ModelProfile
