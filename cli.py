@@ -1,0 +1,159 @@
+"""`planner`: the command line. It parses, calls one function, and prints; no logic lives here.
+
+Data goes to stdout (a table, or JSON with --json), progress and errors to stderr. Errors a user can cause are
+PlannerError subclasses: one line, no traceback, exit code 2 (bad input) or 3 (nothing fits).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cost_models.errors import PlannerError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  help="zeropipe: profile a model and a cluster, plan ZeRO / pipeline / hybrid training, run it.")
+# A pipe gets a wide fixed width so tables are not truncated to 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+
+
+def _command_line() -> str:
+    return shlex.join(["planner", *sys.argv[1:]])
+
+
+def handles_errors(fn: Callable) -> Callable:
+    """Turn PlannerError into one line on stderr and its exit code; Ctrl-C into exit 130."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PlannerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
+    return wrapper
+
+
+def _confirm_overwrite(path: Path, force: bool) -> bool:
+    """Overwrite only with --force, or after a yes at an interactive prompt."""
+    if force or not path.exists():
+        return force
+    if sys.stdin.isatty():
+        return typer.confirm(f"{path} exists. Overwrite?", default=False, err=True)
+    return False
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err, transient=True)
+
+
+def _table(columns: list[str], rows: list[list[str]], title: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left")
+    for i, c in enumerate(columns):
+        table.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        table.add_row(*r)
+    return table
+
+
+@app.command()
+@handles_errors
+def profile(
+    model: str = typer.Option(..., "--model", "-m", help="zoo name (see `planner models`), package.module:factory, or hf:TYPE[?k=v&...]"),
+    micro_batch_size: int = typer.Option(..., "--micro-batch-size", "-b", help="sequences per micro-batch"),
+    seq_len: int = typer.Option(..., "--seq-len", "-s", help="tokens per sequence"),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp32 | fp16 (parameters and activations)"),
+    meta: bool = typer.Option(False, "--meta", help="build on the meta device: exact counts, no weights, no timings"),
+    units: Optional[str] = typer.Option(None, "--units", help="pipeline units as module names: 'a+b,c,d' ('+' joins modules of one unit)"),
+    input_fn: Optional[str] = typer.Option(None, "--input", help="package.module:function(batch_size, seq_len) -> input, for module:factory models"),
+    repeats: int = typer.Option(5, "--repeats", help="timed repeats per unit (real mode)"),
+    warmup: int = typer.Option(2, "--warmup", help="untimed warm-up runs per unit (real mode)"),
+    output: Path = typer.Option(Path("profile.json"), "--output", "-o", help="where to write the profile ('-' for none)"),
+    force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
+    as_json: bool = typer.Option(False, "--json", help="print the profile as JSON on stdout"),
+) -> None:
+    """Measure a model unit by unit (parameters, FLOPs, activation bytes, times) and write profile.json."""
+    from cost_models.fileio import dumps, write_atomic
+    from cost_models.model_profiler import profile_model
+    from cost_models.models.source import resolve
+    from cost_models.profile import ProfileFile
+    from cost_models.units_table import UNIT_COLUMNS, unit_rows
+
+    write_to = None if str(output) == "-" else output
+    overwrite = _confirm_overwrite(write_to, force) if write_to else False
+    if write_to and write_to.exists() and not overwrite:
+        from cost_models.errors import OutputExistsError
+        raise OutputExistsError(f"{write_to} already exists; pass --force to overwrite it or -o to write elsewhere")
+    source = resolve(model, input_ref=input_fn)
+    with _progress() as bar:
+        task = bar.add_task(f"profiling {source.name}", total=None)
+        def on_progress(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"profiling {source.name}: {name}")
+        prof = profile_model(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
+                             units=units, warmup=warmup, repeats=repeats, command=_command_line(), on_progress=on_progress)
+    data = ProfileFile(model=prof).to_dict()
+    if write_to:
+        write_atomic(write_to, dumps(data), overwrite=overwrite)
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    out.print(_table(UNIT_COLUMNS, unit_rows(prof),
+                     title=f"{prof.name} ({prof.mode}, {prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len})"))
+    tied = "; ".join(f"{s.name} = {', '.join(s.aliases)}" for s in prof.shared)
+    out.print(f"parameters: {prof.total_params:,} ({prof.total_param_bytes / 2**30:.2f} GiB at {prof.dtype})"
+              + (f"; tied: {tied}" if tied else ""), highlight=False)
+    if prof.unassigned_params:
+        out.print(f"note: {prof.unassigned_params:,} parameters belong to no unit (counted in the total)", highlight=False)
+    if write_to:
+        err.print(f"wrote {write_to}", highlight=False)
+
+
+@app.command()
+@handles_errors
+def models(as_json: bool = typer.Option(False, "--json", help="print as JSON")) -> None:
+    """List the built-in model zoo."""
+    from cost_models.models.zoo import ZOO
+    rows = [[e.name, e.family, e.input_kind, str(e.max_seq_len or "-"), e.description] for e in ZOO.values()]
+    if as_json:
+        print(json.dumps([e.to_dict() for e in ZOO.values()], indent=2))
+        return
+    out.print(_table(["name", "family", "input", "max seq", "description"], rows))
+
+
+@app.command()
+@handles_errors
+def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="folder for the demo's files (its own, overwritten on rerun)")) -> None:
+    """Run the main job on a built-in default model on this machine."""
+    from cost_models.units_table import UNIT_COLUMNS, unit_rows
+    from executor.demo import run_demo
+
+    with _progress() as bar:
+        task = bar.add_task("demo: profiling", total=None)
+        def on_progress(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"demo: profiling {name}")
+        result = run_demo(out_dir, command=_command_line(), on_progress=on_progress)
+    prof = result.profile
+    out.print(_table(UNIT_COLUMNS, unit_rows(prof), title=f"{prof.name}: measured on this machine "
+                     f"({prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len}, {prof.threads} thread(s))"))
+    out.print(f"wrote {result.profile_path}", highlight=False)
+    out.print(f"not built yet: {', '.join(result.not_yet_built)}", highlight=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
