@@ -1,0 +1,45 @@
+"""Models defined outside the zoo, for `--model tests.custom_models:FACTORY` tests."""
+import torch
+from torch import nn
+
+
+class Gated(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, 2 * d)
+
+    def forward(self, x):
+        a, b = self.proj(x).chunk(2, dim=-1)
+        return x + a * torch.sigmoid(b)
+
+
+class ConvStack(nn.Module):
+    """Features in, features out; no embedding, so its input comes from example_input or --input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(12, 24)
+        self.layers = nn.ModuleList(Gated(24) for _ in range(3))
+        self.out = nn.Linear(24, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def make_model() -> nn.Module:
+    return ConvStack()
+
+
+def make_input(batch_size: int, seq_len: int) -> torch.Tensor:
+    return torch.randn(batch_size, seq_len, 12)
+
+
+def broken_model() -> nn.Module:
+    raise ValueError("out of coffee")
+
+
+def not_a_model():
+    return 42

@@ -1,0 +1,58 @@
+"""`planner profile` as a user runs it: exit codes, one-line errors, JSON on stdout, files written safely."""
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_profile_json_and_file(tmp_path):
+    out = tmp_path / "profile.json"
+    res = run("profile", "--model", "mlp-deep", "-b", "2", "-s", "4", "--dtype", "fp32", "--repeats", "1",
+              "-o", str(out), "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["model"]["total_params"] == 270_048
+    assert data["schema_version"] == 1 and data["kind"] == "zeropipe.profile"
+    assert json.loads(out.read_text())["model"]["units"][0]["name"] == "embed"
+    assert data["model"]["command"].startswith("planner ")
+
+
+def test_existing_output_is_not_overwritten(tmp_path):
+    out = tmp_path / "profile.json"
+    out.write_text("mine")
+    res = run("profile", "--model", "gpt-tiny", "-b", "1", "-s", "4", "--meta", "-o", str(out))
+    assert res.exit_code == 2 and "--force" in res.stderr
+    assert out.read_text() == "mine"
+    res = run("profile", "--model", "gpt-tiny", "-b", "1", "-s", "4", "--meta", "-o", str(out), "--force")
+    assert res.exit_code == 0 and json.loads(out.read_text())["model"]["mode"] == "meta"
+
+
+def test_user_errors_are_one_line_exit_2():
+    cases = {
+        ("--model", "no-such-model", "-b", "1", "-s", "8"): "unknown model 'no-such-model'",
+        ("--model", "tests.custom_models:broken_model", "-b", "1", "-s", "8"): "ValueError: out of coffee",
+        ("--model", "gpt-tiny", "-b", "0", "-s", "8"): "--micro-batch-size must be positive",
+        ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--dtype", "fp8"): "--dtype must be one of",
+    }
+    for args, message in cases.items():
+        res = run("profile", *args, "-o", "-")
+        assert res.exit_code == 2, (args, res.output)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0] and lines[0].startswith("error: "), res.stderr
+
+
+def test_installed_entry_point_prints_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "cli", "profile", "--model", "nope", "-b", "1", "-s", "8"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown model 'nope'; use a zoo name (see `planner models`), module:factory, or hf:TYPE"]

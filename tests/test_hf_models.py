@@ -1,0 +1,46 @@
+"""hf: references build transformers models from configs alone (skipped where the hf extra is not installed)."""
+import pytest
+
+pytest.importorskip("transformers")
+
+from cost_models.model_profiler import profile_model  # noqa: E402
+from cost_models.models.source import resolve  # noqa: E402
+
+GPT2 = "hf:gpt2?n_layer=2&n_embd=64&n_head=2&vocab_size=1000&n_positions=64"
+LLAMA = ("hf:llama?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&num_key_value_heads=2"
+         "&intermediate_size=128&vocab_size=1000&max_position_embeddings=64")
+
+
+def test_hf_gpt2_units_params_and_tied_head():
+    src = resolve(GPT2)
+    prof = profile_model(src, micro_batch_size=2, seq_len=16, meta=True)
+    assert [u.name for u in prof.units] == ["embed", "transformer.h.0", "transformer.h.1", "head"]
+    assert prof.unit("embed").modules == ("transformer.wte", "transformer.wpe", "transformer.drop")
+    assert prof.unit("head").modules == ("transformer.ln_f", "lm_head")
+    import torch
+    model = src.build(device="meta", dtype=torch.float32)
+    assert prof.total_params == model.num_parameters()
+    assert [s.name for s in prof.shared] == ["transformer.wte.weight"]
+
+
+def test_hf_llama_meta_equals_real():
+    src = resolve(LLAMA)
+    real = profile_model(src, micro_batch_size=2, seq_len=16, repeats=1, warmup=0)
+    meta = profile_model(src, micro_batch_size=2, seq_len=16, meta=True)
+    assert [u.name for u in real.units] == ["embed", "model.layers.0", "model.layers.1", "head"]
+    # transformers computes the rotary tables once, before the layers: that module joins the embedding unit.
+    assert real.unit("embed").modules == ("model.embed_tokens", "model.rotary_emb")
+    for r, m in zip(real.units, meta.units):
+        assert (r.fwd_flops, r.bwd_flops, r.saved_bytes, r.output_bytes) == (m.fwd_flops, m.bwd_flops, m.saved_bytes, m.output_bytes)
+    b, s, h, ffn = 2, 16, 64, 128
+    # q,k,v,o projections (kv heads 2 of 4: k and v are h/2 wide) + SwiGLU + attention
+    expected = 2 * b * s * (h * h + 2 * h * h // 2 + h * h + 3 * h * ffn) + 4 * b * s * s * h
+    assert real.unit("model.layers.0").fwd_flops == expected
+
+
+def test_hf_errors_are_one_line():
+    from cost_models.errors import ModelSourceError
+    with pytest.raises(ModelSourceError, match="key=value"):
+        resolve("hf:gpt2?n_layer")
+    with pytest.raises(ModelSourceError, match="transformers cannot make a config"):
+        resolve("hf:not-a-model-type")
