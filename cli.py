@@ -78,7 +78,11 @@ def profile(
     meta: bool = typer.Option(False, "--meta", help="build on the meta device: exact counts, no weights, no timings"),
     units: Optional[str] = typer.Option(None, "--units", help="pipeline units as module names: 'a+b,c,d' ('+' joins modules of one unit)"),
     input_fn: Optional[str] = typer.Option(None, "--input", help="package.module:function(batch_size, seq_len) -> input, for module:factory models"),
-    repeats: int = typer.Option(5, "--repeats", help="timed repeats per unit (real mode)"),
+    cluster: str = typer.Option("local", "--cluster", help="local (probe this machine) | a preset (see `planner presets`) | a cluster file | none"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="scale a preset or cluster file to N nodes"),
+    ranks: Optional[int] = typer.Option(None, "--ranks", help="local probe: ranks to start (default: GPUs, or 4 CPU ranks)"),
+    probe_sizes: Optional[str] = typer.Option(None, "--probe-sizes", help="local probe: message sizes, e.g. 4K..64M or 64K,1M,16M"),
+    repeats: int = typer.Option(5, "--repeats", help="timed repeats per unit (real mode) and per probe size"),
     warmup: int = typer.Option(2, "--warmup", help="untimed warm-up runs per unit (real mode)"),
     output: Path = typer.Option(Path("profile.json"), "--output", "-o", help="where to write the profile ('-' for none)"),
     force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
@@ -88,8 +92,9 @@ def profile(
     from cost_models.fileio import dumps, write_atomic
     from cost_models.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
     from cost_models.profile import ProfileFile
-    from cost_models.units_table import UNIT_COLUMNS, unit_rows
+    from cost_models.summaries import UNIT_COLUMNS, unit_rows
 
     write_to = None if str(output) == "-" else output
     overwrite = _confirm_overwrite(write_to, force) if write_to else False
@@ -97,13 +102,19 @@ def profile(
         from cost_models.errors import OutputExistsError
         raise OutputExistsError(f"{write_to} already exists; pass --force to overwrite it or -o to write elsewhere")
     source = resolve(model, input_ref=input_fn)
+    sizes = parse_sizes(probe_sizes) if probe_sizes else None
+    check_cluster_args(cluster, nodes=nodes, ranks=ranks)
+    if cluster != "local":  # load presets and files before spending time on the model
+        cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
     with _progress() as bar:
         task = bar.add_task(f"profiling {source.name}", total=None)
         def on_progress(done: int, total: int, name: str) -> None:
             bar.update(task, completed=done, total=total, description=f"profiling {source.name}: {name}")
         prof = profile_model(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
                              units=units, warmup=warmup, repeats=repeats, command=_command_line(), on_progress=on_progress)
-    data = ProfileFile(model=prof).to_dict()
+    if cluster == "local":
+        cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats)
+    data = ProfileFile(model=prof, cluster=cluster_prof).to_dict()
     if write_to:
         write_atomic(write_to, dumps(data), overwrite=overwrite)
     if as_json:
@@ -116,8 +127,80 @@ def profile(
               + (f"; tied: {tied}" if tied else ""), highlight=False)
     if prof.unassigned_params:
         out.print(f"note: {prof.unassigned_params:,} parameters belong to no unit (counted in the total)", highlight=False)
+    if cluster_prof is not None:
+        _print_cluster(cluster_prof)
     if write_to:
         err.print(f"wrote {write_to}", highlight=False)
+
+
+def _probe(*, nodes, ranks, dtype, sizes, repeats):
+    from cost_models.cluster_source import resolve_cluster
+    with err.status("probing this machine's collectives and matmul rate") as status:
+        return resolve_cluster("local", nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats,
+                               on_status=lambda line: err.print(line, highlight=False))
+
+
+def _print_cluster(cluster) -> None:
+    from cost_models.summaries import CLUSTER_FIT_COLUMNS, cluster_fit_rows, cluster_lines
+    for line in cluster_lines(cluster):
+        out.print(line, highlight=False)
+    if cluster.fits:
+        out.print(_table(CLUSTER_FIT_COLUMNS, cluster_fit_rows(cluster), title="probed collectives: t(S) = alpha + S * beta"))
+
+
+@app.command("profile-cluster")
+@handles_errors
+def profile_cluster(
+    cluster: str = typer.Option("local", "--cluster", help="local (probe this machine) | a preset | a cluster file"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="scale a preset or cluster file to N nodes"),
+    ranks: Optional[int] = typer.Option(None, "--ranks", help="local probe: ranks to start (default: GPUs, or 4 CPU ranks)"),
+    probe_sizes: Optional[str] = typer.Option(None, "--probe-sizes", help="message sizes, e.g. 4K..64M or 64K,1M,16M"),
+    repeats: int = typer.Option(5, "--repeats", help="timed repeats per probe size"),
+    dtype: str = typer.Option("bf16", "--dtype", help="dtype of the compute probe"),
+    output: Path = typer.Option(Path("cluster.json"), "--output", "-o", help="where to write the cluster file ('-' for none)"),
+    force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
+    as_json: bool = typer.Option(False, "--json", help="print the cluster file as JSON on stdout"),
+) -> None:
+    """Describe a cluster (probe this machine, or expand a preset / file) and write cluster.json."""
+    from cost_models.cluster import ClusterFile
+    from cost_models.cluster_source import parse_sizes, resolve_cluster
+    from cost_models.errors import ConfigError, OutputExistsError
+    from cost_models.fileio import dumps, write_atomic
+
+    if cluster == "none":
+        raise ConfigError("--cluster none describes nothing; use local, a preset or a cluster file")
+    write_to = None if str(output) == "-" else output
+    overwrite = _confirm_overwrite(write_to, force) if write_to else False
+    if write_to and write_to.exists() and not overwrite:
+        raise OutputExistsError(f"{write_to} already exists; pass --force to overwrite it or -o to write elsewhere")
+    sizes = parse_sizes(probe_sizes) if probe_sizes else None
+    if cluster == "local":
+        prof = _probe(nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats)
+    else:
+        prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
+    data = ClusterFile(cluster=prof).to_dict()
+    if write_to:
+        write_atomic(write_to, dumps(data), overwrite=overwrite)
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    _print_cluster(prof)
+    if write_to:
+        err.print(f"wrote {write_to}", highlight=False)
+
+
+@app.command()
+@handles_errors
+def presets(as_json: bool = typer.Option(False, "--json", help="print as JSON")) -> None:
+    """List the cluster presets (one node each; scale with --nodes)."""
+    from cost_models.presets import PRESETS
+    if as_json:
+        print(json.dumps({k: v.to_dict() for k, v in PRESETS.items()}, indent=2))
+        return
+    rows = [[p.name, f"{p.devices_per_node} x {p.device.name}", f"{p.device.peak_flops['bf16'] / 1e12:.0f}",
+             f"{p.intra_node.kind} {p.intra_node.bandwidth_Bps / 1e9:.0f}",
+             f"{p.inter_node.kind} {p.inter_node.bandwidth_Bps / 1e9:.2f}" if p.inter_node else "-"] for p in PRESETS.values()]
+    out.print(_table(["preset", "node", "bf16 TFLOP/s", "intra GB/s (achievable)", "inter GB/s per GPU"], rows))
 
 
 @app.command()
@@ -136,17 +219,19 @@ def models(as_json: bool = typer.Option(False, "--json", help="print as JSON")) 
 @handles_errors
 def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="folder for the demo's files (its own, overwritten on rerun)")) -> None:
     """Run the main job on a built-in default model on this machine."""
-    from cost_models.units_table import UNIT_COLUMNS, unit_rows
+    from cost_models.summaries import UNIT_COLUMNS, unit_rows
     from executor.demo import run_demo
 
     with _progress() as bar:
         task = bar.add_task("demo: profiling", total=None)
         def on_progress(done: int, total: int, name: str) -> None:
             bar.update(task, completed=done, total=total, description=f"demo: profiling {name}")
-        result = run_demo(out_dir, command=_command_line(), on_progress=on_progress)
+        result = run_demo(out_dir, command=_command_line(), on_progress=on_progress,
+                          on_status=lambda line: bar.update(task, description=f"demo: {line}"))
     prof = result.profile
     out.print(_table(UNIT_COLUMNS, unit_rows(prof), title=f"{prof.name}: measured on this machine "
                      f"({prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len}, {prof.threads} thread(s))"))
+    _print_cluster(result.cluster)
     out.print(f"wrote {result.profile_path}", highlight=False)
     out.print(f"not built yet: {', '.join(result.not_yet_built)}", highlight=False)
 

@@ -21,7 +21,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def run_once(model: str, seq_len: int) -> dict:
     cmd = [sys.executable, "-m", "cli", "profile", "--model", model, "-b", "1", "-s", str(seq_len), "--meta",
-           "--dtype", "bf16", "-o", "-", "--json"]
+           "--dtype", "bf16", "--cluster", "none", "-o", "-", "--json"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from cost_models.cluster import ClusterProfile
 from cost_models.records import Record, record
 
 SCHEMA_VERSION = 1
@@ -102,3 +103,4 @@ class ProfileFile(Record):
     schema_version: int = SCHEMA_VERSION
     kind: str = PROFILE_KIND
     model: ModelProfile
+    cluster: ClusterProfile | None = None

@@ -16,7 +16,7 @@ def run(*args):
 
 def test_profile_json_and_file(tmp_path):
     out = tmp_path / "profile.json"
-    res = run("profile", "--model", "mlp-deep", "-b", "2", "-s", "4", "--dtype", "fp32", "--repeats", "1",
+    res = run("profile", "--model", "mlp-deep", "-b", "2", "-s", "4", "--dtype", "fp32", "--repeats", "1", "--cluster", "none",
               "-o", str(out), "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
@@ -29,10 +29,10 @@ def test_profile_json_and_file(tmp_path):
 def test_existing_output_is_not_overwritten(tmp_path):
     out = tmp_path / "profile.json"
     out.write_text("mine")
-    res = run("profile", "--model", "gpt-tiny", "-b", "1", "-s", "4", "--meta", "-o", str(out))
+    res = run("profile", "--model", "gpt-tiny", "-b", "1", "-s", "4", "--meta", "--cluster", "none", "-o", str(out))
     assert res.exit_code == 2 and "--force" in res.stderr
     assert out.read_text() == "mine"
-    res = run("profile", "--model", "gpt-tiny", "-b", "1", "-s", "4", "--meta", "-o", str(out), "--force")
+    res = run("profile", "--model", "gpt-tiny", "-b", "1", "-s", "4", "--meta", "--cluster", "none", "-o", str(out), "--force")
     assert res.exit_code == 0 and json.loads(out.read_text())["model"]["mode"] == "meta"
 
 
@@ -44,7 +44,7 @@ def test_user_errors_are_one_line_exit_2():
         ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--dtype", "fp8"): "--dtype must be one of",
     }
     for args, message in cases.items():
-        res = run("profile", *args, "-o", "-")
+        res = run("profile", *args, "--cluster", "none", "-o", "-")
         assert res.exit_code == 2, (args, res.output)
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0] and lines[0].startswith("error: "), res.stderr
@@ -56,3 +56,32 @@ def test_installed_entry_point_prints_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: unknown model 'nope'; use a zoo name (see `planner models`), module:factory, or hf:TYPE"]
+
+
+def test_profile_embeds_a_preset_cluster(tmp_path):
+    res = run("profile", "--model", "llama3-70b", "-b", "1", "-s", "16", "--meta", "--cluster", "dgx-h100",
+              "--nodes", "128", "-o", "-", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["model"]["total_params"] == 70_553_706_496
+    assert data["cluster"]["nodes"] == 128 and data["cluster"]["source"] == "preset:dgx-h100"
+
+
+def test_profile_probes_this_machine_by_default(tmp_path):
+    res = run("profile", "--model", "mlp-deep", "-b", "2", "-s", "4", "--dtype", "fp32", "--repeats", "1",
+              "--ranks", "2", "--probe-sizes", "64K..4M", "-o", "-", "--json")
+    assert res.exit_code == 0, res.output
+    cluster = json.loads(res.stdout)["cluster"]
+    assert cluster["source"] == "probe" and cluster["devices_per_node"] == 2
+    assert {f["op"] for f in cluster["fits"]} == {"all_gather", "reduce_scatter", "all_reduce", "send_recv"}
+    assert any(n.startswith("no NVIDIA driver") for n in cluster["notes"])  # this machine: said in one line
+    assert "no NVIDIA driver" in res.stderr
+
+
+def test_cluster_flag_errors_are_one_line():
+    for args, message in {("--cluster", "dgx-h200"): "unknown --cluster 'dgx-h200'",
+                          ("--cluster", "local", "--nodes", "4"): "--nodes applies to presets",
+                          ("--cluster", "dgx-h100", "--nodes", "0"): "--nodes must be >= 1"}.items():
+        res = run("profile", "--model", "gpt-tiny", "-b", "1", "-s", "8", "--meta", *args, "-o", "-")
+        assert res.exit_code == 2 and res.stderr.strip().splitlines() == [f"error: {res.stderr.strip()[7:]}"]
+        assert message in res.stderr, res.stderr

@@ -1,0 +1,131 @@
+"""The cluster profile: devices, links, probed collective fits, topology, as plain frozen records.
+
+Conventions: bandwidths in bytes per second per device per direction (1 GB/s = 1e9 B/s), latencies in seconds,
+FLOP/s dense (no structured sparsity). A link's bandwidth is what one device can push while every device in the
+group communicates at once: an inter-node NIC shared by a node's devices is divided among them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from cost_models.records import Record, record
+
+CLUSTER_KIND = "zeropipe.cluster"
+CLUSTER_SCHEMA_VERSION = 1
+
+CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "send_recv"]
+
+
+@record
+class DeviceSpec(Record):
+    name: str
+    kind: Literal["gpu", "cpu"]
+    memory_bytes: int                  # usable per device (per rank for CPU ranks sharing host memory)
+    peak_flops: dict[str, float]       # dtype -> dense FLOP/s (datasheet, or measured for CPU ranks)
+    matmul_efficiency: float           # achieved / peak for large matmuls (measured by the compute probe if present)
+    source: str
+
+
+@record
+class LinkSpec(Record):
+    kind: str                          # nvlink4 | nvlink3 | pcie4 | infiniband | ethernet | gloo-loopback | ...
+    bandwidth_Bps: float               # per device, per direction, achievable
+    alpha_s: float                     # per-collective-step latency
+    source: str
+
+
+@record
+class Sample(Record):
+    size_bytes: int                    # the full buffer: all_reduce buffer, all_gather output, reduce_scatter input, p2p message
+    seconds: float                     # median over repeats of the slowest rank
+    spread_s: float = 0.0              # max - min over repeats
+
+
+@record
+class CollectiveFit(Record):
+    """t(S) = alpha_s + beta_s_per_byte * S for one collective over one group, fitted by least squares."""
+
+    op: CollectiveOp
+    group_size: int
+    scope: Literal["intra", "inter"]
+    alpha_s: float
+    beta_s_per_byte: float
+    r2: float
+    samples: tuple[Sample, ...] = ()
+
+    def predict(self, size_bytes: float) -> float:
+        return self.alpha_s + self.beta_s_per_byte * size_bytes
+
+
+@record
+class GpuInfo(Record):
+    index: int
+    name: str
+    memory_bytes: int
+    pci_bus_id: str
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    nvlinks: int = 0                   # active NVLink links
+    nvlink_version: int | None = None
+
+
+@record
+class GpuPair(Record):
+    a: int
+    b: int
+    kind: str                          # nvlink | pcie-switch | pcie-hostbridge | numa-node | system
+    nvlinks: int = 0                   # direct links between a and b (0 when connected through an NVSwitch)
+
+
+@record
+class Topology(Record):
+    gpus: tuple[GpuInfo, ...]
+    pairs: tuple[GpuPair, ...]
+    nvswitch: bool = False
+
+
+@record
+class ComputeProbe(Record):
+    dtype: str
+    matmul_n: int                      # n of the n x n x n matmul
+    ranks: int                         # ranks running at once
+    threads_per_rank: int
+    flops_per_rank: float              # median achieved FLOP/s of one rank while all ranks run
+    flops_alone: float                 # one rank running alone
+
+
+@record
+class ClusterProfile(Record):
+    name: str
+    source: str                        # "probe", "preset:dgx-h100", "file:path"
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: LinkSpec
+    inter_node: LinkSpec | None = None
+    fits: tuple[CollectiveFit, ...] = ()
+    topology: Topology | None = None
+    compute: ComputeProbe | None = None
+    backend: str | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def with_nodes(self, nodes: int) -> "ClusterProfile":
+        return dataclasses.replace(self, nodes=nodes, name=f"{self.name.split(' x ')[0]} x {nodes}" if nodes > 1 else self.name)
+
+    def fit(self, op: str, group_size: int, scope: str = "intra") -> CollectiveFit | None:
+        for f in self.fits:
+            if f.op == op and f.group_size == group_size and f.scope == scope:
+                return f
+        return None
+
+
+@record
+class ClusterFile(Record):
+    schema_version: int = CLUSTER_SCHEMA_VERSION
+    kind: str = CLUSTER_KIND
+    cluster: ClusterProfile

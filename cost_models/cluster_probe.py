@@ -1,0 +1,306 @@
+"""Probe the cluster this runs on: collectives over torch.distributed, fitted alpha-beta, and a matmul rate.
+
+Every rank runs `probe_worker`. Locally, `run_local_probe` starts the ranks with torchrun's own machinery
+(torch.distributed.launcher.elastic_launch, c10d rendezvous on 127.0.0.1); across nodes, run this module under
+torchrun on every node, and rank 0 writes the cluster file:
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m cost_models.cluster_probe -o cluster.json
+
+Groups measured: inside node 0, the first g ranks for g = 2, 4, ... up to the ranks per node ("intra"); across
+nodes, one rank per node ("inter"). Each (op, group, size) is timed `repeats` times after `warmup`, each repeat
+taken as the slowest member's time, and the median kept. NCCL is used when GPUs are present, gloo otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from cost_models.cluster import (ClusterProfile, CollectiveFit, ComputeProbe, DeviceSpec, LinkSpec, Sample, Topology)
+from cost_models.errors import ConfigError, ProfileError
+from cost_models.fit import fit_alpha_beta
+from cost_models.records import Record, record
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
+KIB, MIB = 2**10, 2**20
+DEFAULT_SIZES = tuple(4 * KIB * 4**i for i in range(8))  # 4 KiB .. 64 MiB
+
+
+@record
+class ProbeConfig(Record):
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    repeats: int = 5
+    warmup: int = 1
+    ops: tuple[str, ...] = OPS
+    dtype: str = "fp32"
+    matmul_n: int = 0                 # 0: 512 on CPU, 8192 on GPU
+    matmul_seconds: float = 0.5
+    timeout_s: float = 120.0
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _group_sizes(local_world: int) -> list[int]:
+    sizes, g = [], 2
+    while g <= local_world:
+        sizes.append(g)
+        g *= 2
+    if local_world >= 2 and local_world not in sizes:
+        sizes.append(local_world)
+    return sizes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    # torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single (shared/torch-on-cpu.md).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, group=group)
+
+
+def _buffer_numel(size: int, group_size: int) -> int:
+    """fp32 elements of a `size`-byte buffer, rounded down to a multiple of the group size (at least one each)."""
+    numel = max(size // 4, group_size)
+    return numel - numel % group_size
+
+
+def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: ProbeConfig,
+             device: torch.device) -> list[list[float]]:
+    """Seconds on this rank, [repeat][size]. Repeats are the outer loop so that a burst of noise from other
+    processes (2 shared cores here) spoils one repeat of every size, which the median then drops, instead of
+    every repeat of one size. Buffers are fp32; a size is the full buffer's bytes."""
+    rank, g = dist.get_rank(), len(members)
+    peer = members[1] if rank == members[0] else members[0]
+    buffers = [(torch.ones(_buffer_numel(s, g), device=device), torch.ones(_buffer_numel(s, g) // g, device=device))
+               for s in sizes]
+    out = []
+    for i in range(cfg.warmup + cfg.repeats):
+        row = []
+        for full, part in buffers:
+            dist.barrier(group=group)
+            _sync(device)
+            t0 = time.perf_counter()
+            if op == "all_gather":
+                _all_gather(full, part, group)
+            elif op == "reduce_scatter":
+                _reduce_scatter(part, full, group)
+            elif op == "all_reduce":
+                dist.all_reduce(full, group=group)
+            else:  # send_recv: ping-pong between the two members, one-way time = round trip / 2
+                if rank == members[0]:
+                    dist.send(full, peer)
+                    dist.recv(full, peer)
+                else:
+                    dist.recv(full, peer)
+                    dist.send(full, peer)
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            row.append(elapsed / 2 if op == "send_recv" else elapsed)
+        if i >= cfg.warmup:
+            out.append(row)
+    return out
+
+
+def _matmul_rate(n: int, dtype: torch.dtype, seconds: float, device: torch.device) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    _sync(device)
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        iters += 1
+    _sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - t0)
+
+
+def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
+    """Run on every rank (env:// rendezvous). Returns the raw measurements on global rank 0, None elsewhere."""
+    cfg = ProbeConfig.from_dict(cfg_data)
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # ranks share the host's cores; one thread each, as the executor runs them
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.timeout_s))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        nodes = world // local_world
+        groups: list[tuple[str, list[int]]] = [("intra", list(range(g))) for g in _group_sizes(local_world)]
+        if nodes > 1:
+            groups.append(("inter", [n * local_world for n in range(nodes)]))
+        # new_group is collective over the whole world: every rank creates every group, in the same order.
+        handles = [(dist.new_group(ranks=members), dist.new_group(ranks=members[:2])) for _, members in groups]
+        raw: list[dict[str, Any]] = []
+        for (scope, members), (group, pair_group) in zip(groups, handles):
+            for op in cfg.ops:
+                if op == "send_recv" and scope == "intra" and len(members) != 2:
+                    continue  # p2p is pairwise: measured once per scope
+                active, active_group = (members[:2], pair_group) if op == "send_recv" else (members, group)
+                local = torch.zeros(cfg.repeats, len(cfg.sizes), dtype=torch.float64)
+                if rank in active:
+                    local = torch.tensor(_time_op(op, cfg.sizes, active, active_group, cfg, device), dtype=torch.float64)
+                # slowest member per repeat: a collective is done when its last rank is done
+                slowest = local.to(device) if use_cuda else local
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                per_size = slowest.cpu().t().tolist()
+                for size, times in zip(cfg.sizes, per_size):
+                    raw.append({"op": op, "scope": scope, "group_size": len(active),
+                                "size_bytes": _buffer_numel(size, len(active)) * 4,
+                                "seconds": statistics.median(times), "spread_s": max(times) - min(times)})
+        dtype = _DTYPES[cfg.dtype]
+        n = cfg.matmul_n or (8192 if use_cuda else 512)
+        dist.barrier()
+        together = torch.tensor([_matmul_rate(n, dtype, cfg.matmul_seconds, device)], dtype=torch.float64)
+        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(gathered, together.to(device) if use_cuda else together)
+        dist.barrier()
+        alone = _matmul_rate(n, dtype, cfg.matmul_seconds, device) if rank == 0 else 0.0
+        dist.barrier()
+        if rank != 0:
+            return None
+        return {"raw": raw, "world": world, "local_world": local_world, "nodes": nodes, "backend": backend,
+                "device_name": torch.cuda.get_device_name(device) if use_cuda else _cpu_name(),
+                "device_memory": torch.cuda.get_device_properties(device).total_memory if use_cuda else None,
+                "matmul_n": n, "flops_together": [float(t.item()) for t in gathered], "flops_alone": alone,
+                "threads_per_rank": torch.get_num_threads()}
+    finally:
+        dist.destroy_process_group()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def run_local_probe(ranks: int, cfg: ProbeConfig) -> dict[str, Any]:
+    """Start `ranks` local processes with torchrun's elastic launcher and return rank 0's measurements."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if ranks < 2:
+        raise ConfigError(f"--ranks must be >= 2 to probe collectives, got {ranks}")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"zeropipe-probe-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1)
+    elastic_log = logging.getLogger("torch.distributed.elastic")
+    level = elastic_log.level
+    elastic_log.setLevel(logging.CRITICAL)  # its multi-line tracebacks become our one line below
+    try:
+        results = elastic_launch(config, probe_worker)(cfg.to_dict())
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+        raise ProfileError(f"the cluster probe failed on rank {rank}: {message.splitlines()[0] if message else exc}") from None
+    finally:
+        elastic_log.setLevel(level)
+    return results[0]
+
+
+def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, notes: list[str], dtype: str) -> ClusterProfile:
+    """Fit every (op, scope, group) series and describe the device and links the fits imply."""
+    from cost_models.presets import PRESETS
+
+    series: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for r in raw["raw"]:
+        series.setdefault((r["op"], r["scope"], r["group_size"]), []).append(r)
+    fits = []
+    for (op, scope, g), rows in series.items():
+        alpha, beta, r2 = fit_alpha_beta([r["size_bytes"] for r in rows], [r["seconds"] for r in rows])
+        fits.append(CollectiveFit(op=op, group_size=g, scope=scope, alpha_s=alpha, beta_s_per_byte=beta, r2=r2,
+                                  samples=tuple(Sample(size_bytes=r["size_bytes"], seconds=r["seconds"],
+                                                       spread_s=r["spread_s"]) for r in rows)))
+    together = statistics.median(raw["flops_together"])
+    compute = ComputeProbe(dtype=dtype, matmul_n=raw["matmul_n"], ranks=raw["world"],
+                           threads_per_rank=raw["threads_per_rank"], flops_per_rank=together, flops_alone=raw["flops_alone"])
+    gpu = raw["backend"] == "nccl"
+    local_world = raw["local_world"]
+    known = next((p.device for p in PRESETS.values() if gpu and p.device.name.split("-")[0] in raw["device_name"]), None)
+    if known is not None and dtype in known.peak_flops:
+        device = DeviceSpec(name=raw["device_name"], kind="gpu", memory_bytes=int(raw["device_memory"]),
+                            peak_flops=dict(known.peak_flops), matmul_efficiency=together / known.peak_flops[dtype],
+                            source=f"{known.source}; efficiency measured by the compute probe")
+    else:
+        mem = int(raw["device_memory"]) if gpu else psutil.virtual_memory().total // local_world
+        device = DeviceSpec(name=raw["device_name"], kind="gpu" if gpu else "cpu", memory_bytes=mem,
+                            peak_flops={dtype: together}, matmul_efficiency=1.0,
+                            source="measured: matmul rate of one rank while all ranks run (no datasheet peak)")
+        if not gpu:
+            notes.append(f"CPU ranks: {local_world} ranks share {os.cpu_count()} cores and "
+                         f"{psutil.virtual_memory().total / 2**30:.1f} GiB; each rank gets {together / 1e9:.1f} GFLOP/s "
+                         f"({dtype} matmul, all ranks busy; {raw['flops_alone'] / 1e9:.1f} alone) and "
+                         f"{mem / 2**30:.1f} GiB")
+    links = {}
+    for scope in ("intra", "inter"):
+        p2p = next((f for f in fits if f.op == "send_recv" and f.scope == scope), None)
+        if p2p is None or p2p.beta_s_per_byte <= 0:
+            continue
+        if not gpu:
+            kind = "gloo-loopback"
+        elif scope == "inter":
+            kind = "network"
+        else:
+            pair = next((p for p in topology.pairs if (p.a, p.b) == (0, 1)), None) if topology else None
+            kind = pair.kind if pair else "unknown"
+        links[scope] = LinkSpec(kind=kind, bandwidth_Bps=1.0 / p2p.beta_s_per_byte, alpha_s=p2p.alpha_s,
+                                source=f"measured: send/recv fit, R^2 {p2p.r2:.3f}")
+    if "intra" not in links:
+        raise ProfileError("the probe could not fit point-to-point bandwidth; rerun with more --probe-sizes")
+    return ClusterProfile(name=f"local ({raw['world']} x {device.name})", source="probe", nodes=raw["nodes"],
+                          devices_per_node=local_world, device=device, intra_node=links["intra"],
+                          inter_node=links.get("inter"), fits=tuple(sorted(fits, key=lambda f: (f.scope, f.op, f.group_size))),
+                          topology=topology, compute=compute, backend=raw["backend"], notes=tuple(notes))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point under torchrun for multi-node probes: every rank runs it, rank 0 writes the cluster file."""
+    from cost_models.cluster import ClusterFile
+    from cost_models.fileio import dumps, write_atomic
+    from cost_models.nvml_topology import detect_topology
+
+    ap = argparse.ArgumentParser(prog="python -m cost_models.cluster_probe", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-o", "--output", default="cluster.json")
+    ap.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", choices=list(_DTYPES))
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args(argv)
+    cfg = ProbeConfig(dtype=args.dtype)
+    raw = probe_worker(cfg.to_dict())
+    if raw is not None:
+        topology, note = detect_topology()
+        prof = build_cluster_profile(raw, topology=topology, notes=[note] if note else [], dtype=args.dtype)
+        write_atomic(args.output, dumps(ClusterFile(cluster=prof).to_dict()), overwrite=args.force)
+        print(f"wrote {args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

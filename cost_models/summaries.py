@@ -1,0 +1,63 @@
+"""Human-readable summaries of a model profile (rows of strings; the CLI renders them with rich)."""
+from __future__ import annotations
+
+from cost_models.profile import ModelProfile, UnitProfile
+
+
+def _ms(t) -> str:
+    return "-" if t is None else f"{t.median_s * 1e3:.2f}"
+
+
+def unit_rows(profile: ModelProfile, *, max_rows: int = 16) -> list[list[str]]:
+    """One row per unit (the middle of a long block list elided), then a totals row."""
+    def row(u: UnitProfile) -> list[str]:
+        tied = " (tied)" if u.shared_params else ""
+        return [u.name, f"{u.params:,}{tied}", f"{u.fwd_flops / 1e9:,.3f}", f"{u.bwd_flops / 1e9:,.3f}",
+                f"{u.output_bytes / 2**20:,.2f}", f"{u.saved_bytes / 2**20:,.2f}", _ms(u.fwd_time), _ms(u.bwd_time)]
+    units = list(profile.units)
+    rows = [row(u) for u in units]
+    if len(rows) > max_rows:
+        keep = max_rows // 2
+        rows = rows[:keep] + [[f"... {len(rows) - 2 * keep + 1} more units ..."] + [""] * 7] + rows[-keep + 1:]
+    fwd_t = [u.fwd_time for u in units]
+    total_time = (lambda ts: "-" if any(t is None for t in ts) else f"{sum(t.median_s for t in ts) * 1e3:.2f}")
+    rows.append(["total", f"{profile.total_params:,}", f"{sum(u.fwd_flops for u in units) / 1e9:,.3f}",
+                 f"{sum(u.bwd_flops for u in units) / 1e9:,.3f}", "", f"{sum(u.saved_bytes for u in units) / 2**20:,.2f}",
+                 total_time(fwd_t), total_time([u.bwd_time for u in units])])
+    return rows
+
+
+UNIT_COLUMNS = ["unit", "params", "fwd GFLOP", "bwd GFLOP", "out MiB", "saved MiB", "fwd ms", "bwd ms"]
+
+
+CLUSTER_FIT_COLUMNS = ["collective", "scope", "ranks", "alpha ms", "GB/s (S/beta)", "R^2", "sizes"]
+
+
+def cluster_lines(c) -> list[str]:
+    """Device, links and notes of a ClusterProfile, one line each."""
+    d = c.device
+    peaks = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in d.peak_flops.items())
+    lines = [f"cluster: {c.name} ({c.source}): {c.nodes} node(s) x {c.devices_per_node} {d.kind}(s) = {c.world_size}",
+             f"device: {d.name}, {d.memory_bytes / 2**30:.1f} GiB, peak {peaks}, matmul efficiency {d.matmul_efficiency:.2f}"]
+    for label, link in (("intra-node", c.intra_node), ("inter-node", c.inter_node)):
+        if link is not None:
+            lines.append(f"{label}: {link.kind}, {link.bandwidth_Bps / 1e9:.3g} GB/s per device per direction, "
+                         f"alpha {link.alpha_s * 1e6:.1f} us ({link.source})")
+    if c.compute is not None:
+        lines.append(f"compute probe: {c.compute.flops_per_rank / 1e9:.1f} GFLOP/s per rank with {c.compute.ranks} ranks busy, "
+                     f"{c.compute.flops_alone / 1e9:.1f} alone ({c.compute.dtype}, n={c.compute.matmul_n})")
+    if c.topology is not None:
+        kinds = sorted({p.kind for p in c.topology.pairs})
+        lines.append(f"topology: {len(c.topology.gpus)} GPUs, pairs over {', '.join(kinds)}"
+                     + (", NVSwitch" if c.topology.nvswitch else ""))
+    lines += [f"note: {n}" for n in c.notes]
+    return lines
+
+
+def cluster_fit_rows(c) -> list[list[str]]:
+    rows = []
+    for f in c.fits:
+        sizes = f"{f.samples[0].size_bytes // 1024}K..{f.samples[-1].size_bytes // 2**20}M" if f.samples else ""
+        bw = f"{1 / f.beta_s_per_byte / 1e9:.3f}" if f.beta_s_per_byte > 0 else "-"
+        rows.append([f.op, f.scope, str(f.group_size), f"{f.alpha_s * 1e3:.3f}", bw, f"{f.r2:.3f}", sizes])
+    return rows

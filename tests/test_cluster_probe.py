@@ -1,0 +1,42 @@
+"""The local cluster probe for real: gloo ranks started by torchrun's launcher, measured and fitted."""
+import statistics
+
+import pytest
+
+from cost_models.cluster_probe import ProbeConfig, build_cluster_profile, run_local_probe
+from cost_models.fit import fit_alpha_beta
+
+SIZES = tuple(64 * 1024 * 2**i for i in range(9))      # 64 KiB .. 16 MiB
+HELD_OUT = {256 * 1024, 2 * 2**20, 8 * 2**20}
+
+
+def test_fit_recovers_a_known_line():
+    sizes = [1e3, 1e4, 1e5, 1e6, 1e7]
+    alpha, beta, r2 = fit_alpha_beta(sizes, [2e-4 + 5e-10 * s for s in sizes])
+    assert alpha == pytest.approx(2e-4) and beta == pytest.approx(5e-10) and r2 == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_probe_fits_predict_held_out_sizes(ranks):
+    raw = run_local_probe(ranks, ProbeConfig(sizes=SIZES, repeats=5, matmul_seconds=0.2))
+    prof = build_cluster_profile(raw, topology=None, notes=[], dtype="fp32")
+    groups = [2, 4] if ranks == 4 else [2]
+    assert {(f.op, f.group_size) for f in prof.fits} == (
+        {(op, g) for op in ("all_gather", "reduce_scatter", "all_reduce") for g in groups} | {("send_recv", 2)})
+    errors = []
+    for f in prof.fits:
+        assert 0.0 <= f.r2 <= 1.0 and len(f.samples) == len(SIZES)
+        train = [s for s in f.samples if s.size_bytes not in HELD_OUT]
+        alpha, beta, r2 = fit_alpha_beta([s.size_bytes for s in train], [s.seconds for s in train])
+        for s in f.samples:
+            if s.size_bytes in HELD_OUT:
+                errors.append(abs(alpha + beta * s.size_bytes - s.seconds) / s.seconds)
+        print(f"{f.op:>15} n={f.group_size} R^2={f.r2:.3f} alpha={f.alpha_s * 1e3:.3f} ms "
+              f"bw={1 / f.beta_s_per_byte / 1e9:.3f} GB/s")
+    print(f"held-out relative error: median {statistics.median(errors):.1%}, max {max(errors):.1%}")
+    # The 2 shared cores make single points noisy; the fit must still predict unseen sizes to within 30%.
+    assert statistics.median(errors) <= 0.30
+    assert prof.world_size == ranks and prof.device.kind == "cpu" and prof.intra_node.kind == "gloo-loopback"
+    assert prof.compute.ranks == ranks and prof.compute.flops_per_rank > 0 and prof.compute.threads_per_rank == 1
+    assert prof.device.peak_flops["fp32"] == prof.compute.flops_per_rank
+    assert any("share" in n for n in prof.notes)
