@@ -232,8 +232,67 @@ def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="
     out.print(_table(UNIT_COLUMNS, unit_rows(prof), title=f"{prof.name}: measured on this machine "
                      f"({prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len}, {prof.threads} thread(s))"))
     _print_cluster(result.cluster)
+    from cost_models.summaries import ESTIMATE_COLUMNS, estimate_row
+    out.print(_table(ESTIMATE_COLUMNS, [estimate_row(s, e) for s, e in result.estimates],
+                     title="predicted on this machine: ZeRO, pipeline, hybrid (same global batch)"))
     out.print(f"wrote {result.profile_path}", highlight=False)
     out.print(f"not built yet: {', '.join(result.not_yet_built)}", highlight=False)
+
+
+@app.command()
+@handles_errors
+def estimate(
+    profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile.json from `planner profile`"),
+    dp: int = typer.Option(1, "--dp", help="data-parallel degree (the ZeRO group)"),
+    pp: int = typer.Option(1, "--pp", help="pipeline degree"),
+    zero: int = typer.Option(0, "--zero", help="ZeRO stage over dp: 0, 1, 2, 3"),
+    schedule: str = typer.Option("1f1b", "--schedule", help="gpipe | 1f1b | interleaved-1f1b | zb-interleaved"),
+    microbatches: int = typer.Option(1, "--microbatches", "-m", help="micro-batches per step"),
+    micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", "-b", help="default: the profile's"),
+    v: int = typer.Option(1, "--v", help="stage chunks per rank (interleaved schedules)"),
+    recompute: str = typer.Option("none", "--recompute", help="none | all | stage indices, e.g. 0,1"),
+    precision: str = typer.Option("bf16-mixed", "--precision", help="bf16-mixed | fp32"),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | adam | sgd"),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="override the profile's cluster: a preset or a cluster file"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="scale the cluster to N nodes"),
+    as_json: bool = typer.Option(False, "--json", help="print the estimate as JSON on stdout"),
+) -> None:
+    """Predict step time and per-rank memory of one strategy; exit 3 if it does not fit."""
+    from cost_models.cluster_source import resolve_cluster
+    from cost_models.errors import ConfigError, InfeasibleError
+    from cost_models.estimate import estimate as run_estimate
+    from cost_models.memory import BYTES_PER_PARAM
+    from planner.manual import build_strategy, load_profile
+
+    if (precision, optimizer) not in BYTES_PER_PARAM:
+        raise ConfigError(f"--precision must be bf16-mixed or fp32 and --optimizer adamw, adam or sgd")
+    pf = load_profile(profile_path)
+    target = resolve_cluster(cluster, nodes=nodes) if cluster else pf.cluster
+    if target is None:
+        raise ConfigError(f"{profile_path} has no cluster; pass --cluster PRESET|FILE")
+    if nodes and not cluster:
+        target = target.with_nodes(nodes)
+    strategy = build_strategy(pf.model, target, dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches,
+                              micro_batch_size=micro_batch_size, v=v, recompute=recompute, precision=precision,
+                              optimizer=optimizer)
+    est = run_estimate(strategy, pf.model, target)
+    if as_json:
+        print(json.dumps({"strategy": strategy.to_dict(), **est.to_dict()}, indent=2))
+    else:
+        _print_estimate(strategy, est)
+    if not est.fits:
+        worst = max(est.memory_per_rank, key=lambda m: m.total_bytes)
+        raise InfeasibleError(f"does not fit: rank {worst.rank} needs {worst.total_bytes / 2**30:.2f} GiB, the device has "
+                              f"{est.capacity_bytes / 2**30:.2f} GiB; try more --zero, --recompute all, a smaller "
+                              f"--micro-batch-size, or more --pp")
+
+
+def _print_estimate(strategy, est) -> None:
+    from cost_models.summaries import estimate_lines, memory_rows, MEMORY_COLUMNS
+    for line in estimate_lines(strategy, est):
+        out.print(line, highlight=False)
+    out.print(_table(MEMORY_COLUMNS, memory_rows(est), title=f"memory per rank (GiB = 2^30 B), capacity "
+                     f"{est.capacity_bytes / 2**30:.2f} GiB"))
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ class DeviceSpec(Record):
     peak_flops: dict[str, float]       # dtype -> dense FLOP/s (datasheet, or measured for CPU ranks)
     matmul_efficiency: float           # achieved / peak for large matmuls (measured by the compute probe if present)
     source: str
+    memory_bandwidth_Bps: float = 0.0  # device memory bandwidth (datasheet, or measured copy rate per rank)
 
 
 @record
@@ -93,6 +94,7 @@ class ComputeProbe(Record):
     threads_per_rank: int
     flops_per_rank: float              # median achieved FLOP/s of one rank while all ranks run
     flops_alone: float                 # one rank running alone
+    copy_Bps: float = 0.0              # memory bandwidth one rank gets (bytes read + written) while all ranks copy
 
 
 @record

@@ -135,6 +135,19 @@ def _matmul_rate(n: int, dtype: torch.dtype, seconds: float, device: torch.devic
     return 2 * n**3 * iters / (time.perf_counter() - t0)
 
 
+def _copy_rate(numel: int, seconds: float, device: torch.device) -> float:
+    """Bytes read + written per second by dst.copy_(src) on `numel` fp32 elements (a memory-bound kernel)."""
+    src, dst = torch.ones(numel, device=device), torch.empty(numel, device=device)
+    dst.copy_(src)
+    _sync(device)
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        dst.copy_(src)
+        iters += 1
+    _sync(device)
+    return 2 * numel * 4 * iters / (time.perf_counter() - t0)
+
+
 def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
     """Run on every rank (env:// rendezvous). Returns the raw measurements on global rank 0, None elsewhere."""
     cfg = ProbeConfig.from_dict(cfg_data)
@@ -182,12 +195,18 @@ def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
         dist.barrier()
         alone = _matmul_rate(n, dtype, cfg.matmul_seconds, device) if rank == 0 else 0.0
         dist.barrier()
+        # 64 MiB per buffer: far beyond any cache, so this is DRAM / HBM bandwidth with all ranks copying.
+        copy = torch.tensor([_copy_rate(16 * MIB, cfg.matmul_seconds, device)], dtype=torch.float64)
+        copies = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(copies, copy.to(device) if use_cuda else copy)
+        dist.barrier()
         if rank != 0:
             return None
         return {"raw": raw, "world": world, "local_world": local_world, "nodes": nodes, "backend": backend,
                 "device_name": torch.cuda.get_device_name(device) if use_cuda else _cpu_name(),
                 "device_memory": torch.cuda.get_device_properties(device).total_memory if use_cuda else None,
                 "matmul_n": n, "flops_together": [float(t.item()) for t in gathered], "flops_alone": alone,
+                "copy_Bps": [float(t.item()) for t in copies],
                 "threads_per_rank": torch.get_num_threads()}
     finally:
         dist.destroy_process_group()
@@ -242,19 +261,22 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
                                                        spread_s=r["spread_s"]) for r in rows)))
     together = statistics.median(raw["flops_together"])
     compute = ComputeProbe(dtype=dtype, matmul_n=raw["matmul_n"], ranks=raw["world"],
-                           threads_per_rank=raw["threads_per_rank"], flops_per_rank=together, flops_alone=raw["flops_alone"])
+                           threads_per_rank=raw["threads_per_rank"], flops_per_rank=together, flops_alone=raw["flops_alone"],
+                           copy_Bps=statistics.median(raw["copy_Bps"]))
     gpu = raw["backend"] == "nccl"
     local_world = raw["local_world"]
     known = next((p.device for p in PRESETS.values() if gpu and p.device.name.split("-")[0] in raw["device_name"]), None)
     if known is not None and dtype in known.peak_flops:
         device = DeviceSpec(name=raw["device_name"], kind="gpu", memory_bytes=int(raw["device_memory"]),
                             peak_flops=dict(known.peak_flops), matmul_efficiency=together / known.peak_flops[dtype],
-                            source=f"{known.source}; efficiency measured by the compute probe")
+                            source=f"{known.source}; efficiency measured by the compute probe",
+                            memory_bandwidth_Bps=known.memory_bandwidth_Bps)
     else:
         mem = int(raw["device_memory"]) if gpu else psutil.virtual_memory().total // local_world
         device = DeviceSpec(name=raw["device_name"], kind="gpu" if gpu else "cpu", memory_bytes=mem,
                             peak_flops={dtype: together}, matmul_efficiency=1.0,
-                            source="measured: matmul rate of one rank while all ranks run (no datasheet peak)")
+                            source="measured: matmul rate of one rank while all ranks run (no datasheet peak)",
+                            memory_bandwidth_Bps=compute.copy_Bps)
         if not gpu:
             notes.append(f"CPU ranks: {local_world} ranks share {os.cpu_count()} cores and "
                          f"{psutil.virtual_memory().total / 2**30:.1f} GiB; each rank gets {together / 1e9:.1f} GFLOP/s "

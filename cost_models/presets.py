@@ -30,20 +30,24 @@ def _link(kind: str, line_rate_Bps: float, alpha_s: float, source: str) -> LinkS
 # nvidia-smi reports 81,559 MiB on an 80 GB part.
 H100_SXM = DeviceSpec(name="H100-SXM5-80GB", kind="gpu", memory_bytes=81_559 * MIB,
                       peak_flops={"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12},
-                      matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)")
+                      matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+                      memory_bandwidth_Bps=3.35e12)  # HBM3, 3.35 TB/s (datasheet)
 # NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16, 19.5 TFLOP/s FP32 (156 TF32); 80 GB part: 81,920 MiB,
 # 40 GB part: 40,960 MiB in nvidia-smi.
 A100_SXM_80 = DeviceSpec(name="A100-SXM4-80GB", kind="gpu", memory_bytes=81_920 * MIB,
                          peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-                         matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA A100 Tensor Core GPU datasheet")
+                         matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA A100 Tensor Core GPU datasheet",
+                         memory_bandwidth_Bps=2.039e12)  # HBM2e, 2,039 GB/s (datasheet, 80 GB SXM)
 A100_PCIE_40 = DeviceSpec(name="A100-PCIE-40GB", kind="gpu", memory_bytes=40_960 * MIB,
                           peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-                          matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA A100 Tensor Core GPU datasheet (PCIe)")
+                          matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA A100 Tensor Core GPU datasheet (PCIe)",
+                          memory_bandwidth_Bps=1.555e12)  # HBM2, 1,555 GB/s (datasheet, 40 GB PCIe)
 # NVIDIA L4 datasheet: 121 TFLOP/s dense BF16/FP16 (242 with sparsity), 30.3 TFLOP/s FP32, 24 GB
 # (nvidia-smi: 23,034 MiB), PCIe Gen4 x16.
 L4 = DeviceSpec(name="L4-24GB", kind="gpu", memory_bytes=23_034 * MIB,
                 peak_flops={"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
-                matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA L4 Tensor Core GPU datasheet")
+                matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA L4 Tensor Core GPU datasheet",
+                memory_bandwidth_Bps=300e9)  # GDDR6, 300 GB/s (datasheet)
 
 # NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU = 450 GB/s per direction, all GPUs through NVSwitch (DGX H100 datasheet).
 NVLINK4 = _link("nvlink4", 450 * GB, 12e-6, "DGX H100 datasheet: NVLink 4, 900 GB/s bidirectional per GPU")

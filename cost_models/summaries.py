@@ -61,3 +61,57 @@ def cluster_fit_rows(c) -> list[list[str]]:
         bw = f"{1 / f.beta_s_per_byte / 1e9:.3f}" if f.beta_s_per_byte > 0 else "-"
         rows.append([f.op, f.scope, str(f.group_size), f"{f.alpha_s * 1e3:.3f}", bw, f"{f.r2:.3f}", sizes])
     return rows
+
+
+MEMORY_COLUMNS = ["ranks", "stages", "params", "grads", "optimizer", "activations", "buffers", "overhead", "total", "fits"]
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.3f}"
+
+
+def memory_rows(est) -> list[list[str]]:
+    """One row per group of ranks with identical memory (all dp ranks of a pipeline stage are alike)."""
+    rows, groups = [], {}
+    for m in est.memory_per_rank:
+        key = (m.stages, m.parameters, m.gradients, m.optimizer_states, m.activations, m.buffers, m.overhead)
+        groups.setdefault(key, []).append(m)
+    for ms in groups.values():
+        m = ms[0]
+        ranks = f"{ms[0].rank}" if len(ms) == 1 else f"{ms[0].rank}-{ms[-1].rank}"
+        rows.append([ranks, ",".join(map(str, m.stages)), _gib(m.parameters), _gib(m.gradients),
+                     _gib(m.optimizer_states), _gib(m.activations), _gib(m.buffers), _gib(m.overhead),
+                     _gib(m.total_bytes), "yes" if m.total_bytes <= est.capacity_bytes else "NO"])
+    return rows
+
+
+def estimate_lines(strategy, est) -> list[str]:
+    s, b = strategy, est.breakdown
+    shape = f"dp={s.dp} x pp={s.pp}" + (f" (v={s.v})" if s.v > 1 else "")
+    lines = [f"strategy: {shape}, ZeRO-{s.zero}, {s.schedule}, {s.microbatches} micro-batches of {s.micro_batch_size}, "
+             f"{s.precision}, {s.optimizer}",
+             f"step time: {est.step_time_s * 1e3:.3f} ms = compute {b.compute_s * 1e3:.3f} + bubble {b.bubble_s * 1e3:.3f}"
+             f" + p2p {b.p2p_s * 1e3:.3f} + data-parallel comm {b.dp_comm_s * 1e3:.3f} + optimizer {b.optimizer_s * 1e3:.3f} ms"
+             f" ({est.compute_source} compute)",
+             f"bubble: {est.bubble_ratio:.3f} of ideal compute ((p-1)/m convention), {est.bubble_share:.1%} of rank-time idle",
+             f"throughput: {est.tokens_per_s:,.0f} tokens/s" + (f", MFU {est.mfu:.1%}" if est.mfu is not None else ""),
+             f"communication per step: p2p {est.comm.p2p_bytes_per_step / 2**20:,.2f} MiB ({est.comm.p2p_link}), "
+             f"data-parallel {est.comm.dp_bytes_per_rank / 2**20:,.2f} MiB per rank ({est.comm.dp_link}: "
+             + (", ".join(f"{k} {v / 2**20:,.2f}" for k, v in est.comm.dp_collectives.items()) or "none") + ")"]
+    for st in est.stages:
+        lines.append(f"stage {st.stage}: {st.units[0]}..{st.units[-1]} ({len(st.units)} units, {st.params:,} params), "
+                     f"F {st.fwd_s * 1e3:.3f} ms, B {st.bwd_s * 1e3:.3f} ms per micro-batch, "
+                     f"{st.peak_in_flight} in flight x {st.activation_bytes / 2**20:,.2f} MiB")
+    return lines
+
+
+ESTIMATE_COLUMNS = ["strategy", "step ms", "compute", "bubble", "p2p", "dp comm", "optimizer", "peak GiB", "fits"]
+
+
+def estimate_row(strategy, est) -> list[str]:
+    s, b = strategy, est.breakdown
+    name = (f"ZeRO-{s.zero} dp={s.dp}" if s.pp == 1 else
+            f"PP{s.pp} {s.schedule}" + (f" x DP{s.dp} ZeRO-{s.zero}" if s.dp > 1 else "")) + f", m={s.microbatches}"
+    return [name, f"{est.step_time_s * 1e3:.2f}", f"{b.compute_s * 1e3:.2f}", f"{b.bubble_s * 1e3:.2f}",
+            f"{b.p2p_s * 1e3:.2f}", f"{b.dp_comm_s * 1e3:.2f}", f"{b.optimizer_s * 1e3:.2f}",
+            f"{est.peak_memory_bytes / 2**30:.3f}", "yes" if est.fits else "NO"]

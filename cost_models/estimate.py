@@ -1,0 +1,251 @@
+"""estimate(strategy, model profile, cluster) -> Estimate: step time with its breakdown and per-rank memory.
+
+Step time = the pipeline's makespan, simulated with each stage's per-micro-batch times and p2p transfers
+(cost_models.schedule), split into compute, bubble and exposed p2p; plus each rank's exposed data-parallel
+collectives after its last backward; plus the optimizer step. Data-parallel traffic per step follows what the
+executor runs (ZeRO paper, section 7: 2Ψ for stages 0-2, 3Ψ for stage 3, per gathered micro-batch):
+    ZeRO-0  all-reduce of gradients (DDP, no_sync until the last micro-batch)
+    ZeRO-1  all-reduce of gradients + all-gather of updated parameters (ZeroRedundancyOptimizer's broadcasts)
+    ZeRO-2  without a pipeline, FSDP2 gathers and reduce-scatters every micro-batch; in a pipeline torch's stage
+            defers both to once per step
+    ZeRO-3  FSDP2 gathers parameters for every micro-batch's forward and again for its backward; gradients are
+            reduce-scattered every micro-batch without a pipeline, once per step in one
+Overlap: GPUs run NCCL on separate streams, so per-micro-batch gathers hide behind compute (FSDP prefetch) and
+DDP's bucketed all-reduce hides behind the last backward; what does not fit is exposed. CPU ranks share their
+cores with gloo's threads, so nothing is assumed hidden there.
+"""
+from __future__ import annotations
+
+import math
+
+from cost_models.cluster import ClusterProfile
+from cost_models.comm import collective_time, p2p_time
+from cost_models.compute import optimizer_step_time, unit_times, uses_measured_times
+from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, comm_buffer_bytes, zero_model_state_bytes
+from cost_models.profile import ModelProfile
+from cost_models.records import Record, record
+from cost_models.schedule import StageCost, format_order, generate, simulate, stage_to_rank
+from cost_models.strategy import Strategy
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@record
+class StepBreakdown(Record):
+    compute_s: float        # the critical rank's forward + backward (+ recompute) over all micro-batches
+    bubble_s: float         # pipeline idle time on that rank with free p2p
+    p2p_s: float            # makespan added by p2p transfers
+    dp_comm_s: float        # exposed data-parallel collectives
+    optimizer_s: float
+    total_s: float
+
+
+@record
+class StageEstimate(Record):
+    stage: int
+    units: tuple[str, ...]
+    params: int             # parameters the stage holds (a tied parameter counts in every stage that uses it)
+    fwd_s: float            # per micro-batch
+    bwd_s: float            # per micro-batch, incl. recompute
+    activation_bytes: float # kept per micro-batch in flight
+    boundary_bytes: float   # what it sends to the next stage per micro-batch
+    peak_in_flight: int
+
+
+@record
+class CommVolume(Record):
+    p2p_bytes_per_step: float        # activations + gradients crossing stage boundaries, one pipeline
+    dp_bytes_per_rank: float         # bytes each rank moves in data-parallel collectives per step (full buffers)
+    dp_collectives: dict[str, float] # op -> bytes per rank per step
+    p2p_link: str
+    dp_link: str
+
+
+@record
+class Estimate(Record):
+    step_time_s: float
+    breakdown: StepBreakdown
+    bubble_ratio: float      # (makespan - ideal) / ideal, Narayanan et al.'s (p-1)/m convention
+    bubble_share: float      # idle share of all rank-time in the pipeline
+    tokens_per_step: int
+    tokens_per_s: float
+    mfu: float | None        # model FLOPs / (step time x world x peak); None where the peak is unknown
+    stages: tuple[StageEstimate, ...]
+    memory_per_rank: tuple[MemoryBreakdown, ...]
+    capacity_bytes: int
+    fits: bool
+    comm: CommVolume
+    compute_source: str      # "measured" (profile times on this device kind) | "flops" (FLOPs / peak x efficiency)
+    pipeline_order: dict[str, list[str]]
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(m.total_bytes for m in self.memory_per_rank)
+
+
+def _stage_params(profile: ModelProfile, units: tuple[str, ...]) -> tuple[int, int]:
+    """(parameters held, largest unit's parameters) of a stage; tied parameters count in each stage using them."""
+    owners = {s.name: s for s in profile.shared}
+    in_stage = set(units)
+    total, largest = 0, 0
+    for name in units:
+        u = profile.unit(name)
+        extra = 0
+        for alias in u.shared_params:
+            shared = next((s for s in owners.values() if alias in s.aliases), None)
+            if shared is not None and shared.units[0] not in in_stage:
+                extra += shared.numel
+        total += u.params + extra
+        largest = max(largest, u.params + extra)
+    return total, largest
+
+
+def _crosses_nodes(rank_a: int, rank_b: int, cluster: ClusterProfile) -> bool:
+    return rank_a // cluster.devices_per_node != rank_b // cluster.devices_per_node
+
+
+def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> Estimate:
+    """Predict one training step of `strategy` (validated against the profile's units) on `cluster`."""
+    s = strategy
+    s.validate(tuple(u.name for u in profile.units))
+    p_b, g_b, _ = BYTES_PER_PARAM[(s.precision, s.optimizer)]
+    compute_dtype = "fp32" if s.precision == "fp32" else "bf16"
+    act_scale = (s.micro_batch_size / profile.micro_batch_size) * _DTYPE_BYTES[compute_dtype] / _DTYPE_BYTES[profile.dtype]
+    world = s.world_size
+
+    unit_index = {u.name: i for i, u in enumerate(profile.units)}
+    input_bytes = math.prod(profile.input.shape) * (8 if profile.input.kind == "tokens" else _DTYPE_BYTES[profile.dtype])
+    stage_costs, stage_info = [], []
+    for sid, units in enumerate(s.stages):
+        fwd = bwd = 0.0
+        for name in units:
+            f, b = unit_times(profile.unit(name), profile, cluster, micro_batch_size=s.micro_batch_size,
+                              precision=s.precision, ranks_running=world)
+            fwd, bwd = fwd + f, bwd + b
+        members = [profile.unit(n) for n in units]
+        first = unit_index[units[0]]
+        stage_input = input_bytes * s.micro_batch_size / profile.micro_batch_size if first == 0 else \
+            profile.units[first - 1].output_bytes * act_scale
+        if s.stage_recompute(sid):
+            # Full recompute keeps each unit's input per micro-batch and one unit's working set at a time
+            # (Korthikanti et al. 2022, section 4: 2sbh per layer in 16-bit instead of sbh(34 + 5as/h)).
+            inputs = stage_input + sum(profile.units[unit_index[n] - 1].output_bytes * act_scale for n in units[1:])
+            act = inputs
+            bwd += fwd
+        else:
+            act = sum(u.saved_bytes for u in members) * act_scale
+        boundary = members[-1].output_bytes * act_scale
+        params, largest = _stage_params(profile, units)
+        rank = stage_to_rank(sid, s.pp) * s.dp
+        nxt = stage_to_rank(sid + 1, s.pp) * s.dp
+        prv = stage_to_rank(sid - 1, s.pp) * s.dp
+        send_f = p2p_time(cluster, boundary, crosses_nodes=_crosses_nodes(rank, nxt, cluster)) if sid < s.n_stages - 1 else 0.0
+        send_b = p2p_time(cluster, stage_input, crosses_nodes=_crosses_nodes(rank, prv, cluster)) if sid > 0 else 0.0
+        stage_costs.append(StageCost(fwd_s=fwd, bwd_s=bwd, send_fwd_s=send_f, send_bwd_s=send_b, activation_bytes=act))
+        working_set = max(u.saved_bytes for u in members) * act_scale if s.stage_recompute(sid) else 0.0
+        stage_info.append((units, params, largest, fwd, bwd, act, boundary, working_set, stage_input))
+
+    schedule = s.schedule if s.pp > 1 or s.v > 1 else "1f1b"   # one stage: plain gradient accumulation
+    order = generate(schedule, s.pp, s.microbatches, s.v)
+    sim = simulate(order, stage_costs, p=s.pp)
+    free = simulate(order, [StageCost(fwd_s=c.fwd_s, bwd_s=c.bwd_s, activation_bytes=c.activation_bytes)
+                            for c in stage_costs], p=s.pp)
+
+    # Data-parallel collectives per pipeline rank (all its stages), and what is exposed.
+    gpu = cluster.device.kind == "gpu"
+    dp_rpn = math.gcd(s.dp, cluster.devices_per_node) if s.dp > cluster.devices_per_node else None
+    dp_bytes: dict[str, float] = {}
+    rank_end: list[float] = []
+    rank_dp: list[float] = []
+    for r in range(s.pp):
+        ends = [e.end_s for e in sim.timeline if e.rank == r]
+        rank_compute = sim.busy_s[r]
+        comm_total = exposed_hidden = 0.0
+        for sid in range(r, s.n_stages, s.pp):
+            _, params, *_ = stage_info[sid]
+            ops = _dp_collectives(s, params * p_b, params * g_b)
+            for op, count, size, per_micro in ops:
+                t = count * collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn)
+                comm_total += t
+                if r == 0:
+                    dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
+                if gpu:
+                    # per-micro-batch gathers hide behind compute (FSDP prefetch); a once-per-step reduction hides
+                    # behind the last micro-batch's backward only without a pipeline (DDP buckets / FSDP RS)
+                    window = rank_compute if per_micro else (stage_costs[sid].bwd_s if s.pp == 1 else 0.0)
+                    exposed_hidden += min(t, window)
+        rank_dp.append(comm_total - exposed_hidden)
+        rank_end.append((max(ends) if ends else 0.0) + rank_dp[-1])
+
+    opt_params = max(sum(stage_info[sid][1] for sid in range(r, s.n_stages, s.pp)) for r in range(s.pp))
+    opt_params_rank = opt_params / (s.dp if s.zero >= 1 else 1)
+    optimizer_s = optimizer_step_time(opt_params_rank, precision=s.precision, optimizer=s.optimizer, cluster=cluster)
+    total = max(rank_end) + optimizer_s
+    critical = max(range(s.pp), key=lambda r: rank_end[r])
+
+    breakdown = StepBreakdown(
+        compute_s=sim.busy_s[critical], bubble_s=max(0.0, free.makespan_s - free.busy_s[critical]),
+        p2p_s=max(0.0, sim.makespan_s - free.makespan_s), dp_comm_s=rank_dp[critical], optimizer_s=optimizer_s,
+        total_s=total)
+
+    memory = _memory(s, profile, cluster, stage_info, sim, p_b, g_b)
+    tokens = s.global_batch_size * (profile.seq_len if profile.input.kind in ("tokens", "features") else 1)
+    model_flops = sum(u.fwd_flops + u.bwd_flops for u in profile.units) / profile.micro_batch_size * s.global_batch_size
+    peak = cluster.device.peak_flops.get(compute_dtype)
+    mfu = model_flops / (total * world * peak) if peak and total > 0 and cluster.device.kind == "gpu" else None
+    p2p_bytes = sum(2 * info[6] for info in stage_info[:-1]) * s.microbatches
+    crossing = sum(_crosses_nodes(stage_to_rank(i, s.pp) * s.dp, stage_to_rank(i + 1, s.pp) * s.dp, cluster)
+                   for i in range(s.n_stages - 1))
+    p2p_link = f"{crossing} of {s.n_stages - 1} stage boundaries inter-node" if s.n_stages > 1 else "none"
+    dp_link = "inter-node" if s.dp > cluster.devices_per_node else "intra-node"
+    return Estimate(
+        step_time_s=total, breakdown=breakdown, bubble_ratio=free.bubble_ratio, bubble_share=free.bubble_share,
+        tokens_per_step=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, mfu=mfu,
+        stages=tuple(StageEstimate(stage=i, units=info[0], params=info[1], fwd_s=info[3], bwd_s=info[4],
+                                   activation_bytes=info[5], boundary_bytes=info[6],
+                                   peak_in_flight=sim.peak_in_flight.get(i, 0)) for i, info in enumerate(stage_info)),
+        memory_per_rank=memory, capacity_bytes=cluster.device.memory_bytes,
+        fits=max(m.total_bytes for m in memory) <= cluster.device.memory_bytes,
+        comm=CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()),
+                        dp_collectives=dp_bytes, p2p_link=p2p_link, dp_link=dp_link),
+        compute_source="measured" if uses_measured_times(profile, cluster) else "flops",
+        pipeline_order=format_order(order))
+
+
+def _dp_collectives(s: Strategy, param_bytes: float, grad_bytes: float) -> list[tuple[str, int, float, bool]]:
+    """(op, times per step, full buffer bytes, happens per micro-batch) for one stage's dp group (module doc)."""
+    if s.dp == 1:
+        return []
+    m, pipelined = s.microbatches, s.pp > 1
+    if s.zero == 0:
+        return [("all_reduce", 1, grad_bytes, False)]
+    if s.zero == 1:
+        return [("all_reduce", 1, grad_bytes, False), ("all_gather", 1, param_bytes, False)]
+    if s.zero == 2:
+        if pipelined:
+            return [("all_gather", 1, param_bytes, False), ("reduce_scatter", 1, grad_bytes, False)]
+        return [("all_gather", m, param_bytes, True), ("reduce_scatter", m, grad_bytes, True)]
+    if pipelined:
+        return [("all_gather", 2 * m, param_bytes, True), ("reduce_scatter", 1, grad_bytes, False)]
+    return [("all_gather", 2 * m, param_bytes, True), ("reduce_scatter", m, grad_bytes, True)]
+
+
+def _memory(s: Strategy, profile: ModelProfile, cluster: ClusterProfile, stage_info, sim, p_b: int,
+            g_b: int) -> tuple[MemoryBreakdown, ...]:
+    per_pp_rank = []
+    for r in range(s.pp):
+        sids = tuple(range(r, s.n_stages, s.pp))
+        params = sum(stage_info[i][1] for i in sids)
+        largest = max(stage_info[i][2] for i in sids)
+        p, g, o = zero_model_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer)
+        buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
+                                    param_bytes=p_b, grad_bytes=g_b)
+        activations = sim.peak_activation_bytes.get(r, 0.0) + max(stage_info[i][7] for i in sids)
+        per_pp_rank.append((sids, p, g, o, activations, buffers))
+    overhead = OVERHEAD_BYTES[cluster.device.kind]
+    out = []
+    for rank in range(s.world_size):
+        sids, p, g, o, a, b = per_pp_rank[rank // s.dp]
+        out.append(MemoryBreakdown(rank=rank, stages=sids, parameters=int(p), gradients=int(g), optimizer_states=int(o),
+                                   activations=int(a), buffers=int(b), overhead=overhead))
+    return tuple(out)

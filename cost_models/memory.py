@@ -1,0 +1,80 @@
+"""Per-rank memory: model states by ZeRO stage, activations by schedule, buffers and overhead (pure functions).
+
+Model states per parameter (Rajbhandari et al. 2020, "ZeRO", section 3.1 and 5; DeepSpeed's
+estimate_zero*_model_states_mem_needs names the same terms):
+    bf16-mixed + Adam/AdamW: 2 B bf16 parameter + 2 B bf16 gradient + K = 12 B of optimizer state
+                             (4 B fp32 master weight + 4 B momentum + 4 B variance)          = 16 B
+    fp32 + Adam/AdamW:       4 + 4 + K = 8 (momentum + variance)                              = 16 B
+    bf16-mixed + SGD:        2 + 2 + K = 8 (4 B master + 4 B momentum)                         = 12 B
+    fp32 + SGD (momentum):   4 + 4 + K = 4 (momentum)                                          = 12 B
+ZeRO over N data-parallel ranks divides: stage 1 the optimizer states, stage 2 also the gradients, stage 3 also
+the parameters: per rank (mixed Adam) 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
+
+What the executor really holds on top (the mapping's approximations, stated in the report):
+  * FSDP2 ZeRO-3 without a pipeline gathers one unit at a time and prefetches the next: buffers of 2 x the
+    largest unit's parameters and 1 x its gradients (unsharded, before reduce-scatter);
+  * FSDP2 ZeRO-2 (reshard_after_forward=False) keeps gathered parameters from forward to backward: the full
+    parameters again as a buffer, where DeepSpeed's ZeRO-2 would keep them replicated (same bytes, other label);
+  * under a pipeline, torch's stage defers FSDP gradient sync to the end of the step, so ZeRO-2/3 stages hold
+    unsharded parameters and gradients of the whole stage while micro-batches run.
+Overhead: a fixed per-process amount, OVERHEAD_BYTES by device kind.
+"""
+from __future__ import annotations
+
+from cost_models.records import Record, record
+
+GB = 1e9
+# bytes per parameter: (parameter, gradient, optimizer state K) by (precision, optimizer); see the module doc.
+BYTES_PER_PARAM: dict[tuple[str, str], tuple[int, int, int]] = {
+    ("bf16-mixed", "adamw"): (2, 2, 12), ("bf16-mixed", "adam"): (2, 2, 12), ("bf16-mixed", "sgd"): (2, 2, 8),
+    ("fp32", "adamw"): (4, 4, 8), ("fp32", "adam"): (4, 4, 8), ("fp32", "sgd"): (4, 4, 4),
+}
+# Per-process overhead. GPU: CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers, about 1 GiB in practice
+# (PyTorch "CUDA semantics" notes; nvidia-smi shows ~0.5 GiB for an idle context). CPU: a gloo rank's RSS after
+# import torch and init, ~310 MiB (shared/torch-on-cpu.md, section 9).
+OVERHEAD_BYTES = {"gpu": 2**30, "cpu": 310 * 2**20}
+
+
+@record
+class MemoryBreakdown(Record):
+    """Bytes one rank holds at its peak, by category (conventions: bytes; the report prints GiB = 2^30)."""
+
+    rank: int
+    stages: tuple[int, ...]
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    buffers: int
+    overhead: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer_states + self.activations + self.buffers
+                + self.overhead)
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "total_bytes": self.total_bytes}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MemoryBreakdown":
+        return super().from_dict({k: v for k, v in data.items() if k != "total_bytes"})
+
+
+def zero_model_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16-mixed",
+                           optimizer: str = "adamw") -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer states) bytes per rank for psi parameters under ZeRO-`zero` over n ranks."""
+    p, g, k = BYTES_PER_PARAM[(precision, optimizer)]
+    return (psi * p / (n if zero >= 3 else 1), psi * g / (n if zero >= 2 else 1), psi * k / (n if zero >= 1 else 1))
+
+
+def comm_buffer_bytes(*, stage_params: float, largest_unit_params: float, zero: int, pp: int, dp: int,
+                      param_bytes: int, grad_bytes: int) -> float:
+    """Unsharded parameter/gradient buffers the FSDP2 mapping holds beyond the sharded states (module doc)."""
+    if dp == 1 or zero < 2:
+        return 0.0  # DDP with gradient_as_bucket_view: grads live in the buckets, no second copy
+    if pp > 1:
+        return stage_params * (param_bytes + grad_bytes) * (dp - 1) / dp
+    if zero == 2:
+        return stage_params * param_bytes * (dp - 1) / dp + largest_unit_params * grad_bytes
+    return largest_unit_params * (2 * param_bytes + grad_bytes)

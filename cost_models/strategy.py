@@ -1,0 +1,70 @@
+"""A parallel training strategy as plain data: what the planner searches over and the executor runs."""
+from __future__ import annotations
+
+from typing import Literal
+
+from cost_models.errors import ConfigError
+from cost_models.records import Record, record
+from cost_models.schedule import SCHEDULES, check_schedule
+
+Precision = Literal["fp32", "bf16-mixed"]
+Optimizer = Literal["adamw", "adam", "sgd"]
+
+
+@record
+class Strategy(Record):
+    dp: int                              # data-parallel degree (the ZeRO group)
+    pp: int                              # pipeline degree (ranks per pipeline)
+    zero: int                            # ZeRO stage over dp: 0 (DDP), 1, 2, 3
+    schedule: str                        # see cost_models.schedule.SCHEDULES
+    microbatches: int                    # m: micro-batches per step per pipeline
+    micro_batch_size: int                # sequences per micro-batch
+    v: int = 1                           # stage chunks per rank (interleaved schedules)
+    stages: tuple[tuple[str, ...], ...]  # stage -> unit names, pp * v stages in pipeline order
+    recompute: tuple[bool, ...] = ()     # per stage: full activation recompute (empty: none)
+    precision: Precision = "bf16-mixed"
+    optimizer: Optimizer = "adamw"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.v
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.dp * self.microbatches * self.micro_batch_size
+
+    def stage_recompute(self, stage: int) -> bool:
+        return bool(self.recompute) and self.recompute[stage]
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """Global ranks holding `stage`: mesh (pp, dp) with dp innermost, so a dp group is contiguous ranks."""
+        pp_rank = stage % self.pp
+        return tuple(pp_rank * self.dp + d for d in range(self.dp))
+
+    def validate(self, unit_names: tuple[str, ...]) -> None:
+        """Raise ConfigError (one line, what to change) unless this strategy can run on a model with these units."""
+        for name, value in (("dp", self.dp), ("pp", self.pp), ("microbatches", self.microbatches),
+                            ("micro_batch_size", self.micro_batch_size), ("v", self.v)):
+            if value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule '{self.schedule}'; choose one of {', '.join(SCHEDULES)}")
+        if self.zero > 0 and self.dp == 1:
+            raise ConfigError(f"ZeRO-{self.zero} shards over data parallel ranks; with --dp 1 use --zero 0")
+        if self.pp > 1 or self.v > 1:
+            check_schedule(self.schedule, self.pp, self.microbatches, self.v)
+        if len(self.stages) != self.n_stages:
+            raise ConfigError(f"{len(self.stages)} stages given for pp={self.pp} x v={self.v} = {self.n_stages}")
+        flat = tuple(u for stage in self.stages for u in stage)
+        if flat != unit_names:
+            raise ConfigError("stages must cover the model's units in order, each exactly once")
+        if any(not stage for stage in self.stages):
+            raise ConfigError(f"a stage has no units: the model's {len(unit_names)} units cannot fill {self.n_stages} stages")
+        if self.recompute and len(self.recompute) != self.n_stages:
+            raise ConfigError(f"recompute has {len(self.recompute)} entries for {self.n_stages} stages")

@@ -1,0 +1,54 @@
+"""`planner estimate`: JSON for scripts, a per-rank breakdown, exit 3 when the strategy does not fit."""
+import json
+
+from typer.testing import CliRunner
+
+from cli import app
+from cost_models.fileio import dumps, write_atomic
+from cost_models.presets import preset
+from cost_models.profile import ProfileFile
+
+runner = CliRunner()
+
+
+def _profile_file(tmp_path, prof, cluster):
+    return str(write_atomic(tmp_path / "profile.json", dumps(ProfileFile(model=prof, cluster=cluster).to_dict())))
+
+
+def test_estimate_json(tmp_path, tiny_profiles):
+    path = _profile_file(tmp_path, tiny_profiles["llama-tiny", True], preset("dgx-a100"))
+    res = runner.invoke(app, ["estimate", path, "--dp", "4", "--pp", "2", "--zero", "1", "--schedule", "1f1b",
+                              "--microbatches", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["step_time_s"] > 0 and data["fits"] is True
+    assert len(data["memory_per_rank"]) == 8
+    rank = data["memory_per_rank"][5]
+    cats = ("parameters", "gradients", "optimizer_states", "activations", "buffers", "overhead")
+    assert rank["total_bytes"] == sum(rank[c] for c in cats)
+    assert data["strategy"]["stages"][0][0] == "embed" and len(data["strategy"]["stages"]) == 2
+    assert len(data["pipeline_order"]) == 2 and data["pipeline_order"]["0"][:2] == ["0F0", "0F1"]
+
+
+def test_estimate_that_does_not_fit_exits_3(tmp_path):
+    from cost_models.model_profiler import profile_model
+    from cost_models.models.source import resolve
+    prof = profile_model(resolve("llama2-7b"), micro_batch_size=1, seq_len=64, meta=True, dtype="bf16")
+    path = _profile_file(tmp_path, prof, preset("l4-pcie"))
+    res = runner.invoke(app, ["estimate", path, "--dp", "1", "--pp", "1", "--microbatches", "1"])
+    assert res.exit_code == 3
+    assert "capacity 22.49 GiB" in res.stdout and "NO" in res.stdout      # the per-rank breakdown and capacity
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: does not fit: rank 0 needs 10")
+    res = runner.invoke(app, ["estimate", path, "--dp", "8", "--zero", "3", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["fits"] is True
+
+
+def test_estimate_input_errors(tmp_path, tiny_profiles):
+    path = _profile_file(tmp_path, tiny_profiles["gpt-tiny", True], preset("dgx-h100"))
+    for args, message in {("--dp", "16"): "cluster has 8", ("--pp", "8"): "only 6 units",
+                          ("--pp", "4", "--microbatches", "2"): "at least as many micro-batches",
+                          ("--dp", "1", "--zero", "2"): "with --dp 1 use --zero 0",
+                          ("--precision", "fp8"): "--precision must be"}.items():
+        res = runner.invoke(app, ["estimate", path, *args])
+        assert res.exit_code == 2 and message in res.stderr, (args, res.output)

@@ -1,0 +1,66 @@
+"""Memory: the ZeRO paper's numbers exactly, and the per-rank breakdown of estimates."""
+import pytest
+
+from cost_models.estimate import estimate
+from cost_models.memory import BYTES_PER_PARAM, zero_model_state_bytes
+from cost_models.presets import preset
+from cost_models.strategy import Strategy
+
+GB = 1e9
+
+
+def test_zero_paper_example():
+    # Rajbhandari et al. 2020, figure 1 / section 5: Psi = 7.5B, N_d = 64, mixed-precision Adam (K = 12).
+    totals = [sum(zero_model_state_bytes(7.5e9, 64, z)) / GB for z in range(4)]
+    assert totals[0] == pytest.approx(120.0)
+    assert totals[1] == pytest.approx(31.4, abs=0.05)
+    assert totals[2] == pytest.approx(16.6, abs=0.05)
+    assert totals[3] == pytest.approx(1.875)
+
+
+def test_bytes_per_parameter_table():
+    assert sum(BYTES_PER_PARAM["bf16-mixed", "adamw"]) == 16 and BYTES_PER_PARAM["bf16-mixed", "adamw"][2] == 12
+    assert BYTES_PER_PARAM["fp32", "adam"] == (4, 4, 8)
+    assert BYTES_PER_PARAM["fp32", "sgd"] == (4, 4, 4)
+    p, g, o = zero_model_state_bytes(1000, 4, 2, "fp32", "sgd")
+    assert (p, g, o) == (4000, 1000, 1000)
+
+
+def _strategy(prof, **kw):
+    names = tuple(u.name for u in prof.units)
+    base = dict(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=prof.micro_batch_size,
+                stages=(names,), precision="fp32")
+    base.update(kw)
+    return Strategy(**base)
+
+
+def test_estimate_memory_categories_follow_zero_stage(tiny_profiles):
+    prof = tiny_profiles["gpt-tiny", True]
+    cluster = preset("dgx-h100")
+    psi = prof.total_params
+    for zero, (pd, gd, od) in {0: (1, 1, 1), 1: (1, 1, 4), 2: (1, 4, 4), 3: (4, 4, 4)}.items():
+        est = estimate(_strategy(prof, dp=4, zero=zero), prof, cluster)
+        assert len(est.memory_per_rank) == 4
+        m = est.memory_per_rank[3]
+        assert m.parameters == int(4 * psi / pd) and m.gradients == int(4 * psi / gd) and m.optimizer_states == int(8 * psi / od)
+        assert m.total_bytes == m.parameters + m.gradients + m.optimizer_states + m.activations + m.buffers + m.overhead
+        assert m.to_dict()["total_bytes"] == m.total_bytes
+    # Activations: the saved-for-backward bytes of every unit, one micro-batch in flight (fp32 = profile dtype).
+    est = estimate(_strategy(prof), prof, cluster)
+    assert est.memory_per_rank[0].activations == sum(u.saved_bytes for u in prof.units)
+
+
+def test_pipeline_activations_follow_the_schedule(tiny_profiles):
+    prof = tiny_profiles["gpt-tiny", True]
+    names = [u.name for u in prof.units]
+    stages = (tuple(names[:3]), tuple(names[3:]))
+    per_mb = sum(prof.unit(n).saved_bytes for n in stages[0])
+    for schedule, in_flight in (("1f1b", 2), ("gpipe", 8)):
+        est = estimate(_strategy(prof, pp=2, microbatches=8, schedule=schedule, stages=stages), prof, preset("dgx-h100"))
+        assert est.stages[0].peak_in_flight == in_flight
+        assert est.memory_per_rank[0].activations == pytest.approx(in_flight * per_mb, abs=1)
+    rec = estimate(_strategy(prof, pp=2, microbatches=8, stages=stages, recompute=(True, True)), prof, preset("dgx-h100"))
+    # recompute keeps the units' inputs per micro-batch in flight plus one unit's working set
+    inputs = 2 * 16 * 8 + prof.unit("embed").output_bytes + prof.unit("blocks.0").output_bytes
+    assert rec.memory_per_rank[0].activations == pytest.approx(2 * inputs + max(prof.unit(n).saved_bytes for n in stages[0]), abs=1)
+    assert rec.stages[0].bwd_s > est.stages[0].bwd_s
