@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cost_models.models.chain import UnitChain
 from cost_models.records import Record, record
 
 
@@ -87,7 +88,7 @@ class GPTHead(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class GPT(nn.Module):
+class GPT(UnitChain):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -97,9 +98,3 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             # GPT-2 ties the output projection to the token embedding (one tensor, counted once).
             self.head.lm_head.weight = self.embed.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)

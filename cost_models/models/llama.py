@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cost_models.models.chain import UnitChain
 from cost_models.records import Record, record
 
 
@@ -111,16 +112,10 @@ class LlamaHead(nn.Module):
         return self.output(self.norm(x))
 
 
-class Llama(nn.Module):
+class Llama(UnitChain):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = LlamaEmbedding(cfg)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.head = LlamaHead(cfg)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cost_models.models.chain import UnitChain
 from cost_models.records import Record, record
 
 
@@ -29,16 +30,10 @@ class MLPBlock(nn.Module):
         return x + self.fc2(self.act(self.fc1(self.norm(x))))
 
 
-class DeepMLP(nn.Module):
+class DeepMLP(UnitChain):
     def __init__(self, cfg: MLPConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Linear(cfg.in_dim, cfg.dim)
         self.blocks = nn.ModuleList(MLPBlock(cfg) for _ in range(cfg.n_layers))
         self.head = nn.Sequential(nn.LayerNorm(cfg.dim), nn.Linear(cfg.dim, cfg.out_dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
