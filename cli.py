@@ -228,14 +228,15 @@ def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="
             bar.update(task, completed=done, total=total, description=f"demo: profiling {name}")
         result = run_demo(out_dir, command=_command_line(), on_progress=on_progress,
                           on_status=lambda line: bar.update(task, description=f"demo: {line}"))
-    prof = result.profile
+    prof_file = result.profile_path
+    from planner.manual import load_profile
+    pf = load_profile(prof_file)
+    prof = pf.model
     out.print(_table(UNIT_COLUMNS, unit_rows(prof), title=f"{prof.name}: measured on this machine "
                      f"({prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len}, {prof.threads} thread(s))"))
-    _print_cluster(result.cluster)
-    from cost_models.summaries import ESTIMATE_COLUMNS, estimate_row
-    out.print(_table(ESTIMATE_COLUMNS, [estimate_row(s, e) for s, e in result.estimates],
-                     title="predicted on this machine: ZeRO, pipeline, hybrid (same global batch)"))
-    out.print(f"wrote {result.profile_path}", highlight=False)
+    _print_cluster(pf.cluster)
+    _print_plan(result.plan)
+    out.print(f"wrote {result.profile_path} and {result.plan_path}", highlight=False)
     out.print(f"not built yet: {', '.join(result.not_yet_built)}", highlight=False)
 
 
@@ -293,6 +294,74 @@ def _print_estimate(strategy, est) -> None:
         out.print(line, highlight=False)
     out.print(_table(MEMORY_COLUMNS, memory_rows(est), title=f"memory per rank (GiB = 2^30 B), capacity "
                      f"{est.capacity_bytes / 2**30:.2f} GiB"))
+
+
+@app.command()
+@handles_errors
+def plan(
+    profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile.json from `planner profile`"),
+    gpus: Optional[int] = typer.Option(None, "--gpus", "-g", help="devices to plan for (default: all of the cluster)"),
+    global_batch_size: int = typer.Option(..., "--global-batch-size", "-B", help="sequences per optimizer step"),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="plan for a preset or cluster file instead of the profile's cluster"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="scale the cluster to N nodes"),
+    top_k: int = typer.Option(5, "--top-k", help="alternatives to keep, with why each lost"),
+    time_limit: float = typer.Option(10.0, "--time-limit", help="seconds for the MILP partition check"),
+    precision: str = typer.Option("bf16-mixed", "--precision", help="bf16-mixed | fp32"),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | adam | sgd"),
+    output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="where to write the plan ('-' for none)"),
+    force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout"),
+) -> None:
+    """Search every strategy (ZeRO 0-3 x pipeline depth x schedule x micro-batching x recompute), pick the fastest
+    that fits, and explain why; writes plan.json."""
+    from cost_models.cluster_source import resolve_cluster
+    from cost_models.errors import ConfigError, OutputExistsError
+    from cost_models.fileio import dumps, write_atomic
+    from planner.manual import load_profile
+    from planner.search import plan as run_plan
+
+    write_to = None if str(output) == "-" else output
+    overwrite = _confirm_overwrite(write_to, force) if write_to else False
+    if write_to and write_to.exists() and not overwrite:
+        raise OutputExistsError(f"{write_to} already exists; pass --force to overwrite it or -o to write elsewhere")
+    pf = load_profile(profile_path)
+    target = resolve_cluster(cluster, nodes=nodes) if cluster else pf.cluster
+    if target is None:
+        raise ConfigError(f"{profile_path} has no cluster; pass --cluster PRESET|FILE")
+    if nodes and not cluster:
+        target = target.with_nodes(nodes)
+    with _progress() as bar:
+        task = bar.add_task("planning: costing strategies", total=None)
+        result = run_plan(pf.model, target, gpus=gpus or target.world_size, global_batch_size=global_batch_size,
+                          top_k=top_k, time_limit_s=time_limit, precision=precision, optimizer=optimizer,
+                          profile_path=str(profile_path), command=_command_line(),
+                          on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+    data = result.to_dict()
+    if write_to:
+        write_atomic(write_to, dumps(data), overwrite=overwrite)
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    _print_plan(result)
+    if write_to:
+        err.print(f"wrote {write_to}", highlight=False)
+
+
+def _print_plan(p) -> None:
+    from cost_models.summaries import strategy_name
+    r, pv = p.rationale, p.provenance
+    out.print(f"{p.model.name} on {p.gpus} x {p.cluster.device.name} ({p.cluster.name}), global batch "
+              f"{p.global_batch_size} x {p.model.seq_len}", highlight=False)
+    for line in r.lines:
+        out.print(line, highlight=False)
+    _print_estimate(p.strategy, p.prediction)
+    rows = [[strategy_name(p.strategy), f"{p.prediction.step_time_s * 1e3:,.1f}",
+             f"{p.prediction.peak_memory_bytes / 2**30:.2f}", "chosen"]]
+    rows += [[strategy_name(a.strategy), f"{a.step_time_s * 1e3:,.1f}", f"{a.peak_memory_bytes / 2**30:.2f}",
+              a.lost_because] for a in p.alternatives]
+    out.print(_table(["strategy", "step ms", "peak GiB", "why not"], rows, title="top candidates"))
+    out.print(f"searched {pv.points_considered} points: {pv.points_pruned} pruned, {pv.points_costed} estimates, "
+              f"{pv.planning_time_s:.2f} s; partition {pv.partitioner}, MILP {pv.milp_status}", highlight=False)
 
 
 def main() -> None:

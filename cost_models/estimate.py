@@ -10,9 +10,10 @@ executor runs (ZeRO paper, section 7: 2Ψ for stages 0-2, 3Ψ for stage 3, per g
             defers both to once per step
     ZeRO-3  FSDP2 gathers parameters for every micro-batch's forward and again for its backward; gradients are
             reduce-scattered every micro-batch without a pipeline, once per step in one
-Overlap: GPUs run NCCL on separate streams, so per-micro-batch gathers hide behind compute (FSDP prefetch) and
-DDP's bucketed all-reduce hides behind the last backward; what does not fit is exposed. CPU ranks share their
-cores with gloo's threads, so nothing is assumed hidden there.
+Overlap: without a pipeline on GPUs, FSDP2's one-unit-ahead prefetch and DDP's bucketed all-reduce hide
+communication behind compute unit by unit (see _overlapped_dp_time); what does not fit is exposed. With a
+pipeline, each stage is one FSDP unit and torch's stage runs its gathers and the final reduction outside the
+compute, so they are exposed. CPU ranks share their cores with gloo's threads: nothing is assumed hidden there.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from cost_models.compute import optimizer_step_time, unit_times, uses_measured_t
 from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, comm_buffer_bytes, zero_model_state_bytes
 from cost_models.profile import ModelProfile
 from cost_models.records import Record, record
-from cost_models.schedule import StageCost, format_order, generate, simulate, stage_to_rank
+from cost_models.schedule import StageCost, cached_order, format_order, simulate, stage_to_rank
 from cost_models.strategy import Strategy
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -100,12 +101,25 @@ def _stage_params(profile: ModelProfile, units: tuple[str, ...]) -> tuple[int, i
     return total, largest
 
 
+def _boundary_bytes(profile: ModelProfile, stages, sid: int, unit_index: dict[str, int]) -> float:
+    """Bytes stage `sid` sends on per micro-batch: its last unit's output in a chain; in a DAG, every edge from a
+    unit at or before this stage to a unit after it (skip connections ride along through later stages)."""
+    last = unit_index[stages[sid][-1]]
+    if not profile.edges:
+        return float(profile.units[last].output_bytes)
+    return float(sum(e.bytes for e in profile.edges if e.src <= last < e.dst))
+
+
 def _crosses_nodes(rank_a: int, rank_b: int, cluster: ClusterProfile) -> bool:
     return rank_a // cluster.devices_per_node != rank_b // cluster.devices_per_node
 
 
-def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> Estimate:
-    """Predict one training step of `strategy` (validated against the profile's units) on `cluster`."""
+def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *, compact: bool = False) -> Estimate:
+    """Predict one training step of `strategy` (validated against the profile's units) on `cluster`.
+
+    compact=True is for ranking many candidates: the same step time and fit, but no separate bubble / p2p split
+    (one simulation instead of two; bubble_s holds both) and one memory entry per pipeline rank instead of one
+    per global rank. Reports and plan files use full estimates."""
     s = strategy
     s.validate(tuple(u.name for u in profile.units))
     p_b, g_b, _ = BYTES_PER_PARAM[(s.precision, s.optimizer)]
@@ -116,12 +130,14 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile)
     unit_index = {u.name: i for i, u in enumerate(profile.units)}
     input_bytes = math.prod(profile.input.shape) * (8 if profile.input.kind == "tokens" else _DTYPE_BYTES[profile.dtype])
     stage_costs, stage_info = [], []
+    unit_fb: list[tuple[float, float]] = []   # per unit (forward, backward incl. recompute) of one micro-batch
     for sid, units in enumerate(s.stages):
         fwd = bwd = 0.0
         for name in units:
             f, b = unit_times(profile.unit(name), profile, cluster, micro_batch_size=s.micro_batch_size,
                               precision=s.precision, ranks_running=world)
             fwd, bwd = fwd + f, bwd + b
+            unit_fb.append((f, b + (f if s.stage_recompute(sid) else 0.0)))
         members = [profile.unit(n) for n in units]
         first = unit_index[units[0]]
         stage_input = input_bytes * s.micro_batch_size / profile.micro_batch_size if first == 0 else \
@@ -134,7 +150,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile)
             bwd += fwd
         else:
             act = sum(u.saved_bytes for u in members) * act_scale
-        boundary = members[-1].output_bytes * act_scale
+        boundary = _boundary_bytes(profile, s.stages, sid, unit_index) * act_scale
         params, largest = _stage_params(profile, units)
         rank = stage_to_rank(sid, s.pp) * s.dp
         nxt = stage_to_rank(sid + 1, s.pp) * s.dp
@@ -146,36 +162,32 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile)
         stage_info.append((units, params, largest, fwd, bwd, act, boundary, working_set, stage_input))
 
     schedule = s.schedule if s.pp > 1 or s.v > 1 else "1f1b"   # one stage: plain gradient accumulation
-    order = generate(schedule, s.pp, s.microbatches, s.v)
+    order = cached_order(schedule, s.pp, s.microbatches, s.v)
     sim = simulate(order, stage_costs, p=s.pp)
-    free = simulate(order, [StageCost(fwd_s=c.fwd_s, bwd_s=c.bwd_s, activation_bytes=c.activation_bytes)
-                            for c in stage_costs], p=s.pp)
+    free = sim if compact else simulate(order, [StageCost(fwd_s=c.fwd_s, bwd_s=c.bwd_s, activation_bytes=c.activation_bytes)
+                                                for c in stage_costs], p=s.pp)
 
     # Data-parallel collectives per pipeline rank (all its stages), and what is exposed.
-    gpu = cluster.device.kind == "gpu"
     dp_rpn = math.gcd(s.dp, cluster.devices_per_node) if s.dp > cluster.devices_per_node else None
+
+    def coll(op: str, size: float) -> float:
+        return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn)
+
     dp_bytes: dict[str, float] = {}
     rank_end: list[float] = []
     rank_dp: list[float] = []
     for r in range(s.pp):
-        ends = [e.end_s for e in sim.timeline if e.rank == r]
-        rank_compute = sim.busy_s[r]
-        comm_total = exposed_hidden = 0.0
+        exposed = 0.0
         for sid in range(r, s.n_stages, s.pp):
             _, params, *_ = stage_info[sid]
-            ops = _dp_collectives(s, params * p_b, params * g_b)
-            for op, count, size, per_micro in ops:
-                t = count * collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn)
-                comm_total += t
+            for op, count, size, _ in _dp_collectives(s, params * p_b, params * g_b):
+                exposed += count * coll(op, size)
                 if r == 0:
                     dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
-                if gpu:
-                    # per-micro-batch gathers hide behind compute (FSDP prefetch); a once-per-step reduction hides
-                    # behind the last micro-batch's backward only without a pipeline (DDP buckets / FSDP RS)
-                    window = rank_compute if per_micro else (stage_costs[sid].bwd_s if s.pp == 1 else 0.0)
-                    exposed_hidden += min(t, window)
-        rank_dp.append(comm_total - exposed_hidden)
-        rank_end.append((max(ends) if ends else 0.0) + rank_dp[-1])
+        if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1:
+            exposed = _overlapped_dp_time(s, profile, unit_fb, coll, p_b, g_b)
+        rank_dp.append(exposed)
+        rank_end.append(sim.finish_s.get(r, 0.0) + exposed)
 
     opt_params = max(sum(stage_info[sid][1] for sid in range(r, s.n_stages, s.pp)) for r in range(s.pp))
     opt_params_rank = opt_params / (s.dp if s.zero >= 1 else 1)
@@ -188,7 +200,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile)
         p2p_s=max(0.0, sim.makespan_s - free.makespan_s), dp_comm_s=rank_dp[critical], optimizer_s=optimizer_s,
         total_s=total)
 
-    memory = _memory(s, profile, cluster, stage_info, sim, p_b, g_b)
+    memory = _memory(s, profile, cluster, stage_info, sim, p_b, g_b, per_rank=not compact)
     tokens = s.global_batch_size * (profile.seq_len if profile.input.kind in ("tokens", "features") else 1)
     model_flops = sum(u.fwd_flops + u.bwd_flops for u in profile.units) / profile.micro_batch_size * s.global_batch_size
     peak = cluster.device.peak_flops.get(compute_dtype)
@@ -209,7 +221,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile)
         comm=CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()),
                         dp_collectives=dp_bytes, p2p_link=p2p_link, dp_link=dp_link),
         compute_source="measured" if uses_measured_times(profile, cluster) else "flops",
-        pipeline_order=format_order(order))
+        pipeline_order={} if compact else format_order(order))
 
 
 def _dp_collectives(s: Strategy, param_bytes: float, grad_bytes: float) -> list[tuple[str, int, float, bool]]:
@@ -230,8 +242,33 @@ def _dp_collectives(s: Strategy, param_bytes: float, grad_bytes: float) -> list[
     return [("all_gather", 2 * m, param_bytes, True), ("reduce_scatter", m, grad_bytes, True)]
 
 
+def _overlapped_dp_time(s: Strategy, profile: ModelProfile, unit_fb: list[tuple[float, float]], coll,
+                        p_b: int, g_b: int) -> float:
+    """Exposed data-parallel time without a pipeline on GPUs, where NCCL runs beside compute.
+
+    FSDP2 wraps each unit and prefetches one unit ahead (Zhao et al. 2023, "PyTorch FSDP", section 3.3): the
+    gather of unit u hides behind the forward of unit u-1 (the first unit's cannot hide), and in backward the
+    gather and reduce-scatter of unit u behind its backward. DDP all-reduces gradient buckets while the last
+    micro-batch's backward runs; ZeroRedundancyOptimizer broadcasts updated shards after the step (exposed).
+    """
+    params = [u.params for u in profile.units]
+    m = s.microbatches
+    if s.zero <= 1:
+        ar = coll("all_reduce", sum(params) * g_b)
+        exposed = max(0.0, ar - sum(b for _, b in unit_fb))
+        return exposed + (coll("all_gather", sum(params) * p_b) if s.zero == 1 else 0.0)
+    gather = [coll("all_gather", n * p_b) for n in params]
+    reduce = [coll("reduce_scatter", n * g_b) for n in params]
+    fwd = gather[0] + sum(max(0.0, gather[u] - unit_fb[u - 1][0]) for u in range(1, len(params)))
+    if s.zero == 2:   # gathered once per micro-batch, kept through backward; gradients reduce-scattered per unit
+        bwd = sum(max(0.0, reduce[u] - unit_fb[u][1]) for u in range(len(params)))
+    else:             # ZeRO-3 gathers again for backward
+        bwd = sum(max(0.0, gather[u] + reduce[u] - unit_fb[u][1]) for u in range(len(params)))
+    return m * (fwd + bwd)
+
+
 def _memory(s: Strategy, profile: ModelProfile, cluster: ClusterProfile, stage_info, sim, p_b: int,
-            g_b: int) -> tuple[MemoryBreakdown, ...]:
+            g_b: int, *, per_rank: bool = True) -> tuple[MemoryBreakdown, ...]:
     per_pp_rank = []
     for r in range(s.pp):
         sids = tuple(range(r, s.n_stages, s.pp))
@@ -244,7 +281,7 @@ def _memory(s: Strategy, profile: ModelProfile, cluster: ClusterProfile, stage_i
         per_pp_rank.append((sids, p, g, o, activations, buffers))
     overhead = OVERHEAD_BYTES[cluster.device.kind]
     out = []
-    for rank in range(s.world_size):
+    for rank in (range(s.world_size) if per_rank else range(0, s.world_size, s.dp)):
         sids, p, g, o, a, b = per_pp_rank[rank // s.dp]
         out.append(MemoryBreakdown(rank=rank, stages=sids, parameters=int(p), gradients=int(g), optimizer_states=int(o),
                                    activations=int(a), buffers=int(b), overhead=overhead))

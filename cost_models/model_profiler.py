@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from cost_models.errors import ConfigError, ProfileError
 from cost_models.models.losses import compute_loss, loss_kind, synthetic_target
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
-from cost_models.profile import ModelProfile, SharedParam, Timing, UnitProfile
+from cost_models.profile import ModelProfile, SharedParam, Timing, UnitEdge, UnitProfile
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -83,18 +83,31 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 class _Capture:
-    """Forward pre-hooks that record module call order and the first call's inputs of each watched module."""
+    """Hooks that record module call order, the first call's inputs of each watched module, and the storages of
+    its outputs (to find which unit's output feeds which unit: the data-flow edges)."""
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.order: list[str] = []
         self.inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        self.handles = [m.register_forward_pre_hook(self._hook(name), with_kwargs=True) for name, m in modules.items()]
+        self.outputs: dict[str, set[int]] = {}
+        self.keep_alive: list[torch.Tensor] = []
+        self.handles = [m.register_forward_pre_hook(self._pre(name), with_kwargs=True) for name, m in modules.items()]
+        self.handles += [m.register_forward_hook(self._post(name)) for name, m in modules.items()]
 
-    def _hook(self, name: str):
+    def _pre(self, name: str):
         def hook(module, args, kwargs):
             if name not in self.inputs:
                 self.order.append(name)
                 self.inputs[name] = (args, kwargs)
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, output):
+            if name not in self.outputs:
+                tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+                self.outputs[name] = {_storage_key(t) for t in tensors}
+                self.keep_alive.extend(tensors)  # a freed storage's address could be reused: hold them all
+
         return hook
 
     def remove(self) -> None:
@@ -250,7 +263,7 @@ UnitResults = list[tuple[str, tuple[str, ...], list[_ModuleResult]]]
 
 def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_name: str, units, *, excluded: set[int],
                    loss: str, timed: bool, warmup: int, repeats: int,
-                   on_progress: ProgressFn | None) -> tuple[UnitResults, int, set[str]]:
+                   on_progress: ProgressFn | None) -> tuple[UnitResults, int, set[str], tuple["UnitEdge", ...]]:
     """Find the units (steps 1-2 of the module doc), then measure each of their modules alone (steps 3-4)."""
     explicit = _parse_units(units, model) if units else None
     if explicit:
@@ -272,6 +285,7 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
         for m in mods:
             if m not in capture.inputs:
                 raise ProfileError(f"unit '{name}': module '{m}' never ran in the forward pass")
+    edges = _data_flow_edges(unit_defs, capture)
 
     results_by_unit: UnitResults = []
     attention: set[str] = set(_attention_ops(model_fc))
@@ -287,7 +301,29 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
         results_by_unit.append((name, mods, results))
     if on_progress:
         on_progress(len(unit_defs), len(unit_defs), "done")
-    return results_by_unit, model_fc.get_total_flops(), attention
+    return results_by_unit, model_fc.get_total_flops(), attention, edges
+
+
+def _data_flow_edges(unit_defs, capture: _Capture) -> tuple[UnitEdge, ...]:
+    """(src unit, dst unit, bytes) for every tensor a unit's output hands to a later unit's input. A chain has
+    only (i, i+1) edges; a skip connection across units shows as an edge that jumps."""
+    producer: dict[int, int] = {}
+    for i, (_, mods) in enumerate(unit_defs):
+        for key in capture.outputs.get(mods[-1], ()):
+            producer[key] = i
+    found: dict[tuple[int, int], int] = {}
+    for j, (_, mods) in enumerate(unit_defs):
+        seen: set[int] = set()
+        for m in mods:
+            for t in tree_leaves(capture.inputs[m]):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key = _storage_key(t)
+                src = producer.get(key)
+                if src is not None and src < j and key not in seen:
+                    seen.add(key)
+                    found[src, j] = found.get((src, j), 0) + _nbytes(t)
+    return tuple(UnitEdge(src=a, dst=b, bytes=n) for (a, b), n in sorted(found.items()))
 
 
 def _check_fits_in_memory(source: ModelSource, dtype: torch.dtype) -> None:
@@ -328,7 +364,7 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
         stack.enter_context(source.forward_context())
         if meta:
             stack.enter_context(_FusedAttentionOnMeta())
-        unit_results, model_fwd_flops, attention = _measure_units(
+        unit_results, model_fwd_flops, attention, edges = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
             repeats=repeats, on_progress=on_progress)
     unit_profiles, shared = _account_params(model, unit_results)
@@ -341,7 +377,7 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
         input=input_spec(inputs, kind=in_kind, vocab_size=vocab), loss=loss, units=tuple(unit_profiles),
         total_params=total_params, total_param_bytes=sum(_nbytes(p) for p in model.parameters()),
         unassigned_params=total_params - assigned, shared=tuple(shared),
-        model_fwd_flops=model_fwd_flops, attention_kernels=tuple(sorted(attention)),
+        model_fwd_flops=model_fwd_flops, attention_kernels=tuple(sorted(attention)), edges=edges,
         largest_unit=largest.name, device=device, threads=torch.get_num_threads(), torch_version=torch.__version__,
         command=command, created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )

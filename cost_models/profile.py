@@ -5,6 +5,7 @@ torch.utils.flop_counter does); times are seconds; `*_bytes` of activations are 
 """
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 from cost_models.cluster import ClusterProfile
@@ -62,6 +63,16 @@ class SharedParam(Record):
 
 
 @record
+class UnitEdge(Record):
+    """Unit `src`'s output feeds unit `dst` (by index), `bytes` per micro-batch. Consecutive pairs form the chain;
+    an edge that skips units is a skip connection, and makes the units a DAG."""
+
+    src: int
+    dst: int
+    bytes: int
+
+
+@record
 class ModelProfile(Record):
     name: str
     source: str                          # the --model reference, enough to rebuild the module
@@ -79,6 +90,7 @@ class ModelProfile(Record):
     model_fwd_flops: int                 # the whole model's forward; minus the units' sum = work outside any unit
     attention_kernels: tuple[str, ...]   # SDPA kernels seen (meta mode substitutes the fused CPU kernel)
     largest_unit: str
+    edges: tuple[UnitEdge, ...] = ()     # data flow between units; empty in files written before edges were recorded
     device: str
     threads: int
     torch_version: str
@@ -86,10 +98,15 @@ class ModelProfile(Record):
     created_at: str
 
     def unit(self, name: str) -> UnitProfile:
-        for u in self.units:
-            if u.name == name:
-                return u
-        raise KeyError(name)
+        return self._by_name[name]
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, UnitProfile]:
+        return {u.name: u for u in self.units}
+
+    @property
+    def is_chain(self) -> bool:
+        return all(e.dst == e.src + 1 for e in self.edges)
 
     @property
     def unattributed_fwd_flops(self) -> int:

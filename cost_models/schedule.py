@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
@@ -73,7 +74,22 @@ def check_schedule(schedule: str, p: int, m: int, v: int) -> None:
 
 def generate(schedule: str, p: int, m: int, v: int = 1) -> Order:
     """The compute-action order of every rank for `schedule` on p ranks, m micro-batches, v chunks per rank."""
+    return {r: list(acts) for r, acts in _generate(schedule, p, m, v).items()}
+
+
+def cached_order(schedule: str, p: int, m: int, v: int = 1) -> Mapping[int, Sequence[Action]]:
+    """Like generate(), but the shared cached copy: read it, do not modify it."""
+    return _generate(schedule, p, m, v)
+
+
+@lru_cache(maxsize=256)
+def _generate(schedule: str, p: int, m: int, v: int) -> dict[int, tuple[Action, ...]]:
+    """Cached (the planner costs many points with the same schedule shape); callers get copies."""
     check_schedule(schedule, p, m, v)
+    return {r: tuple(acts) for r, acts in _orders(schedule, p, m, v).items()}
+
+
+def _orders(schedule: str, p: int, m: int, v: int) -> Order:
     if schedule == "gpipe":
         return {r: [Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)] for r in range(p)}
     if schedule == "1f1b":
@@ -176,104 +192,111 @@ class Simulation:
     makespan_s: float
     busy_s: dict[int, float]           # per rank
     idle_s: dict[int, float]
+    finish_s: dict[int, float]         # per rank: when its last action ends
     bubble_ratio: float                # (makespan - ideal) / ideal, ideal = the busiest rank's compute (Narayanan's (p-1)/m)
     bubble_share: float                # idle share of all rank-time: sum idle / (ranks * makespan)
     peak_in_flight: dict[int, int]     # per stage: most micro-batches forwarded but not yet fully backwarded
     peak_activation_bytes: dict[int, float]  # per rank: peak of the sum over its stages of in-flight x bytes
-    timeline: tuple[Event, ...]
+    timeline: tuple[Event, ...]        # empty unless asked for
 
 
-def _duration(cost: StageCost, kind: str) -> float:
-    if kind == "F":
-        return cost.fwd_s
-    if kind == "B":
-        return cost.bwd_s
-    if kind == "I":
-        return cost.bwd_s * cost.bwd_input_fraction
-    return cost.bwd_s * (1 - cost.bwd_input_fraction)
+_KEY = {"F": 0, "B": 1, "I": 1, "W": 2}   # B and I both release the input gradient the previous stage waits for
 
 
-def simulate(order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], *, p: int) -> Simulation:
+def simulate(order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], *, p: int,
+             keep_timeline: bool = False) -> Simulation:
     """Run the order with real durations: an action starts when its rank is free and its inputs have arrived.
 
     Dependencies: F(s, i) needs F(s-1, i) (plus the p2p time if s-1 is on another rank); B or I (s, i) needs
     F(s, i) and the backward of (s+1, i) (plus p2p); W(s, i) needs I(s, i). p2p transfers overlap compute.
+    Event-driven: a rank blocked on a missing input is parked on it and woken when it completes, so each action
+    is examined a bounded number of times.
     """
     n_stages = len(costs)
-    done: dict[tuple[int, str, int], float] = {}
+    dur = {"F": [c.fwd_s for c in costs], "B": [c.bwd_s for c in costs],
+           "I": [c.bwd_s * c.bwd_input_fraction for c in costs],
+           "W": [c.bwd_s * (1 - c.bwd_input_fraction) for c in costs]}
+    send_f = [c.send_fwd_s for c in costs]
+    send_b = [c.send_bwd_s for c in costs]
+    done: dict[tuple[int, int, int], float] = {}
+    waiting: dict[tuple[int, int, int], list[int]] = defaultdict(list)
     free = {r: 0.0 for r in order}
+    busy = {r: 0.0 for r in order}
     pos = {r: 0 for r in order}
+    has_w = {a.stage for acts in order.values() for a in acts if a.kind == "W"}
+    points: list[tuple[float, int, int, int]] = []  # (time, +1/-1, stage, rank) for the memory timeline
     events: list[Event] = []
-    total = sum(len(a) for a in order.values())
-
-    def ready(a: Action, r: int) -> float | None:
-        deps: list[float] = []
-        if a.kind == "F":
-            if a.stage > 0:
-                prev = done.get((a.stage - 1, "F", a.mb))
-                if prev is None:
-                    return None
-                hop = costs[a.stage - 1].send_fwd_s if stage_to_rank(a.stage - 1, p) != r else 0.0
-                deps.append(prev + hop)
-        elif a.kind in ("B", "I"):
-            own = done.get((a.stage, "F", a.mb))
-            if own is None:
-                return None
-            deps.append(own)
-            if a.stage < n_stages - 1:
-                nxt = done.get((a.stage + 1, "B", a.mb), done.get((a.stage + 1, "I", a.mb)))
-                if nxt is None:
-                    return None
-                hop = costs[a.stage + 1].send_bwd_s if stage_to_rank(a.stage + 1, p) != r else 0.0
-                deps.append(nxt + hop)
-        else:
-            inp = done.get((a.stage, "I", a.mb))
-            if inp is None:
-                return None
-            deps.append(inp)
-        return max(deps, default=0.0)
-
-    while len(events) < total:
-        progressed = False
-        for r, acts in order.items():
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                t = ready(a, r)
-                if t is None:
+    stack = list(order)
+    while stack:
+        r = stack.pop()
+        acts = order[r]
+        while pos[r] < len(acts):
+            a = acts[pos[r]]
+            s, kind, mb = a.stage, a.kind, a.mb
+            if kind == "F":
+                if s > 0:
+                    dep = (s - 1, 0, mb)
+                    t = done.get(dep)
+                    if t is None:
+                        waiting[dep].append(r)
+                        break
+                    ready = t + (send_f[s - 1] if (s - 1) % p != r else 0.0)
+                else:
+                    ready = 0.0
+            elif kind == "W":
+                dep = (s, 1, mb)
+                ready = done.get(dep)
+                if ready is None:
+                    waiting[dep].append(r)
                     break
-                start = max(free[r], t)
-                end = start + _duration(costs[a.stage], a.kind)
-                done[(a.stage, a.kind, a.mb)] = end
-                free[r] = end
+            else:
+                dep = (s, 0, mb)
+                own = done.get(dep)
+                if own is None:
+                    waiting[dep].append(r)
+                    break
+                ready = own
+                if s < n_stages - 1:
+                    dep = (s + 1, 1, mb)
+                    t = done.get(dep)
+                    if t is None:
+                        waiting[dep].append(r)
+                        break
+                    ready = max(ready, t + (send_b[s + 1] if (s + 1) % p != r else 0.0))
+            start = free[r] if free[r] > ready else ready
+            end = start + dur[kind][s]
+            key = (s, _KEY[kind], mb)
+            done[key] = end
+            free[r] = end
+            busy[r] += end - start
+            pos[r] += 1
+            if kind == "F":
+                points.append((start, 1, s, r))
+            elif kind == "W" or s not in has_w:
+                points.append((end, -1, s, r))
+            if keep_timeline:
                 events.append(Event(r, a, start, end))
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(acts[pos[r]]) for r, acts in order.items() if pos[r] < len(acts)}
-            raise ValueError(f"schedule deadlocks: ranks wait on each other at {stuck}")
+            for w in waiting.pop(key, ()):
+                stack.append(w)
+    stuck = {r: str(acts[pos[r]]) for r, acts in order.items() if pos[r] < len(acts)}
+    if stuck:
+        raise ValueError(f"schedule deadlocks: ranks wait on each other at {stuck}")
 
-    makespan = max(e.end_s for e in events) if events else 0.0
-    busy = {r: sum(e.end_s - e.start_s for e in events if e.rank == r) for r in order}
+    makespan = max(free.values(), default=0.0)
     idle = {r: makespan - busy[r] for r in order}
-    ideal = max(busy.values()) if busy else 0.0
-    in_flight, act_bytes = _memory_timeline(events, costs)
-    return Simulation(makespan_s=makespan, busy_s=busy, idle_s=idle,
+    ideal = max(busy.values(), default=0.0)
+    in_flight, act_bytes = _memory_timeline(points, costs)
+    return Simulation(makespan_s=makespan, busy_s=busy, idle_s=idle, finish_s=dict(free),
                       bubble_ratio=(makespan - ideal) / ideal if ideal > 0 else 0.0,
                       bubble_share=sum(idle.values()) / (len(order) * makespan) if makespan > 0 else 0.0,
                       peak_in_flight=in_flight, peak_activation_bytes=act_bytes,
                       timeline=tuple(sorted(events, key=lambda e: (e.start_s, e.rank))))
 
 
-def _memory_timeline(events: Sequence[Event], costs: Sequence[StageCost]) -> tuple[dict[int, int], dict[int, float]]:
-    """A micro-batch's activations live from its forward's start until its last backward piece (B, or W) ends."""
-    points: list[tuple[float, int, int, int]] = []   # (time, +1/-1, stage, rank); frees sort before allocs at a tie
-    has_w = {(e.action.stage, e.action.mb) for e in events if e.action.kind == "W"}
-    for e in events:
-        a = e.action
-        if a.kind == "F":
-            points.append((e.start_s, 1, a.stage, e.rank))
-        elif a.kind == "W" or (a.kind in ("B", "I") and (a.stage, a.mb) not in has_w):
-            points.append((e.end_s, -1, a.stage, e.rank))
+def _memory_timeline(points: list[tuple[float, int, int, int]],
+                     costs: Sequence[StageCost]) -> tuple[dict[int, int], dict[int, float]]:
+    """A micro-batch's activations live from its forward's start until its last backward piece (B, or W) ends;
+    at equal times frees come first."""
     points.sort(key=lambda x: (x[0], x[1]))
     count: dict[int, int] = defaultdict(int)
     peak: dict[int, int] = defaultdict(int)
@@ -281,7 +304,9 @@ def _memory_timeline(events: Sequence[Event], costs: Sequence[StageCost]) -> tup
     peak_bytes: dict[int, float] = defaultdict(float)
     for _, delta, stage, rank in points:
         count[stage] += delta
-        peak[stage] = max(peak[stage], count[stage])
+        if count[stage] > peak[stage]:
+            peak[stage] = count[stage]
         live[rank] += delta * costs[stage].activation_bytes
-        peak_bytes[rank] = max(peak_bytes[rank], live[rank])
+        if live[rank] > peak_bytes[rank]:
+            peak_bytes[rank] = live[rank]
     return dict(peak), dict(peak_bytes)

@@ -9,7 +9,7 @@ from cost_models.errors import ConfigError
 from cost_models.fileio import read_json
 from cost_models.profile import PROFILE_KIND, SCHEMA_VERSION, ModelProfile, ProfileFile
 from cost_models.strategy import Strategy
-from planner.partition import chain_partition, stages_from_ranges
+from planner.partition import balanced_partition, stages_from_ranges
 
 
 def load_profile(path: str | Path) -> ProfileFile:
@@ -46,7 +46,7 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, *, dp: int, p
         raise ConfigError(f"pp x v = {n_stages} stages, but the model has only {len(profile.units)} units")
     costs = [sum(unit_times(u, profile, cluster, micro_batch_size=mbs, precision=precision, ranks_running=dp * pp))
              for u in profile.units]
-    ranges = chain_partition(costs, n_stages)
+    ranges = balanced_partition(costs, n_stages)
     return Strategy(dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=mbs, v=v,
                     stages=stages_from_ranges([u.name for u in profile.units], ranges),
                     recompute=parse_recompute(recompute, n_stages), precision=precision, optimizer=optimizer)

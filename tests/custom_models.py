@@ -43,3 +43,39 @@ def broken_model() -> nn.Module:
 
 def not_a_model():
     return 42
+
+
+class SkipBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, skip=None):
+        y = torch.relu(self.fc(x))
+        return y if skip is None else y + skip
+
+
+class SkipNet(nn.Module):
+    """Six blocks; block 1's output also feeds block 4 (a skip connection across units), U-Net style."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(SkipBlock(16) for _ in range(6))
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        x = self.stem(x)
+        saved = None
+        for i, block in enumerate(self.blocks):
+            x = block(x, skip=saved if i == 4 else None)
+            if i == 1:
+                saved = x
+        return self.out(x)
+
+    def example_input(self, batch_size: int, seq_len: int):
+        return torch.randn(batch_size, seq_len, 8)
+
+
+def make_skipnet() -> nn.Module:
+    return SkipNet()

@@ -1,0 +1,261 @@
+"""`plan()`: search the space, cost each surviving point with cost_models.estimate, rank, and explain.
+
+Search: enumerate (planner.space), prune what provably cannot win, cost the rest in order of a lower bound,
+branch-and-bound against the k-th best feasible time found so far:
+  P1 memory bound: a stage holds at least max(Ψ / pp, largest unit) parameters; if those model states plus the
+     per-process overhead exceed the device, no partition, schedule or micro-batching of that (dp, pp, ZeRO) fits;
+  P2 time bound: the busiest rank computes at least m * (sum of unit forward + backward) / pp; a point whose bound
+     is not below the k-th best predicted time cannot enter the top k.
+A point that does not fit with time-balanced stages is retried with recompute on the stages that overflow, then
+with the memory-aware exact DP partition.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import math
+import platform
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from cost_models.cluster import ClusterProfile
+from cost_models.compute import unit_times
+from cost_models.errors import ConfigError, InfeasibleError
+from cost_models.estimate import Estimate, estimate
+from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, zero_model_state_bytes
+from cost_models.profile import ModelProfile
+from cost_models.strategy import Strategy
+from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
+                               milp_partition, stages_from_ranges)
+from planner.plan import Alternative, ModelRef, Plan, Provenance
+from planner.rationale import explain, why_lost
+from planner.space import Point, enumerate_points
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class _Costed:
+    point: Point
+    strategy: Strategy
+    estimate: Estimate
+
+
+class _Partitions:
+    """Stage cuts per stage count, balanced on predicted unit time (independent of micro-batch size: times scale
+    linearly), computed once per stage count."""
+
+    def __init__(self, profile: ModelProfile, unit_cost: list[float]) -> None:
+        self.profile, self.unit_cost, self.cache, self.bottlenecks = profile, unit_cost, {}, {}
+        self.names = [u.name for u in profile.units]
+
+    def min_bottleneck(self, k: int) -> float:
+        """The least possible largest stage (per micro-batch at the profile's batch) over all contiguous splits."""
+        if k not in self.bottlenecks:
+            prefix = [0.0]
+            for c in self.unit_cost:
+                prefix.append(prefix[-1] + c)
+            self.bottlenecks[k] = max(prefix[b] - prefix[a] for a, b in balanced_partition(self.unit_cost, k))
+        return self.bottlenecks[k]
+
+    def stages(self, k: int) -> tuple[tuple[str, ...], ...]:
+        if k not in self.cache:
+            if self.profile.is_chain:
+                ranges = balanced_partition(self.unit_cost, k)
+                self.cache[k] = stages_from_ranges(self.names, ranges)
+            else:
+                edges = [(e.src, e.dst, float(e.bytes)) for e in self.profile.edges]
+                self.cache[k] = tuple(tuple(self.names[u] for u in st) for st in dag_partition(self.unit_cost, edges, k))
+        return self.cache[k]
+
+
+def _strategy(point: Point, stages, *, precision: str, optimizer: str, recompute=()) -> Strategy:
+    return Strategy(dp=point.dp, pp=point.pp, zero=point.zero, schedule=point.schedule, microbatches=point.microbatches,
+                    micro_batch_size=point.micro_batch_size, v=point.v, stages=stages, recompute=tuple(recompute),
+                    precision=precision, optimizer=optimizer)
+
+
+def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterProfile, est: Estimate,
+                         unit_cost: list[float], *, precision: str, optimizer: str):
+    """The exact DP with per-stage memory (in-flight counts from the first estimate's schedule)."""
+    p_b, g_b, k_b = BYTES_PER_PARAM[(precision, optimizer)]
+    per_param = sum(b / (point.dp if point.zero >= z else 1) for b, z in ((p_b, 3), (g_b, 2), (k_b, 1)))
+    scale = point.micro_batch_size / profile.micro_batch_size
+    act_scale = scale * (4 if precision == "fp32" else 2) / {"fp32": 4, "bf16": 2, "fp16": 2}[profile.dtype]
+    problem = PartitionProblem(
+        costs=tuple(unit_cost), n_stages=point.pp * point.v,
+        state_bytes=tuple((u.params + sum(s.numel for s in profile.shared if set(u.shared_params) & set(s.aliases)))
+                          * per_param for u in profile.units),
+        act_bytes=tuple(u.saved_bytes * act_scale for u in profile.units),
+        in_flight=tuple(max(1, st.peak_in_flight) for st in est.stages),
+        capacity=(cluster.device.memory_bytes - OVERHEAD_BYTES[cluster.device.kind]) / point.v)
+    return stages_from_ranges([u.name for u in profile.units], dp_partition(problem))
+
+
+def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, parts: _Partitions,
+                unit_cost: list[float], *, precision: str, optimizer: str) -> tuple[list[_Costed], int]:
+    """Estimate a point; if it does not fit, retry with recompute on overflowing stages, then memory-aware stages.
+    Returns every estimate made (the last is the best attempt) and how many were made."""
+    stages = parts.stages(point.pp * point.v)
+    strategy = _strategy(point, stages, precision=precision, optimizer=optimizer)
+    attempts = [_Costed(point, strategy, estimate(strategy, profile, cluster, compact=True))]
+    if attempts[-1].estimate.fits:
+        return attempts, 1
+    cap = cluster.device.memory_bytes
+    over = {sid for m in attempts[-1].estimate.memory_per_rank if m.total_bytes > cap for sid in m.stages}
+    recompute = tuple(i in over for i in range(point.pp * point.v))
+    strategy = _strategy(point, stages, precision=precision, optimizer=optimizer, recompute=recompute)
+    attempts.append(_Costed(point, strategy, estimate(strategy, profile, cluster, compact=True)))
+    if attempts[-1].estimate.fits or point.pp * point.v == 1:
+        return attempts, 2
+    try:
+        stages = _memory_aware_stages(point, profile, cluster, attempts[0].estimate, unit_cost,
+                                      precision=precision, optimizer=optimizer)
+    except PartitionInfeasible:
+        return attempts, 2
+    strategy = _strategy(point, stages, precision=precision, optimizer=optimizer)
+    attempts.append(_Costed(point, strategy, estimate(strategy, profile, cluster, compact=True)))
+    return attempts, 3
+
+
+def _digest(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_batch_size: int, top_k: int = 5,
+         time_limit_s: float = 10.0, precision: str = "bf16-mixed", optimizer: str = "adamw", profile_path: str = "",
+         command: str = "", on_progress: ProgressFn | None = None) -> Plan:
+    """Search every strategy for `gpus` devices of `cluster` at `global_batch_size` sequences; return the Plan."""
+    t0 = time.perf_counter()
+    if gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {gpus}")
+    if gpus > cluster.world_size:
+        raise ConfigError(f"--gpus {gpus} but the cluster has {cluster.world_size} devices; add --nodes or lower --gpus")
+    if global_batch_size < 1:
+        raise ConfigError(f"--global-batch-size must be >= 1, got {global_batch_size}")
+    if top_k < 1:
+        raise ConfigError(f"--top-k must be >= 1, got {top_k}")
+    if (precision, optimizer) not in BYTES_PER_PARAM:
+        raise ConfigError("--precision must be bf16-mixed or fp32 and --optimizer adamw, adam or sgd")
+
+    n_units = len(profile.units)
+    unit_cost = [sum(unit_times(u, profile, cluster, micro_batch_size=profile.micro_batch_size, precision=precision,
+                                ranks_running=gpus)) for u in profile.units]
+    largest_unit = max(u.params for u in profile.units)
+    capacity = cluster.device.memory_bytes
+    overhead = OVERHEAD_BYTES[cluster.device.kind]
+    points = list(enumerate_points(gpus=gpus, global_batch=global_batch_size, n_units=n_units))
+    if not points:
+        raise ConfigError(f"no (dp, pp) split of {gpus} devices divides the global batch {global_batch_size}; "
+                          f"use a batch divisible by the data-parallel degree")
+    considered, pruned = len(points), 0
+    survivors, min_state = [], math.inf
+    parts = _Partitions(profile, unit_cost)
+    total_cost = sum(unit_cost)
+    for pt in points:
+        held = max(profile.total_params / pt.pp, largest_unit)
+        state = sum(zero_model_state_bytes(held, pt.dp, pt.zero, precision, optimizer)) + overhead
+        min_state = min(min_state, state)
+        if state > capacity:                                   # P1
+            pruned += 1
+            continue
+        # P2's bound: the busiest rank does m micro-batches of at least its share (with one contiguous stage per
+        # rank, at least the least possible bottleneck), and micro-batch 0 must pass every unit.
+        scale = pt.micro_batch_size / profile.micro_batch_size
+        rank_share = parts.min_bottleneck(pt.pp) if pt.v == 1 else total_cost / pt.pp
+        bound = max(pt.microbatches * rank_share, total_cost) * scale
+        survivors.append((bound, pt))
+    survivors.sort(key=lambda x: x[0])
+
+    feasible: list[_Costed] = []
+    infeasible: list[_Costed] = []
+    pruned_bounds: dict[str, float] = {}   # family -> least time bound among points P2 pruned (sorted: first seen)
+    costed = 0
+    for i, (bound, pt) in enumerate(survivors):
+        if on_progress and i % 25 == 0:
+            on_progress(i, len(survivors))
+        if len(feasible) >= top_k:
+            kth = sorted(c.estimate.step_time_s for c in feasible)[top_k - 1]
+            if bound >= kth:                                   # P2
+                pruned += len(survivors) - i
+                for later_bound, later in survivors[i:]:
+                    pruned_bounds.setdefault(later.family, later_bound)
+                break
+        attempts, n = _cost_point(pt, profile, cluster, parts, unit_cost, precision=precision, optimizer=optimizer)
+        costed += n
+        best = attempts[-1]
+        (feasible if best.estimate.fits else infeasible).append(best)
+        if not best.estimate.fits or len(attempts) > 1:
+            infeasible.append(attempts[0])  # the unconstrained version, for "memory binds" in the rationale
+    if on_progress:
+        on_progress(len(survivors), len(survivors))
+
+    if not feasible:
+        if infeasible:
+            least = min(c.estimate.peak_memory_bytes for c in infeasible)
+            need = f"the least memory any strategy needs is {least / 2**30:.1f} GiB per device"
+        else:  # every point failed the model-state bound P1 before costing
+            need = f"model states alone need at least {min_state / 2**30:.1f} GiB per device"
+        raise InfeasibleError(
+            f"no strategy fits: {need}, the device has {capacity / 2**30:.1f} GiB; use more GPUs (--gpus/--nodes) "
+            f"or a device with more memory (ZeRO-3, full recompute, micro-batches down to 1 and every pipeline depth "
+            f"were tried)")
+
+    feasible.sort(key=lambda c: (c.estimate.step_time_s, c.estimate.peak_memory_bytes))
+    # full estimates (bubble and p2p apart, every rank's memory) for what the plan shows
+    feasible[:top_k] = [replace(c, estimate=estimate(c.strategy, profile, cluster)) for c in feasible[:top_k]]
+    winner = feasible[0]
+    alternatives = tuple(
+        Alternative(strategy=c.strategy, step_time_s=c.estimate.step_time_s, peak_memory_bytes=c.estimate.peak_memory_bytes,
+                    fits=True, lost_because=why_lost(c.strategy, c.estimate, winner.strategy, winner.estimate))
+        for c in feasible[1:top_k])
+    fastest_unfit = min(infeasible, key=lambda c: c.estimate.step_time_s, default=None)
+    rationale = explain(winner.strategy, winner.estimate, feasible, fastest_unfit, cluster, pruned_bounds)
+    partitioner, milp_status, milp_b, dp_b = _partition_provenance(winner, profile, unit_cost, time_limit_s)
+    s = winner.strategy
+    import pulp
+    import torch
+    provenance = Provenance(
+        profile_path=profile_path, profile_digest=_digest(profile_path) if profile_path else "", cluster=cluster.name,
+        partitioner=partitioner, milp_status=milp_status, milp_bottleneck_s=milp_b, dp_bottleneck_s=dp_b,
+        points_considered=considered, points_pruned=pruned, points_costed=costed,
+        planning_time_s=time.perf_counter() - t0,
+        versions={"zeropipe": _version(), "torch": torch.__version__, "pulp": pulp.__version__,
+                  "python": platform.python_version()},
+        command=command, created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    return Plan(model=ModelRef(name=profile.name, source=profile.source, seq_len=profile.seq_len,
+                               input_kind=profile.input.kind, units=tuple(u.name for u in profile.units)),
+                cluster=cluster, gpus=gpus, global_batch_size=global_batch_size, strategy=s,
+                stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=winner.estimate,
+                alternatives=alternatives, rationale=rationale, provenance=provenance)
+
+
+def _partition_provenance(winner: _Costed, profile: ModelProfile, unit_cost: list[float],
+                          time_limit_s: float) -> tuple[str, str, float | None, float | None]:
+    """Solve the winner's stage cut again as a MILP and with the exact DP; record both bottlenecks and the status."""
+    s = winner.strategy
+    if s.n_stages == 1:
+        return ("none (one stage)", "not needed", None, None)
+    if not profile.is_chain:
+        return ("dag-networkx", "not run (the MILP models chains)", None, None)
+    scale = s.micro_batch_size / profile.micro_batch_size
+    problem = PartitionProblem(costs=tuple(c * scale for c in unit_cost), n_stages=s.n_stages)
+    dp_ranges = dp_partition(problem)
+    try:
+        _, status, objective = milp_partition(problem, time_limit_s=time_limit_s)
+    except InfeasibleError as exc:
+        return ("chain-dp", f"failed: {exc}", None, problem.bottleneck(dp_ranges))
+    return ("chain-dp", status, objective, problem.bottleneck(dp_ranges))
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("zeropipe")
+    except Exception:
+        return "unknown"

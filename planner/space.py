@@ -1,0 +1,66 @@
+"""The search space of strategies for N devices and a global batch B, with provable pruning."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from cost_models.errors import ConfigError
+from cost_models.schedule import check_schedule
+
+MAX_V = 4  # interleaving depth searched; deeper chunks multiply p2p and rarely pay off (Narayanan et al. 2021, fig. 12)
+
+
+@dataclass(frozen=True)
+class Point:
+    dp: int
+    pp: int
+    zero: int
+    schedule: str
+    v: int
+    micro_batch_size: int
+    microbatches: int
+
+    @property
+    def family(self) -> str:
+        return "zero" if self.pp == 1 else ("pipeline" if self.dp == 1 else "hybrid")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def schedules_for(pp: int, m: int, n_units: int) -> list[tuple[str, int]]:
+    """(schedule, v) pairs that can run pp ranks and m micro-batches on n_units units."""
+    if pp == 1:
+        return [("1f1b", 1)]  # one stage: plain gradient accumulation, every schedule is the same
+    out = []
+    for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved-1f1b", range(2, MAX_V + 1)),
+                     ("zb-interleaved", range(1, MAX_V + 1))):
+        for v in vs:
+            if pp * v > n_units:
+                continue
+            try:
+                check_schedule(name, pp, m, v)
+            except ConfigError:
+                continue
+            out.append((name, v))
+    return out
+
+
+def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_batch: int = 64) -> Iterator[Point]:
+    """Every (dp, pp) with dp * pp = gpus, ZeRO 0-3 on dp, every schedule and chunking the units allow, and every
+    micro-batch size with dp * m * mbs = B (up to max_micro_batch sequences)."""
+    for pp in divisors(gpus):
+        if pp > n_units:
+            continue
+        dp = gpus // pp
+        if global_batch % dp:
+            continue
+        per_replica = global_batch // dp
+        for mbs in divisors(per_replica):
+            if mbs > max_micro_batch:
+                continue
+            m = per_replica // mbs
+            for schedule, v in schedules_for(pp, m, n_units):
+                for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+                    yield Point(dp=dp, pp=pp, zero=zero, schedule=schedule, v=v, micro_batch_size=mbs, microbatches=m)

@@ -1,0 +1,90 @@
+"""`planner plan`: the direction of the choice, the rationale, the plan file, and infeasible requests."""
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from cost_models.errors import InfeasibleError
+from cost_models.fileio import dumps, write_atomic
+from cost_models.model_profiler import profile_model
+from cost_models.models.source import resolve
+from cost_models.presets import preset
+from cost_models.profile import ProfileFile
+from planner.plan import PLAN_KIND, Plan, load_plan
+from planner.search import plan
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def llama13b():
+    return profile_model(resolve("llama2-13b"), micro_batch_size=1, seq_len=2048, meta=True, dtype="bf16")
+
+
+def test_memory_bound_model_on_nvlink_gets_zero(llama13b):
+    # 13B parameters need 208 GB of model states: no single H100 holds them, NVLink makes sharding cheap.
+    p = plan(llama13b, preset("dgx-h100"), gpus=8, global_batch_size=64)
+    assert p.strategy.pp == 1 and p.strategy.zero >= 2
+    assert p.rationale.winner_family == "zero" and p.rationale.binding == "memory"
+    assert "memory binds" in p.rationale.summary and "GiB" in p.rationale.summary
+    assert p.prediction.fits and p.prediction.peak_memory_bytes <= p.cluster.device.memory_bytes
+    assert p.rationale.best_by_family["zero"] == pytest.approx(p.prediction.step_time_s)
+
+
+def test_split_model_on_slow_pcie_gets_a_pipeline(llama13b):
+    # Four PCIe nodes on 100 GbE: ZeRO's gathers cross the slow network every micro-batch; a pipeline sends
+    # only activations between nodes.
+    p = plan(llama13b, preset("a100-pcie-40g", nodes=4), gpus=32, global_batch_size=128)
+    assert p.strategy.pp > 1
+    assert p.rationale.winner_family in ("pipeline", "hybrid") and p.rationale.binding == "bandwidth"
+    assert "bandwidth binds" in p.rationale.summary
+    zero = p.rationale.best_by_family["zero"]
+    assert zero > p.prediction.step_time_s  # the best pure-ZeRO strategy was costed and is slower
+    assert any("data-parallel collectives" in line for line in p.rationale.lines)
+
+
+def test_plan_records_search_and_alternatives(llama13b):
+    p = plan(llama13b, preset("a100-pcie-40g", nodes=2), gpus=16, global_batch_size=64, top_k=4)
+    pv = p.provenance
+    assert pv.points_considered >= pv.points_pruned and pv.points_costed > 0
+    assert len(p.alternatives) == 3
+    assert all(a.step_time_s >= p.prediction.step_time_s for a in p.alternatives)
+    assert all(a.lost_because for a in p.alternatives)
+    assert [a.step_time_s for a in p.alternatives] == sorted(a.step_time_s for a in p.alternatives)
+    s = p.strategy
+    assert len(p.stage_ranks) == s.n_stages and sorted(r for st in p.stage_ranks[:s.pp] for r in st) == list(range(16))
+    assert len(p.prediction.memory_per_rank) == 16
+    if s.pp > 1:
+        assert pv.milp_status == "Optimal" and pv.milp_bottleneck_s == pytest.approx(pv.dp_bottleneck_s, rel=1e-6)
+    flat = tuple(u for stage in s.stages for u in stage)
+    assert flat == p.model.units
+
+
+def test_no_fit_is_one_line_exit_3(tmp_path):
+    prof = profile_model(resolve("llama2-70b"), micro_batch_size=1, seq_len=4096, meta=True, dtype="bf16")
+    with pytest.raises(InfeasibleError, match=r"least memory any strategy needs is [0-9.]+ GiB per device, the device has 40.0 GiB"):
+        plan(prof, preset("a100-pcie-40g", nodes=4), gpus=32, global_batch_size=128)
+    path = write_atomic(tmp_path / "p.json", dumps(ProfileFile(model=prof, cluster=preset("a100-pcie-40g", nodes=4)).to_dict()))
+    res = runner.invoke(app, ["plan", str(path), "-B", "128", "-o", "-"])
+    assert res.exit_code == 3
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no strategy fits: the least memory")
+
+
+def test_plan_cli_writes_a_plan_file(tmp_path, tiny_profiles):
+    prof = tiny_profiles["gpt-tiny", True]
+    path = write_atomic(tmp_path / "profile.json", dumps(ProfileFile(model=prof, cluster=preset("dgx-a100")).to_dict()))
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", str(path), "--gpus", "4", "-B", "32", "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["kind"] == PLAN_KIND and data["schema_version"] == 1
+    loaded = load_plan(out)
+    assert isinstance(loaded, Plan) and loaded == Plan.from_dict(data)
+    assert loaded.strategy.global_batch_size == 32 and loaded.gpus == 4
+    assert loaded.provenance.profile_digest and len(loaded.provenance.profile_digest) == 64
+    assert loaded.prediction.pipeline_order  # the action order the executor will run
+    assert loaded.rationale.binding in ("memory", "bandwidth", "compute")
+    res = runner.invoke(app, ["plan", str(path), "--gpus", "64", "-B", "32", "-o", "-"])
+    assert res.exit_code == 2 and "cluster has 8 devices" in res.stderr
