@@ -364,6 +364,64 @@ def _print_plan(p) -> None:
               f"{pv.planning_time_s:.2f} s; partition {pv.partitioner}, MILP {pv.milp_status}", highlight=False)
 
 
+@app.command()
+@handles_errors
+def run(
+    plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan.json from `planner plan`"),
+    steps: int = typer.Option(5, "--steps", help="training steps to run"),
+    warmup: int = typer.Option(1, "--warmup", help="first steps left out of the timing"),
+    output: Path = typer.Option(Path("run.json"), "--output", "-o", help="where to write the measurements ('-' for none)"),
+    force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
+    nnodes: int = typer.Option(1, "--nnodes", help="nodes (run the same command on each)"),
+    node_rank: int = typer.Option(0, "--node-rank", help="this node's rank"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (default 127.0.0.1, any free port)"),
+    timeout: float = typer.Option(60.0, "--timeout", help="seconds a collective may wait before the job fails"),
+    seed: int = typer.Option(0, "--seed", help="initialisation and data seed"),
+    lr: float = typer.Option(1e-3, "--lr", help="learning rate"),
+    as_json: bool = typer.Option(False, "--json", help="print run.json on stdout"),
+) -> None:
+    """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction."""
+    from cost_models.errors import OutputExistsError
+    from cost_models.fileio import dumps, write_atomic
+    from executor.launch import launch
+    from planner.plan import load_plan
+
+    write_to = None if str(output) == "-" else output
+    overwrite = _confirm_overwrite(write_to, force) if write_to else False
+    if write_to and write_to.exists() and not overwrite:
+        raise OutputExistsError(f"{write_to} already exists; pass --force to overwrite it or -o to write elsewhere")
+    the_plan = load_plan(plan_path)
+    with err.status(f"running {the_plan.strategy.world_size} ranks for {steps} steps"):
+        result = launch(the_plan, steps=steps, warmup=warmup, seed=seed, lr=lr, nnodes=nnodes, node_rank=node_rank,
+                        rdzv_endpoint=rdzv_endpoint, timeout_s=timeout)
+    if result is None:
+        err.print("this node's ranks finished; global rank 0's node writes run.json", highlight=False)
+        return
+    data = result.to_dict()
+    if write_to:
+        write_atomic(write_to, dumps(data), overwrite=overwrite)
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    _print_run(result)
+    if write_to:
+        err.print(f"wrote {write_to}", highlight=False)
+
+
+def _print_run(r) -> None:
+    out.print(f"ran {r.strategy_summary} on {r.world_size} ranks ({r.backend}), {r.steps} steps, "
+              f"{r.warmup} warm-up", highlight=False)
+    out.print("loss per step: " + ", ".join(f"{x:.4f}" for x in r.losses), highlight=False)
+    rows = []
+    for c in r.comparisons:
+        unit_s = c.quantity.endswith("(s)")
+        fmt = (lambda v: f"{v * 1e3:,.2f} ms") if unit_s else (lambda v: f"{v / 2**20:,.3f} MiB")
+        rows.append([c.quantity.replace(" (s)", "").replace(" (B)", ""), fmt(c.predicted), fmt(c.measured),
+                     "-" if c.error_pct is None else f"{c.error_pct:+.1f}%"])
+    out.print(_table(["quantity", "predicted", "measured", "error"], rows, title="predicted vs measured"))
+    out.print(f"throughput: {r.tokens_per_s:,.0f} tokens/s measured", highlight=False)
+
+
 def main() -> None:
     app()
 

@@ -22,7 +22,7 @@ import math
 from cost_models.cluster import ClusterProfile
 from cost_models.comm import collective_time, p2p_time
 from cost_models.compute import optimizer_step_time, unit_times, uses_measured_times
-from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, comm_buffer_bytes, zero_model_state_bytes
+from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, comm_buffer_bytes, executor_state_bytes
 from cost_models.profile import ModelProfile
 from cost_models.records import Record, record
 from cost_models.schedule import StageCost, cached_order, format_order, simulate, stage_to_rank
@@ -274,7 +274,7 @@ def _memory(s: Strategy, profile: ModelProfile, cluster: ClusterProfile, stage_i
         sids = tuple(range(r, s.n_stages, s.pp))
         params = sum(stage_info[i][1] for i in sids)
         largest = max(stage_info[i][2] for i in sids)
-        p, g, o = zero_model_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer)
+        p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer)
         buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
                                     param_bytes=p_b, grad_bytes=g_b)
         activations = sim.peak_activation_bytes.get(r, 0.0) + max(stage_info[i][7] for i in sids)

@@ -10,13 +10,16 @@ estimate_zero*_model_states_mem_needs names the same terms):
 ZeRO over N data-parallel ranks divides: stage 1 the optimizer states, stage 2 also the gradients, stage 3 also
 the parameters: per rank (mixed Adam) 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
 
-What the executor really holds on top (the mapping's approximations, stated in the report):
-  * FSDP2 ZeRO-3 without a pipeline gathers one unit at a time and prefetches the next: buffers of 2 x the
-    largest unit's parameters and 1 x its gradients (unsharded, before reduce-scatter);
-  * FSDP2 ZeRO-2 (reshard_after_forward=False) keeps gathered parameters from forward to backward: the full
-    parameters again as a buffer, where DeepSpeed's ZeRO-2 would keep them replicated (same bytes, other label);
+What the executor really holds (the mapping's approximations, stated in the report). The executor runs ZeRO-2
+and ZeRO-3 with FSDP2, which keeps parameters sharded at rest in both, so `executor_state_bytes` counts ZeRO-2's
+parameters as sharded and puts the gathered copy among the buffers (DeepSpeed's ZeRO-2 keeps them replicated:
+the same bytes under another label). Buffers, the unsharded tensors FSDP2 holds while computing:
+  * ZeRO-3 without a pipeline gathers one unit at a time and prefetches the next: 2 x the largest unit's
+    parameters and 1 x its gradients (before reduce-scatter);
+  * ZeRO-2 without a pipeline (reshard_after_forward=False) keeps every gathered parameter from forward to
+    backward: the full parameters, and one unit's gradients;
   * under a pipeline, torch's stage defers FSDP gradient sync to the end of the step, so ZeRO-2/3 stages hold
-    unsharded parameters and gradients of the whole stage while micro-batches run.
+    the unsharded parameters and gradients of the whole stage while micro-batches run.
 Overhead: a fixed per-process amount, OVERHEAD_BYTES by device kind.
 """
 from __future__ import annotations
@@ -68,13 +71,19 @@ def zero_model_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16
     return (psi * p / (n if zero >= 3 else 1), psi * g / (n if zero >= 2 else 1), psi * k / (n if zero >= 1 else 1))
 
 
+def executor_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16-mixed",
+                         optimizer: str = "adamw") -> tuple[float, float, float]:
+    """Model states as the executor holds them at rest: FSDP2 shards ZeRO-2's parameters too (module doc)."""
+    return zero_model_state_bytes(psi, n, 3 if zero == 2 and n > 1 else zero, precision, optimizer)
+
+
 def comm_buffer_bytes(*, stage_params: float, largest_unit_params: float, zero: int, pp: int, dp: int,
                       param_bytes: int, grad_bytes: int) -> float:
     """Unsharded parameter/gradient buffers the FSDP2 mapping holds beyond the sharded states (module doc)."""
     if dp == 1 or zero < 2:
         return 0.0  # DDP with gradient_as_bucket_view: grads live in the buckets, no second copy
     if pp > 1:
-        return stage_params * (param_bytes + grad_bytes) * (dp - 1) / dp
+        return stage_params * (param_bytes + grad_bytes)
     if zero == 2:
-        return stage_params * param_bytes * (dp - 1) / dp + largest_unit_params * grad_bytes
+        return stage_params * param_bytes + largest_unit_params * grad_bytes
     return largest_unit_params * (2 * param_bytes + grad_bytes)

@@ -1,0 +1,60 @@
+"""apply_plan: run a zeropipe plan inside your own training script, under torchrun.
+
+    import torch, torch.nn.functional as F
+    from executor.api import apply_plan
+    rt = apply_plan("plan.json", model_fn=lambda: MyModel(cfg), optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=3e-4),
+                    loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+    for inputs, targets in my_loader(rank=rt.dp_rank, replicas=rt.strategy.dp):   # this replica's batch
+        loss = rt.step(inputs, targets)      # forward + backward over its micro-batches, gradient sync, optimizer step
+        if loss is not None: print(loss.item())   # ranks holding the last stage see their replica's loss
+
+`model_fn` is called on the meta device: it must build the model the plan was made for (the same unit names);
+this rank materialises only its stages, initialised by parameter name (executor.stages), so every layout starts
+from the same weights. The runtime exposes what a custom loop needs: `rt.wrapped.modules` (the wrapped stage
+modules), `rt.optimizer`, `rt.schedule` (torch.distributed.pipelining's, when pp > 1), `rt.pp_rank`, `rt.dp_rank`,
+`rt.is_first`, `rt.is_last`.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cost_models.strategy import Strategy
+from executor.runtime import LossFn, Runtime, build_runtime, stage_io_shapes
+from planner.plan import Plan, load_plan
+
+
+def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Module],
+               optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer], loss_fn: LossFn, *,
+               example_input: torch.Tensor | None = None, seed: int = 0, timeout_s: float = 300.0) -> Runtime:
+    """Set up this rank for `plan` (a Plan, its Strategy, or a plan.json path) and return its Runtime.
+
+    Initialises the default process group from torchrun's environment if the script has not. `example_input`
+    is one micro-batch of model input; pipelines need it for their static shapes (default: token ids of the plan's
+    micro-batch size and sequence length when the plan is a Plan whose model takes tokens).
+    """
+    if isinstance(plan, (str, Path)):
+        plan = load_plan(plan)
+    strategy = plan.strategy if isinstance(plan, Plan) else plan
+    order = plan.prediction.pipeline_order if isinstance(plan, Plan) else None
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=dt.timedelta(seconds=timeout_s))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    with torch.device("meta"):
+        model = model_fn()
+    if example_input is None and isinstance(plan, Plan) and plan.model.input_kind == "tokens":
+        example_input = torch.zeros(strategy.micro_batch_size, plan.model.seq_len, dtype=torch.long)
+    if example_input is None and strategy.n_stages > 1:
+        raise ValueError("apply_plan needs example_input (one micro-batch) to set up a pipeline's static shapes")
+    stage_io = stage_io_shapes(model, strategy.stages, example_input, device) if strategy.n_stages > 1 else []
+    return build_runtime(strategy, model, loss_fn=loss_fn, optimizer_fn=optimizer_fn, stage_io=stage_io,
+                         plan_order=order, seed=seed, device=device)

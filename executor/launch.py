@@ -1,0 +1,154 @@
+"""`planner run`: start the plan's ranks with torchrun's own machinery, gather what they measured, compare it with
+the plan's prediction, and write run.json.
+
+Local runs use torch.distributed.launcher.elastic_launch with c10d rendezvous on 127.0.0.1 (what `torchrun
+--standalone` does); --nnodes / --node-rank / --rdzv-endpoint pass through for several nodes. max_restarts=0: a
+rank that raises makes the agent stop every other rank, and the error comes back as one line naming the rank.
+Collectives time out after `timeout_s` (init_process_group's timeout), so a hung peer cannot hang the job.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cost_models.errors import ConfigError, PlannerError
+from cost_models.records import Record, record
+from executor.train import RankResult, TrainConfig, run_on_rank, summarize_times
+from planner.plan import Plan
+
+RUN_KIND = "zeropipe.run"
+RUN_SCHEMA_VERSION = 1
+
+
+class RunFailed(PlannerError):
+    """A rank failed during `planner run`; the message names it."""
+
+    exit_code = 1
+
+
+@record
+class Comparison(Record):
+    quantity: str
+    predicted: float
+    measured: float
+    error_pct: float | None
+
+
+@record
+class RunFile(Record):
+    schema_version: int = RUN_SCHEMA_VERSION
+    kind: str = RUN_KIND
+    model: str
+    strategy_summary: str
+    world_size: int
+    steps: int
+    warmup: int
+    backend: str
+    losses: tuple[float, ...]
+    step_time_s: dict[str, Any]            # median / min / max over timed steps, slowest rank
+    tokens_per_s: float
+    predicted_step_time_s: float
+    ranks: tuple[RankResult, ...]
+    comparisons: tuple[Comparison, ...]
+    created_at: str
+
+
+def worker(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | None:
+    """Entry point of every rank (env:// rendezvous set up by the elastic agent)."""
+    plan = Plan.from_dict(plan_data)
+    cfg = TrainConfig.from_dict(cfg_data)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl"
+    else:
+        torch.set_num_threads(1)   # ranks share the host's cores (and the profile was taken with one thread)
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=dt.timedelta(seconds=timeout_s))
+    try:
+        result = run_on_rank(plan.strategy, cfg, plan.prediction.pipeline_order)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result.to_dict())
+        return gathered if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(plan: Plan, *, steps: int, warmup: int, seed: int = 0, lr: float = 1e-3, nnodes: int = 1,
+           node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float = 60.0) -> RunFile | None:
+    """Run the plan; returns the RunFile on the node holding global rank 0 (None on other nodes)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if steps < 1 or warmup < 0:
+        raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+    if warmup >= steps:
+        raise ConfigError(f"--warmup {warmup} leaves no timed step of {steps}; use fewer warm-up steps")
+    if plan.strategy.world_size % nnodes:
+        raise ConfigError(f"the plan's {plan.strategy.world_size} ranks do not divide into {nnodes} nodes")
+    per_node = plan.strategy.world_size // nnodes
+    cfg = TrainConfig(model_source=plan.model.source, seq_len=plan.model.seq_len, input_kind=plan.model.input_kind,
+                      steps=steps, warmup=warmup, seed=seed, lr=lr)
+    config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node,
+                          run_id=f"zeropipe-run-{uuid.uuid4().hex[:8]}" if nnodes == 1 else "zeropipe-run",
+                          rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
+                          rdzv_configs={"rank": node_rank} if nnodes > 1 else {}, max_restarts=0,
+                          monitor_interval=0.1)
+    elastic_log = logging.getLogger("torch.distributed.elastic")
+    level = elastic_log.level
+    elastic_log.setLevel(logging.CRITICAL)   # its multi-line tracebacks become the one line below
+    try:
+        results = elastic_launch(config, worker)(plan.to_dict(), cfg.to_dict(), timeout_s)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+        first = message.strip().splitlines()[0] if message.strip() else f"exit code {failure.exitcode}"
+        raise RunFailed(f"rank {rank} failed: {first}") from None
+    finally:
+        elastic_log.setLevel(level)
+    gathered = results.get(0) if isinstance(results, dict) else None
+    if gathered is None:
+        return None
+    return summarize(plan, [RankResult.from_dict(r) for r in gathered], steps=steps, warmup=warmup,
+                     backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _err(predicted: float, measured: float) -> float | None:
+    return (measured - predicted) / predicted * 100.0 if predicted else None
+
+
+def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, backend: str) -> RunFile:
+    """Predicted against measured: step time (slowest rank's median), per-rank memory categories, traffic."""
+    from planner.rationale import describe
+
+    per_rank = [summarize_times(r.step_times_s, warmup) for r in ranks]
+    slowest = max(per_rank, key=lambda t: t["median_s"])
+    est = plan.prediction
+    comps = [Comparison(quantity="step time (s)", predicted=est.step_time_s, measured=slowest["median_s"],
+                        error_pct=_err(est.step_time_s, slowest["median_s"]))]
+    for r in ranks:
+        m = est.memory_per_rank[r.rank]
+        for label, pred, meas in (("parameters", m.parameters, r.parameter_bytes),
+                                  ("gradients", m.gradients, r.gradient_bytes),
+                                  ("optimizer states", m.optimizer_states, r.optimizer_state_bytes),
+                                  ("peak total", m.total_bytes, r.peak_memory_bytes)):
+            comps.append(Comparison(quantity=f"rank {r.rank} {label} (B)", predicted=float(pred), measured=float(meas),
+                                    error_pct=_err(pred, meas)))
+    dp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if not k.startswith("p2p"))
+    comps.append(Comparison(quantity="rank 0 data-parallel bytes per step", predicted=est.comm.dp_bytes_per_rank,
+                            measured=float(dp_measured), error_pct=_err(est.comm.dp_bytes_per_rank, dp_measured)))
+    p2p_measured = sum(r.comm_bytes.get("p2p_send", 0) for r in ranks) / max(1, plan.strategy.dp)
+    comps.append(Comparison(quantity="p2p bytes per step (one pipeline)", predicted=est.comm.p2p_bytes_per_step,
+                            measured=float(p2p_measured), error_pct=_err(est.comm.p2p_bytes_per_step, p2p_measured)))
+    return RunFile(model=plan.model.name, strategy_summary=describe(plan.strategy), world_size=len(ranks), steps=steps,
+                   warmup=warmup, backend=backend, losses=ranks[0].losses, step_time_s=slowest,
+                   tokens_per_s=est.tokens_per_step / slowest["median_s"], predicted_step_time_s=est.step_time_s,
+                   ranks=tuple(ranks), comparisons=tuple(comps),
+                   created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+
+

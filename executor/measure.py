@@ -1,0 +1,51 @@
+"""What a rank measures: bytes moved by collectives and p2p, and process memory."""
+from __future__ import annotations
+
+import resource
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d op name -> what the product reports it as (full-buffer convention of cost_models.comm)
+_KINDS = {"allgather": "all_gather", "_allgather_base": "all_gather", "reduce_scatter": "reduce_scatter",
+          "_reduce_scatter_base": "reduce_scatter", "allreduce": "all_reduce", "broadcast": "broadcast",
+          "send": "p2p_send", "recv": "p2p_recv"}
+
+
+def _bytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_bytes(y) for y in x)
+    return 0
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts c10d collectives and p2p issued through the dispatcher (FSDP2, ZeroRedundancyOptimizer, pipelining,
+    dist.*): per kind, calls and bytes of the full buffer (the largest tensor argument). DDP's reducer calls
+    gloo/NCCL from C++ and is not seen here; the executor counts its buckets itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket.__name__).rstrip("_")
+        namespace = getattr(func, "namespace", "")
+        if namespace == "c10d" and name in _KINDS:
+            kind = _KINDS[name]
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+            self.bytes[kind] = self.bytes.get(kind, 0) + max((_bytes(a) for a in args), default=0)
+        return func(*args, **(kwargs or {}))
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+
+def peak_memory_bytes() -> tuple[int, str]:
+    """(peak bytes, what was measured): the CUDA caching allocator's peak on GPUs, the process's peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated()), "cuda max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS (getrusage ru_maxrss)"

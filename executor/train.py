@@ -1,0 +1,186 @@
+"""The training loop `planner run` executes on every rank, its synthetic data, and the single-process reference
+the equivalence tests compare against."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cost_models.errors import ConfigError
+from cost_models.models.losses import compute_loss
+from cost_models.models.source import DTYPES, resolve
+from cost_models.records import Record, record
+from cost_models.strategy import Strategy
+from executor.measure import CommCounter, peak_memory_bytes
+from executor.runtime import build_runtime, stage_io_shapes
+from executor.stages import build_stages
+
+INJECT_FAILURE_ENV = "ZEROPIPE_INJECT_FAILURE"  # "RANK:STEP": that rank raises at that step (tests of failure handling)
+
+
+@record
+class TrainConfig(Record):
+    model_source: str
+    seq_len: int
+    input_kind: str
+    steps: int = 5
+    warmup: int = 1
+    seed: int = 0
+    lr: float = 1e-3
+    count_comm: bool = True
+
+
+@record
+class RankResult(Record):
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    stages: tuple[int, ...]
+    step_times_s: tuple[float, ...]        # every step, warm-up included
+    losses: tuple[float, ...]              # global-batch loss per step (the same on every rank)
+    parameter_bytes: int                   # counted from the local tensors after the last step
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    peak_memory_bytes: int
+    peak_memory_source: str
+    comm_bytes: dict[str, int]             # one extra step, counted: kind -> bytes (full buffers)
+    comm_calls: dict[str, int]
+
+
+def optimizer_for(strategy: Strategy, lr: float):
+    if strategy.optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    cls = torch.optim.Adam if strategy.optimizer == "adam" else torch.optim.AdamW
+    return lambda params: cls(params, lr=lr)
+
+
+def synthetic_batch(cfg: TrainConfig, example: torch.Tensor, out_shape: tuple[int, ...], global_batch: int,
+                    step: int, loss: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole global batch of step `step`, identical on every rank (each takes its replica's slice)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)
+    if not example.is_floating_point():
+        vocab = out_shape[-1]
+        inputs = torch.randint(0, vocab, (global_batch, *example.shape[1:]), generator=gen)
+    else:
+        inputs = torch.randn((global_batch, *example.shape[1:]), generator=gen, dtype=example.dtype)
+    if loss == "cross_entropy":
+        targets = torch.randint(0, out_shape[-1], (global_batch, *out_shape[1:-1]), generator=gen)
+    else:
+        targets = torch.randn((global_batch, *out_shape[1:]), generator=gen)
+    return inputs, targets
+
+
+def _setup(cfg: TrainConfig, strategy: Strategy):
+    source = resolve(cfg.model_source)
+    dtype = DTYPES["fp32" if strategy.precision == "fp32" else "bf16"]
+    if strategy.precision != "fp32" and not torch.cuda.is_available():
+        dtype = torch.float32  # bf16-mixed on CPU ranks runs in fp32 (the planner plans CPU demos in fp32)
+    model = source.build(device="meta", dtype=dtype)
+    if not all(model.get_submodule(u) is not None for st in strategy.stages for u in st):
+        raise ConfigError("the plan's units are not modules of this model")
+    example = source.example_input(model, strategy.micro_batch_size, cfg.seq_len, "cpu")[0]
+    loss = "cross_entropy" if cfg.input_kind == "tokens" else "mse"
+    with source.forward_context(), torch.no_grad():
+        out = model(example.to("meta"))
+    return source, model, example, tuple(out.shape), loss
+
+
+def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list[str]] | None) -> RankResult:
+    """Train `cfg.steps` steps of `strategy` on this rank of an initialised process group and measure them."""
+    source, model, example, out_shape, loss = _setup(cfg, strategy)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    with source.forward_context():
+        stage_io = stage_io_shapes(model, strategy.stages, example, device)
+    rt = build_runtime(strategy, model, loss_fn=lambda out, tgt: compute_loss(loss, out, tgt),
+                       optimizer_fn=optimizer_for(strategy, cfg.lr), stage_io=stage_io, plan_order=plan_order,
+                       seed=cfg.seed, device=device)
+    fail_rank, fail_step = _injected_failure()
+    per_replica = strategy.microbatches * strategy.micro_batch_size
+    times, losses = [], []
+    sizes = (0, 0, 0)
+    for step in range(cfg.steps + (1 if cfg.count_comm else 0)):
+        counting = cfg.count_comm and step == cfg.steps
+        inputs, targets = synthetic_batch(cfg, example, out_shape, strategy.global_batch_size, step, loss)
+        sl = slice(rt.dp_rank * per_replica, (rt.dp_rank + 1) * per_replica)
+        x, y = inputs[sl].to(device), targets[sl].to(device)
+        if step == fail_step and dist.get_rank() == fail_rank:
+            raise RuntimeError(f"injected failure at step {step} ({INJECT_FAILURE_ENV})")
+        counter = CommCounter() if counting else None
+        t0 = time.perf_counter()
+        with (counter or _null()):
+            replica_loss = rt.forward_backward(x, y)
+            if not counting:
+                sizes = rt.local_bytes()   # gradients exist now; optimizer states from the previous step
+            rt.optimizer.step()
+        if not counting:
+            sizes = (sizes[0], sizes[1], rt.local_bytes()[2])
+        rt.optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        if counting:
+            if rt.wrapped.ddp:   # DDP's reducer all-reduces gradient buckets from C++: count the buckets here
+                counter.add("all_reduce", sum(p.numel() * p.element_size() for p in rt.wrapped.params))
+            break
+        times.append(elapsed)
+        losses.append(_global_loss(replica_loss, rt, device))
+    peak, source_name = peak_memory_bytes()
+    return RankResult(rank=dist.get_rank(), pp_rank=rt.pp_rank, dp_rank=rt.dp_rank, stages=tuple(rt.stage_ids),
+                      step_times_s=tuple(times), losses=tuple(losses), parameter_bytes=sizes[0],
+                      gradient_bytes=sizes[1], optimizer_state_bytes=sizes[2], peak_memory_bytes=peak,
+                      peak_memory_source=source_name, comm_bytes=dict(counter.bytes) if counter else {},
+                      comm_calls=dict(counter.calls) if counter else {})
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _global_loss(replica_loss: torch.Tensor | None, rt, device: torch.device) -> float:
+    """Mean over data-parallel replicas of the last stage's loss, made known to every rank."""
+    value = torch.zeros(2, dtype=torch.float64, device=device)
+    if replica_loss is not None:
+        value[0] = float(replica_loss)
+        value[1] = 1.0
+    dist.all_reduce(value)
+    return float(value[0] / value[1])
+
+
+def _injected_failure() -> tuple[int, int]:
+    spec = os.environ.get(INJECT_FAILURE_ENV, "")
+    if not spec:
+        return -1, -1
+    rank, _, step = spec.partition(":")
+    return int(rank), int(step or 0)
+
+
+def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:
+    """The reference: the whole model in one process, same init, same global batches, same optimizer."""
+    whole = Strategy.from_dict({**strategy.to_dict(), "dp": 1, "pp": 1, "zero": 0, "v": 1, "schedule": "1f1b",
+                                "microbatches": 1, "micro_batch_size": strategy.global_batch_size,
+                                "stages": [[u for st in strategy.stages for u in st]], "recompute": []})
+    source, model, example, out_shape, loss = _setup(cfg, whole)
+    (stage,) = build_stages(model, whole.stages, [0], recompute=(), seed=cfg.seed, device=torch.device("cpu"))
+    opt = optimizer_for(strategy, cfg.lr)(list(stage.parameters()))
+    out = []
+    for step in range(cfg.steps):
+        x, y = synthetic_batch(cfg, example, out_shape, strategy.global_batch_size, step, loss)
+        value = compute_loss(loss, stage(x), y)
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(float(value))
+    return out
+
+
+def summarize_times(times: tuple[float, ...], warmup: int) -> dict[str, Any]:
+    timed = list(times[warmup:]) or list(times)
+    return {"median_s": statistics.median(timed), "min_s": min(timed), "max_s": max(timed), "steps": len(timed)}

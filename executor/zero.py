@@ -1,0 +1,120 @@
+"""The ZeRO mapping of shared/DESIGN.md, over the "dp" mesh dimension of each stage.
+
+                 no pipeline (pp = 1)                          pipeline (pp > 1)
+    ZeRO-0       DDP                                           plain stage + gradient all-reduce (AVG) over dp
+    ZeRO-1       DDP + ZeroRedundancyOptimizer                 plain stage + all-reduce + ZeroRedundancyOptimizer
+    ZeRO-2       FSDP2 fully_shard per unit + root,            FSDP2 fully_shard(stage), reshard_after_forward=False
+                 reshard_after_forward=False
+    ZeRO-3       the same, reshard_after_forward=True          FSDP2 fully_shard(stage), reshard_after_forward=True
+Why the pipeline column differs (shared/torch-on-cpu.md, section 4): DDP-wrapped stages fail under GPipe and
+interleaved schedules (reducer assertion) or give wrong gradients (static_graph); nested FSDP2 gives wrong
+gradients under zero-bubble schedules; one fully_shard per stage and the manual all-reduce are right for all.
+DDP uses gradient_as_bucket_view so gradients are not held twice (the memory model assumes it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+OptimizerFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class Wrapped:
+    modules: list[nn.Module]            # what the schedule / loop calls (DDP, FSDP or plain stages)
+    optimizer: torch.optim.Optimizer
+    manual_grad_sync: bool               # all-reduce gradients over dp after backward (pipelined ZeRO-0/1)
+    ddp: bool = False
+    fsdp: bool = False
+    params: list[nn.Parameter] = field(default_factory=list)
+
+
+def wrap(stages: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn) -> Wrapped:
+    """Apply the mapping to this rank's stage modules and build the optimizer over its (local) parameters."""
+    dp = dp_mesh.size() if dp_mesh is not None else 1
+    if dp == 1:
+        params = [p for st in stages for p in st.parameters()]
+        return Wrapped(modules=list(stages), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params)
+    group = dp_mesh.get_group()
+    if zero >= 2:
+        from torch.distributed.fsdp import fully_shard
+        raf = zero == 3
+        for st in stages:
+            if pp == 1:
+                # One FSDP unit per pipeline unit: gather one at a time, prefetch the next. A unit holding a
+                # parameter shared with another unit (a tied embedding) is left to the root's group: FSDP2 would
+                # otherwise shard the shared tensor twice and untie it.
+                shared = _shared_param_ids(list(st.children()))
+                for unit in st.children():
+                    if not any(id(p) in shared for p in unit.parameters()):
+                        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=raf)
+            fully_shard(st, mesh=dp_mesh, reshard_after_forward=raf)
+        params = [p for st in stages for p in st.parameters()]
+        return Wrapped(modules=list(stages), optimizer=optimizer_fn(params), manual_grad_sync=False, fsdp=True,
+                       params=params)
+    params = [p for st in stages for p in st.parameters()]
+    if pp == 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        modules: list[nn.Module] = [DDP(st, process_group=group, gradient_as_bucket_view=True) for st in stages]
+        manual = False
+    else:
+        modules, manual = list(stages), True
+    if zero == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        template = optimizer_fn([nn.Parameter(torch.zeros(1))])
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=type(template), process_group=group,
+                                            **template.defaults)
+    else:
+        optimizer = optimizer_fn(params)
+    return Wrapped(modules=modules, optimizer=optimizer, manual_grad_sync=manual, ddp=pp == 1, params=params)
+
+
+def _shared_param_ids(units: list[nn.Module]) -> set[int]:
+    seen: dict[int, int] = {}
+    for i, unit in enumerate(units):
+        for p in unit.parameters():
+            seen.setdefault(id(p), i)
+    shared = set()
+    for i, unit in enumerate(units):
+        for p in unit.parameters():
+            if seen[id(p)] != i:
+                shared.add(id(p))
+    return shared
+
+
+def all_reduce_grads(params: list[nn.Parameter], group) -> None:
+    """Average gradients over the data-parallel group (the pipelined ZeRO-0/1 mapping)."""
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes this rank holds, counted from its local tensors."""
+    seen: set[int] = set()
+    p_bytes = g_bytes = 0
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        lp = _local(p)
+        p_bytes += lp.numel() * lp.element_size()
+        if p.grad is not None:
+            lg = _local(p.grad)
+            g_bytes += lg.numel() * lg.element_size()
+    opt = getattr(optimizer, "optim", optimizer)   # ZeroRedundancyOptimizer keeps its shard's optimizer in .optim
+    o_bytes = 0
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:   # per-parameter tensors, not the scalar step count
+                lv = _local(v)
+                o_bytes += lv.numel() * lv.element_size()
+    return p_bytes, g_bytes, o_bytes
