@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import logging
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from cost_models.cluster import (ClusterProfile, CollectiveFit, ComputeProbe, DeviceSpec, LinkSpec, Sample, Topology)
+from cost_models.elastic import quiet_elastic_logs, root_failure
 from cost_models.errors import ConfigError, ProfileError
 from cost_models.fit import fit_alpha_beta
 from cost_models.records import Record, record
@@ -232,17 +232,12 @@ def run_local_probe(ranks: int, cfg: ProbeConfig) -> dict[str, Any]:
         raise ConfigError(f"--ranks must be >= 2 to probe collectives, got {ranks}")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"zeropipe-probe-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1)
-    elastic_log = logging.getLogger("torch.distributed.elastic")
-    level = elastic_log.level
-    elastic_log.setLevel(logging.CRITICAL)  # its multi-line tracebacks become our one line below
     try:
-        results = elastic_launch(config, probe_worker)(cfg.to_dict())
+        with quiet_elastic_logs():
+            results = elastic_launch(config, probe_worker)(cfg.to_dict())
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
-        raise ProfileError(f"the cluster probe failed on rank {rank}: {message.splitlines()[0] if message else exc}") from None
-    finally:
-        elastic_log.setLevel(level)
+        rank, line = root_failure(exc)
+        raise ProfileError(f"the cluster probe failed on rank {rank}: {line}") from None
     return results[0]
 
 

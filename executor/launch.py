@@ -9,14 +9,16 @@ Collectives time out after `timeout_s` (init_process_group's timeout), so a hung
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import os
+import tempfile
+import time
 import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from cost_models.elastic import is_consequence, quiet_elastic_logs, root_failure
 from cost_models.errors import ConfigError, PlannerError
 from cost_models.records import Record, record
 from executor.train import RankResult, TrainConfig, run_on_rank, summarize_times
@@ -59,8 +61,35 @@ class RunFile(Record):
     created_at: str
 
 
-def worker(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | None:
+def worker(plan_data: dict, cfg_data: dict, timeout_s: float, failure_dir: str) -> list[dict] | None:
     """Entry point of every rank (env:// rendezvous set up by the elastic agent)."""
+    try:
+        return _work(plan_data, cfg_data, timeout_s)
+    except BaseException as exc:
+        # The agent may see a peer's "connection reset" before this rank's own error: leave the evidence where
+        # the launcher looks, with a precise time, before dying.
+        rank = int(os.environ.get("RANK", -1))
+        line = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        with open(os.path.join(failure_dir, f"rank{rank}.txt"), "w", encoding="utf-8") as fh:
+            fh.write(f"{time.time()}\n{line}\n")
+        raise
+
+
+def _failure_from_files(failure_dir: str) -> tuple[int, str] | None:
+    """The root cause among the ranks' own failure notes: a rank that raised on its own, earliest first."""
+    notes = []
+    for name in os.listdir(failure_dir):
+        if name.startswith("rank") and name.endswith(".txt"):
+            with open(os.path.join(failure_dir, name), encoding="utf-8") as fh:
+                stamp, _, line = fh.read().partition("\n")
+            notes.append((is_consequence(line), float(stamp), int(name[4:-4]), line.strip()))
+    if not notes:
+        return None
+    _, _, rank, line = min(notes)
+    return rank, line
+
+
+def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | None:
     plan = Plan.from_dict(plan_data)
     cfg = TrainConfig.from_dict(cfg_data)
     if torch.cuda.is_available():
@@ -99,18 +128,13 @@ def launch(plan: Plan, *, steps: int, warmup: int, seed: int = 0, lr: float = 1e
                           rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
                           rdzv_configs={"rank": node_rank} if nnodes > 1 else {}, max_restarts=0,
                           monitor_interval=0.1)
-    elastic_log = logging.getLogger("torch.distributed.elastic")
-    level = elastic_log.level
-    elastic_log.setLevel(logging.CRITICAL)   # its multi-line tracebacks become the one line below
-    try:
-        results = elastic_launch(config, worker)(plan.to_dict(), cfg.to_dict(), timeout_s)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
-        first = message.strip().splitlines()[0] if message.strip() else f"exit code {failure.exitcode}"
-        raise RunFailed(f"rank {rank} failed: {first}") from None
-    finally:
-        elastic_log.setLevel(level)
+    with tempfile.TemporaryDirectory(prefix="zeropipe-run-") as failure_dir:
+        try:
+            with quiet_elastic_logs():
+                results = elastic_launch(config, worker)(plan.to_dict(), cfg.to_dict(), timeout_s, failure_dir)
+        except ChildFailedError as exc:
+            rank, line = _failure_from_files(failure_dir) or root_failure(exc)
+            raise RunFailed(f"rank {rank} failed: {line}") from None
     gathered = results.get(0) if isinstance(results, dict) else None
     if gathered is None:
         return None

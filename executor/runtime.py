@@ -16,7 +16,7 @@ from torch import nn
 from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
 from executor import pipeline
-from executor.stages import build_stages, params_by_canonical, tied_params
+from executor.stages import build_stages, canonical_names, params_by_canonical, tied_params
 from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -109,6 +109,7 @@ def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, opti
     pp_rank, dp_rank = rank // s.dp, rank % s.dp
     stage_ids = list(range(pp_rank, s.n_stages, s.pp))
     ties = tied_params(model, s.stages, s.pp)
+    canon = canonical_names(model)
     stages = build_stages(model, s.stages, stage_ids, recompute=s.recompute, seed=seed, device=device)
     dp_mesh = mesh["dp"]
     wrapped = wrap(stages, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=dp_mesh, optimizer_fn=optimizer_fn)
@@ -129,7 +130,7 @@ def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, opti
                 tie_groups.append((tied.canonical, group))
     return Runtime(strategy=s, pp_rank=pp_rank, dp_rank=dp_rank, stage_ids=stage_ids, wrapped=wrapped,
                    loss_fn=loss_fn, schedule=schedule, dp_group=dp_mesh.get_group() if s.dp > 1 else None,
-                   tie_groups=tie_groups, params_by_name=params_by_canonical(stages, model))
+                   tie_groups=tie_groups, params_by_name=params_by_canonical(stages, canon))
 
 
 def stage_io_shapes(model: nn.Module, stages: tuple[tuple[str, ...], ...], example: torch.Tensor,

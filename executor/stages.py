@@ -127,9 +127,9 @@ def tied_params(model: nn.Module, stages: tuple[tuple[str, ...], ...], pp: int) 
                   key=lambda t: t.canonical)
 
 
-def params_by_canonical(stage_modules: list[Stage], model: nn.Module) -> dict[str, nn.Parameter]:
-    """This rank's parameters keyed by canonical name (one entry per tensor, aliases folded)."""
-    canon = canonical_names(model)
+def params_by_canonical(stage_modules: list[Stage], canon: dict[str, str]) -> dict[str, nn.Parameter]:
+    """This rank's parameters keyed by canonical name (one entry per tensor, aliases folded). `canon` must come
+    from canonical_names() on the model before materialising: afterwards a tie across ranks is no longer visible."""
     out: dict[str, nn.Parameter] = {}
     for st in stage_modules:
         for unit_name, module in zip(st.unit_names, st.children()):

@@ -175,9 +175,10 @@ def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:
         x, y = synthetic_batch(cfg, example, out_shape, strategy.global_batch_size, step, loss)
         value = compute_loss(loss, stage(x), y)
         value.backward()
+        value = value.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out.append(float(value))
+        out.append(value.item())
     return out
 
 

@@ -13,6 +13,7 @@ DDP uses gradient_as_bucket_view so gradients are not held twice (the memory mod
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -66,8 +67,11 @@ def wrap(stages: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: 
     if zero == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         template = optimizer_fn([nn.Parameter(torch.zeros(1))])
-        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=type(template), process_group=group,
-                                            **template.defaults)
+        accepted = inspect.signature(type(template).__init__).parameters
+        # an optimizer's defaults can hold derived entries its constructor does not take (AdamW's
+        # decoupled_weight_decay): pass on only what the constructor accepts
+        kwargs = {k: v for k, v in template.defaults.items() if k in accepted}
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=type(template), process_group=group, **kwargs)
     else:
         optimizer = optimizer_fn(params)
     return Wrapped(modules=modules, optimizer=optimizer, manual_grad_sync=manual, ddp=pp == 1, params=params)

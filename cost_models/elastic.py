@@ -1,0 +1,37 @@
+"""Helpers around torchrun's elastic launcher shared by the cluster probe and the executor."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+# Messages a rank raises because another rank died first: never the root cause when a real error exists.
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Timed out waiting")
+
+
+@contextlib.contextmanager
+def quiet_elastic_logs():
+    """The agent logs multi-line tracebacks of failed workers; callers turn them into one line instead."""
+    log = logging.getLogger("torch.distributed.elastic")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def is_consequence(message: str) -> bool:
+    return any(c in message for c in _CONSEQUENCES)
+
+
+def root_failure(exc) -> tuple[int, str]:
+    """(rank, first line of its error) of the failure that caused a ChildFailedError: a rank that raised on its
+    own rather than one that lost its connection to it; the earliest and lowest rank among equals."""
+    candidates = []
+    for rank, failure in exc.failures.items():
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+        line = message.strip().splitlines()[0] if message.strip() else f"exit code {failure.exitcode}"
+        consequence = is_consequence(message)
+        candidates.append((consequence, failure.timestamp, rank, line))
+    _, _, rank, line = min(candidates)
+    return rank, line
