@@ -236,7 +236,8 @@ def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="
                      f"({prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len}, {prof.threads} thread(s))"))
     _print_cluster(pf.cluster)
     _print_plan(result.plan)
-    out.print(f"wrote {result.profile_path} and {result.plan_path}", highlight=False)
+    _print_run(result.run)
+    out.print(f"wrote {result.profile_path}, {result.plan_path} and {result.run_path}", highlight=False)
     out.print(f"not built yet: {', '.join(result.not_yet_built)}", highlight=False)
 
 

@@ -1,8 +1,10 @@
 """A unit's forward and backward time on the target device (pure functions).
 
 Two sources, in order of trust:
-  1. measured: the profile was taken in real mode on the device kind the cluster has (CPU ranks here). The
-     measured median is scaled by micro-batch size (linear in b, as FLOPs are) and by contention: a CPU rank that
+  1. measured: the profile was taken in real mode on the device kind the cluster has (CPU ranks here). Each unit
+     was timed at the profile's micro-batch B and at one sample, giving t(b) = t1 + (tB - t1) (b - 1) / (B - 1):
+     a fixed per-call cost (kernel launches, Python) plus per-sample work; with one timing only, t scales with b
+     as FLOPs do. Then contention: a CPU rank that
      shares cores runs slower. The compute probe gives both sides: one rank alone does `flops_alone`, one of
      `ranks` running at once does `flops_per_rank`, so the machine has effectively
      cores_eff = ranks * flops_per_rank / flops_alone rank-threads, and N ranks slow each other by
@@ -39,12 +41,21 @@ def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile
     scale = micro_batch_size / profile.micro_batch_size
     if uses_measured_times(profile, cluster):
         threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1)
-        factor = scale * contention(cluster, ranks_running) * max(1.0, threads)
-        return unit.fwd_time.median_s * factor, unit.bwd_time.median_s * factor
+        factor = contention(cluster, ranks_running) * max(1.0, threads)
+        return (_at_batch(unit.fwd_time, unit.fwd_time_one, profile.micro_batch_size, micro_batch_size) * factor,
+                _at_batch(unit.bwd_time, unit.bwd_time_one, profile.micro_batch_size, micro_batch_size) * factor)
     dtype = COMPUTE_DTYPE.get(precision, "bf16")
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
     rate = peak * cluster.device.matmul_efficiency
     return unit.fwd_flops * scale / rate, unit.bwd_flops * scale / rate
+
+
+def _at_batch(at_profile, at_one, profile_batch: int, batch: int) -> float:
+    """A measured time moved to another micro-batch size: affine through the two timings when both exist."""
+    if at_one is None or profile_batch <= 1:
+        return at_profile.median_s * batch / profile_batch
+    per_sample = max(0.0, (at_profile.median_s - at_one.median_s) / (profile_batch - 1))
+    return max(0.0, at_one.median_s + per_sample * (batch - 1))
 
 
 def optimizer_step_time(params: float, *, precision: str, optimizer: str, cluster: ClusterProfile) -> float:

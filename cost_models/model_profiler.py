@@ -187,29 +187,57 @@ class _ModuleResult:
         self.fwd_flops = self.bwd_flops = self.output_bytes = self.saved_bytes = 0
         self.fwd_times: list[float] = []
         self.bwd_times: list[float] = []
+        self.fwd_times_one: list[float] = []   # the same with a micro-batch of one sample
+        self.bwd_times_one: list[float] = []
         self.attention: set[str] = set()
 
 
+def _fresh(captured):
+    """The captured inputs as new leaves (float tensors require grad, as a stage's received activations do)."""
+    def leaf(t):
+        if isinstance(t, torch.Tensor):
+            return t.detach().requires_grad_(t.is_floating_point())
+        return t
+    return tree_map(leaf, captured)
+
+
+def _roots(out, loss: str | None, target):
+    if loss is not None:
+        return [compute_loss(loss, out, target)]
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _time_module(module: nn.Module, captured, loss: str | None, target, warmup: int,
+                 repeats: int) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of each repeat after `warmup` untimed runs."""
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        args, kwargs = _fresh(captured)
+        t0 = time.perf_counter()
+        roots = _roots(module(*args, **kwargs), loss, target)
+        t1 = time.perf_counter()
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+        t2 = time.perf_counter()
+        module.zero_grad(set_to_none=True)
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return fwd, bwd
+
+
+def _one_sample(captured, batch: int):
+    """The captured inputs cut to the first sample (tensors whose leading dimension is the batch)."""
+    return tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t,
+                    captured)
+
+
 def _measure_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, Any]], *, excluded: set[int],
-                    loss: str | None, timed: bool, warmup: int, repeats: int) -> _ModuleResult:
-    """Run one module alone on its captured input: FLOPs, saved bytes, output bytes, and (if timed) times."""
+                    loss: str | None, timed: bool, warmup: int, repeats: int, batch: int) -> _ModuleResult:
+    """Run one module alone on its captured input: FLOPs, saved bytes, output bytes, and (if timed) times, at the
+    profile's micro-batch and, when that is larger, at one sample, so time can be modelled as a + b * batch
+    (fixed per-call overhead plus per-sample work) rather than proportional to the batch."""
     res = _ModuleResult()
-
-    def fresh_inputs():
-        def leaf(t):
-            if isinstance(t, torch.Tensor):
-                return t.detach().requires_grad_(t.is_floating_point())
-            return t
-        return tree_map(leaf, captured)
-
-    def forward(args, kwargs):
-        out = module(*args, **kwargs)
-        return out
-
-    def diff_outputs(out, target):
-        if loss is not None:
-            return [compute_loss(loss, out, target)]
-        return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
     saved: dict[int, int] = {}
 
@@ -219,11 +247,11 @@ def _measure_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str
             saved.setdefault(key, t.untyped_storage().nbytes())
         return t
 
-    args, kwargs = fresh_inputs()
+    args, kwargs = _fresh(captured)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _flop_counter() as fwd_fc:
-        out = forward(args, kwargs)
+        out = module(*args, **kwargs)
         target = synthetic_target(loss, out) if loss is not None else None
-        roots = diff_outputs(out, target)
+        roots = _roots(out, loss, target)
     res.output_bytes = sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     res.saved_bytes = sum(saved.values())
     res.fwd_flops = fwd_fc.get_total_flops()
@@ -236,19 +264,10 @@ def _measure_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str
     module.zero_grad(set_to_none=True)
 
     if timed:
-        for i in range(warmup + repeats):
-            args, kwargs = fresh_inputs()
-            t0 = time.perf_counter()
-            out = forward(args, kwargs)
-            roots = diff_outputs(out, target)
-            t1 = time.perf_counter()
-            if roots:
-                torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
-            t2 = time.perf_counter()
-            module.zero_grad(set_to_none=True)
-            if i >= warmup:
-                res.fwd_times.append(t1 - t0)
-                res.bwd_times.append(t2 - t1)
+        res.fwd_times, res.bwd_times = _time_module(module, captured, loss, target, warmup, repeats)
+        if batch > 1:
+            res.fwd_times_one, res.bwd_times_one = _time_module(
+                module, _one_sample(captured, batch), loss, target[:1] if target is not None else None, warmup, repeats)
     return res
 
 
@@ -296,7 +315,8 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
         for j, m in enumerate(mods):
             is_last = i == len(unit_defs) - 1 and j == len(mods) - 1
             results.append(_measure_module(model.get_submodule(m), capture.inputs[m], excluded=excluded,
-                                           loss=loss if is_last else None, timed=timed, warmup=warmup, repeats=repeats))
+                                           loss=loss if is_last else None, timed=timed, warmup=warmup, repeats=repeats,
+                                           batch=inputs[0].shape[0]))
             attention |= results[-1].attention
         results_by_unit.append((name, mods, results))
     if on_progress:
@@ -407,6 +427,8 @@ def _account_params(model: nn.Module, unit_results) -> tuple[list[UnitProfile], 
             output_bytes=results[-1].output_bytes, saved_bytes=sum(r.saved_bytes for r in results),
             fwd_time=_timing([r.fwd_times for r in results]) if timed else None,
             bwd_time=_timing([r.bwd_times for r in results]) if timed else None,
+            fwd_time_one=_timing([r.fwd_times_one for r in results]) if timed and results[0].fwd_times_one else None,
+            bwd_time_one=_timing([r.bwd_times_one for r in results]) if timed and results[0].bwd_times_one else None,
         ))
     numel = {id(p): p.numel() for p in model.parameters()}
     shared = [SharedParam(name=owner[pid][0], aliases=tuple(a for a, _ in al),

@@ -50,6 +50,8 @@ class UnitProfile(Record):
     saved_bytes: int                     # bytes saved for backward (saved_tensors_hooks, by storage, params excluded)
     fwd_time: Timing | None = None       # real mode only
     bwd_time: Timing | None = None
+    fwd_time_one: Timing | None = None   # real mode, micro-batch > 1: the same unit on one sample
+    bwd_time_one: Timing | None = None
 
 
 @record

@@ -65,3 +65,20 @@ def test_pipeline_activations_follow_the_schedule(tiny_profiles):
     inputs = 2 * 16 * 8 + prof.unit("embed").output_bytes + prof.unit("blocks.0").output_bytes
     assert rec.memory_per_rank[0].activations == pytest.approx(2 * inputs + max(prof.unit(n).saved_bytes for n in stages[0]), abs=1)
     assert rec.stages[0].bwd_s > est.stages[0].bwd_s
+
+
+def test_measured_times_move_to_other_micro_batches_affinely(tiny_profiles):
+    from cost_models.compute import unit_times
+    from cost_models.cluster import ClusterProfile, ComputeProbe, DeviceSpec, LinkSpec
+    prof = tiny_profiles["gpt-tiny", False]      # real mode at micro-batch 2, timed at 2 and at 1
+    cpu = ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=1,
+                         device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**30, peak_flops={"fp32": 1e10},
+                                           matmul_efficiency=1.0, source="test"),
+                         intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"),
+                         compute=ComputeProbe(dtype="fp32", matmul_n=8, ranks=1, threads_per_rank=prof.threads,
+                                              flops_per_rank=1e10, flops_alone=1e10))
+    u = prof.unit("blocks.1")
+    t1, t2 = u.fwd_time_one.median_s, u.fwd_time.median_s
+    for b, expected in ((1, t1), (2, t2), (5, t1 + (t2 - t1) * 4)):
+        fwd, _ = unit_times(u, prof, cpu, micro_batch_size=b, precision="fp32", ranks_running=1)
+        assert fwd == pytest.approx(max(0.0, expected) if t2 >= t1 else t1)
