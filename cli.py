@@ -237,8 +237,10 @@ def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="
     _print_cluster(pf.cluster)
     _print_plan(result.plan)
     _print_run(result.run)
-    out.print(f"wrote {result.profile_path}, {result.plan_path} and {result.run_path}", highlight=False)
-    out.print(f"not built yet: {', '.join(result.not_yet_built)}", highlight=False)
+    out.print(f"wrote {result.profile_path}, {result.plan_path}, {result.run_path} and {result.report_path} "
+              f"(+ .md)", highlight=False)
+    if result.not_yet_built:
+        out.print(f"not built yet: {', '.join(result.not_yet_built)}", highlight=False)
 
 
 @app.command()
@@ -312,6 +314,7 @@ def plan(
     output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="where to write the plan ('-' for none)"),
     force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout"),
+    report: bool = typer.Option(True, "--report/--no-report", help="write report.html and report.md beside the plan"),
 ) -> None:
     """Search every strategy (ZeRO 0-3 x pipeline depth x schedule x micro-batching x recompute), pick the fastest
     that fits, and explain why; writes plan.json."""
@@ -323,8 +326,10 @@ def plan(
 
     write_to = None if str(output) == "-" else output
     overwrite = _confirm_overwrite(write_to, force) if write_to else False
-    if write_to and write_to.exists() and not overwrite:
-        raise OutputExistsError(f"{write_to} already exists; pass --force to overwrite it or -o to write elsewhere")
+    report_path = _report_path(write_to) if write_to and report else None
+    for path in filter(None, (write_to, report_path, report_path and report_path.with_suffix(".md"))):
+        if path.exists() and not overwrite:
+            raise OutputExistsError(f"{path} already exists; pass --force to overwrite it or -o to write elsewhere")
     pf = load_profile(profile_path)
     target = resolve_cluster(cluster, nodes=nodes) if cluster else pf.cluster
     if target is None:
@@ -340,12 +345,52 @@ def plan(
     data = result.to_dict()
     if write_to:
         write_atomic(write_to, dumps(data), overwrite=overwrite)
+        if report_path:
+            _write_report(result, None, report_path, overwrite)
     if as_json:
         print(json.dumps(data, indent=2))
         return
     _print_plan(result)
     if write_to:
         err.print(f"wrote {write_to}", highlight=False)
+
+
+def _report_path(plan_path: Path) -> Path:
+    """plan.json -> report.html beside it; other names keep their stem (myplan.json -> myplan.html)."""
+    stem = "report" if plan_path.stem == "plan" else plan_path.stem
+    return plan_path.with_name(stem + ".html")
+
+
+def _write_report(the_plan, the_run, html_path: Path, overwrite: bool) -> tuple[Path, Path]:
+    """report.html and report.md with the same content (planner.report)."""
+    from cost_models.errors import OutputExistsError
+    from cost_models.fileio import write_atomic
+    from planner.report import render_html, render_markdown
+    md_path = html_path.with_suffix(".md")
+    for path in (html_path, md_path):
+        if path.exists() and not overwrite:
+            raise OutputExistsError(f"{path} already exists; pass --force to overwrite it or -o to write elsewhere")
+    write_atomic(html_path, render_html(the_plan, the_run), overwrite=overwrite)
+    write_atomic(md_path, render_markdown(the_plan, the_run), overwrite=overwrite)
+    err.print(f"wrote {html_path} and {md_path}", highlight=False)
+    return html_path, md_path
+
+
+@app.command("report")
+@handles_errors
+def report_cmd(
+    plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan.json from `planner plan`"),
+    run_path: Optional[Path] = typer.Option(None, "--run", help="run.json from `planner run`: adds predicted vs measured"),
+    output: Path = typer.Option(Path("report.html"), "--output", "-o", help="the HTML file; the Markdown goes beside it"),
+    force: bool = typer.Option(False, "--force", "-f", help="overwrite existing report files"),
+) -> None:
+    """Write a plan report for review: report.html (self-contained, SVG pictures) and report.md."""
+    from cost_models.fileio import read_json
+    from executor.launch import RUN_KIND, RUN_SCHEMA_VERSION, RunFile
+    from planner.plan import load_plan
+    the_plan = load_plan(plan_path)
+    the_run = RunFile.from_dict(read_json(run_path, kind=RUN_KIND, schema_version=RUN_SCHEMA_VERSION)) if run_path else None
+    _write_report(the_plan, the_run, output, force or _confirm_overwrite(output, force))
 
 
 def _print_plan(p) -> None:

@@ -51,6 +51,13 @@ class StageEstimate(Record):
     activation_bytes: float # kept per micro-batch in flight
     boundary_bytes: float   # what it sends to the next stage per micro-batch
     peak_in_flight: int
+    send_fwd_s: float = 0.0 # p2p time of its output to the next stage (per micro-batch)
+    send_bwd_s: float = 0.0 # p2p time of its input gradient to the previous stage
+
+    def cost(self) -> StageCost:
+        """The simulator's view of this stage (reports re-simulate the plan's timeline from it)."""
+        return StageCost(fwd_s=self.fwd_s, bwd_s=self.bwd_s, send_fwd_s=self.send_fwd_s, send_bwd_s=self.send_bwd_s,
+                         activation_bytes=self.activation_bytes)
 
 
 @record
@@ -215,7 +222,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         tokens_per_step=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, mfu=mfu,
         stages=tuple(StageEstimate(stage=i, units=info[0], params=info[1], fwd_s=info[3], bwd_s=info[4],
                                    activation_bytes=info[5], boundary_bytes=info[6],
-                                   peak_in_flight=sim.peak_in_flight.get(i, 0)) for i, info in enumerate(stage_info)),
+                                   peak_in_flight=sim.peak_in_flight.get(i, 0), send_fwd_s=stage_costs[i].send_fwd_s,
+                                   send_bwd_s=stage_costs[i].send_bwd_s) for i, info in enumerate(stage_info)),
         memory_per_rank=memory, capacity_bytes=cluster.device.memory_bytes,
         fits=max(m.total_bytes for m in memory) <= cluster.device.memory_bytes,
         comm=CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()),

@@ -23,6 +23,17 @@ class Alternative(Record):
 
 
 @record
+class Candidate(Record):
+    """One costed point of the search, for the report's time-against-memory picture."""
+
+    label: str
+    family: str
+    step_time_s: float
+    peak_memory_bytes: int
+    fits: bool
+
+
+@record
 class Provenance(Record):
     profile_path: str
     profile_digest: str                 # sha256 of the profile file
@@ -70,6 +81,7 @@ class Plan(Record):
     stage_ranks: tuple[tuple[int, ...], ...]   # stage -> global ranks holding it
     prediction: Estimate
     alternatives: tuple[Alternative, ...]
+    candidates: tuple[Candidate, ...] = ()     # every costed point (fitting or not)
     rationale: Rationale
     provenance: Provenance
 

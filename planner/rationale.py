@@ -24,6 +24,10 @@ def describe(s: Strategy) -> str:
     return shape + f", {s.microbatches} micro-batch(es) of {s.micro_batch_size}" + recompute
 
 
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
+
+
 def _ms(x: float) -> str:
     return f"{x * 1e3:,.1f} ms" if x < 10 else f"{x:,.2f} s"
 
@@ -46,7 +50,7 @@ def why_lost(s: Strategy, est: Estimate, ws: Strategy, west: Estimate) -> str:
     if field == "bubble_s":
         detail += f" (bubble {est.bubble_ratio:.2f} of compute)"
     if field == "dp_comm_s":
-        detail += f" ({est.comm.dp_bytes_per_rank / 2**30:,.2f} GiB per rank per step, {est.comm.dp_link})"
+        detail += f" ({_bytes(est.comm.dp_bytes_per_rank)} per rank per step, {est.comm.dp_link})"
     return f"+{_ms(slower)} per step; most of it {detail}"
 
 
@@ -76,7 +80,7 @@ def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: Clus
         binding = "bandwidth"
         why = (f"bandwidth binds: the best {family(rs)} strategy ({describe(rs)}) spends "
                f"{_ms(re_.breakdown.dp_comm_s + re_.breakdown.p2p_s)} per step in exposed communication "
-               f"({re_.comm.dp_bytes_per_rank / 2**30:,.2f} GiB per rank over {re_.comm.dp_link} links) against "
+               f"({_bytes(re_.comm.dp_bytes_per_rank)} per rank over {re_.comm.dp_link} links) against "
                f"{_ms(b.dp_comm_s + b.p2p_s)} here")
     elif fastest_unfit is not None and fastest_unfit.estimate.step_time_s < west.step_time_s:
         binding = "memory"

@@ -29,8 +29,8 @@ from cost_models.profile import ModelProfile
 from cost_models.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition, stages_from_ranges)
-from planner.plan import Alternative, ModelRef, Plan, Provenance
-from planner.rationale import explain, why_lost
+from planner.plan import Alternative, Candidate, ModelRef, Plan, Provenance
+from planner.rationale import explain, family, why_lost
 from planner.space import Point, enumerate_points
 
 ProgressFn = Callable[[int, int], None]
@@ -228,11 +228,19 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_ba
         versions={"zeropipe": _version(), "torch": torch.__version__, "pulp": pulp.__version__,
                   "python": platform.python_version()},
         command=command, created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    from cost_models.summaries import strategy_name
+    seen, candidates = set(), []
+    for c in feasible + infeasible:
+        key = (strategy_name(c.strategy), c.estimate.fits)
+        if key not in seen:
+            seen.add(key)
+            candidates.append(Candidate(label=key[0], family=family(c.strategy), step_time_s=c.estimate.step_time_s,
+                                        peak_memory_bytes=c.estimate.peak_memory_bytes, fits=c.estimate.fits))
     return Plan(model=ModelRef(name=profile.name, source=profile.source, seq_len=profile.seq_len,
                                input_kind=profile.input.kind, units=tuple(u.name for u in profile.units)),
                 cluster=cluster, gpus=gpus, global_batch_size=global_batch_size, strategy=s,
                 stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=winner.estimate,
-                alternatives=alternatives, rationale=rationale, provenance=provenance)
+                alternatives=alternatives, candidates=tuple(candidates), rationale=rationale, provenance=provenance)
 
 
 def _partition_provenance(winner: _Costed, profile: ModelProfile, unit_cost: list[float],

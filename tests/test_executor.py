@@ -14,6 +14,7 @@ from cost_models.presets import preset
 from cost_models.strategy import Strategy
 from executor.train import TrainConfig, single_process_losses
 from tests import dist_worker
+from tests.plans import plan_file
 
 ROOT = Path(__file__).resolve().parents[1]
 UNITS = ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head")   # gpt-tiny: tied embedding and head
@@ -77,20 +78,7 @@ def test_four_ranks_zero_pipeline_and_hybrids(reference, profile):
 
 
 def _plan_file(tmp_path, profile, strategy):
-    from cost_models.fileio import dumps, write_atomic
-    from planner.plan import ModelRef, Plan, Provenance, Rationale
-    est = estimate(strategy, profile, preset("dgx-a100"))
-    plan = Plan(model=ModelRef(name="gpt-tiny", source="gpt-tiny", seq_len=16, input_kind="tokens", units=UNITS),
-                cluster=preset("dgx-a100"), gpus=strategy.world_size, global_batch_size=strategy.global_batch_size,
-                strategy=strategy, stage_ranks=tuple(strategy.stage_ranks(i) for i in range(strategy.n_stages)),
-                prediction=est, alternatives=(),
-                rationale=Rationale(binding="compute", winner_family="pipeline", summary="test", lines=(),
-                                    best_by_family={}),
-                provenance=Provenance(profile_path="", profile_digest="", cluster="dgx-a100", partitioner="chain-dp",
-                                      milp_status="not run", milp_bottleneck_s=None, dp_bottleneck_s=None,
-                                      points_considered=1, points_pruned=0, points_costed=1, planning_time_s=0.0,
-                                      versions={}, command="test", created_at=""))
-    return write_atomic(tmp_path / "plan.json", dumps(plan.to_dict()))
+    return plan_file(tmp_path, strategy, profile)
 
 
 def test_planner_run_writes_run_json(tmp_path, profile, reference):

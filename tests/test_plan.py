@@ -88,3 +88,13 @@ def test_plan_cli_writes_a_plan_file(tmp_path, tiny_profiles):
     assert loaded.rationale.binding in ("memory", "bandwidth", "compute")
     res = runner.invoke(app, ["plan", str(path), "--gpus", "64", "-B", "32", "-o", "-"])
     assert res.exit_code == 2 and "cluster has 8 devices" in res.stderr
+
+
+def test_zero_and_pipeline_reports_read_differently(llama13b):
+    from planner.report import render_markdown
+    zero = render_markdown(plan(llama13b, preset("dgx-h100"), gpus=8, global_batch_size=64))
+    pipe = render_markdown(plan(llama13b, preset("a100-pcie-40g", nodes=4), gpus=32, global_batch_size=128))
+    assert "ZeRO (data parallel) wins" in zero and "memory binds" in zero
+    assert "pipeline x ZeRO hybrid wins" in pipe or "pipeline wins" in pipe
+    assert "bandwidth binds" in pipe and "inter-node" in pipe
+    assert "Pipeline point-to-point: none (one stage)." in zero and "stage boundaries inter-node" in pipe

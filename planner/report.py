@@ -1,0 +1,276 @@
+"""Plan reports: the same content as Markdown and as one self-contained HTML page with inline SVG pictures.
+
+Sections: summary; why, with numbers (the binding resource, bubble, communication per link kind, why the others
+lost); the pipeline timeline (re-simulated from the plan's own action order and stage times); per-rank memory
+against capacity; every costed candidate as step time against peak memory; the alternatives; the mapping's
+approximations; and, given a run, predicted against measured.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+from cost_models.schedule import parse_order, simulate
+from cost_models.summaries import strategy_name
+from planner.plan import Plan
+from planner.rationale import describe
+
+GIB = 2**30
+KIND_COLOR = {"F": "#4e79a7", "B": "#59a14f", "I": "#f28e2b", "W": "#b07aa1"}
+MEMORY_COLOR = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_states": "#e15759",
+                "activations": "#76b7b2", "buffers": "#edc948", "overhead": "#bab0ac"}
+MAX_TIMELINE_EVENTS = 20_000
+APPROXIMATIONS = (
+    "ZeRO-2 and ZeRO-3 run on FSDP2, which keeps parameters sharded at rest in both; ZeRO-2 "
+    "(reshard_after_forward=False) holds the gathered parameters from forward to backward, counted as buffers. "
+    "DeepSpeed's ZeRO-2 keeps them replicated instead: the same bytes under another label.",
+    "In a pipeline each stage is one FSDP unit and torch's stage defers gradient sync to the end of the step, so "
+    "ZeRO-2/3 stages hold unsharded parameters and gradients of the whole stage while micro-batches run, and their "
+    "collectives are not overlapped with compute.",
+    "DDP runs with gradient_as_bucket_view (no second gradient copy); pipelined ZeRO-0/1 all-reduce gradients "
+    "after the schedule, because DDP-wrapped stages fail or give wrong gradients under GPipe and interleaving.",
+    "Backward splits into input and weight gradients in equal halves for zero-bubble schedules.",
+    "Measured unit times (CPU profiles) are scaled to other micro-batch sizes through two timings and slowed by "
+    "core sharing from the compute probe; FLOP-based times use the device's dense peak x matmul efficiency.",
+)
+
+
+@dataclass
+class Section:
+    title: str
+    lines: list[str] = field(default_factory=list)
+    tables: list[tuple[list[str], list[list[str]]]] = field(default_factory=list)
+    svg: str = ""
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.2f} ms" if s < 10 else f"{s:,.2f} s"
+
+
+def _err(c) -> str:
+    return "-" if c.error_pct is None else f"{c.error_pct:+.1f}%"
+
+
+def sections(plan: Plan, run=None) -> list[Section]:
+    est, s, r = plan.prediction, plan.strategy, plan.rationale
+    peak = max(m.total_bytes for m in est.memory_per_rank)
+    low = min(m.total_bytes for m in est.memory_per_rank)
+    summary = Section("Summary", [
+        f"Chosen: {describe(s)} on {plan.gpus} x {plan.cluster.device.name} ({plan.cluster.name}), global batch "
+        f"{plan.global_batch_size} sequences of {plan.model.seq_len} tokens.",
+        f"Predicted step time {_ms(est.step_time_s)}; throughput {est.tokens_per_s:,.0f} tokens/s"
+        + (f"; MFU {est.mfu:.1%}" if est.mfu is not None else "; MFU not given (no datasheet peak for this device)") + ".",
+        f"Peak memory per rank {peak / GIB:.2f} GiB (lowest {low / GIB:.2f} GiB) of {est.capacity_bytes / GIB:.2f} GiB "
+        f"capacity: {'fits' if est.fits else 'DOES NOT FIT'}.",
+    ])
+    b = est.breakdown
+    comm_lines = [f"Pipeline point-to-point: {est.comm.p2p_bytes_per_step / 2**20:,.2f} MiB per step "
+                  f"({est.comm.p2p_link})." if s.n_stages > 1 else "Pipeline point-to-point: none (one stage)."]
+    if est.comm.dp_collectives:
+        comm_lines.append("Data-parallel collectives (" + est.comm.dp_link + "): " + ", ".join(
+            f"{op.replace('_', ' ')} {v / 2**20:,.2f} MiB" for op, v in est.comm.dp_collectives.items())
+                          + f" per rank per step, {_ms(b.dp_comm_s)} exposed.")
+    else:
+        comm_lines.append("Data-parallel collectives: none (dp = 1).")
+    why = Section("Why: ZeRO or pipeline?", [
+        r.summary,
+        f"Step time = compute {_ms(b.compute_s)} + bubble {_ms(b.bubble_s)} + p2p {_ms(b.p2p_s)} + data-parallel "
+        f"communication {_ms(b.dp_comm_s)} + optimizer {_ms(b.optimizer_s)}.",
+        f"Bubble: {est.bubble_ratio:.3f} of ideal compute (Narayanan's (p-1)/m convention), "
+        f"{est.bubble_share:.1%} of rank-time idle.",
+        *comm_lines, *r.lines[2:]])
+    timeline = Section("Pipeline timeline", [
+        f"Ranks (rows) against time: forward (F), backward (B), input-gradient (I) and weight-gradient (W) blocks, "
+        f"numbered by micro-batch; gaps are bubbles. {s.schedule}, {s.microbatches} micro-batches"
+        + (f", {s.v} chunks per rank" if s.v > 1 else "") + "."], svg=timeline_svg(plan))
+    stage_rows = [[str(st.stage), f"{st.units[0]} .. {st.units[-1]} ({len(st.units)})", f"{st.params:,}",
+                   _ms(st.fwd_s), _ms(st.bwd_s), str(st.peak_in_flight), f"{st.activation_bytes / 2**20:,.2f}"]
+                  for st in est.stages]
+    timeline.tables.append((["stage", "units", "params", "F / micro-batch", "B / micro-batch", "in flight",
+                             "activations MiB / micro-batch"], stage_rows))
+    memory = Section("Memory per rank", [f"Stacked by category against the {est.capacity_bytes / GIB:.2f} GiB capacity "
+                                         "(dashed line). GiB = 2^30 bytes."], svg=memory_svg(plan))
+    memory.tables.append((["ranks", "parameters", "gradients", "optimizer", "activations", "buffers", "overhead",
+                           "total GiB"], [[label] + [f"{getattr(m, c) / GIB:.3f}" for c in MEMORY_COLOR] +
+                                          [f"{m.total_bytes / GIB:.3f}"] for label, m in _rank_groups(plan)]))
+    cand = Section("Candidates", [f"{len(plan.candidates)} costed strategies, predicted step time against peak "
+                                  "memory per rank; filled: fits, crossed: does not fit; the chosen one is ringed. "
+                                  f"Search: {plan.provenance.points_considered} points, {plan.provenance.points_pruned} "
+                                  f"pruned, {plan.provenance.points_costed} estimates in "
+                                  f"{plan.provenance.planning_time_s:.2f} s."], svg=candidates_svg(plan))
+    alt = Section("Alternatives", [], tables=[(["strategy", "step time", "peak GiB", "why it lost"],
+                                              [[strategy_name(s), _ms(est.step_time_s), f"{peak / GIB:.2f}", "chosen"]]
+                                              + [[strategy_name(a.strategy), _ms(a.step_time_s),
+                                                  f"{a.peak_memory_bytes / GIB:.2f}", a.lost_because]
+                                                 for a in plan.alternatives])])
+    out = [summary, why, timeline, memory, cand, alt,
+           Section("How the plan maps to torch (approximations)", list(APPROXIMATIONS))]
+    if run is not None:
+        out.append(Section("Predicted vs measured", [
+            f"Run: {run.steps} steps ({run.warmup} warm-up) on {run.world_size} ranks ({run.backend}); measured "
+            f"median step {_ms(run.step_time_s['median_s'])} against {_ms(run.predicted_step_time_s)} predicted; "
+            f"losses " + ", ".join(f"{x:.4f}" for x in run.losses) + "."],
+            tables=[(["quantity", "predicted", "measured", "error"],
+                     [[c.quantity, _fmt(c.quantity, c.predicted), _fmt(c.quantity, c.measured), _err(c)]
+                      for c in run.comparisons])]))
+    return out
+
+
+def _fmt(quantity: str, value: float) -> str:
+    return _ms(value) if quantity.endswith("(s)") else f"{value / 2**20:,.3f} MiB"
+
+
+def _rank_groups(plan: Plan):
+    """(label, breakdown) per group of ranks with identical memory (the dp replicas of a pipeline rank)."""
+    groups: dict[tuple, list] = {}
+    for m in plan.prediction.memory_per_rank:
+        key = (m.stages, m.parameters, m.gradients, m.optimizer_states, m.activations, m.buffers, m.overhead)
+        groups.setdefault(key, []).append(m)
+    return [((f"rank {ms[0].rank}" if len(ms) == 1 else f"ranks {ms[0].rank}-{ms[-1].rank}"), ms[0])
+            for ms in groups.values()]
+
+
+def timeline_svg(plan: Plan, width: int = 960) -> str:
+    s, est = plan.strategy, plan.prediction
+    order = parse_order(est.pipeline_order)
+    sim = simulate(order, [st.cost() for st in est.stages], p=s.pp, keep_timeline=True)
+    events = sim.timeline
+    span = sim.makespan_s or 1.0
+    row, left, top = 28, 70, 20
+    height = top + row * len(order) + 30
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img" aria-label="pipeline timeline">']
+    scale = (width - left - 10) / span
+    for r in sorted(order):
+        y = top + r * row
+        parts.append(f'<rect class="lane" x="{left}" y="{y}" width="{width - left - 10}" height="{row - 6}" fill="#eee"/>')
+        parts.append(f'<text x="4" y="{y + row / 2}" font-size="12">rank {r}</text>')
+    for e in events[:MAX_TIMELINE_EVENTS]:
+        a = e.action
+        x, w = left + e.start_s * scale, max(0.5, (e.end_s - e.start_s) * scale)
+        y = top + e.rank * row
+        parts.append(f'<rect class="act {a.kind}" data-rank="{e.rank}" data-stage="{a.stage}" data-mb="{a.mb}" '
+                     f'x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row - 6}" fill="{KIND_COLOR[a.kind]}">'
+                     f'<title>{a} ({a.kind} of micro-batch {a.mb} on stage {a.stage}): {_ms(e.end_s - e.start_s)}</title></rect>')
+        if w > 14:
+            parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 1}" font-size="10" fill="#fff" '
+                         f'text-anchor="middle">{a.mb}</text>')
+    parts.append(f'<text x="{left}" y="{height - 8}" font-size="11">0</text>'
+                 f'<text x="{width - 10}" y="{height - 8}" font-size="11" text-anchor="end">{_ms(span)}</text>')
+    legend_x = left + 60
+    for kind, color in KIND_COLOR.items():
+        parts.append(f'<rect x="{legend_x}" y="{height - 18}" width="10" height="10" fill="{color}"/>'
+                     f'<text x="{legend_x + 14}" y="{height - 9}" font-size="11">{kind}</text>')
+        legend_x += 40
+    if len(events) > MAX_TIMELINE_EVENTS:
+        parts.append(f'<text x="{legend_x + 20}" y="{height - 9}" font-size="11">first {MAX_TIMELINE_EVENTS:,} of '
+                     f'{len(events):,} actions drawn</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def memory_svg(plan: Plan, width: int = 960) -> str:
+    groups = _rank_groups(plan)
+    cap = plan.prediction.capacity_bytes
+    top_value = max([cap] + [m.total_bytes for _, m in groups]) * 1.08
+    height, left, bottom = 300, 60, 40
+    bar_w = max(8, min(60, (width - left - 20) / max(1, len(groups)) * 0.6))
+    step = (width - left - 20) / max(1, len(groups))
+    scale = (height - bottom - 20) / top_value
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="memory" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img" aria-label="memory per rank">']
+    for i, (label, m) in enumerate(groups):
+        x = left + i * step + (step - bar_w) / 2
+        y = height - bottom
+        for cat, color in MEMORY_COLOR.items():
+            h = getattr(m, cat) * scale
+            y -= h
+            parts.append(f'<rect class="mem {cat}" data-ranks="{html.escape(label)}" x="{x:.2f}" y="{y:.2f}" '
+                         f'width="{bar_w:.2f}" height="{h:.2f}" fill="{color}"><title>{html.escape(label)} '
+                         f'{cat.replace("_", " ")}: {getattr(m, cat) / GIB:.3f} GiB</title></rect>')
+        parts.append(f'<text x="{x + bar_w / 2:.2f}" y="{height - bottom + 14}" font-size="10" text-anchor="middle">'
+                     f'{html.escape(label)}</text>')
+    cap_y = height - bottom - cap * scale
+    parts.append(f'<line class="capacity" x1="{left}" x2="{width - 10}" y1="{cap_y:.2f}" y2="{cap_y:.2f}" '
+                 f'stroke="#d62728" stroke-dasharray="6 4"/><text x="{width - 12}" y="{cap_y - 4:.2f}" font-size="11" '
+                 f'text-anchor="end" fill="#d62728">capacity {cap / GIB:.2f} GiB</text>')
+    legend_x = left
+    for cat, color in MEMORY_COLOR.items():
+        parts.append(f'<rect x="{legend_x}" y="{height - 16}" width="10" height="10" fill="{color}"/>'
+                     f'<text x="{legend_x + 14}" y="{height - 7}" font-size="11">{cat.replace("_", " ")}</text>')
+        legend_x += 120
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def candidates_svg(plan: Plan, width: int = 960, height: int = 320) -> str:
+    pts = list(plan.candidates)
+    left, bottom, top = 70, 40, 15
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="candidates" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img" aria-label="candidates">']
+    if not pts:
+        parts.append('<text x="10" y="20">no candidates recorded</text></svg>')
+        return "".join(parts)
+    cap = plan.prediction.capacity_bytes
+    t_max = max(p.step_time_s for p in pts) * 1.05
+    m_max = max([cap] + [p.peak_memory_bytes for p in pts]) * 1.05
+    sx = (width - left - 20) / t_max
+    sy = (height - bottom - top) / m_max
+    for p in pts:
+        x, y = left + p.step_time_s * sx, height - bottom - p.peak_memory_bytes * sy
+        tip = f"<title>{html.escape(p.label)}: {_ms(p.step_time_s)}, {p.peak_memory_bytes / GIB:.2f} GiB" \
+              f"{'' if p.fits else ' (does not fit)'}</title>"
+        if p.fits:
+            parts.append(f'<circle class="cand fits {p.family}" cx="{x:.2f}" cy="{y:.2f}" r="4" fill="#4e79a7" '
+                         f'fill-opacity="0.7">{tip}</circle>')
+        else:
+            parts.append(f'<g class="cand nofit {p.family}"><path d="M{x - 4:.2f},{y - 4:.2f}L{x + 4:.2f},{y + 4:.2f}'
+                         f'M{x - 4:.2f},{y + 4:.2f}L{x + 4:.2f},{y - 4:.2f}" stroke="#d62728" stroke-width="1.5"/>{tip}</g>')
+    cx, cy = left + plan.prediction.step_time_s * sx, height - bottom - plan.prediction.peak_memory_bytes * sy
+    parts.append(f'<circle class="chosen" cx="{cx:.2f}" cy="{cy:.2f}" r="9" fill="none" stroke="#000" stroke-width="2"/>')
+    cap_y = height - bottom - cap * sy
+    parts.append(f'<line x1="{left}" x2="{width - 10}" y1="{cap_y:.2f}" y2="{cap_y:.2f}" stroke="#d62728" '
+                 f'stroke-dasharray="6 4"/>')
+    parts.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{height - bottom}" stroke="#333"/>'
+                 f'<line x1="{left}" x2="{width - 10}" y1="{height - bottom}" y2="{height - bottom}" stroke="#333"/>'
+                 f'<text x="{width - 10}" y="{height - 8}" font-size="11" text-anchor="end">step time (max '
+                 f'{_ms(t_max)})</text><text x="4" y="{top + 10}" font-size="11">GiB (max {m_max / GIB:.1f})</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def render_markdown(plan: Plan, run=None) -> str:
+    out = [f"# zeropipe plan: {plan.model.name} on {plan.gpus} x {plan.cluster.device.name}", ""]
+    for sec in sections(plan, run):
+        out += [f"## {sec.title}", ""]
+        out += [f"- {line}" for line in sec.lines]
+        if sec.svg:
+            out.append("- (picture in report.html)")
+        for headers, rows in sec.tables:
+            out += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            out += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+_CSS = ("body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;color:#222}"
+        "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}"
+        "th{background:#f4f4f4}h2{border-bottom:1px solid #ddd;padding-bottom:4px}svg{display:block;margin:.5em 0}")
+
+
+def render_html(plan: Plan, run=None) -> str:
+    title = f"zeropipe plan: {plan.model.name} on {plan.gpus} x {plan.cluster.device.name}"
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{html.escape(title)}</title>",
+           f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>"]
+    for sec in sections(plan, run):
+        slug = "".join(ch if ch.isalnum() else "-" for ch in sec.title.lower()).strip("-")
+        out.append(f'<section id="{slug}"><h2>{html.escape(sec.title)}</h2>')
+        out += [f"<p>{html.escape(line)}</p>" for line in sec.lines]
+        out.append(sec.svg)
+        for headers, rows in sec.tables:
+            out.append("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>")
+            out += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]
+            out.append("</table>")
+        out.append("</section>")
+    out.append("</body></html>")
+    return "\n".join(out)
