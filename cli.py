@@ -54,6 +54,27 @@ def _confirm_overwrite(path: Path, force: bool) -> bool:
     return False
 
 
+def _prepare_output(output: Path, force: bool, *, also: tuple[Path, ...] = ()) -> tuple[Path | None, bool]:
+    """(where to write or None for '-', may overwrite): refuses, before any work, to clobber a user's file."""
+    from cost_models.errors import OutputExistsError
+    write_to = None if str(output) == "-" else output
+    overwrite = _confirm_overwrite(write_to, force) if write_to else False
+    for path in (write_to, *also) if write_to else ():
+        if path.exists() and not overwrite:
+            raise OutputExistsError(f"{path} already exists; pass --force to overwrite it or -o to write elsewhere")
+    return write_to, overwrite
+
+
+def _emit(data: dict, write_to: Path | None, overwrite: bool, as_json: bool) -> bool:
+    """Write the file atomically; with --json print it. True when JSON was printed (the caller stops there)."""
+    from cost_models.fileio import dumps, write_atomic
+    if write_to:
+        write_atomic(write_to, dumps(data), overwrite=overwrite)
+    if as_json:
+        print(json.dumps(data, indent=2))
+    return as_json
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err, transient=True)
@@ -89,18 +110,13 @@ def profile(
     as_json: bool = typer.Option(False, "--json", help="print the profile as JSON on stdout"),
 ) -> None:
     """Measure a model unit by unit (parameters, FLOPs, activation bytes, times) and write profile.json."""
-    from cost_models.fileio import dumps, write_atomic
     from cost_models.model_profiler import profile_model
     from cost_models.models.source import resolve
     from cost_models.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
     from cost_models.profile import ProfileFile
     from cost_models.summaries import UNIT_COLUMNS, unit_rows
 
-    write_to = None if str(output) == "-" else output
-    overwrite = _confirm_overwrite(write_to, force) if write_to else False
-    if write_to and write_to.exists() and not overwrite:
-        from cost_models.errors import OutputExistsError
-        raise OutputExistsError(f"{write_to} already exists; pass --force to overwrite it or -o to write elsewhere")
+    write_to, overwrite = _prepare_output(output, force)
     source = resolve(model, input_ref=input_fn)
     sizes = parse_sizes(probe_sizes) if probe_sizes else None
     check_cluster_args(cluster, nodes=nodes, ranks=ranks)
@@ -114,11 +130,7 @@ def profile(
                              units=units, warmup=warmup, repeats=repeats, command=_command_line(), on_progress=on_progress)
     if cluster == "local":
         cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats)
-    data = ProfileFile(model=prof, cluster=cluster_prof).to_dict()
-    if write_to:
-        write_atomic(write_to, dumps(data), overwrite=overwrite)
-    if as_json:
-        print(json.dumps(data, indent=2))
+    if _emit(ProfileFile(model=prof, cluster=cluster_prof).to_dict(), write_to, overwrite, as_json):
         return
     out.print(_table(UNIT_COLUMNS, unit_rows(prof),
                      title=f"{prof.name} ({prof.mode}, {prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len})"))
@@ -135,7 +147,7 @@ def profile(
 
 def _probe(*, nodes, ranks, dtype, sizes, repeats):
     from cost_models.cluster_source import resolve_cluster
-    with err.status("probing this machine's collectives and matmul rate") as status:
+    with err.status("probing this machine's collectives and matmul rate"):
         return resolve_cluster("local", nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats,
                                on_status=lambda line: err.print(line, highlight=False))
 
@@ -164,25 +176,17 @@ def profile_cluster(
     """Describe a cluster (probe this machine, or expand a preset / file) and write cluster.json."""
     from cost_models.cluster import ClusterFile
     from cost_models.cluster_source import parse_sizes, resolve_cluster
-    from cost_models.errors import ConfigError, OutputExistsError
-    from cost_models.fileio import dumps, write_atomic
+    from cost_models.errors import ConfigError
 
     if cluster == "none":
         raise ConfigError("--cluster none describes nothing; use local, a preset or a cluster file")
-    write_to = None if str(output) == "-" else output
-    overwrite = _confirm_overwrite(write_to, force) if write_to else False
-    if write_to and write_to.exists() and not overwrite:
-        raise OutputExistsError(f"{write_to} already exists; pass --force to overwrite it or -o to write elsewhere")
+    write_to, overwrite = _prepare_output(output, force)
     sizes = parse_sizes(probe_sizes) if probe_sizes else None
     if cluster == "local":
         prof = _probe(nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats)
     else:
         prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
-    data = ClusterFile(cluster=prof).to_dict()
-    if write_to:
-        write_atomic(write_to, dumps(data), overwrite=overwrite)
-    if as_json:
-        print(json.dumps(data, indent=2))
+    if _emit(ClusterFile(cluster=prof).to_dict(), write_to, overwrite, as_json):
         return
     _print_cluster(prof)
     if write_to:
@@ -262,20 +266,14 @@ def estimate(
     as_json: bool = typer.Option(False, "--json", help="print the estimate as JSON on stdout"),
 ) -> None:
     """Predict step time and per-rank memory of one strategy; exit 3 if it does not fit."""
-    from cost_models.cluster_source import resolve_cluster
     from cost_models.errors import ConfigError, InfeasibleError
     from cost_models.estimate import estimate as run_estimate
     from cost_models.memory import BYTES_PER_PARAM
-    from planner.manual import build_strategy, load_profile
+    from planner.manual import build_strategy, load_profile_for
 
     if (precision, optimizer) not in BYTES_PER_PARAM:
-        raise ConfigError(f"--precision must be bf16-mixed or fp32 and --optimizer adamw, adam or sgd")
-    pf = load_profile(profile_path)
-    target = resolve_cluster(cluster, nodes=nodes) if cluster else pf.cluster
-    if target is None:
-        raise ConfigError(f"{profile_path} has no cluster; pass --cluster PRESET|FILE")
-    if nodes and not cluster:
-        target = target.with_nodes(nodes)
+        raise ConfigError("--precision must be bf16-mixed or fp32 and --optimizer adamw, adam or sgd")
+    pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
     strategy = build_strategy(pf.model, target, dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches,
                               micro_batch_size=micro_batch_size, v=v, recompute=recompute, precision=precision,
                               optimizer=optimizer)
@@ -318,37 +316,23 @@ def plan(
 ) -> None:
     """Search every strategy (ZeRO 0-3 x pipeline depth x schedule x micro-batching x recompute), pick the fastest
     that fits, and explain why; writes plan.json."""
-    from cost_models.cluster_source import resolve_cluster
-    from cost_models.errors import ConfigError, OutputExistsError
-    from cost_models.fileio import dumps, write_atomic
-    from planner.manual import load_profile
+    from planner.manual import load_profile_for
     from planner.search import plan as run_plan
 
-    write_to = None if str(output) == "-" else output
-    overwrite = _confirm_overwrite(write_to, force) if write_to else False
-    report_path = _report_path(write_to) if write_to and report else None
-    for path in filter(None, (write_to, report_path, report_path and report_path.with_suffix(".md"))):
-        if path.exists() and not overwrite:
-            raise OutputExistsError(f"{path} already exists; pass --force to overwrite it or -o to write elsewhere")
-    pf = load_profile(profile_path)
-    target = resolve_cluster(cluster, nodes=nodes) if cluster else pf.cluster
-    if target is None:
-        raise ConfigError(f"{profile_path} has no cluster; pass --cluster PRESET|FILE")
-    if nodes and not cluster:
-        target = target.with_nodes(nodes)
+    report_path = _report_path(output) if str(output) != "-" and report else None
+    write_to, overwrite = _prepare_output(output, force, also=(report_path, report_path.with_suffix(".md"))
+                                          if report_path else ())
+    pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
     with _progress() as bar:
         task = bar.add_task("planning: costing strategies", total=None)
         result = run_plan(pf.model, target, gpus=gpus or target.world_size, global_batch_size=global_batch_size,
                           top_k=top_k, time_limit_s=time_limit, precision=precision, optimizer=optimizer,
                           profile_path=str(profile_path), command=_command_line(),
                           on_progress=lambda done, total: bar.update(task, completed=done, total=total))
-    data = result.to_dict()
-    if write_to:
-        write_atomic(write_to, dumps(data), overwrite=overwrite)
-        if report_path:
-            _write_report(result, None, report_path, overwrite)
-    if as_json:
-        print(json.dumps(data, indent=2))
+    printed = _emit(result.to_dict(), write_to, overwrite, as_json)
+    if report_path:
+        _write_report(result, None, report_path, overwrite)
+    if printed:
         return
     _print_plan(result)
     if write_to:
@@ -362,14 +346,10 @@ def _report_path(plan_path: Path) -> Path:
 
 
 def _write_report(the_plan, the_run, html_path: Path, overwrite: bool) -> tuple[Path, Path]:
-    """report.html and report.md with the same content (planner.report)."""
-    from cost_models.errors import OutputExistsError
+    """report.html and report.md with the same content (planner.report); the caller checked for clobbering."""
     from cost_models.fileio import write_atomic
     from planner.report import render_html, render_markdown
     md_path = html_path.with_suffix(".md")
-    for path in (html_path, md_path):
-        if path.exists() and not overwrite:
-            raise OutputExistsError(f"{path} already exists; pass --force to overwrite it or -o to write elsewhere")
     write_atomic(html_path, render_html(the_plan, the_run), overwrite=overwrite)
     write_atomic(md_path, render_markdown(the_plan, the_run), overwrite=overwrite)
     err.print(f"wrote {html_path} and {md_path}", highlight=False)
@@ -388,9 +368,10 @@ def report_cmd(
     from cost_models.fileio import read_json
     from executor.launch import RUN_KIND, RUN_SCHEMA_VERSION, RunFile
     from planner.plan import load_plan
+    _, overwrite = _prepare_output(output, force, also=(output.with_suffix(".md"),))
     the_plan = load_plan(plan_path)
     the_run = RunFile.from_dict(read_json(run_path, kind=RUN_KIND, schema_version=RUN_SCHEMA_VERSION)) if run_path else None
-    _write_report(the_plan, the_run, output, force or _confirm_overwrite(output, force))
+    _write_report(the_plan, the_run, output, overwrite)
 
 
 def _print_plan(p) -> None:
@@ -427,15 +408,10 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="print run.json on stdout"),
 ) -> None:
     """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction."""
-    from cost_models.errors import OutputExistsError
-    from cost_models.fileio import dumps, write_atomic
     from executor.launch import launch
     from planner.plan import load_plan
 
-    write_to = None if str(output) == "-" else output
-    overwrite = _confirm_overwrite(write_to, force) if write_to else False
-    if write_to and write_to.exists() and not overwrite:
-        raise OutputExistsError(f"{write_to} already exists; pass --force to overwrite it or -o to write elsewhere")
+    write_to, overwrite = _prepare_output(output, force)
     the_plan = load_plan(plan_path)
     with err.status(f"running {the_plan.strategy.world_size} ranks for {steps} steps"):
         result = launch(the_plan, steps=steps, warmup=warmup, seed=seed, lr=lr, nnodes=nnodes, node_rank=node_rank,
@@ -443,11 +419,7 @@ def run(
     if result is None:
         err.print("this node's ranks finished; global rank 0's node writes run.json", highlight=False)
         return
-    data = result.to_dict()
-    if write_to:
-        write_atomic(write_to, dumps(data), overwrite=overwrite)
-    if as_json:
-        print(json.dumps(data, indent=2))
+    if _emit(result.to_dict(), write_to, overwrite, as_json):
         return
     _print_run(result)
     if write_to:

@@ -260,7 +260,7 @@ def _measure_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str
             torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
     res.bwd_flops = bwd_fc.get_total_flops()
     res.attention = _attention_ops(fwd_fc) | _attention_ops(bwd_fc)
-    del out, roots, saved
+    del out, roots
     module.zero_grad(set_to_none=True)
 
     if timed:

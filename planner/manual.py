@@ -16,6 +16,20 @@ def load_profile(path: str | Path) -> ProfileFile:
     return ProfileFile.from_dict(read_json(path, kind=PROFILE_KIND, schema_version=SCHEMA_VERSION))
 
 
+def load_profile_for(path: str | Path, *, cluster: str | None = None,
+                     nodes: int | None = None) -> tuple[ProfileFile, ClusterProfile]:
+    """The profile and the cluster to plan for: --cluster (a preset or file) if given, else the profile's own,
+    scaled to --nodes."""
+    from cost_models.cluster_source import resolve_cluster
+    pf = load_profile(path)
+    target = resolve_cluster(cluster, nodes=nodes) if cluster else pf.cluster
+    if target is None:
+        raise ConfigError(f"{path} has no cluster; pass --cluster PRESET|FILE")
+    if nodes and not cluster:
+        target = target.with_nodes(nodes)
+    return pf, target
+
+
 def parse_recompute(text: str, n_stages: int) -> tuple[bool, ...]:
     """'none' | 'all' | comma-separated stage indices, e.g. '0,1'."""
     if text == "none":
