@@ -103,6 +103,7 @@ def profile(
     nodes: Optional[int] = typer.Option(None, "--nodes", help="scale a preset or cluster file to N nodes"),
     ranks: Optional[int] = typer.Option(None, "--ranks", help="local probe: ranks to start (default: GPUs, or 4 CPU ranks)"),
     probe_sizes: Optional[str] = typer.Option(None, "--probe-sizes", help="local probe: message sizes, e.g. 4K..64M or 64K,1M,16M"),
+    threads: int = typer.Option(1, "--threads", help="torch threads while timing units (real mode); 1 = as each CPU rank runs"),
     repeats: int = typer.Option(5, "--repeats", help="timed repeats per unit (real mode) and per probe size"),
     warmup: int = typer.Option(2, "--warmup", help="untimed warm-up runs per unit (real mode)"),
     output: Path = typer.Option(Path("profile.json"), "--output", "-o", help="where to write the profile ('-' for none)"),
@@ -127,7 +128,8 @@ def profile(
         def on_progress(done: int, total: int, name: str) -> None:
             bar.update(task, completed=done, total=total, description=f"profiling {source.name}: {name}")
         prof = profile_model(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
-                             units=units, warmup=warmup, repeats=repeats, command=_command_line(), on_progress=on_progress)
+                             units=units, warmup=warmup, repeats=repeats, threads=threads, command=_command_line(),
+                             on_progress=on_progress)
     if cluster == "local":
         cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats)
     if _emit(ProfileFile(model=prof, cluster=cluster_prof).to_dict(), write_to, overwrite, as_json):

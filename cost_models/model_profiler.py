@@ -358,8 +358,25 @@ def _check_fits_in_memory(source: ModelSource, dtype: torch.dtype) -> None:
 
 def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str = "fp32",
                   meta: bool = False, units: str | list[str] | None = None, warmup: int = 2, repeats: int = 5,
-                  command: str = "", on_progress: ProgressFn | None = None) -> ModelProfile:
-    """Measure `source` at one micro-batch of (micro_batch_size, seq_len) and return its ModelProfile."""
+                  threads: int | None = None, command: str = "", on_progress: ProgressFn | None = None) -> ModelProfile:
+    """Measure `source` at one micro-batch of (micro_batch_size, seq_len) and return its ModelProfile.
+
+    `threads` sets torch's thread count while measuring (and restores it): real-mode times are only comparable
+    with a run whose ranks use as many (executor CPU ranks use one)."""
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _profile(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
+                        units=units, warmup=warmup, repeats=repeats, command=command, on_progress=on_progress)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str, meta: bool, units,
+             warmup: int, repeats: int, command: str, on_progress: ProgressFn | None) -> ModelProfile:
     if micro_batch_size <= 0:
         raise ConfigError(f"--micro-batch-size must be positive, got {micro_batch_size}")
     if seq_len <= 0:

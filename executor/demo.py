@@ -43,15 +43,9 @@ def run_demo(out_dir: Path, *, command: str = "", on_progress: ProgressFn | None
              on_status: StatusFn | None = None) -> DemoResult:
     """Profile the demo model (one thread, as each rank runs) and this machine, then plan; files in out_dir
     (the demo's own, rewritten on every run)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # executor ranks run one thread each: measure the units the way they will run
-    try:
-        prof = profile_model(resolve(DEMO_MODEL), micro_batch_size=DEMO_MICRO_BATCH, seq_len=DEMO_SEQ_LEN,
-                             dtype="fp32", command=command, on_progress=on_progress)
-    finally:
-        torch.set_num_threads(threads)
+    # executor ranks run one thread each: measure the units the way they will run
+    prof = profile_model(resolve(DEMO_MODEL), micro_batch_size=DEMO_MICRO_BATCH, seq_len=DEMO_SEQ_LEN, dtype="fp32",
+                         threads=1, command=command, on_progress=on_progress)
     cluster = probe_local(ranks=DEMO_RANKS, dtype="fp32", sizes=None, on_status=on_status)
     profile_path = write_atomic(out_dir / "profile.json", dumps(ProfileFile(model=prof, cluster=cluster).to_dict()),
                                 overwrite=True)

@@ -24,6 +24,7 @@ def test_profile_json_and_file(tmp_path):
     assert data["schema_version"] == 1 and data["kind"] == "zeropipe.profile"
     assert json.loads(out.read_text())["model"]["units"][0]["name"] == "embed"
     assert data["model"]["command"].startswith("planner ")
+    assert data["model"]["threads"] == 1   # timed as each CPU rank runs, whatever the machine's default
 
 
 def test_existing_output_is_not_overwritten(tmp_path):
@@ -42,6 +43,7 @@ def test_user_errors_are_one_line_exit_2():
         ("--model", "tests.custom_models:broken_model", "-b", "1", "-s", "8"): "ValueError: out of coffee",
         ("--model", "gpt-tiny", "-b", "0", "-s", "8"): "--micro-batch-size must be positive",
         ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--dtype", "fp8"): "--dtype must be one of",
+        ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--threads", "0"): "--threads must be >= 1",
     }
     for args, message in cases.items():
         res = run("profile", *args, "--cluster", "none", "-o", "-")
