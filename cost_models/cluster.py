@@ -95,6 +95,10 @@ class ComputeProbe(Record):
     flops_per_rank: float              # median achieved FLOP/s of one rank while all ranks run
     flops_alone: float                 # one rank running alone
     copy_Bps: float = 0.0              # memory bandwidth one rank gets (bytes read + written) while all ranks copy
+    # fixed per-call costs of the runtime (cost_models/overhead_probe.py); 0 where not probed (presets)
+    pipeline_action_s: float = 0.0     # one pipelining schedule action, beyond its compute and p2p
+    fsdp_unit_s: float = 0.0           # one FSDP2 unit per micro-batch, beyond compute and collective latency
+    optimizer_tensor_s: float = 0.0    # AdamW step per parameter tensor
 
 
 @record

@@ -200,13 +200,21 @@ def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
         copies = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(copies, copy.to(device) if use_cuda else copy)
         dist.barrier()
+        from cost_models.fit import fit_alpha_beta
+        from cost_models.overhead_probe import overhead_probe
+        series: dict[tuple[str, int], list] = {}
+        for r in raw:
+            if r["scope"] == "intra":
+                series.setdefault((r["op"], r["group_size"]), []).append((r["size_bytes"], r["seconds"]))
+        fits = {k: fit_alpha_beta([a for a, _ in v], [b for _, b in v])[:2] for k, v in series.items() if len(v) > 1}
+        overheads = overhead_probe(device, fits)
         if rank != 0:
             return None
         return {"raw": raw, "world": world, "local_world": local_world, "nodes": nodes, "backend": backend,
                 "device_name": torch.cuda.get_device_name(device) if use_cuda else _cpu_name(),
                 "device_memory": torch.cuda.get_device_properties(device).total_memory if use_cuda else None,
                 "matmul_n": n, "flops_together": [float(t.item()) for t in gathered], "flops_alone": alone,
-                "copy_Bps": [float(t.item()) for t in copies],
+                "copy_Bps": [float(t.item()) for t in copies], "overheads": overheads,
                 "threads_per_rank": torch.get_num_threads()}
     finally:
         dist.destroy_process_group()
@@ -257,7 +265,7 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
     together = statistics.median(raw["flops_together"])
     compute = ComputeProbe(dtype=dtype, matmul_n=raw["matmul_n"], ranks=raw["world"],
                            threads_per_rank=raw["threads_per_rank"], flops_per_rank=together, flops_alone=raw["flops_alone"],
-                           copy_Bps=statistics.median(raw["copy_Bps"]))
+                           copy_Bps=statistics.median(raw["copy_Bps"]), **raw.get("overheads", {}))
     gpu = raw["backend"] == "nccl"
     local_world = raw["local_world"]
     known = next((p.device for p in PRESETS.values() if gpu and p.device.name.split("-")[0] in raw["device_name"]), None)

@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import math
 
-from cost_models.cluster import ClusterProfile
+from cost_models.cluster import ClusterProfile, ComputeProbe
 from cost_models.comm import collective_time, p2p_time
 from cost_models.compute import optimizer_step_time, unit_times, uses_measured_times
-from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, comm_buffer_bytes, executor_state_bytes
+from cost_models.memory import (BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, comm_buffer_bytes,
+                                 executor_state_bytes, zero1_partition)
 from cost_models.profile import ModelProfile
 from cost_models.records import Record, record
 from cost_models.schedule import StageCost, cached_order, format_order, simulate, stage_to_rank
 from cost_models.strategy import Strategy
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# presets carry no probe: no per-call overheads are assumed there (GPU launches mostly hide behind kernels)
+_NO_OVERHEADS = ComputeProbe(dtype="", matmul_n=0, ranks=1, threads_per_rank=1, flops_per_rank=0.0, flops_alone=0.0)
 
 
 @record
@@ -93,19 +96,18 @@ class Estimate(Record):
 
 def _stage_params(profile: ModelProfile, units: tuple[str, ...]) -> tuple[int, int]:
     """(parameters held, largest unit's parameters) of a stage; tied parameters count in each stage using them."""
-    owners = {s.name: s for s in profile.shared}
-    in_stage = set(units)
-    total, largest = 0, 0
-    for name in units:
-        u = profile.unit(name)
-        extra = 0
-        for alias in u.shared_params:
-            shared = next((s for s in owners.values() if alias in s.aliases), None)
-            if shared is not None and shared.units[0] not in in_stage:
-                extra += shared.numel
-        total += u.params + extra
-        largest = max(largest, u.params + extra)
-    return total, largest
+    held = [profile.unit(n).params + _shared_numel(profile, n, units) for n in units]
+    return sum(held), max(held)
+
+
+def _shared_numel(profile: ModelProfile, unit: str, stage_units) -> int:
+    """Elements of tied parameters `unit` uses whose owning unit is in another stage (this stage holds a copy)."""
+    extra = 0
+    for alias in profile.unit(unit).shared_params:
+        shared = next((sp for sp in profile.shared if alias in sp.aliases), None)
+        if shared is not None and shared.units[0] not in stage_units:
+            extra += shared.numel
+    return extra
 
 
 def _boundary_bytes(profile: ModelProfile, stages, sid: int, unit_index: dict[str, int]) -> float:
@@ -136,6 +138,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
 
     unit_index = {u.name: i for i, u in enumerate(profile.units)}
     input_bytes = math.prod(profile.input.shape) * (8 if profile.input.kind == "tokens" else _DTYPE_BYTES[profile.dtype])
+    overheads = cluster.compute or _NO_OVERHEADS
     stage_costs, stage_info = [], []
     unit_fb: list[tuple[float, float]] = []   # per unit (forward, backward incl. recompute) of one micro-batch
     for sid, units in enumerate(s.stages):
@@ -164,6 +167,10 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         prv = stage_to_rank(sid - 1, s.pp) * s.dp
         send_f = p2p_time(cluster, boundary, crosses_nodes=_crosses_nodes(rank, nxt, cluster)) if sid < s.n_stages - 1 else 0.0
         send_b = p2p_time(cluster, stage_input, crosses_nodes=_crosses_nodes(rank, prv, cluster)) if sid > 0 else 0.0
+        if s.n_stages > 1:
+            # torch's schedule runtime costs a fixed amount per action (probed); zero-bubble splits B into I and W
+            per_action = overheads.pipeline_action_s
+            fwd, bwd = fwd + per_action, bwd + per_action * (2 if s.schedule == "zb-interleaved" else 1)
         stage_costs.append(StageCost(fwd_s=fwd, bwd_s=bwd, send_fwd_s=send_f, send_bwd_s=send_b, activation_bytes=act))
         working_set = max(u.saved_bytes for u in members) * act_scale if s.stage_recompute(sid) else 0.0
         stage_info.append((units, params, largest, fwd, bwd, act, boundary, working_set, stage_input))
@@ -185,12 +192,17 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     rank_dp: list[float] = []
     for r in range(s.pp):
         exposed = 0.0
-        for sid in range(r, s.n_stages, s.pp):
-            _, params, *_ = stage_info[sid]
-            for op, count, size, _ in _dp_collectives(s, params * p_b, params * g_b):
-                exposed += count * coll(op, size)
-                if r == 0:
-                    dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
+        units = [(profile.unit(n).params + _shared_numel(profile, n, stage_info[sid][0]), profile.unit(n).param_tensors)
+                 for sid in range(r, s.n_stages, s.pp) for n in stage_info[sid][0]]
+        for op, count, size in _dp_collectives(s, units, p_b, g_b):
+            exposed += count * coll(op, size)
+            if r == 0:
+                dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
+        if s.dp > 1 and s.zero >= 2:
+            # FSDP2's per-unit work beyond compute and collective latency (probed), every micro-batch: one unit per
+            # pipeline unit without a pipeline, one per stage with one
+            fsdp_units = len(units) if s.pp == 1 else len(range(r, s.n_stages, s.pp))
+            exposed += s.microbatches * fsdp_units * overheads.fsdp_unit_s
         if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1:
             exposed = _overlapped_dp_time(s, profile, unit_fb, coll, p_b, g_b)
         rank_dp.append(exposed)
@@ -198,7 +210,12 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
 
     opt_params = max(sum(stage_info[sid][1] for sid in range(r, s.n_stages, s.pp)) for r in range(s.pp))
     opt_params_rank = opt_params / (s.dp if s.zero >= 1 else 1)
-    optimizer_s = optimizer_step_time(opt_params_rank, precision=s.precision, optimizer=s.optimizer, cluster=cluster)
+    opt_tensors = max(sum(max(1, profile.unit(n).param_tensors) for sid in range(r, s.n_stages, s.pp)
+                          for n in stage_info[sid][0]) for r in range(s.pp))
+    # FSDP2 keeps a shard of every tensor on every rank; ZeroRedundancyOptimizer gives each rank whole tensors
+    opt_tensors_rank = opt_tensors / (s.dp if s.zero == 1 else 1)
+    optimizer_s = (optimizer_step_time(opt_params_rank, precision=s.precision, optimizer=s.optimizer, cluster=cluster)
+                   + opt_tensors_rank * overheads.optimizer_tensor_s)
     total = max(rank_end) + optimizer_s
     critical = max(range(s.pp), key=lambda r: rank_end[r])
 
@@ -232,22 +249,36 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         pipeline_order={} if compact else format_order(order))
 
 
-def _dp_collectives(s: Strategy, param_bytes: float, grad_bytes: float) -> list[tuple[str, int, float, bool]]:
-    """(op, times per step, full buffer bytes, happens per micro-batch) for one stage's dp group (module doc)."""
+DDP_BUCKET_BYTES = 25 * 2**20   # DistributedDataParallel's default bucket_cap_mb
+
+
+def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int, g_b: int) -> list[tuple[str, int, float]]:
+    """(op, times per step, full buffer bytes) of every collective one pipeline rank's dp group issues per step,
+    as the executor issues them (module doc): each message pays the latency alpha, so the count matters as much
+    as the bytes. `units` holds (parameters, parameter tensors) of the units on this rank."""
     if s.dp == 1:
         return []
     m, pipelined = s.microbatches, s.pp > 1
-    if s.zero == 0:
-        return [("all_reduce", 1, grad_bytes, False)]
-    if s.zero == 1:
-        return [("all_reduce", 1, grad_bytes, False), ("all_gather", 1, param_bytes, False)]
-    if s.zero == 2:
-        if pipelined:
-            return [("all_gather", 1, param_bytes, False), ("reduce_scatter", 1, grad_bytes, False)]
-        return [("all_gather", m, param_bytes, True), ("reduce_scatter", m, grad_bytes, True)]
-    if pipelined:
-        return [("all_gather", 2 * m, param_bytes, True), ("reduce_scatter", 1, grad_bytes, False)]
-    return [("all_gather", 2 * m, param_bytes, True), ("reduce_scatter", m, grad_bytes, True)]
+    total = sum(n for n, _ in units)
+    tensors = [(n / max(1, t), max(1, t)) for n, t in units]   # (elements per tensor, tensors) per unit
+    per_tensor = [(size, count) for size, count in tensors]
+    out: list[tuple[str, int, float]] = []
+    if s.zero <= 1:
+        if pipelined:   # all_reduce_grads: one all-reduce per parameter tensor
+            out += [("all_reduce", count, size * g_b) for size, count in per_tensor]
+        else:           # DDP: one all-reduce per gradient bucket
+            buckets = max(1, math.ceil(total * g_b / DDP_BUCKET_BYTES))
+            out.append(("all_reduce", buckets, total * g_b / buckets))
+        if s.zero == 1:  # ZeroRedundancyOptimizer broadcasts every updated parameter tensor from its owner
+            out += [("all_gather", count, size * p_b) for size, count in per_tensor]
+        return out
+    gathers = 2 * m if s.zero == 3 else (1 if pipelined else m)
+    reduces = 1 if pipelined else m
+    if pipelined:   # one FSDP unit per stage: one gather and one reduce-scatter of the whole stage each time
+        return [("all_gather", gathers, total * p_b), ("reduce_scatter", reduces, total * g_b)]
+    # without a pipeline every unit is its own FSDP unit
+    return ([("all_gather", gathers, n * p_b) for n, _ in units]
+            + [("reduce_scatter", reduces, n * g_b) for n, _ in units])
 
 
 def _overlapped_dp_time(s: Strategy, profile: ModelProfile, unit_fb: list[tuple[float, float]], coll,
@@ -286,11 +317,26 @@ def _memory(s: Strategy, profile: ModelProfile, cluster: ClusterProfile, stage_i
         buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
                                     param_bytes=p_b, grad_bytes=g_b)
         activations = sim.peak_activation_bytes.get(r, 0.0) + max(stage_info[i][7] for i in sids)
-        per_pp_rank.append((sids, p, g, o, activations, buffers))
+        shares = None
+        numels = [n for i in sids for u in stage_info[i][0] for n in _unit_numels(profile, u, stage_info[i][0])]
+        if s.zero == 1 and s.dp > 1 and numels:
+            k_b = BYTES_PER_PARAM[(s.precision, s.optimizer)][2]
+            shares = [k_b * n for n in zero1_partition(numels, s.dp)]
+        per_pp_rank.append((sids, p, g, o, activations, buffers, shares))
     overhead = OVERHEAD_BYTES[cluster.device.kind]
     out = []
     for rank in (range(s.world_size) if per_rank else range(0, s.world_size, s.dp)):
-        sids, p, g, o, a, b = per_pp_rank[rank // s.dp]
+        sids, p, g, o, a, b, shares = per_pp_rank[rank // s.dp]
+        if shares is not None:   # ZeroRedundancyOptimizer's uneven split (the compact form keeps the largest)
+            o = shares[rank % s.dp] if per_rank else max(shares)
         out.append(MemoryBreakdown(rank=rank, stages=sids, parameters=int(p), gradients=int(g), optimizer_states=int(o),
                                    activations=int(a), buffers=int(b), overhead=overhead))
     return tuple(out)
+
+
+def _unit_numels(profile: ModelProfile, unit: str, stage_units) -> list[int]:
+    """Sizes of the parameter tensors a unit holds in its stage (tied copies included); [] for old profiles."""
+    u = profile.unit(unit)
+    extra = [sp.numel for alias in u.shared_params for sp in profile.shared
+             if alias in sp.aliases and sp.units[0] not in stage_units]
+    return list(u.param_numels) + extra if u.param_numels else []

@@ -77,6 +77,16 @@ def executor_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16-m
     return zero_model_state_bytes(psi, n, 3 if zero == 2 and n > 1 else zero, precision, optimizer)
 
 
+def zero1_partition(numels: list[int], n: int) -> list[int]:
+    """Parameters each of n ranks owns under torch's ZeroRedundancyOptimizer: whole tensors, largest first, each
+    to the rank with the fewest so far (its _partition_parameters). One huge tensor (an embedding) can leave the
+    ranks far from Psi/n each."""
+    sizes = [0] * n
+    for numel in sorted(numels, reverse=True):
+        sizes[sizes.index(min(sizes))] += numel
+    return sizes
+
+
 def comm_buffer_bytes(*, stage_params: float, largest_unit_params: float, zero: int, pp: int, dp: int,
                       param_bytes: int, grad_bytes: int) -> float:
     """Unsharded parameter/gradient buffers the FSDP2 mapping holds beyond the sharded states (module doc)."""

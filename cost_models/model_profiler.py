@@ -426,7 +426,8 @@ def _account_params(model: nn.Module, unit_results) -> tuple[list[UnitProfile], 
     aliases: "OrderedDict[int, list[tuple[str, str]]]" = OrderedDict()
     profiles = []
     for name, mods, results in unit_results:
-        params = pbytes = 0
+        params = pbytes = tensors = 0
+        numels: list[int] = []
         shared_here: list[str] = []
         for m in mods:
             for pname, p in model.get_submodule(m).named_parameters(prefix=m, remove_duplicate=False):
@@ -434,12 +435,16 @@ def _account_params(model: nn.Module, unit_results) -> tuple[list[UnitProfile], 
                     owner[id(p)] = (pname, name)
                     params += p.numel()
                     pbytes += _nbytes(p)
+                    tensors += 1
+                    numels.append(p.numel())
                 elif owner[id(p)][0] != pname:
                     shared_here.append(pname)
                     aliases.setdefault(id(p), []).append((pname, name))
         timed = bool(results[0].fwd_times)
         profiles.append(UnitProfile(
-            name=name, modules=mods, params=params, param_bytes=pbytes, shared_params=tuple(shared_here),
+            name=name, modules=mods, params=params, param_bytes=pbytes, param_tensors=tensors,
+            param_numels=tuple(numels),
+            shared_params=tuple(shared_here),
             fwd_flops=sum(r.fwd_flops for r in results), bwd_flops=sum(r.bwd_flops for r in results),
             output_bytes=results[-1].output_bytes, saved_bytes=sum(r.saved_bytes for r in results),
             fwd_time=_timing([r.fwd_times for r in results]) if timed else None,

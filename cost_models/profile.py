@@ -43,6 +43,8 @@ class UnitProfile(Record):
     modules: tuple[str, ...]             # module names (model.named_modules) that make up the unit, in call order
     params: int                          # parameters counted here (a tied parameter is counted in its first unit)
     param_bytes: int
+    param_tensors: int = 0               # parameter tensors counted here (collectives issued per tensor cost alpha each)
+    param_numels: tuple[int, ...] = ()   # their sizes (ZeroRedundancyOptimizer partitions whole tensors)
     shared_params: tuple[str, ...] = ()  # parameter names used here but counted in an earlier unit (tied weights)
     fwd_flops: int                       # FlopCounterMode, forward of the unit alone on its real input
     bwd_flops: int                       # FlopCounterMode, backward incl. the input gradient (what a stage computes)

@@ -61,17 +61,21 @@ class RunFile(Record):
     created_at: str
 
 
+def _note_failure(failure_dir: str, exc: BaseException) -> None:
+    """The agent may see a peer's "connection reset" before this rank's own error: leave the evidence where the
+    launcher looks, with a precise time, before dying."""
+    rank = int(os.environ.get("RANK", -1))
+    line = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    with open(os.path.join(failure_dir, f"rank{rank}.txt"), "w", encoding="utf-8") as fh:
+        fh.write(f"{time.time()}\n{line}\n")
+
+
 def worker(plan_data: dict, cfg_data: dict, timeout_s: float, failure_dir: str) -> list[dict] | None:
     """Entry point of every rank (env:// rendezvous set up by the elastic agent)."""
     try:
         return _work(plan_data, cfg_data, timeout_s)
     except BaseException as exc:
-        # The agent may see a peer's "connection reset" before this rank's own error: leave the evidence where
-        # the launcher looks, with a precise time, before dying.
-        rank = int(os.environ.get("RANK", -1))
-        line = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-        with open(os.path.join(failure_dir, f"rank{rank}.txt"), "w", encoding="utf-8") as fh:
-            fh.write(f"{time.time()}\n{line}\n")
+        _note_failure(failure_dir, exc)
         raise
 
 
@@ -176,3 +180,57 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
                    created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
 
+
+
+def _many_worker(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float, failure_dir: str) -> list | None:
+    """Every rank: run each strategy in turn in one process group (spawning ranks costs ~10 s here)."""
+    try:
+        return _many(strategy_dicts, cfg_data, timeout_s)
+    except BaseException as exc:
+        _note_failure(failure_dir, exc)
+        raise
+
+
+def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list | None:
+    from cost_models.schedule import format_order, generate
+    from cost_models.strategy import Strategy
+    torch.set_num_threads(1)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=dt.timedelta(seconds=timeout_s))
+    try:
+        cfg = TrainConfig.from_dict(cfg_data)
+        results = []
+        for data in strategy_dicts:
+            s = Strategy.from_dict(data)
+            order = format_order(generate(s.schedule, s.pp, s.microbatches, s.v)) if s.n_stages > 1 else None
+            try:
+                results.append(run_on_rank(s, cfg, order).to_dict())
+            except Exception as exc:
+                raise RuntimeError(f"{describe_short(s)}: {type(exc).__name__}: {exc}") from exc
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, results)
+        return gathered if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def describe_short(s) -> str:
+    from cost_models.summaries import strategy_name
+    return strategy_name(s)
+
+
+def run_many(nproc: int, strategies: list, cfg: TrainConfig, *, timeout_s: float = 120.0) -> list[list[RankResult]]:
+    """Run several strategies of the same world size on one set of local ranks: [strategy][rank] -> RankResult.
+    (The fidelity benchmark and the executor tests; `planner run` runs one plan.)"""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"zeropipe-many-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1)
+    with tempfile.TemporaryDirectory(prefix="zeropipe-many-") as failure_dir:
+        try:
+            with quiet_elastic_logs():
+                per_rank = elastic_launch(config, _many_worker)([s.to_dict() for s in strategies], cfg.to_dict(),
+                                                                timeout_s, failure_dir)[0]
+        except ChildFailedError as exc:
+            rank, line = _failure_from_files(failure_dir) or root_failure(exc)
+            raise RunFailed(f"rank {rank} failed: {line}") from None
+    return [[RankResult.from_dict(per_rank[r][i]) for r in range(nproc)] for i in range(len(strategies))]

@@ -6,6 +6,8 @@ Used by `planner run` (executor.train) and by users' own scripts (executor.api.a
 from __future__ import annotations
 
 import contextlib
+import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,6 +22,9 @@ from executor.stages import build_stages, canonical_names, params_by_canonical, 
 from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# FSDP2 warns whenever a wrapped module returns a view (an in-place op on it would skip its pre-backward hook).
+# Stages hand their output to the schedule or the loss and never modify it in place.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 @dataclass
@@ -34,6 +39,29 @@ class Runtime:
     dp_group: object | None
     tie_groups: list[tuple[str, object]] = field(default_factory=list)   # (canonical param name, group)
     params_by_name: dict[str, nn.Parameter] = field(default_factory=dict)
+    # Seconds spent this step in stage forward/backward ("compute": it includes the communication FSDP and DDP
+    # issue inside them), in the gradient syncs issued after them ("sync"), and in optimizer.step ("optimizer").
+    timings: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "sync": 0.0, "optimizer": 0.0})
+
+    def __post_init__(self) -> None:
+        if self.schedule is not None:
+            for stage in getattr(self.schedule, "_stages", None) or [self.schedule._stage]:
+                for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                    if hasattr(stage, name):
+                        setattr(stage, name, self._timed(getattr(stage, name), "compute"))
+
+    def _timed(self, fn, key: str):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.timings[key] += time.perf_counter() - t0
+        return wrapper
+
+    def reset_timings(self) -> None:
+        for key in self.timings:
+            self.timings[key] = 0.0
 
     @property
     def is_first(self) -> bool:
@@ -57,6 +85,7 @@ class Runtime:
             losses = pipeline.step(self.schedule, is_first=self.is_first, is_last=self.is_last, inputs=inputs,
                                    targets=targets)
             loss = torch.stack([l.detach() for l in losses]).mean() if losses else None
+        t0 = time.perf_counter()
         if self.wrapped.manual_grad_sync:
             all_reduce_grads(self.wrapped.params, self.dp_group)
         for name, group in self.tie_groups:
@@ -64,7 +93,13 @@ class Runtime:
             if p.grad is not None:
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        self.timings["sync"] += time.perf_counter() - t0
         return loss
+
+    def optimizer_step(self) -> None:
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        self.timings["optimizer"] += time.perf_counter() - t0
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         m = self.strategy.microbatches
@@ -74,16 +109,18 @@ class Runtime:
             sync = contextlib.nullcontext()
             if self.wrapped.ddp and i < m - 1:
                 sync = module.no_sync()  # DDP all-reduces once, on the last micro-batch
+            t0 = time.perf_counter()
             with sync:
                 loss = self.loss_fn(module(x), y) / m
                 loss.backward()
+            self.timings["compute"] += time.perf_counter() - t0
             total += loss.detach().cpu()
         return total
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """One optimizer step; returns the replica's loss where this rank can see it (the last stage)."""
         loss = self.forward_backward(inputs, targets)
-        self.optimizer.step()
+        self.optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
 
@@ -109,6 +146,11 @@ def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, opti
     pp_rank, dp_rank = rank // s.dp, rank % s.dp
     stage_ids = list(range(pp_rank, s.n_stages, s.pp))
     ties = tied_params(model, s.stages, s.pp)
+    if s.schedule == "zb-interleaved" and s.zero == 3 and s.dp > 1:
+        # planner.search.runnable never plans this: in torch 2.13 the last stage gets no gradients (and with a tied
+        # parameter across pipeline ranks the step deadlocks)
+        raise ConfigError("zero-bubble with ZeRO-3 stages trains wrongly in this torch (the last stage gets no "
+                          "gradients); use ZeRO-2 or another schedule")
     canon = canonical_names(model)
     stages = build_stages(model, s.stages, stage_ids, recompute=s.recompute, seed=seed, device=device)
     dp_mesh = mesh["dp"]

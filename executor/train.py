@@ -49,6 +49,9 @@ class RankResult(Record):
     peak_memory_source: str
     comm_bytes: dict[str, int]             # one extra step, counted: kind -> bytes (full buffers)
     comm_calls: dict[str, int]
+    compute_s: tuple[float, ...] = ()      # per step: time inside stage forward/backward (FSDP/DDP comm included)
+    sync_s: tuple[float, ...] = ()         # per step: gradient syncs issued after backward (pipelined ZeRO-0/1, ties)
+    optimizer_s: tuple[float, ...] = ()    # per step: optimizer.step
 
 
 def optimizer_for(strategy: Strategy, lr: float):
@@ -101,6 +104,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
     fail_rank, fail_step = _injected_failure()
     per_replica = strategy.microbatches * strategy.micro_batch_size
     times, losses = [], []
+    parts: dict[str, list[float]] = {"compute": [], "sync": [], "optimizer": []}
     sizes = (0, 0, 0)
     for step in range(cfg.steps + (1 if cfg.count_comm else 0)):
         counting = cfg.count_comm and step == cfg.steps
@@ -110,30 +114,38 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
         if step == fail_step and dist.get_rank() == fail_rank:
             raise RuntimeError(f"injected failure at step {step} ({INJECT_FAILURE_ENV})")
         counter = CommCounter() if counting else None
+        rt.reset_timings()
         t0 = time.perf_counter()
         with (counter or _null()):
             replica_loss = rt.forward_backward(x, y)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t_grads = time.perf_counter()
             if not counting:
-                sizes = rt.local_bytes()   # gradients exist now; optimizer states from the previous step
-            rt.optimizer.step()
-        if not counting:
-            sizes = (sizes[0], sizes[1], rt.local_bytes()[2])
+                sizes = rt.local_bytes()   # gradients exist now (not timed)
+            t_opt = time.perf_counter()
+            rt.optimizer_step()
         rt.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0 - (t_opt - t_grads)
+        if not counting:
+            sizes = (sizes[0], sizes[1], rt.local_bytes()[2])
         if counting:
             if rt.wrapped.ddp:   # DDP's reducer all-reduces gradient buckets from C++: count the buckets here
                 counter.add("all_reduce", sum(p.numel() * p.element_size() for p in rt.wrapped.params))
             break
         times.append(elapsed)
+        for key in parts:
+            parts[key].append(rt.timings[key])
         losses.append(_global_loss(replica_loss, rt, device))
     peak, source_name = peak_memory_bytes()
     return RankResult(rank=dist.get_rank(), pp_rank=rt.pp_rank, dp_rank=rt.dp_rank, stages=tuple(rt.stage_ids),
                       step_times_s=tuple(times), losses=tuple(losses), parameter_bytes=sizes[0],
                       gradient_bytes=sizes[1], optimizer_state_bytes=sizes[2], peak_memory_bytes=peak,
                       peak_memory_source=source_name, comm_bytes=dict(counter.bytes) if counter else {},
-                      comm_calls=dict(counter.calls) if counter else {})
+                      comm_calls=dict(counter.calls) if counter else {}, compute_s=tuple(parts["compute"]),
+                      sync_s=tuple(parts["sync"]), optimizer_s=tuple(parts["optimizer"]))
 
 
 class _null:

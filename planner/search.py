@@ -71,6 +71,15 @@ class _Partitions:
         return self.cache[k]
 
 
+def runnable(schedule: str, zero: int, dp: int, tied: bool) -> bool:
+    """Combinations the executor cannot run correctly are never planned. Measured here (torch 2.13, gloo, found by
+    benchmarks/fidelity.py): zero-bubble with FSDP2 ZeRO-3 stages (reshard_after_forward=True) leaves the last
+    stage without gradients, so its weights never train, and deadlocks outright when a tied parameter lives on two
+    pipeline ranks. Zero-bubble with ZeRO-0/1/2 and ZeRO-3 with the other schedules train exactly like one process
+    (tests/test_executor.py). `tied` is kept for the day torch fixes the first case but not the second."""
+    return not (schedule == "zb-interleaved" and zero == 3 and dp > 1)
+
+
 def _strategy(point: Point, stages, *, precision: str, optimizer: str, recompute=()) -> Strategy:
     return Strategy(dp=point.dp, pp=point.pp, zero=point.zero, schedule=point.schedule, microbatches=point.microbatches,
                     micro_batch_size=point.micro_batch_size, v=point.v, stages=stages, recompute=tuple(recompute),
@@ -127,11 +136,24 @@ def _digest(path: str) -> str:
         return ""
 
 
-def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_batch_size: int, top_k: int = 5,
-         time_limit_s: float = 10.0, precision: str = "bf16-mixed", optimizer: str = "adamw", profile_path: str = "",
-         command: str = "", on_progress: ProgressFn | None = None) -> Plan:
-    """Search every strategy for `gpus` devices of `cluster` at `global_batch_size` sequences; return the Plan."""
-    t0 = time.perf_counter()
+@dataclass
+class SearchResult:
+    feasible: list[_Costed]          # costed points that fit, fastest first (full estimates for the first top_k)
+    infeasible: list[_Costed]        # costed points (and unconstrained first attempts) that do not fit
+    considered: int
+    pruned: int
+    costed: int
+    pruned_bounds: dict[str, float]  # family -> least time bound among points P2 pruned
+    min_state: float                 # the least model-state bytes any point needs (P1's bound)
+    unit_cost: list[float]
+
+
+def search(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_batch_size: int, top_k: int = 5,
+           precision: str = "bf16-mixed", optimizer: str = "adamw", prune: bool = True,
+           schedules: tuple[str, ...] | None = None, micro_batch_sizes: tuple[int, ...] | None = None,
+           max_v: int | None = None, on_progress: ProgressFn | None = None) -> SearchResult:
+    """Enumerate, prune and cost (module doc). prune=False costs every point P1 lets through (the fidelity
+    benchmark runs them all); schedules / micro_batch_sizes / max_v narrow the space."""
     if gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {gpus}")
     if gpus > cluster.world_size:
@@ -149,7 +171,12 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_ba
     largest_unit = max(u.params for u in profile.units)
     capacity = cluster.device.memory_bytes
     overhead = OVERHEAD_BYTES[cluster.device.kind]
-    points = list(enumerate_points(gpus=gpus, global_batch=global_batch_size, n_units=n_units))
+    tied = bool(profile.shared)
+    points = [pt for pt in enumerate_points(gpus=gpus, global_batch=global_batch_size, n_units=n_units)
+              if runnable(pt.schedule, pt.zero, pt.dp, tied)
+              and (schedules is None or pt.pp == 1 or pt.schedule in schedules)
+              and (micro_batch_sizes is None or pt.micro_batch_size in micro_batch_sizes)
+              and (max_v is None or pt.v <= max_v)]
     if not points:
         raise ConfigError(f"no (dp, pp) split of {gpus} devices divides the global batch {global_batch_size}; "
                           f"use a batch divisible by the data-parallel degree")
@@ -179,7 +206,7 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_ba
     for i, (bound, pt) in enumerate(survivors):
         if on_progress and i % 25 == 0:
             on_progress(i, len(survivors))
-        if len(feasible) >= top_k:
+        if prune and len(feasible) >= top_k:
             kth = sorted(c.estimate.step_time_s for c in feasible)[top_k - 1]
             if bound >= kth:                                   # P2
                 pruned += len(survivors) - i
@@ -194,7 +221,24 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_ba
             infeasible.append(attempts[0])  # the unconstrained version, for "memory binds" in the rationale
     if on_progress:
         on_progress(len(survivors), len(survivors))
+    feasible.sort(key=lambda c: (c.estimate.step_time_s, c.estimate.peak_memory_bytes))
+    # full estimates (bubble and p2p apart, every rank's memory) for what a plan shows
+    feasible[:top_k] = [replace(c, estimate=estimate(c.strategy, profile, cluster)) for c in feasible[:top_k]]
+    return SearchResult(feasible=feasible, infeasible=infeasible, considered=considered, pruned=pruned, costed=costed,
+                        pruned_bounds=pruned_bounds, min_state=min_state, unit_cost=unit_cost)
 
+
+def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_batch_size: int, top_k: int = 5,
+         time_limit_s: float = 10.0, precision: str = "bf16-mixed", optimizer: str = "adamw", profile_path: str = "",
+         command: str = "", on_progress: ProgressFn | None = None) -> Plan:
+    """Search every strategy for `gpus` devices of `cluster` at `global_batch_size` sequences; return the Plan."""
+    t0 = time.perf_counter()
+    found = search(profile, cluster, gpus=gpus, global_batch_size=global_batch_size, top_k=top_k,
+                   precision=precision, optimizer=optimizer, on_progress=on_progress)
+    feasible, infeasible, unit_cost = found.feasible, found.infeasible, found.unit_cost
+    capacity = cluster.device.memory_bytes
+    min_state, pruned_bounds = found.min_state, found.pruned_bounds
+    considered, pruned, costed = found.considered, found.pruned, found.costed
     if not feasible:
         if infeasible:
             least = min(c.estimate.peak_memory_bytes for c in infeasible)
@@ -206,9 +250,6 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_ba
             f"or a device with more memory (ZeRO-3, full recompute, micro-batches down to 1 and every pipeline depth "
             f"were tried)")
 
-    feasible.sort(key=lambda c: (c.estimate.step_time_s, c.estimate.peak_memory_bytes))
-    # full estimates (bubble and p2p apart, every rank's memory) for what the plan shows
-    feasible[:top_k] = [replace(c, estimate=estimate(c.strategy, profile, cluster)) for c in feasible[:top_k]]
     winner = feasible[0]
     alternatives = tuple(
         Alternative(strategy=c.strategy, step_time_s=c.estimate.step_time_s, peak_memory_bytes=c.estimate.peak_memory_bytes,

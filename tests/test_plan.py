@@ -98,3 +98,14 @@ def test_zero_and_pipeline_reports_read_differently(llama13b):
     assert "pipeline x ZeRO hybrid wins" in pipe or "pipeline wins" in pipe
     assert "bandwidth binds" in pipe and "inter-node" in pipe
     assert "Pipeline point-to-point: none (one stage)." in zero and "stage boundaries inter-node" in pipe
+
+
+def test_planner_never_emits_what_the_executor_cannot_run(tiny_profiles):
+    from planner.search import runnable, search
+    prof = tiny_profiles["gpt-tiny", True]           # tied embedding and head
+    found = search(prof, preset("dgx-a100"), gpus=4, global_batch_size=16, precision="fp32", prune=False)
+    shapes = {(c.strategy.schedule, c.strategy.zero, c.strategy.dp) for c in found.feasible}
+    assert ("zb-interleaved", 2, 2) in shapes                      # zero-bubble itself is planned...
+    assert not any(s == "zb-interleaved" and z == 3 and dp > 1 for s, z, dp in shapes)   # ...but not with ZeRO-3
+    assert not runnable("zb-interleaved", 3, 2, tied=False) and runnable("zb-interleaved", 2, 2, tied=True)
+    assert runnable("1f1b", 3, 2, tied=True)

@@ -58,6 +58,10 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
              config=GPTConfig(vocab_size=512, max_seq_len=128, dim=64, n_layers=4, n_heads=4)),
     ZooEntry(name="llama-tiny", family="llama", description="Llama 4L d64 4h/2kv (CPU tests and demo)",
              config=LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=128)),
+    ZooEntry(name="gpt-wide", family="gpt", description="GPT 2L d256 (CPU fidelity suite: wide and shallow)",
+             config=GPTConfig(vocab_size=512, max_seq_len=128, dim=256, n_layers=2, n_heads=4)),
+    ZooEntry(name="gpt-embed", family="gpt", description="GPT 2L d64 vocab 16384 (CPU fidelity suite: embedding-heavy)",
+             config=GPTConfig(vocab_size=16384, max_seq_len=128, dim=64, n_layers=2, n_heads=4)),
     ZooEntry(name="mlp-deep", family="mlp", description="residual MLP 8L d64 (CPU tests, deep and narrow)",
              config=MLPConfig(in_dim=32, dim=64, hidden=256, n_layers=8, out_dim=32)),
 ]}

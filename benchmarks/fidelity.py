@@ -1,0 +1,188 @@
+"""Fidelity: run every feasible candidate the planner considers, for real, and measure how true its predictions
+and its choice are. Targets (reported, not asserted): regret <= 1.05, step-time MAPE <= 15%, Kendall tau >= 0.8,
+memory error <= 10% for parameters, gradients and optimizer states.
+
+    python benchmarks/fidelity.py            # 3 models x 2 global batches x world sizes 2 and 4 (~25 min here)
+    python benchmarks/fidelity.py --quick    # 2 ranks, one model, one batch (~1 min): CI's smoke test
+
+For each (model, world size, global batch): profile the model for real (one thread, as ranks run) and probe this
+machine's collectives with that many ranks; cost every point of the planner's space that fits (no branch-and-bound,
+so every candidate is seen); run each with the executor (shared ranks, warm-up then timed steps); compare.
+Step time splits into compute (time inside stage forward/backward, which includes the communication FSDP and DDP
+issue inside them), optimizer (optimizer.step) and the rest (bubble, p2p waits, gradient syncs), predicted as
+compute_s, optimizer_s and the remainder of the estimate; each component's error is reported as a share of the
+measured step time (mean over candidates).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SUITE = (("mlp-deep", "deep and narrow"), ("gpt-wide", "wide and shallow"), ("gpt-embed", "embedding-heavy"))
+SEQ_LEN, PROFILE_BATCH = 32, 4
+TARGETS = {"regret": 1.05, "mape": 0.15, "kendall_tau": 0.8, "memory_error": 0.10}
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    """Kendall's tau-b (ties in either ranking handled), O(n^2)."""
+    concordant = discordant = ties_x = ties_y = 0
+    n = len(xs)
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denom = ((concordant + discordant + ties_x) * (concordant + discordant + ties_y)) ** 0.5
+    return (concordant - discordant) / denom if denom else 1.0
+
+
+def _median_after(values, warmup: int) -> float:
+    timed = list(values[warmup:]) or list(values)
+    return statistics.median(timed)
+
+
+def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cluster) -> dict:
+    from cost_models.estimate import estimate
+    from cost_models.model_profiler import profile_model
+    from cost_models.models.source import resolve
+    from cost_models.summaries import strategy_name
+    from executor.launch import run_many
+    from executor.train import TrainConfig
+    from planner.search import search
+
+    prof = profile_model(resolve(model), micro_batch_size=PROFILE_BATCH, seq_len=SEQ_LEN, dtype="fp32", threads=1,
+                         repeats=5, warmup=2)
+    found = search(prof, cluster, gpus=gpus, global_batch_size=batch, precision="fp32", prune=False, max_v=2)
+    candidates = [(c.strategy, estimate(c.strategy, prof, cluster)) for c in found.feasible]
+    cfg = TrainConfig(model_source=model, seq_len=SEQ_LEN, input_kind=prof.input.kind, steps=steps, warmup=warmup,
+                      count_comm=False)
+    t0 = time.perf_counter()
+    measured = run_many(gpus, [s for s, _ in candidates], cfg)
+    run_s = time.perf_counter() - t0
+    rows = []
+    for (s, est), ranks in zip(candidates, measured):
+        step = max(_median_after(r.step_times_s, warmup) for r in ranks)
+        compute = max(_median_after(r.compute_s, warmup) for r in ranks)
+        optimizer = max(_median_after(r.optimizer_s, warmup) for r in ranks)
+        mem = {}
+        for cat, attr in (("parameters", "parameter_bytes"), ("gradients", "gradient_bytes"),
+                          ("optimizer_states", "optimizer_state_bytes")):
+            errs = []
+            for r in ranks:
+                pred = getattr(est.memory_per_rank[r.rank], cat)
+                meas = getattr(r, attr)
+                errs.append(abs(pred - meas) / meas if meas else (0.0 if pred == 0 else 1.0))
+            mem[cat] = max(errs)
+        b = est.breakdown
+        rows.append({"strategy": strategy_name(s), "dp": s.dp, "pp": s.pp, "zero": s.zero, "schedule": s.schedule,
+                     "v": s.v, "microbatches": s.microbatches, "micro_batch_size": s.micro_batch_size,
+                     "predicted_s": est.step_time_s, "measured_s": step,
+                     "predicted": {"compute": b.compute_s, "optimizer": b.optimizer_s,
+                                   "rest": est.step_time_s - b.compute_s - b.optimizer_s},
+                     "measured": {"compute": compute, "optimizer": optimizer, "rest": step - compute - optimizer},
+                     "memory_error": mem})
+    pred = [r["predicted_s"] for r in rows]
+    meas = [r["measured_s"] for r in rows]
+    choice = min(range(len(rows)), key=lambda i: (pred[i], rows[i]["strategy"]))
+    ape = [abs(p - m) / m for p, m in zip(pred, meas)]
+    # a component's error as a share of the measured step: a 1 ms miss on a 2 ms remainder is not a 50% problem
+    comp = {k: statistics.mean(abs(r["predicted"][k] - r["measured"][k]) / r["measured_s"] for r in rows)
+            for k in ("compute", "optimizer", "rest")}
+    bias = {k: statistics.median(r["predicted"][k] / r["measured"][k] for r in rows if r["measured"][k] > 0)
+            for k in ("compute", "optimizer", "rest")}
+    return {"model": model, "gpus": gpus, "global_batch_size": batch, "candidates": len(rows), "run_s": round(run_s, 1),
+            "choice": rows[choice]["strategy"], "best_measured": rows[min(range(len(rows)), key=meas.__getitem__)]["strategy"],
+            "regret": meas[choice] / min(meas), "kendall_tau": kendall_tau(pred, meas), "mape": statistics.mean(ape),
+            "component_mape": comp, "component_pred_over_measured": bias,
+            "memory_error_max": {c: max(r["memory_error"][c] for r in rows) for c in rows[0]["memory_error"]},
+            "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="2 ranks, one model, one batch size (the CI smoke test)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for fidelity.json / .md")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    args = ap.parse_args()
+    from cost_models.cluster_source import probe_local
+
+    configs = [("mlp-deep", 2, 8)] if args.quick else [(m, g, b) for m, _ in SUITE for g in (2, 4) for b in (8, 16)]
+    clusters = {g: probe_local(ranks=g, dtype="fp32", sizes=None) for g in sorted({g for _, g, _ in configs})}
+    t0 = time.perf_counter()
+    results = []
+    for model, gpus, batch in configs:
+        res = run_config(model, gpus, batch, steps=args.steps, warmup=args.warmup, cluster=clusters[gpus])
+        results.append(res)
+        print(f"{model:<10} {gpus} ranks B={batch:<3} {res['candidates']:>4} candidates  regret {res['regret']:.3f}  "
+              f"tau {res['kendall_tau']:+.2f}  MAPE {res['mape']:.0%}  compute {res['component_mape']['compute']:.0%} "
+              f"optimizer {res['component_mape']['optimizer']:.0%} rest {res['component_mape']['rest']:.0%}  "
+              f"({res['run_s']:.0f} s)", flush=True)
+    summary = {"regret_max": max(r["regret"] for r in results),
+               "kendall_tau_min": min(r["kendall_tau"] for r in results),
+               "mape_mean": statistics.mean(r["mape"] for r in results),
+               "memory_error_max": {c: max(r["memory_error_max"][c] for r in results)
+                                    for c in results[0]["memory_error_max"]},
+               "component_mape_mean": {k: statistics.mean(r["component_mape"][k] for r in results)
+                                       for k in results[0]["component_mape"]},
+               "component_pred_over_measured_median": {k: statistics.median(r["component_pred_over_measured"][k]
+                                                                            for r in results)
+                                                       for k in results[0]["component_pred_over_measured"]},
+               "wall_s": round(time.perf_counter() - t0, 1)}
+    import torch
+    data = {"schema_version": 1, "kind": "zeropipe.benchmark.fidelity", "quick": args.quick, "targets": TARGETS,
+            "summary": summary, "configs": results,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                        "torch": torch.__version__, "probe": {g: c.notes for g, c in clusters.items()}},
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "fidelity-quick" if args.quick else "fidelity"
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(data))
+    print(f"summary: regret max {summary['regret_max']:.3f} (target <= 1.05), Kendall tau min "
+          f"{summary['kendall_tau_min']:+.2f} (>= 0.8), MAPE {summary['mape_mean']:.0%} (<= 15%), memory error max "
+          + ", ".join(f"{k} {v:.1%}" for k, v in summary["memory_error_max"].items()) + " (<= 10%)")
+    print(f"wrote {out / (name + '.json')} and .md")
+
+
+def markdown(data: dict) -> str:
+    s = data["summary"]
+    lines = [f"# zeropipe fidelity ({'quick' if data['quick'] else 'full'} run, {data['date']})", "",
+             f"Machine: {data['machine']['cpus']} CPUs, {data['machine']['platform']}, Python "
+             f"{data['machine']['python']}, torch {data['machine']['torch']}; gloo ranks on this CPU.", "",
+             "| model | ranks | batch | candidates | choice | best measured | regret | Kendall tau | MAPE | compute err | optimizer err | rest err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["configs"]:
+        c = r["component_mape"]
+        lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch_size']} | {r['candidates']} | {r['choice']} | "
+                     f"{r['best_measured']} | {r['regret']:.3f} | {r['kendall_tau']:+.2f} | {r['mape']:.0%} | "
+                     f"{c['compute']:.0%} | {c['optimizer']:.0%} | {c['rest']:.0%} |")
+    lines += ["", f"Summary: regret max {s['regret_max']:.3f} (target <= 1.05); Kendall tau min {s['kendall_tau_min']:+.2f} "
+              f"(>= 0.8); step-time MAPE {s['mape_mean']:.0%} (<= 15%); memory error max "
+              + ", ".join(f"{k} {v:.1%}" for k, v in s["memory_error_max"].items()) + " (<= 10%).",
+              "Predicted / measured, median over configurations: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in s["component_pred_over_measured_median"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Fixed per-call costs of the runtime pieces the executor uses, measured on this cluster's ranks.
+
+Small models on CPU ranks spend as much time in per-call overhead as in arithmetic, so the cost model needs:
+  * `pipeline_action_s`: one action (forward, backward, or input/weight backward) of torch.distributed.pipelining's
+    schedule runtime, beyond its compute and its p2p: a 2-rank GPipe step over a tiny stage, minus the same
+    stage's compute run plainly, divided by the actions;
+  * `fsdp_unit_s`: one FSDP2 unit's forward + backward beyond its compute and the latency of its all-gather and
+    reduce-scatter (which the alpha-beta fits already cost): fully_shard on K tiny layers against the same layers
+    unsharded, per layer;
+  * `optimizer_tensor_s`: AdamW's step per parameter tensor when tensors are small (memory bandwidth does not
+    cover it).
+Every rank takes part (the collectives need it); the values are medians over repeats, taken on rank 0.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH, LAYERS, MICRO, REPEATS = 32, 8, 8, 7
+
+
+def _median_time(fn, repeats: int = REPEATS, warmup: int = 2) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def optimizer_tensor_seconds(device: torch.device) -> float:
+    params = [nn.Parameter(torch.randn(64, device=device)) for _ in range(64)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return _median_time(opt.step) / len(params)
+
+
+def _plain_layers(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(device)
+
+
+def fsdp_unit_seconds(device: torch.device, alpha_gather: float, alpha_reduce: float) -> float:
+    """Per FSDP unit and micro-batch, beyond compute and collective latency (all ranks call this)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    x = torch.randn(4, WIDTH, device=device)
+    plain = _plain_layers(device)
+    t_plain = _median_time(lambda: plain(x).sum().backward())
+    sharded = _plain_layers(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=True)
+
+    def step():
+        sharded(x).sum().backward()
+        sharded.zero_grad(set_to_none=True)
+    t_fsdp = _median_time(step)
+    # ZeRO-3 per layer: a gather in forward, one in backward, a reduce-scatter; their latency is costed elsewhere
+    return max(0.0, (t_fsdp - t_plain) / LAYERS - 2 * alpha_gather - alpha_reduce)
+
+
+def pipeline_action_seconds(device: torch.device, pair_group, in_pair: bool, alpha_p2p: float) -> float:
+    """Per schedule action, beyond compute and p2p latency (ranks 0 and 1 run a 2-stage GPipe; the rest wait)."""
+    if not in_pair:
+        return 0.0
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank = dist.get_rank(group=pair_group)
+    layer = nn.Linear(WIDTH, WIDTH).to(device)
+    x = torch.randn(MICRO * 2, WIDTH, device=device)
+    t_plain = _median_time(lambda: layer(x[:2]).sum().backward()) * MICRO
+    stage = PipelineStage(layer, rank, 2, device, group=pair_group,
+                          input_args=(torch.empty(2, WIDTH, device=device, requires_grad=rank > 0),),
+                          output_args=(torch.empty(2, WIDTH, device=device, requires_grad=True),))
+    sched = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=lambda out, y: F.mse_loss(out, y))
+
+    def step():
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=torch.zeros(MICRO * 2, WIDTH, device=device))
+    t_pipe = _median_time(step)
+    # a rank's step: 2 * MICRO actions, MICRO sends or receives each way; the other stage's first forward and
+    # last backward are on the critical path too (two more actions)
+    actions = 2 * MICRO + 2
+    return max(0.0, (t_pipe - t_plain - 2 * MICRO * alpha_p2p) / actions)
+
+
+def overhead_probe(device: torch.device, fits: dict[tuple[str, int], tuple[float, float]]) -> dict[str, float]:
+    """Run every probe (collective on the world group). `fits`: (op, group size) -> (alpha, beta) measured."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    alpha = lambda op, n: fits.get((op, n), (0.0, 0.0))[0]  # noqa: E731
+    out = {"optimizer_tensor_s": optimizer_tensor_seconds(device)}
+    dist.barrier()
+    out["fsdp_unit_s"] = fsdp_unit_seconds(device, alpha("all_gather", world), alpha("reduce_scatter", world))
+    dist.barrier()
+    pair = dist.new_group(ranks=[0, 1])
+    out["pipeline_action_s"] = pipeline_action_seconds(device, pair, rank in (0, 1), alpha("send_recv", 2))
+    dist.barrier()
+    return out
