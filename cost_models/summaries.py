@@ -105,19 +105,9 @@ def estimate_lines(strategy, est) -> list[str]:
     return lines
 
 
-ESTIMATE_COLUMNS = ["strategy", "step ms", "compute", "bubble", "p2p", "dp comm", "optimizer", "peak GiB", "fits"]
-
-
 def strategy_name(s) -> str:
     """Short name: 'ZeRO-3 dp=8, 4x2' or 'PP4 1f1b x DP2 ZeRO-1, 16x1 (+recompute)' (m x micro-batch size)."""
     shape = (f"ZeRO-{s.zero} dp={s.dp}" if s.pp == 1 else
              f"PP{s.pp} {s.schedule}" + (f" v={s.v}" if s.v > 1 else "") + (f" x DP{s.dp} ZeRO-{s.zero}" if s.dp > 1 else ""))
     rec = sum(s.recompute) if s.recompute else 0
     return f"{shape}, {s.microbatches}x{s.micro_batch_size}" + (f" +recompute {rec}/{s.n_stages}" if rec else "")
-
-
-def estimate_row(strategy, est) -> list[str]:
-    s, b = strategy, est.breakdown
-    return [strategy_name(s), f"{est.step_time_s * 1e3:.2f}", f"{b.compute_s * 1e3:.2f}", f"{b.bubble_s * 1e3:.2f}",
-            f"{b.p2p_s * 1e3:.2f}", f"{b.dp_comm_s * 1e3:.2f}", f"{b.optimizer_s * 1e3:.2f}",
-            f"{est.peak_memory_bytes / 2**30:.3f}", "yes" if est.fits else "NO"]

@@ -194,6 +194,7 @@ def _many_worker(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float, f
 def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list | None:
     from cost_models.schedule import format_order, generate
     from cost_models.strategy import Strategy
+    from cost_models.summaries import strategy_name
     torch.set_num_threads(1)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=dt.timedelta(seconds=timeout_s))
     try:
@@ -205,17 +206,12 @@ def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list 
             try:
                 results.append(run_on_rank(s, cfg, order).to_dict())
             except Exception as exc:
-                raise RuntimeError(f"{describe_short(s)}: {type(exc).__name__}: {exc}") from exc
+                raise RuntimeError(f"{strategy_name(s)}: {type(exc).__name__}: {exc}") from exc
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, results)
         return gathered if dist.get_rank() == 0 else None
     finally:
         dist.destroy_process_group()
-
-
-def describe_short(s) -> str:
-    from cost_models.summaries import strategy_name
-    return strategy_name(s)
 
 
 def run_many(nproc: int, strategies: list, cfg: TrainConfig, *, timeout_s: float = 120.0) -> list[list[RankResult]]:
