@@ -125,6 +125,7 @@ def launch(plan: Plan, *, steps: int, warmup: int, seed: int = 0, lr: float = 1e
     if plan.strategy.world_size % nnodes:
         raise ConfigError(f"the plan's {plan.strategy.world_size} ranks do not divide into {nnodes} nodes")
     per_node = plan.strategy.world_size // nnodes
+    check_fits_here(plan, per_node)
     cfg = TrainConfig(model_source=plan.model.source, seq_len=plan.model.seq_len, input_kind=plan.model.input_kind,
                       steps=steps, warmup=warmup, seed=seed, lr=lr)
     config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node,
@@ -144,6 +145,27 @@ def launch(plan: Plan, *, steps: int, warmup: int, seed: int = 0, lr: float = 1e
         return None
     return summarize(plan, [RankResult.from_dict(r) for r in gathered], steps=steps, warmup=warmup,
                      backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def check_fits_here(plan: Plan, per_node: int) -> None:
+    """Refuse, in one line, a plan this node cannot host: more ranks than its GPUs (or than its cores can bear),
+    or ranks whose predicted memory exceeds what the host has free (CPU ranks share it)."""
+    import psutil
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if per_node > gpus:
+            raise ConfigError(f"the plan puts {per_node} ranks on each node, this node has {gpus} GPUs; "
+                              f"spread it with --nnodes or plan for {gpus} GPUs")
+        return
+    cores = os.cpu_count() or 1
+    if per_node > max(8, 4 * cores):
+        raise ConfigError(f"the plan puts {per_node} ranks on this node and it has {cores} CPU cores; plan for fewer "
+                          f"GPUs (planner plan --gpus) or spread it with --nnodes")
+    need = sum(m.total_bytes for m in plan.prediction.memory_per_rank[:per_node])
+    avail = psutil.virtual_memory().available
+    if need > avail:
+        raise ConfigError(f"the plan's {per_node} local ranks need about {need / 2**30:.1f} GiB, this machine has "
+                          f"{avail / 2**30:.1f} GiB free; run it where it was planned for, or plan a smaller model")
 
 
 def _err(predicted: float, measured: float) -> float | None:

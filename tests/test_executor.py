@@ -118,3 +118,21 @@ def test_torchrun_example_runs():
     assert proc.returncode == 0, proc.stderr[-2000:]
     losses = [line for line in proc.stdout.splitlines() if "loss" in line]
     assert len(losses) >= 3 and all(5.0 < float(line.split("loss ")[1].split()[0]) < 8.0 for line in losses)
+
+
+def test_run_refuses_a_plan_this_machine_cannot_host(tmp_path):
+    from typer.testing import CliRunner
+    from cli import app
+    from planner.search import plan as make_plan
+    prof = profile_model(resolve("llama2-7b"), micro_batch_size=1, seq_len=64, meta=True, dtype="bf16")
+    big = make_plan(prof, preset("dgx-h100", nodes=8), gpus=64, global_batch_size=64)
+    path = tmp_path / "plan.json"
+    from cost_models.fileio import dumps, write_atomic
+    write_atomic(path, dumps(big.to_dict()))
+    res = CliRunner().invoke(app, ["run", str(path), "-o", "-"])
+    assert res.exit_code == 2
+    assert res.stderr.strip().startswith("error: the plan puts 64 ranks on this node")
+    small = make_plan(prof, preset("dgx-h100"), gpus=2, global_batch_size=8)
+    write_atomic(path, dumps(small.to_dict()), overwrite=True)
+    res = CliRunner().invoke(app, ["run", str(path), "-o", "-"])
+    assert res.exit_code == 2 and "GiB, this machine has" in res.stderr   # 7B of model states on CPU ranks
