@@ -29,7 +29,7 @@ from cost_models.records import Record, record
 from cost_models.schedule import StageCost, cached_order, format_order, simulate, stage_to_rank
 from cost_models.strategy import Strategy
 
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # presets carry no probe: no per-call overheads are assumed there (GPU launches mostly hide behind kernels)
 _NO_OVERHEADS = ComputeProbe(dtype="", matmul_n=0, ranks=1, threads_per_rank=1, flops_per_rank=0.0, flops_alone=0.0)
 
@@ -133,11 +133,11 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     s.validate(tuple(u.name for u in profile.units))
     p_b, g_b, _ = BYTES_PER_PARAM[(s.precision, s.optimizer)]
     compute_dtype = "fp32" if s.precision == "fp32" else "bf16"
-    act_scale = (s.micro_batch_size / profile.micro_batch_size) * _DTYPE_BYTES[compute_dtype] / _DTYPE_BYTES[profile.dtype]
+    act_scale = (s.micro_batch_size / profile.micro_batch_size) * DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[profile.dtype]
     world = s.world_size
 
     unit_index = {u.name: i for i, u in enumerate(profile.units)}
-    input_bytes = math.prod(profile.input.shape) * (8 if profile.input.kind == "tokens" else _DTYPE_BYTES[profile.dtype])
+    input_bytes = math.prod(profile.input.shape) * (8 if profile.input.kind == "tokens" else DTYPE_BYTES[profile.dtype])
     overheads = cluster.compute or _NO_OVERHEADS
     stage_costs, stage_info = [], []
     unit_fb: list[tuple[float, float]] = []   # per unit (forward, backward incl. recompute) of one micro-batch
@@ -228,6 +228,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     tokens = s.global_batch_size * (profile.seq_len if profile.input.kind in ("tokens", "features") else 1)
     model_flops = sum(u.fwd_flops + u.bwd_flops for u in profile.units) / profile.micro_batch_size * s.global_batch_size
     peak = cluster.device.peak_flops.get(compute_dtype)
+    # MFU: model FLOPs (no recompute) / (step time x devices x dense peak) (Chowdhery et al. 2022, PaLM, appendix B)
     mfu = model_flops / (total * world * peak) if peak and total > 0 and cluster.device.kind == "gpu" else None
     p2p_bytes = sum(2 * info[6] for info in stage_info[:-1]) * s.microbatches
     crossing = sum(_crosses_nodes(stage_to_rank(i, s.pp) * s.dp, stage_to_rank(i + 1, s.pp) * s.dp, cluster)

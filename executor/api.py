@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
 from executor.runtime import LossFn, Runtime, build_runtime, stage_io_shapes
 from planner.plan import Plan, load_plan
@@ -54,7 +55,7 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
     if example_input is None and isinstance(plan, Plan) and plan.model.input_kind == "tokens":
         example_input = torch.zeros(strategy.micro_batch_size, plan.model.seq_len, dtype=torch.long)
     if example_input is None and strategy.n_stages > 1:
-        raise ValueError("apply_plan needs example_input (one micro-batch) to set up a pipeline's static shapes")
+        raise ConfigError("apply_plan needs example_input (one micro-batch) to set up a pipeline's static shapes")
     stage_io = stage_io_shapes(model, strategy.stages, example_input, device) if strategy.n_stages > 1 else []
     return build_runtime(strategy, model, loss_fn=loss_fn, optimizer_fn=optimizer_fn, stage_io=stage_io,
                          plan_order=order, seed=seed, device=device)

@@ -2,6 +2,7 @@
 the equivalence tests compare against."""
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -10,7 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cost_models.errors import ConfigError
 from cost_models.models.losses import compute_loss
 from cost_models.models.source import DTYPES, resolve
 from cost_models.records import Record, record
@@ -82,9 +82,7 @@ def _setup(cfg: TrainConfig, strategy: Strategy):
     dtype = DTYPES["fp32" if strategy.precision == "fp32" else "bf16"]
     if strategy.precision != "fp32" and not torch.cuda.is_available():
         dtype = torch.float32  # bf16-mixed on CPU ranks runs in fp32 (the planner plans CPU demos in fp32)
-    model = source.build(device="meta", dtype=dtype)
-    if not all(model.get_submodule(u) is not None for st in strategy.stages for u in st):
-        raise ConfigError("the plan's units are not modules of this model")
+    model = source.build(device="meta", dtype=dtype)   # build_stages names any plan unit the model lacks
     example = source.example_input(model, strategy.micro_batch_size, cfg.seq_len, "cpu")[0]
     loss = "cross_entropy" if cfg.input_kind == "tokens" else "mse"
     with source.forward_context(), torch.no_grad():
@@ -105,7 +103,8 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
     per_replica = strategy.microbatches * strategy.micro_batch_size
     times, losses = [], []
     parts: dict[str, list[float]] = {"compute": [], "sync": [], "optimizer": []}
-    sizes = (0, 0, 0)
+    param_grad = (0, 0)
+    optim_bytes = 0
     for step in range(cfg.steps + (1 if cfg.count_comm else 0)):
         counting = cfg.count_comm and step == cfg.steps
         inputs, targets = synthetic_batch(cfg, example, out_shape, strategy.global_batch_size, step, loss)
@@ -116,21 +115,19 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
         counter = CommCounter() if counting else None
         rt.reset_timings()
         t0 = time.perf_counter()
-        with (counter or _null()):
+        with counter or contextlib.nullcontext():
             replica_loss = rt.forward_backward(x, y)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t_grads = time.perf_counter()
-            if not counting:
-                sizes = rt.local_bytes()   # gradients exist now (not timed)
-            t_opt = time.perf_counter()
+            t_count = time.perf_counter()
+            param_grad = rt.local_bytes()[:2]   # while gradients exist; left out of the step time
+            t_count = time.perf_counter() - t_count
             rt.optimizer_step()
         rt.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0 - (t_opt - t_grads)
-        if not counting:
-            sizes = (sizes[0], sizes[1], rt.local_bytes()[2])
+        elapsed = time.perf_counter() - t0 - t_count
+        optim_bytes = rt.local_bytes()[2]
         if counting:
             if rt.wrapped.ddp:   # DDP's reducer all-reduces gradient buckets from C++: count the buckets here
                 counter.add("all_reduce", sum(p.numel() * p.element_size() for p in rt.wrapped.params))
@@ -141,19 +138,11 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
         losses.append(_global_loss(replica_loss, rt, device))
     peak, source_name = peak_memory_bytes()
     return RankResult(rank=dist.get_rank(), pp_rank=rt.pp_rank, dp_rank=rt.dp_rank, stages=tuple(rt.stage_ids),
-                      step_times_s=tuple(times), losses=tuple(losses), parameter_bytes=sizes[0],
-                      gradient_bytes=sizes[1], optimizer_state_bytes=sizes[2], peak_memory_bytes=peak,
+                      step_times_s=tuple(times), losses=tuple(losses), parameter_bytes=param_grad[0],
+                      gradient_bytes=param_grad[1], optimizer_state_bytes=optim_bytes, peak_memory_bytes=peak,
                       peak_memory_source=source_name, comm_bytes=dict(counter.bytes) if counter else {},
                       comm_calls=dict(counter.calls) if counter else {}, compute_s=tuple(parts["compute"]),
                       sync_s=tuple(parts["sync"]), optimizer_s=tuple(parts["optimizer"]))
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _global_loss(replica_loss: torch.Tensor | None, rt, device: torch.device) -> float:

@@ -23,8 +23,8 @@ from typing import Callable
 from cost_models.cluster import ClusterProfile
 from cost_models.compute import unit_times
 from cost_models.errors import ConfigError, InfeasibleError
-from cost_models.estimate import Estimate, estimate
-from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, zero_model_state_bytes
+from cost_models.estimate import DTYPE_BYTES, Estimate, estimate
+from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, executor_state_bytes, zero_model_state_bytes
 from cost_models.profile import ModelProfile
 from cost_models.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
@@ -71,12 +71,12 @@ class _Partitions:
         return self.cache[k]
 
 
-def runnable(schedule: str, zero: int, dp: int, tied: bool) -> bool:
+def runnable(schedule: str, zero: int, dp: int) -> bool:
     """Combinations the executor cannot run correctly are never planned. Measured here (torch 2.13, gloo, found by
     benchmarks/fidelity.py): zero-bubble with FSDP2 ZeRO-3 stages (reshard_after_forward=True) leaves the last
     stage without gradients, so its weights never train, and deadlocks outright when a tied parameter lives on two
     pipeline ranks. Zero-bubble with ZeRO-0/1/2 and ZeRO-3 with the other schedules train exactly like one process
-    (tests/test_executor.py). `tied` is kept for the day torch fixes the first case but not the second."""
+    (tests/test_executor.py)."""
     return not (schedule == "zb-interleaved" and zero == 3 and dp > 1)
 
 
@@ -89,10 +89,11 @@ def _strategy(point: Point, stages, *, precision: str, optimizer: str, recompute
 def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterProfile, est: Estimate,
                          unit_cost: list[float], *, precision: str, optimizer: str):
     """The exact DP with per-stage memory (in-flight counts from the first estimate's schedule)."""
-    p_b, g_b, k_b = BYTES_PER_PARAM[(precision, optimizer)]
-    per_param = sum(b / (point.dp if point.zero >= z else 1) for b, z in ((p_b, 3), (g_b, 2), (k_b, 1)))
-    scale = point.micro_batch_size / profile.micro_batch_size
-    act_scale = scale * (4 if precision == "fp32" else 2) / {"fp32": 4, "bf16": 2, "fp16": 2}[profile.dtype]
+    # bytes per parameter at rest as the executor holds them (FSDP2 shards ZeRO-2's parameters too)
+    per_param = sum(executor_state_bytes(1.0, point.dp, point.zero, precision, optimizer))
+    compute_dtype = "fp32" if precision == "fp32" else "bf16"
+    act_scale = (point.micro_batch_size / profile.micro_batch_size
+                 * DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[profile.dtype])
     problem = PartitionProblem(
         costs=tuple(unit_cost), n_stages=point.pp * point.v,
         state_bytes=tuple((u.params + sum(s.numel for s in profile.shared if set(u.shared_params) & set(s.aliases)))
@@ -171,9 +172,8 @@ def search(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_
     largest_unit = max(u.params for u in profile.units)
     capacity = cluster.device.memory_bytes
     overhead = OVERHEAD_BYTES[cluster.device.kind]
-    tied = bool(profile.shared)
     points = [pt for pt in enumerate_points(gpus=gpus, global_batch=global_batch_size, n_units=n_units)
-              if runnable(pt.schedule, pt.zero, pt.dp, tied)
+              if runnable(pt.schedule, pt.zero, pt.dp)
               and (schedules is None or pt.pp == 1 or pt.schedule in schedules)
               and (micro_batch_sizes is None or pt.micro_batch_size in micro_batch_sizes)
               and (max_v is None or pt.v <= max_v)]

@@ -107,5 +107,4 @@ def test_planner_never_emits_what_the_executor_cannot_run(tiny_profiles):
     shapes = {(c.strategy.schedule, c.strategy.zero, c.strategy.dp) for c in found.feasible}
     assert ("zb-interleaved", 2, 2) in shapes                      # zero-bubble itself is planned...
     assert not any(s == "zb-interleaved" and z == 3 and dp > 1 for s, z, dp in shapes)   # ...but not with ZeRO-3
-    assert not runnable("zb-interleaved", 3, 2, tied=False) and runnable("zb-interleaved", 2, 2, tied=True)
-    assert runnable("1f1b", 3, 2, tied=True)
+    assert not runnable("zb-interleaved", 3, 2) and runnable("zb-interleaved", 2, 2) and runnable("1f1b", 3, 2)
