@@ -18,7 +18,7 @@ from torch import nn
 from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
 from executor import pipeline
-from executor.stages import build_stages, canonical_names, params_by_canonical, tied_params
+from executor.stages import build_stages, buffers_by_canonical, canonical_names, params_by_canonical, tied_params
 from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,6 +39,7 @@ class Runtime:
     dp_group: object | None
     tie_groups: list[tuple[str, object]] = field(default_factory=list)   # (canonical param name, group)
     params_by_name: dict[str, nn.Parameter] = field(default_factory=dict)
+    buffers_by_name: dict[str, torch.Tensor] = field(default_factory=dict)
     # Seconds spent this step in stage forward/backward ("compute": it includes the communication FSDP and DDP
     # issue inside them), in the gradient syncs issued after them ("sync"), and in optimizer.step ("optimizer").
     timings: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "sync": 0.0, "optimizer": 0.0})
@@ -124,6 +125,12 @@ class Runtime:
         self.optimizer.zero_grad(set_to_none=True)
         return loss
 
+    def state_dict(self, *, with_rng: bool = True) -> dict:
+        """This rank's share of the training state under canonical names (executor.checkpoint's layout)."""
+        from executor.checkpoint import state_dict
+        return state_dict(self.params_by_name, self.buffers_by_name, self.optimizer,
+                          rng_rank=dist.get_rank() if with_rng else None)
+
     def local_bytes(self) -> tuple[int, int, int]:
         return local_bytes(self.wrapped.params, self.wrapped.optimizer)
 
@@ -172,7 +179,8 @@ def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, opti
                 tie_groups.append((tied.canonical, group))
     return Runtime(strategy=s, pp_rank=pp_rank, dp_rank=dp_rank, stage_ids=stage_ids, wrapped=wrapped,
                    loss_fn=loss_fn, schedule=schedule, dp_group=dp_mesh.get_group() if s.dp > 1 else None,
-                   tie_groups=tie_groups, params_by_name=params_by_canonical(stages, canon))
+                   tie_groups=tie_groups, params_by_name=params_by_canonical(stages, canon),
+                   buffers_by_name=buffers_by_canonical(stages))
 
 
 def stage_io_shapes(model: nn.Module, stages: tuple[tuple[str, ...], ...], example: torch.Tensor,

@@ -138,4 +138,16 @@ def params_by_canonical(stage_modules: list[Stage], canon: dict[str, str]) -> di
     return out
 
 
+def buffers_by_canonical(stage_modules: list[Stage]) -> dict[str, torch.Tensor]:
+    """This rank's persistent buffers (what a state_dict holds) keyed by their names in the full model."""
+    out: dict[str, torch.Tensor] = {}
+    for st in stage_modules:
+        for unit_name, unit in zip(st.unit_names, st.children()):
+            for mod_name, mod in unit.named_modules(prefix=unit_name):
+                for name, b in mod._buffers.items():
+                    if b is not None and name not in mod._non_persistent_buffers_set:
+                        out.setdefault(f"{mod_name}.{name}", b)
+    return out
+
+
 ModelFn = Callable[[], nn.Module]
