@@ -11,13 +11,16 @@ _CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "remot
 @contextlib.contextmanager
 def quiet_elastic_logs():
     """The agent logs multi-line tracebacks of failed workers; callers turn them into one line instead."""
-    log = logging.getLogger("torch.distributed.elastic")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+    # torch.multiprocessing.spawn logs "Terminating process N via signal SIGTERM" for every peer the agent stops
+    logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def is_consequence(message: str) -> bool:
