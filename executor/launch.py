@@ -8,11 +8,14 @@ Collectives time out after `timeout_s` (init_process_group's timeout), so a hung
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
+import shutil
 import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from cost_models.elastic import is_consequence, quiet_elastic_logs, root_failure
 from cost_models.errors import ConfigError, PlannerError
 from cost_models.records import Record, record
+from executor import checkpoint_layout as layout
 from executor.train import RankResult, TrainConfig, run_on_rank, summarize_times
 from planner.plan import Plan
 
@@ -59,6 +63,9 @@ class RunFile(Record):
     ranks: tuple[RankResult, ...]
     comparisons: tuple[Comparison, ...]
     created_at: str
+    start_step: int = 0                    # losses[i] is step start_step + i
+    resumed_from: str | None = None        # the checkpoint folder the run started from
+    checkpoints: tuple[str, ...] = ()      # checkpoint folders this run committed
 
 
 def _note_failure(failure_dir: str, exc: BaseException) -> None:
@@ -104,7 +111,7 @@ def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | Non
         backend = "gloo"
     dist.init_process_group(backend, timeout=dt.timedelta(seconds=timeout_s))
     try:
-        result = run_on_rank(plan.strategy, cfg, plan.prediction.pipeline_order)
+        result = run_on_rank(plan.strategy, cfg, plan.prediction.pipeline_order, plan)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result.to_dict())
         return gathered if dist.get_rank() == 0 else None
@@ -112,22 +119,49 @@ def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | Non
         dist.destroy_process_group()
 
 
-def launch(plan: Plan, *, steps: int, warmup: int, seed: int = 0, lr: float = 1e-3, nnodes: int = 1,
-           node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float = 60.0) -> RunFile | None:
-    """Run the plan; returns the RunFile on the node holding global rank 0 (None on other nodes)."""
+def launch(plan: Plan, *, steps: int, warmup: int, seed: int | None = None, lr: float | None = None, nnodes: int = 1,
+           node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float = 60.0,
+           checkpoint_dir: str | None = None, checkpoint_every: int = 0, checkpoint_keep: int = 0,
+           resume: str | None = None, overwrite_checkpoints: bool = False,
+           on_resume=None) -> RunFile | None:
+    """Run the plan; returns the RunFile on the node holding global rank 0 (None on other nodes).
+
+    `steps` counts from the start of training: resuming from a checkpoint at step k runs steps k .. steps - 1, with
+    the checkpoint's seed and learning rate unless given. `on_resume(step_dir, meta)` is told which checkpoint
+    was taken (after it was verified, before ranks start)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if steps < 1 or warmup < 0:
         raise ConfigError("--steps must be >= 1 and --warmup >= 0")
-    if warmup >= steps:
-        raise ConfigError(f"--warmup {warmup} leaves no timed step of {steps}; use fewer warm-up steps")
     if plan.strategy.world_size % nnodes:
         raise ConfigError(f"the plan's {plan.strategy.world_size} ranks do not divide into {nnodes} nodes")
+    if checkpoint_every < 0 or checkpoint_keep < 0:
+        raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 0")
+    if checkpoint_every and not checkpoint_dir:
+        raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to write them)")
+    start, step_dir = 0, None
+    if resume:
+        step_dir = layout.resolve(resume)
+        meta = layout.read_meta(step_dir)
+        layout.check_resumable(meta, step_dir, plan, steps)
+        layout.verify(step_dir, meta)
+        start = meta.step
+        seed = meta.seed if seed is None else seed
+        lr = meta.lr if lr is None else lr
+        if on_resume:
+            on_resume(step_dir, meta)
+    if warmup >= steps - start:
+        raise ConfigError(f"--warmup {warmup} leaves no timed step of the {steps - start} this run makes; "
+                          f"use fewer warm-up steps")
+    if checkpoint_dir:
+        _check_checkpoint_dir(Path(checkpoint_dir), start, overwrite_checkpoints)
     per_node = plan.strategy.world_size // nnodes
     check_fits_here(plan, per_node)
     cfg = TrainConfig(model_source=plan.model.source, seq_len=plan.model.seq_len, input_kind=plan.model.input_kind,
-                      steps=steps, warmup=warmup, seed=seed, lr=lr)
+                      steps=steps, warmup=warmup, seed=0 if seed is None else seed, lr=1e-3 if lr is None else lr,
+                      start_step=start, resume_from=str(step_dir) if step_dir else None,
+                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep)
     config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node,
                           run_id=f"zeropipe-run-{uuid.uuid4().hex[:8]}" if nnodes == 1 else "zeropipe-run",
                           rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
@@ -138,13 +172,50 @@ def launch(plan: Plan, *, steps: int, warmup: int, seed: int = 0, lr: float = 1e
             with quiet_elastic_logs():
                 results = elastic_launch(config, worker)(plan.to_dict(), cfg.to_dict(), timeout_s, failure_dir)
         except ChildFailedError as exc:
-            rank, line = _failure_from_files(failure_dir) or root_failure(exc)
+            rank, line = _root_cause(failure_dir, exc)
             raise RunFailed(f"rank {rank} failed: {line}") from None
     gathered = results.get(0) if isinstance(results, dict) else None
     if gathered is None:
         return None
-    return summarize(plan, [RankResult.from_dict(r) for r in gathered], steps=steps, warmup=warmup,
-                     backend="nccl" if torch.cuda.is_available() else "gloo")
+    run = summarize(plan, [RankResult.from_dict(r) for r in gathered], steps=steps, warmup=warmup,
+                    backend="nccl" if torch.cuda.is_available() else "gloo")
+    written = tuple(str(Path(checkpoint_dir) / layout.step_dir_name(s)) for s in run.ranks[0].checkpoint_steps)
+    return dataclasses.replace(run, start_step=start, resumed_from=str(step_dir) if step_dir else None,
+                               checkpoints=written)
+
+
+def _check_checkpoint_dir(root: Path, start: int, overwrite: bool) -> None:
+    """Nothing a user made is overwritten without asking: checkpoints past this run's start would be replaced
+    (or would shadow this run's as the latest)."""
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--checkpoint-dir {root} is a file; name a folder")
+    stale = layout.newer_than(root, start)
+    if stale and not overwrite:
+        raise ConfigError(f"{root} already holds {len(stale)} checkpoint(s) past step {start} (latest "
+                          f"{stale[-1].name}); pass --overwrite-checkpoints to replace them or choose another "
+                          f"--checkpoint-dir")
+    for d in stale:
+        shutil.rmtree(d)
+    root.mkdir(parents=True, exist_ok=True)
+
+
+def _root_cause(failure_dir: str, exc) -> tuple[int, str]:
+    """The ranks' own notes name an exception; a rank killed by a signal leaves none, and its peers' notes only
+    say they lost it: then the agent's record of the signal is the cause."""
+    noted = _failure_from_files(failure_dir)
+    if noted and not is_consequence(noted[1]):
+        return noted
+    rank, line = root_failure(exc)
+    if noted and is_consequence(line):
+        return noted
+    return rank, _signal_line(line)
+
+
+def _signal_line(line: str) -> str:
+    """torchelastic's 'Signal 9 (SIGKILL) received by PID 123' -> 'killed by SIGKILL (signal 9)'."""
+    import re
+    m = re.match(r"Signal (\d+) \((\w+)\) received by PID \d+", line)
+    return f"killed by {m.group(2)} (signal {m.group(1)})" if m else line
 
 
 def check_fits_here(plan: Plan, per_node: int) -> None:
@@ -249,6 +320,6 @@ def run_many(nproc: int, strategies: list, cfg: TrainConfig, *, timeout_s: float
                 per_rank = elastic_launch(config, _many_worker)([s.to_dict() for s in strategies], cfg.to_dict(),
                                                                 timeout_s, failure_dir)[0]
         except ChildFailedError as exc:
-            rank, line = _failure_from_files(failure_dir) or root_failure(exc)
+            rank, line = _root_cause(failure_dir, exc)
             raise RunFailed(f"rank {rank} failed: {line}") from None
     return [[RankResult.from_dict(per_rank[r][i]) for r in range(nproc)] for i in range(len(strategies))]

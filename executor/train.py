@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from cost_models.errors import ConfigError
 from cost_models.models.losses import compute_loss
 from cost_models.models.source import DTYPES, resolve
 from cost_models.records import Record, record
 from cost_models.strategy import Strategy
+from executor import checkpoint, checkpoint_layout
 from executor.measure import CommCounter, peak_memory_bytes
 from executor.runtime import build_runtime, stage_io_shapes
-from executor.stages import build_stages
+from executor.stages import build_stages, buffers_by_canonical, canonical_names, params_by_canonical
+from planner.plan import Plan
 
-INJECT_FAILURE_ENV = "ZEROPIPE_INJECT_FAILURE"  # "RANK:STEP": that rank raises at that step (tests of failure handling)
+# Test hook for failure handling: "RANK:STEP" makes that rank raise at the start of that step, "RANK:STEP:kill" makes it
+# SIGKILL itself there (what kill -9 or the OOM killer does: no exception, no cleanup, no note).
+INJECT_FAILURE_ENV = "ZEROPIPE_INJECT_FAILURE"
 
 
 @record
@@ -32,6 +39,11 @@ class TrainConfig(Record):
     seed: int = 0
     lr: float = 1e-3
     count_comm: bool = True
+    start_step: int = 0                    # steps already done (a resumed run starts here)
+    resume_from: str | None = None         # a complete checkpoint folder (executor.checkpoint_layout)
+    checkpoint_dir: str | None = None      # where to save checkpoints
+    checkpoint_every: int = 0              # save after every K steps (0: only after the last step)
+    checkpoint_keep: int = 0               # keep the newest K complete checkpoints (0: all)
 
 
 @record
@@ -52,6 +64,10 @@ class RankResult(Record):
     compute_s: tuple[float, ...] = ()      # per step: time inside stage forward/backward (FSDP/DDP comm included)
     sync_s: tuple[float, ...] = ()         # per step: gradient syncs issued after backward (pipelined ZeRO-0/1, ties)
     optimizer_s: tuple[float, ...] = ()    # per step: optimizer.step
+    start_step: int = 0                    # index of the first step in step_times_s / losses
+    restore_s: float = 0.0                 # loading the checkpoint resumed from (not in any step time)
+    checkpoint_steps: tuple[int, ...] = () # steps after which a checkpoint was committed
+    checkpoint_s: tuple[float, ...] = ()   # seconds each save took (not in any step time)
 
 
 def optimizer_for(strategy: Strategy, lr: float):
@@ -90,8 +106,11 @@ def _setup(cfg: TrainConfig, strategy: Strategy):
     return source, model, example, tuple(out.shape), loss
 
 
-def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list[str]] | None) -> RankResult:
-    """Train `cfg.steps` steps of `strategy` on this rank of an initialised process group and measure them."""
+def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list[str]] | None,
+                plan: Plan | None = None) -> RankResult:
+    """Train steps cfg.start_step .. cfg.steps - 1 of `strategy` on this rank of an initialised process group,
+    resuming from and saving checkpoints as `cfg` says (saves need the `plan`, which goes into them), and measure
+    the steps."""
     source, model, example, out_shape, loss = _setup(cfg, strategy)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     with source.forward_context():
@@ -99,18 +118,21 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
     rt = build_runtime(strategy, model, loss_fn=lambda out, tgt: compute_loss(loss, out, tgt),
                        optimizer_fn=optimizer_for(strategy, cfg.lr), stage_io=stage_io, plan_order=plan_order,
                        seed=cfg.seed, device=device)
-    fail_rank, fail_step = _injected_failure()
+    restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0
+    fail_rank, fail_step, kill = _injected_failure()
     per_replica = strategy.microbatches * strategy.micro_batch_size
-    times, losses = [], []
+    times, losses, saved, save_s = [], [], [], []
     parts: dict[str, list[float]] = {"compute": [], "sync": [], "optimizer": []}
     param_grad = (0, 0)
     optim_bytes = 0
-    for step in range(cfg.steps + (1 if cfg.count_comm else 0)):
+    for step in range(cfg.start_step, cfg.steps + (1 if cfg.count_comm else 0)):
         counting = cfg.count_comm and step == cfg.steps
         inputs, targets = synthetic_batch(cfg, example, out_shape, strategy.global_batch_size, step, loss)
         sl = slice(rt.dp_rank * per_replica, (rt.dp_rank + 1) * per_replica)
         x, y = inputs[sl].to(device), targets[sl].to(device)
         if step == fail_step and dist.get_rank() == fail_rank:
+            if kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure at step {step} ({INJECT_FAILURE_ENV})")
         counter = CommCounter() if counting else None
         rt.reset_timings()
@@ -129,20 +151,54 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
         elapsed = time.perf_counter() - t0 - t_count
         optim_bytes = rt.local_bytes()[2]
         if counting:
-            if rt.wrapped.ddp:   # DDP's reducer all-reduces gradient buckets from C++: count the buckets here
+            # DDP's reducer all-reduces its buckets from autograd's thread: on CPU that is this thread and the
+            # counter saw them; on GPUs it is a device thread the counter does not see, so count the buckets here
+            if rt.wrapped.ddp and "all_reduce" not in counter.calls:
                 counter.add("all_reduce", sum(p.numel() * p.element_size() for p in rt.wrapped.params))
             break
         times.append(elapsed)
         for key in parts:
             parts[key].append(rt.timings[key])
         losses.append(_global_loss(replica_loss, rt, device))
+        done = step + 1
+        if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+            t0 = time.perf_counter()
+            _save(rt, cfg, plan, done, losses[-1])
+            save_s.append(time.perf_counter() - t0)
+            saved.append(done)
     peak, source_name = peak_memory_bytes()
     return RankResult(rank=dist.get_rank(), pp_rank=rt.pp_rank, dp_rank=rt.dp_rank, stages=tuple(rt.stage_ids),
                       step_times_s=tuple(times), losses=tuple(losses), parameter_bytes=param_grad[0],
                       gradient_bytes=param_grad[1], optimizer_state_bytes=optim_bytes, peak_memory_bytes=peak,
                       peak_memory_source=source_name, comm_bytes=dict(counter.bytes) if counter else {},
                       comm_calls=dict(counter.calls) if counter else {}, compute_s=tuple(parts["compute"]),
-                      sync_s=tuple(parts["sync"]), optimizer_s=tuple(parts["optimizer"]))
+                      sync_s=tuple(parts["sync"]), optimizer_s=tuple(parts["optimizer"]), start_step=cfg.start_step,
+                      restore_s=restore_s, checkpoint_steps=tuple(saved), checkpoint_s=tuple(save_s))
+
+
+def _resume(rt, cfg: TrainConfig) -> float:
+    """Load the checkpoint into this rank's share of the (possibly differently laid out) state; seconds taken."""
+    t0 = time.perf_counter()
+    checkpoint.init_optimizer_state(rt.optimizer, list(rt.params_by_name.values()))
+    sd = rt.state_dict()
+    loaded = checkpoint.load(sd, Path(cfg.resume_from))
+    checkpoint.restore_rng(loaded, dist.get_rank())
+    elapsed = time.perf_counter() - t0
+    checkpoint.dump_for_tests(sd, "loaded")
+    return elapsed
+
+
+def _save(rt, cfg: TrainConfig, plan: Plan | None, step: int, last_loss: float) -> None:
+    if plan is None:
+        raise ConfigError("saving a checkpoint needs the plan the run is under")
+    sd = rt.state_dict()
+    meta = {"samples_seen": step * plan.strategy.global_batch_size, "seed": cfg.seed, "lr": cfg.lr,
+            "loss": last_loss, "world_size": dist.get_world_size(), "plan": plan, "torch_version": torch.__version__}
+    root = Path(cfg.checkpoint_dir)
+    checkpoint.save(sd, root, step, meta)
+    if dist.get_rank() == 0:
+        checkpoint_layout.prune(root, cfg.checkpoint_keep)
+    checkpoint.dump_for_tests(sd, f"saved-step{step}")
 
 
 def _global_loss(replica_loss: torch.Tensor | None, rt, device: torch.device) -> float:
@@ -155,24 +211,31 @@ def _global_loss(replica_loss: torch.Tensor | None, rt, device: torch.device) ->
     return float(value[0] / value[1])
 
 
-def _injected_failure() -> tuple[int, int]:
+def _injected_failure() -> tuple[int, int, bool]:
     spec = os.environ.get(INJECT_FAILURE_ENV, "")
     if not spec:
-        return -1, -1
-    rank, _, step = spec.partition(":")
-    return int(rank), int(step or 0)
+        return -1, -1, False
+    rank, step, *how = spec.split(":")
+    return int(rank), int(step or 0), how == ["kill"]
 
 
 def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:
-    """The reference: the whole model in one process, same init, same global batches, same optimizer."""
+    """The reference: the whole model in one process, same init, same global batches, same optimizer; steps
+    cfg.start_step .. cfg.steps - 1, from cfg.resume_from's state when given (DCP loads without a process group)."""
     whole = Strategy.from_dict({**strategy.to_dict(), "dp": 1, "pp": 1, "zero": 0, "v": 1, "schedule": "1f1b",
                                 "microbatches": 1, "micro_batch_size": strategy.global_batch_size,
                                 "stages": [[u for st in strategy.stages for u in st]], "recompute": []})
     source, model, example, out_shape, loss = _setup(cfg, whole)
+    canon = canonical_names(model)   # before materialising (executor.stages.params_by_canonical)
     (stage,) = build_stages(model, whole.stages, [0], recompute=(), seed=cfg.seed, device=torch.device("cpu"))
     opt = optimizer_for(strategy, cfg.lr)(list(stage.parameters()))
+    if cfg.resume_from:
+        params = params_by_canonical([stage], canon)
+        checkpoint.init_optimizer_state(opt, list(params.values()))
+        checkpoint.load(checkpoint.state_dict(params, buffers_by_canonical([stage]), opt, rng_rank=None),
+                        Path(cfg.resume_from))
     out = []
-    for step in range(cfg.steps):
+    for step in range(cfg.start_step, cfg.steps):
         x, y = synthetic_batch(cfg, example, out_shape, strategy.global_batch_size, step, loss)
         value = compute_loss(loss, stage(x), y)
         value.backward()
