@@ -405,19 +405,29 @@ def run(
     node_rank: int = typer.Option(0, "--node-rank", help="this node's rank"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (default 127.0.0.1, any free port)"),
     timeout: float = typer.Option(60.0, "--timeout", help="seconds a collective may wait before the job fails"),
-    seed: int = typer.Option(0, "--seed", help="initialisation and data seed"),
-    lr: float = typer.Option(1e-3, "--lr", help="learning rate"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="initialisation and data seed (default 0, or the checkpoint's)"),
+    lr: Optional[float] = typer.Option(None, "--lr", help="learning rate (default 1e-3, or the checkpoint's)"),
+    checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="save checkpoints (DCP, one folder per step) here"),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="save after every K steps (default: after the last step only)"),
+    checkpoint_keep: int = typer.Option(0, "--checkpoint-keep", help="keep only the newest K checkpoints (default: all)"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="continue from a checkpoint: a step folder, or a --checkpoint-dir (its latest complete one); any plan of the same model and batch"),
+    overwrite_checkpoints: bool = typer.Option(False, "--overwrite-checkpoints", help="replace checkpoints in --checkpoint-dir past the step this run starts at"),
     as_json: bool = typer.Option(False, "--json", help="print run.json on stdout"),
 ) -> None:
-    """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction."""
+    """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction.
+    --steps counts from the start of training: with --resume at step k, steps k .. STEPS-1 run."""
     from executor.launch import launch
     from planner.plan import load_plan
 
     write_to, overwrite = _prepare_output(output, force)
     the_plan = load_plan(plan_path)
-    with err.status(f"running {the_plan.strategy.world_size} ranks for {steps} steps"):
+    with err.status(f"running {the_plan.strategy.world_size} ranks up to step {steps}"):
         result = launch(the_plan, steps=steps, warmup=warmup, seed=seed, lr=lr, nnodes=nnodes, node_rank=node_rank,
-                        rdzv_endpoint=rdzv_endpoint, timeout_s=timeout)
+                        rdzv_endpoint=rdzv_endpoint, timeout_s=timeout,
+                        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                        checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
+                        resume=str(resume) if resume else None, overwrite_checkpoints=overwrite_checkpoints,
+                        on_resume=lambda d, meta: _print_resume(d, meta, the_plan))
     if result is None:
         err.print("this node's ranks finished; global rank 0's node writes run.json", highlight=False)
         return
@@ -428,10 +438,72 @@ def run(
         err.print(f"wrote {write_to}", highlight=False)
 
 
+@app.command()
+@handles_errors
+def replan(
+    gpus: int = typer.Option(..., "--gpus", "-g", help="devices the job will have from now on"),
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="a --checkpoint-dir (its latest complete checkpoint) or one step folder"),
+    profile_path: Optional[Path] = typer.Option(None, "--profile", help="the profile to plan with (default: the one the checkpoint's plan was made from, if unchanged)"),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="plan for a preset or cluster file (default: the checkpoint plan's cluster)"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="scale the cluster to N nodes"),
+    top_k: int = typer.Option(5, "--top-k", help="alternatives to keep, with why each lost"),
+    time_limit: float = typer.Option(10.0, "--time-limit", help="seconds for the MILP partition check"),
+    output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="where to write the new plan ('-' for none)"),
+    force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout"),
+    report: bool = typer.Option(True, "--report/--no-report", help="write report.html and report.md beside the plan"),
+) -> None:
+    """Re-plan a checkpointed job for another GPU count (same model, batch, precision, optimizer); then
+    `planner run PLAN --resume CHECKPOINT` carries its training state over."""
+    from cost_models.summaries import strategy_name
+    from executor.checkpoint_layout import read_meta, resolve
+    from planner.replan import replan as run_replan
+
+    step_dir = resolve(checkpoint)
+    meta = read_meta(step_dir)
+    report_path = _report_path(output) if str(output) != "-" and report else None
+    write_to, overwrite = _prepare_output(output, force, also=(report_path, report_path.with_suffix(".md"))
+                                          if report_path else ())
+    with _progress() as bar:
+        task = bar.add_task("re-planning: costing strategies", total=None)
+        result = run_replan(meta.plan, gpus=gpus, profile_path=str(profile_path) if profile_path else None,
+                            cluster=cluster, nodes=nodes, top_k=top_k, time_limit_s=time_limit,
+                            command=_command_line(),
+                            on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+    printed = _emit(result.to_dict(), write_to, overwrite, as_json)
+    if report_path:
+        _write_report(result, None, report_path, overwrite)
+    if printed:
+        return
+    loss = f", loss {meta.loss:.4f}" if meta.loss is not None else ""
+    out.print(f"checkpoint {step_dir}: step {meta.step}{loss}, trained as {strategy_name(meta.plan.strategy)} on "
+              f"{meta.world_size} ranks", highlight=False)
+    _print_plan(result)
+    if write_to:
+        err.print(f"wrote {write_to}; continue training with: planner run {write_to} --resume {checkpoint} "
+                  f"--steps N", highlight=False)
+
+
+def _print_resume(step_dir, meta, the_plan) -> None:
+    from cost_models.summaries import strategy_name
+    was, now = strategy_name(meta.plan.strategy), strategy_name(the_plan.strategy)
+    how = "same plan" if meta.plan.strategy == the_plan.strategy else f"resharded from {was} on {meta.world_size} ranks"
+    err.print(f"resuming at step {meta.step} ({meta.samples_seen:,} sequences seen) from {step_dir}, checksums "
+              f"verified; {how}", highlight=False)
+
+
 def _print_run(r) -> None:
-    out.print(f"ran {r.strategy_summary} on {r.world_size} ranks ({r.backend}), {r.steps} steps, "
+    first = f"steps {r.start_step}-{r.steps - 1}" if r.start_step else f"{r.steps} steps"
+    out.print(f"ran {r.strategy_summary} on {r.world_size} ranks ({r.backend}), {first}, "
               f"{r.warmup} warm-up", highlight=False)
-    out.print("loss per step: " + ", ".join(f"{x:.4f}" for x in r.losses), highlight=False)
+    out.print(f"loss per step (from step {r.start_step}): " + ", ".join(f"{x:.4f}" for x in r.losses), highlight=False)
+    if r.resumed_from:
+        out.print(f"resumed from {r.resumed_from}: loaded in {max(x.restore_s for x in r.ranks):.2f} s (slowest rank)",
+                  highlight=False)
+    if r.checkpoints:
+        save_s = max((s for x in r.ranks for s in x.checkpoint_s), default=0.0)
+        out.print(f"checkpoints: {len(r.checkpoints)} saved (slowest save {save_s:.2f} s), latest {r.checkpoints[-1]}",
+                  highlight=False)
     rows = []
     for c in r.comparisons:
         unit_s = c.quantity.endswith("(s)")

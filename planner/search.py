@@ -130,7 +130,7 @@ def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, pa
     return attempts, 3
 
 
-def _digest(path: str) -> str:
+def profile_digest(path: str) -> str:
     try:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
@@ -262,7 +262,7 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_ba
     import pulp
     import torch
     provenance = Provenance(
-        profile_path=profile_path, profile_digest=_digest(profile_path) if profile_path else "", cluster=cluster.name,
+        profile_path=profile_path, profile_digest=profile_digest(profile_path) if profile_path else "", cluster=cluster.name,
         partitioner=partitioner, milp_status=milp_status, milp_bottleneck_s=milp_b, dp_bottleneck_s=dp_b,
         points_considered=considered, points_pruned=pruned, points_costed=costed,
         planning_time_s=time.perf_counter() - t0,

@@ -1,0 +1,42 @@
+"""Re-plan a running job for another number of GPUs: the same profile, model, global batch, precision and
+optimizer as the plan its checkpoint was saved under, searched again for the new device count. (The checkpoint is
+read by the caller; `planner run NEW_PLAN --resume DIR` then reshards the training state into the new layout.)"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from cost_models.errors import ConfigError
+from planner.manual import load_profile
+from planner.plan import Plan
+from planner.search import ProgressFn, plan, profile_digest
+
+
+def replan(old: Plan, *, gpus: int, profile_path: str | None = None, cluster: str | None = None,
+           nodes: int | None = None, top_k: int = 5, time_limit_s: float = 10.0, command: str = "",
+           on_progress: ProgressFn | None = None) -> Plan:
+    """The plan for `gpus` devices that continues `old`'s training. The profile is `profile_path` if given, else
+    the one `old` was made from, which must be unchanged (its sha256 is in the plan); the cluster is `cluster` (a
+    preset or file) if given, else `old`'s, scaled to `nodes`."""
+    explicit = profile_path is not None
+    path = profile_path or old.provenance.profile_path
+    if not path:
+        raise ConfigError("the checkpoint's plan does not record the profile it was made from; pass --profile PROFILE")
+    if not Path(path).is_file():
+        raise ConfigError(f"the profile the plan was made from, {path}, is not there; pass --profile PROFILE")
+    if not explicit and old.provenance.profile_digest and profile_digest(path) != old.provenance.profile_digest:
+        raise ConfigError(f"{path} changed since the plan was made (its sha256 differs); pass --profile {path} to "
+                          f"plan with it as it is now")
+    pf = load_profile(path)
+    if pf.model.source != old.model.source or pf.model.seq_len != old.model.seq_len:
+        raise ConfigError(f"{path} profiles {pf.model.source} at sequence length {pf.model.seq_len}, the checkpoint "
+                          f"trains {old.model.source} at {old.model.seq_len}; pass the profile of that model")
+    if cluster:
+        from cost_models.cluster_source import resolve_cluster
+        target = resolve_cluster(cluster, nodes=nodes)
+        if target is None:
+            raise ConfigError("--cluster none leaves nothing to plan for; name a preset or a cluster file")
+    else:
+        target = old.cluster.with_nodes(nodes) if nodes else old.cluster
+    return plan(pf.model, target, gpus=gpus, global_batch_size=old.global_batch_size, top_k=top_k,
+                time_limit_s=time_limit_s, precision=old.strategy.precision, optimizer=old.strategy.optimizer,
+                profile_path=str(path), command=command, on_progress=on_progress)
