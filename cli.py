@@ -427,7 +427,7 @@ def run(
                         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                         checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
                         resume=str(resume) if resume else None, overwrite_checkpoints=overwrite_checkpoints,
-                        on_resume=lambda d, meta: _print_resume(d, meta, the_plan))
+                        on_resume=lambda d, meta: _print_resume(d, meta, the_plan, saving=checkpoint_dir is not None))
     if result is None:
         err.print("this node's ranks finished; global rank 0's node writes run.json", highlight=False)
         return
@@ -484,12 +484,14 @@ def replan(
                   f"--steps N", highlight=False)
 
 
-def _print_resume(step_dir, meta, the_plan) -> None:
+def _print_resume(step_dir, meta, the_plan, *, saving: bool) -> None:
     from cost_models.summaries import strategy_name
     was, now = strategy_name(meta.plan.strategy), strategy_name(the_plan.strategy)
     how = "same plan" if meta.plan.strategy == the_plan.strategy else f"resharded from {was} on {meta.world_size} ranks"
     err.print(f"resuming at step {meta.step} ({meta.samples_seen:,} sequences seen) from {step_dir}, checksums "
               f"verified; {how}", highlight=False)
+    if not saving:   # --resume only reads: saving again is a separate choice (and another folder is allowed)
+        err.print("this run saves no checkpoints: add --checkpoint-dir to keep saving", highlight=False)
 
 
 def _print_run(r) -> None:
