@@ -487,7 +487,7 @@ def replan(
 def _print_resume(step_dir, meta, the_plan, *, saving: bool) -> None:
     from cost_models.summaries import strategy_name
     was, now = strategy_name(meta.plan.strategy), strategy_name(the_plan.strategy)
-    how = "same plan" if meta.plan.strategy == the_plan.strategy else f"resharded from {was} on {meta.world_size} ranks"
+    how = "same plan" if meta.plan.strategy == the_plan.strategy else f"resharded from {was} on {meta.world_size} ranks to {now}"
     err.print(f"resuming at step {meta.step} ({meta.samples_seen:,} sequences seen) from {step_dir}, checksums "
               f"verified; {how}", highlight=False)
     if not saving:   # --resume only reads: saving again is a separate choice (and another folder is allowed)
