@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,6 @@ def save(sd: dict[str, Any], root: Path, step: int, meta_fields: dict) -> Path |
     tmp = layout.incomplete_dir(root, step)
     if rank == 0:
         if tmp.exists():       # left by a save that was killed
-            import shutil
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
