@@ -321,24 +321,42 @@ def plan(
     from planner.manual import load_profile_for
     from planner.search import plan as run_plan
 
-    report_path = _report_path(output) if str(output) != "-" and report else None
-    write_to, overwrite = _prepare_output(output, force, also=(report_path, report_path.with_suffix(".md"))
-                                          if report_path else ())
+    outputs = _plan_outputs(output, force, report)
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
-    with _progress() as bar:
-        task = bar.add_task("planning: costing strategies", total=None)
-        result = run_plan(pf.model, target, gpus=gpus or target.world_size, global_batch_size=global_batch_size,
-                          top_k=top_k, time_limit_s=time_limit, precision=precision, optimizer=optimizer,
-                          profile_path=str(profile_path), command=_command_line(),
-                          on_progress=lambda done, total: bar.update(task, completed=done, total=total))
-    printed = _emit(result.to_dict(), write_to, overwrite, as_json)
-    if report_path:
-        _write_report(result, None, report_path, overwrite)
-    if printed:
+    result = _planning("planning", lambda on_progress: run_plan(
+        pf.model, target, gpus=gpus or target.world_size, global_batch_size=global_batch_size, top_k=top_k,
+        time_limit_s=time_limit, precision=precision, optimizer=optimizer, profile_path=str(profile_path),
+        command=_command_line(), on_progress=on_progress))
+    write_to = outputs[0]
+    if _emit_plan(result, outputs, as_json):
         return
     _print_plan(result)
     if write_to:
         err.print(f"wrote {write_to}", highlight=False)
+
+
+def _plan_outputs(output: Path, force: bool, report: bool) -> tuple[Path | None, bool, Path | None]:
+    """(plan path or None, overwrite, report.html path or None), refused up front if any would overwrite a file."""
+    report_path = _report_path(output) if str(output) != "-" and report else None
+    write_to, overwrite = _prepare_output(output, force, also=(report_path, report_path.with_suffix(".md"))
+                                          if report_path else ())
+    return write_to, overwrite, report_path
+
+
+def _planning(label: str, search):
+    """Run `search(on_progress)` under a progress bar."""
+    with _progress() as bar:
+        task = bar.add_task(f"{label}: costing strategies", total=None)
+        return search(lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def _emit_plan(result, outputs: tuple[Path | None, bool, Path | None], as_json: bool) -> bool:
+    """Write the plan (and its report); True when it went to stdout as JSON (print nothing else)."""
+    write_to, overwrite, report_path = outputs
+    printed = _emit(result.to_dict(), write_to, overwrite, as_json)
+    if report_path:
+        _write_report(result, None, report_path, overwrite)
+    return printed
 
 
 def _report_path(plan_path: Path) -> Path:
@@ -461,19 +479,12 @@ def replan(
 
     step_dir = resolve(checkpoint)
     meta = read_meta(step_dir)
-    report_path = _report_path(output) if str(output) != "-" and report else None
-    write_to, overwrite = _prepare_output(output, force, also=(report_path, report_path.with_suffix(".md"))
-                                          if report_path else ())
-    with _progress() as bar:
-        task = bar.add_task("re-planning: costing strategies", total=None)
-        result = run_replan(meta.plan, gpus=gpus, profile_path=str(profile_path) if profile_path else None,
-                            cluster=cluster, nodes=nodes, top_k=top_k, time_limit_s=time_limit,
-                            command=_command_line(),
-                            on_progress=lambda done, total: bar.update(task, completed=done, total=total))
-    printed = _emit(result.to_dict(), write_to, overwrite, as_json)
-    if report_path:
-        _write_report(result, None, report_path, overwrite)
-    if printed:
+    outputs = _plan_outputs(output, force, report)
+    result = _planning("re-planning", lambda on_progress: run_replan(
+        meta.plan, gpus=gpus, profile_path=str(profile_path) if profile_path else None, cluster=cluster,
+        nodes=nodes, top_k=top_k, time_limit_s=time_limit, command=_command_line(), on_progress=on_progress))
+    write_to = outputs[0]
+    if _emit_plan(result, outputs, as_json):
         return
     loss = f", loss {meta.loss:.4f}" if meta.loss is not None else ""
     out.print(f"checkpoint {step_dir}: step {meta.step}{loss}, trained as {strategy_name(meta.plan.strategy)} on "
