@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 
 # Messages a rank raises because another rank died first: never the root cause when a real error exists.
 _CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Timed out waiting")
@@ -33,8 +34,15 @@ def root_failure(exc) -> tuple[int, str]:
     candidates = []
     for rank, failure in exc.failures.items():
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
-        line = message.strip().splitlines()[0] if message.strip() else f"exit code {failure.exitcode}"
+        line = _signal_line(message.strip().splitlines()[0]) if message.strip() else f"exit code {failure.exitcode}"
         consequence = is_consequence(message)
         candidates.append((consequence, failure.timestamp, rank, line))
     _, _, rank, line = min(candidates)
     return rank, line
+
+
+def _signal_line(line: str) -> str:
+    """A rank killed by a signal (kill -9, the OOM killer) leaves no exception, only the agent's record of the
+    signal: 'Signal 9 (SIGKILL) received by PID 123' -> 'killed by SIGKILL (signal 9)'."""
+    m = re.match(r"Signal (\d+) \((\w+)\) received by PID \d+", line)
+    return f"killed by {m.group(2)} (signal {m.group(1)})" if m else line

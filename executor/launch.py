@@ -201,21 +201,12 @@ def _check_checkpoint_dir(root: Path, start: int, overwrite: bool) -> None:
 
 def _root_cause(failure_dir: str, exc) -> tuple[int, str]:
     """The ranks' own notes name an exception; a rank killed by a signal leaves none, and its peers' notes only
-    say they lost it: then the agent's record of the signal is the cause."""
+    say they lost it: then the agent's record of the signal (root_failure) is the cause."""
     noted = _failure_from_files(failure_dir)
     if noted and not is_consequence(noted[1]):
         return noted
     rank, line = root_failure(exc)
-    if noted and is_consequence(line):
-        return noted
-    return rank, _signal_line(line)
-
-
-def _signal_line(line: str) -> str:
-    """torchelastic's 'Signal 9 (SIGKILL) received by PID 123' -> 'killed by SIGKILL (signal 9)'."""
-    import re
-    m = re.match(r"Signal (\d+) \((\w+)\) received by PID \d+", line)
-    return f"killed by {m.group(2)} (signal {m.group(1)})" if m else line
+    return noted if noted and is_consequence(line) else (rank, line)
 
 
 def check_fits_here(plan: Plan, per_node: int) -> None:
