@@ -29,6 +29,7 @@ CHECKPOINT_KIND = "zeropipe.checkpoint"
 CHECKPOINT_SCHEMA_VERSION = 1
 META_NAME = "zeropipe-checkpoint.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_INCOMPLETE_DIR = re.compile(r"^\.incomplete-step-(\d{8})$")
 
 
 class CheckpointError(ConfigError):
@@ -66,16 +67,16 @@ def incomplete_dir(root: Path, step: int) -> Path:
     return root / f".incomplete-{step_dir_name(step)}"
 
 
-def complete_steps(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint under `root` (a meta file present), oldest first."""
+def _step_dirs(root: Path, pattern: re.Pattern = _STEP_DIR) -> list[tuple[int, Path]]:
+    """(step, folder) of every folder under `root` whose name `pattern` matches, oldest first."""
     if not root.is_dir():
         return []
-    found = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and (child / META_NAME).is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
+    return sorted((int(m.group(1)), child) for child in root.iterdir() if (m := pattern.match(child.name)))
+
+
+def complete_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint under `root` (a meta file present), oldest first."""
+    return [(s, d) for s, d in _step_dirs(root) if (d / META_NAME).is_file()]
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -167,23 +168,15 @@ def prune(root: Path, keep: int) -> list[Path]:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     newest = steps[-1][0] if steps else -1
-    for child in root.iterdir():
-        m = re.match(r"^\.incomplete-step-(\d{8})$", child.name)
-        if m and int(m.group(1)) < newest:
-            shutil.rmtree(child, ignore_errors=True)
+    for step, d in _step_dirs(root, _INCOMPLETE_DIR):
+        if step < newest:
+            shutil.rmtree(d, ignore_errors=True)
     return removed
 
 
 def newer_than(root: Path, step: int) -> list[Path]:
     """Checkpoint folders under `root` past `step` (complete or not): a run from `step` would replace or bury them."""
-    if not root.is_dir():
-        return []
-    out = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and int(m.group(1)) > step:
-            out.append(child)
-    return sorted(out)
+    return [d for s, d in _step_dirs(root) if s > step]
 
 
 def check_resumable(meta: CheckpointMeta, step_dir: Path, plan: Plan, steps: int) -> None:

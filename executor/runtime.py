@@ -17,7 +17,7 @@ from torch import nn
 
 from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
-from executor import pipeline
+from executor import checkpoint, pipeline
 from executor.stages import build_stages, buffers_by_canonical, canonical_names, params_by_canonical, tied_params
 from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
 
@@ -127,8 +127,7 @@ class Runtime:
 
     def state_dict(self, *, with_rng: bool = True) -> dict:
         """This rank's share of the training state under canonical names (executor.checkpoint's layout)."""
-        from executor.checkpoint import state_dict
-        return state_dict(self.params_by_name, self.buffers_by_name, self.optimizer,
+        return checkpoint.state_dict(self.params_by_name, self.buffers_by_name, self.optimizer,
                           rng_rank=dist.get_rank() if with_rng else None)
 
     def local_bytes(self) -> tuple[int, int, int]:

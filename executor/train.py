@@ -64,7 +64,6 @@ class RankResult(Record):
     compute_s: tuple[float, ...] = ()      # per step: time inside stage forward/backward (FSDP/DDP comm included)
     sync_s: tuple[float, ...] = ()         # per step: gradient syncs issued after backward (pipelined ZeRO-0/1, ties)
     optimizer_s: tuple[float, ...] = ()    # per step: optimizer.step
-    start_step: int = 0                    # index of the first step in step_times_s / losses
     restore_s: float = 0.0                 # loading the checkpoint resumed from (not in any step time)
     checkpoint_steps: tuple[int, ...] = () # steps after which a checkpoint was committed
     checkpoint_s: tuple[float, ...] = ()   # seconds each save took (not in any step time)
@@ -172,8 +171,8 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
                       gradient_bytes=param_grad[1], optimizer_state_bytes=optim_bytes, peak_memory_bytes=peak,
                       peak_memory_source=source_name, comm_bytes=dict(counter.bytes) if counter else {},
                       comm_calls=dict(counter.calls) if counter else {}, compute_s=tuple(parts["compute"]),
-                      sync_s=tuple(parts["sync"]), optimizer_s=tuple(parts["optimizer"]), start_step=cfg.start_step,
-                      restore_s=restore_s, checkpoint_steps=tuple(saved), checkpoint_s=tuple(save_s))
+                      sync_s=tuple(parts["sync"]), optimizer_s=tuple(parts["optimizer"]), restore_s=restore_s,
+                       checkpoint_steps=tuple(saved), checkpoint_s=tuple(save_s))
 
 
 def _resume(rt, cfg: TrainConfig) -> float:
