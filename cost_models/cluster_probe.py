@@ -14,13 +14,11 @@ taken as the slowest member's time, and the median kept. NCCL is used when GPUs 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import platform
 import statistics
 import sys
 import time
-import uuid
 from typing import Any
 
 import psutil
@@ -28,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from cost_models.cluster import (ClusterProfile, CollectiveFit, ComputeProbe, DeviceSpec, LinkSpec, Sample, Topology)
-from cost_models.elastic import quiet_elastic_logs, root_failure
+from cost_models.elastic import elastic_job, init_process_group, root_failure
 from cost_models.errors import ConfigError, ProfileError
 from cost_models.fit import fit_alpha_beta
 from cost_models.records import Record, record
@@ -159,7 +157,7 @@ def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
     else:
         torch.set_num_threads(1)  # ranks share the host's cores; one thread each, as the executor runs them
     backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.timeout_s))
+    init_process_group(backend, cfg.timeout_s)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -234,14 +232,12 @@ def _cpu_name() -> str:
 def run_local_probe(ranks: int, cfg: ProbeConfig) -> dict[str, Any]:
     """Start `ranks` local processes with torchrun's elastic launcher and return rank 0's measurements."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     if ranks < 2:
         raise ConfigError(f"--ranks must be >= 2 to probe collectives, got {ranks}")
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=f"zeropipe-probe-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1)
     try:
-        with quiet_elastic_logs():
+        with elastic_job("probe", ranks) as (config, _):
             results = elastic_launch(config, probe_worker)(cfg.to_dict())
     except ChildFailedError as exc:
         rank, line = root_failure(exc)

@@ -1,9 +1,29 @@
-"""Helpers around torchrun's elastic launcher shared by the cluster probe and the executor."""
+"""Helpers around torchrun's elastic launcher shared by the cluster probe and the executor.
+
+Single-node jobs listen on no network port. torchrun's c10d rendezvous hosts a TCPStore, and the store the ranks
+bootstrap from is another; TCPStore's server binds every interface whatever host it is given (measured with
+`ss -ltnp` on torch 2.13: `*:PORT`) and has no authentication, so any host that can reach the machine could join
+or feed the job. Locally there is no need for a network store: the rendezvous uses c10d's FileStore backend
+(`rdzv_configs={"store_type": "file"}`, torch.distributed.elastic.rendezvous.c10d_rendezvous_backend), the agent
+is told not to start its shared TCPStore (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, dynamic_rendezvous.py), and the
+ranks build their process group on a FileStore in a private temporary folder (mode 0700). gloo's own pair
+sockets are bound to the loopback interface (GLOO_SOCKET_IFNAME=lo) unless the user chose an interface.
+Multi-node jobs need a network rendezvous: there the endpoint is the user's and the README says to keep it on a
+trusted network.
+"""
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
+import os
 import re
+import tempfile
+import uuid
+from typing import Any, Iterator
+
+# Set for the ranks of a single-node job: the file their process group's store lives in.
+STORE_FILE_ENV = "ZEROPIPE_STORE_FILE"
 
 # Messages a rank raises because another rank died first: never the root cause when a real error exists.
 _CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Timed out waiting")
@@ -12,8 +32,12 @@ _CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "remot
 @contextlib.contextmanager
 def quiet_elastic_logs():
     """The agent logs multi-line tracebacks of failed workers; callers turn them into one line instead."""
-    # torch.multiprocessing.spawn logs "Terminating process N via signal SIGTERM" for every peer the agent stops
-    logs = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    # torch.multiprocessing.spawn logs "Terminating process N via signal SIGTERM" for every peer the agent stops;
+    # several elastic modules set their own level (WARNING), so the parent's level alone does not silence them
+    import torch.distributed.elastic.agent.server.api  # noqa: F401  (creates the agent's loggers)
+    names = ["torch.distributed.elastic", "torch.multiprocessing.spawn",
+             *(n for n in logging.Logger.manager.loggerDict if n.startswith("torch.distributed.elastic."))]
+    logs = [logging.getLogger(name) for name in names]
     levels = [log.level for log in logs]
     for log in logs:
         log.setLevel(logging.CRITICAL)
@@ -46,3 +70,60 @@ def _signal_line(line: str) -> str:
     signal: 'Signal 9 (SIGKILL) received by PID 123' -> 'killed by SIGKILL (signal 9)'."""
     m = re.match(r"Signal (\d+) \((\w+)\) received by PID \d+", line)
     return f"killed by {m.group(2)} (signal {m.group(1)})" if m else line
+
+
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the launch (the agent and its ranks inherit them), then restore them."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0,
+                rdzv_endpoint: str | None = None) -> Iterator[tuple[Any, str]]:
+    """(LaunchConfig, private work folder) for torch's elastic_launch, with the agent's multi-line logs silenced.
+
+    One node and no endpoint given: file stores only, nothing listens on a network port (module doc). Otherwise a
+    c10d TCP rendezvous at `rdzv_endpoint` (default 127.0.0.1, any free port). max_restarts=0: a rank that fails
+    ends the job, and the caller names it."""
+    from torch.distributed.launcher.api import LaunchConfig
+    with tempfile.TemporaryDirectory(prefix=f"zeropipe-{name}-") as workdir:   # mkdtemp: mode 0700
+        local = nnodes == 1 and rdzv_endpoint is None
+        common = dict(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node, rdzv_backend="c10d",
+                      max_restarts=0, monitor_interval=0.1)
+        if local:
+            config = LaunchConfig(run_id=f"zeropipe-{name}-{uuid.uuid4().hex[:8]}",
+                                  rdzv_endpoint=os.path.join(workdir, "rendezvous"),
+                                  rdzv_configs={"store_type": "file"}, **common)
+            env = {STORE_FILE_ENV: os.path.join(workdir, "store"), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                   "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        else:
+            config = LaunchConfig(run_id=f"zeropipe-{name}" if nnodes > 1 else f"zeropipe-{name}-{uuid.uuid4().hex[:8]}",
+                                  rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
+                                  rdzv_configs={"rank": node_rank} if nnodes > 1 else {}, **common)
+            env = {}
+        with _environ(env), quiet_elastic_logs():
+            yield config, workdir
+
+
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """In a rank started by `elastic_job`: join the job's process group (its file store on one node, else the
+    env:// TCP store torchrun set up). Collectives time out after `timeout_s`."""
+    import torch.distributed as dist
+    timeout = dt.timedelta(seconds=timeout_s)
+    path = os.environ.get(STORE_FILE_ENV)
+    if not path:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=dist.FileStore(path, world), rank=int(os.environ["RANK"]),
+                            world_size=world, timeout=timeout)
