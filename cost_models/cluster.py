@@ -121,6 +121,8 @@ class ClusterProfile(Record):
         return self.nodes * self.devices_per_node
 
     def with_nodes(self, nodes: int) -> "ClusterProfile":
+        from cost_models.limits import check_nodes
+        check_nodes(nodes, self.devices_per_node)   # every --nodes scaling comes through here
         return dataclasses.replace(self, nodes=nodes, name=f"{self.name.split(' x ')[0]} x {nodes}" if nodes > 1 else self.name)
 
     def fit(self, op: str, group_size: int, scope: str = "intra") -> CollectiveFit | None:

@@ -1,14 +1,15 @@
 """Resolve `--cluster`: `local` (probe this machine), a preset name, a cluster file (JSON or YAML), or `none`."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Callable
 
 from cost_models.cluster import CLUSTER_KIND, CLUSTER_SCHEMA_VERSION, ClusterFile, ClusterProfile
 from cost_models.errors import ConfigError, FileFormatError
+from cost_models.fileio import parse_json
 from cost_models.presets import PRESETS, preset
+from cost_models.validate import validate_cluster
 
 StatusFn = Callable[[str], None]
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20, "G": 2**30, "GIB": 2**30}
@@ -43,13 +44,17 @@ def load_cluster_file(path: str | Path) -> ClusterProfile:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise FileFormatError(f"{p}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise FileFormatError(f"{p}: not a text file ({exc.reason} at byte {exc.start})") from None
     try:
         if p.suffix.lower() in (".yaml", ".yml"):
             import yaml
             data = yaml.safe_load(text)
         else:
-            data = json.loads(text)
-    except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError: report the parser's first line
+            data = parse_json(text, str(p))  # refuses NaN / Infinity with the JSON path
+    except FileFormatError:
+        raise
+    except Exception as exc:  # yaml.YAMLError (and its recursion limits): report the parser's first line
         raise FileFormatError(f"{p}: not valid {'YAML' if p.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: "
                               f"{str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict) or data.get("kind") != CLUSTER_KIND:
@@ -63,22 +68,8 @@ def load_cluster_file(path: str | Path) -> ClusterProfile:
         raise FileFormatError(f"{p}: {exc}") from None
     except (TypeError, ValueError, AttributeError) as exc:
         raise FileFormatError(f"{p}: {exc}") from None
-    _validate(cluster, str(p))
+    validate_cluster(cluster, str(p))  # finite, non-negative, consistent: one line naming the field
     return cluster
-
-
-def _validate(c: ClusterProfile, where: str) -> None:
-    checks = [(c.nodes >= 1, "nodes must be >= 1"), (c.devices_per_node >= 1, "devices_per_node must be >= 1"),
-              (c.device.memory_bytes > 0, "device.memory_bytes must be > 0"),
-              (all(v > 0 for v in c.device.peak_flops.values()) and c.device.peak_flops, "device.peak_flops needs a positive rate per dtype"),
-              (0 < c.device.matmul_efficiency <= 1, "device.matmul_efficiency must be in (0, 1]"),
-              (c.intra_node.bandwidth_Bps > 0 and c.intra_node.alpha_s >= 0, "intra_node needs bandwidth_Bps > 0 and alpha_s >= 0"),
-              (c.inter_node is None or (c.inter_node.bandwidth_Bps > 0 and c.inter_node.alpha_s >= 0),
-               "inter_node needs bandwidth_Bps > 0 and alpha_s >= 0"),
-              (c.nodes == 1 or c.inter_node is not None, "a cluster of several nodes needs inter_node")]
-    for ok, message in checks:
-        if not ok:
-            raise FileFormatError(f"{where}: {message}")
 
 
 def check_cluster_args(spec: str, *, nodes: int | None, ranks: int | None) -> None:
@@ -108,7 +99,7 @@ def resolve_cluster(spec: str, *, nodes: int | None = None, ranks: int | None = 
     if Path(spec).exists():
         cluster = load_cluster_file(spec)
         cluster = cluster.with_nodes(nodes) if nodes else cluster
-        _validate(cluster, spec)
+        validate_cluster(cluster, spec)
         return cluster
     raise ConfigError(f"unknown --cluster '{spec}': use local, none, a preset ({', '.join(PRESETS)}) or a cluster file")
 

@@ -27,6 +27,10 @@ class OutputExistsError(ConfigError):
     """Refusing to overwrite a file the user already has."""
 
 
+class OutputError(ConfigError):
+    """An output file cannot be written (read-only or missing folder, a folder in its place, a full disk)."""
+
+
 class ProfileError(PlannerError):
     """Profiling failed for a reason the user can fix (e.g. a model too big for real mode)."""
 

@@ -26,7 +26,7 @@ from cost_models.memory import (BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown
                                  executor_state_bytes, zero1_partition)
 from cost_models.profile import ModelProfile
 from cost_models.records import Record, record
-from cost_models.schedule import StageCost, cached_order, format_order, simulate, stage_to_rank
+from cost_models.schedule import StageCost, cached_order, format_order, simulate_schedule, stage_to_rank
 from cost_models.strategy import Strategy
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -78,8 +78,9 @@ class Estimate(Record):
     breakdown: StepBreakdown
     bubble_ratio: float      # (makespan - ideal) / ideal, Narayanan et al.'s (p-1)/m convention
     bubble_share: float      # idle share of all rank-time in the pipeline
-    tokens_per_step: int
+    tokens_per_step: int     # tokens (sequences x seq_len) for token and feature-sequence inputs; samples for others
     tokens_per_s: float
+    throughput_unit: str = "tokens"   # what tokens_* count: "tokens" | "samples" (an input with no sequence axis)
     mfu: float | None        # model FLOPs / (step time x world x peak); None where the peak is unknown
     stages: tuple[StageEstimate, ...]
     memory_per_rank: tuple[MemoryBreakdown, ...]
@@ -123,12 +124,16 @@ def _crosses_nodes(rank_a: int, rank_b: int, cluster: ClusterProfile) -> bool:
     return rank_a // cluster.devices_per_node != rank_b // cluster.devices_per_node
 
 
-def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *, compact: bool = False) -> Estimate:
+def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *, compact: bool = False,
+             per_rank: bool | None = None) -> Estimate:
     """Predict one training step of `strategy` (validated against the profile's units) on `cluster`.
 
     compact=True is for ranking many candidates: the same step time and fit, but no separate bubble / p2p split
     (one simulation instead of two; bubble_s holds both) and one memory entry per pipeline rank instead of one
-    per global rank. Reports and plan files use full estimates."""
+    per global rank. Reports and plan files use full estimates. per_rank (default: not compact) chooses the
+    listings alone: one memory entry per global rank and every rank's action order, or neither (they grow with
+    dp x pp and m x pp x v; a plan's alternatives need the split, not the listings)."""
+    per_rank = not compact if per_rank is None else per_rank
     s = strategy
     s.validate(tuple(u.name for u in profile.units))
     p_b, g_b, _ = BYTES_PER_PARAM[(s.precision, s.optimizer)]
@@ -176,10 +181,10 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         stage_info.append((units, params, largest, fwd, bwd, act, boundary, working_set, stage_input))
 
     schedule = s.schedule if s.pp > 1 or s.v > 1 else "1f1b"   # one stage: plain gradient accumulation
-    order = cached_order(schedule, s.pp, s.microbatches, s.v)
-    sim = simulate(order, stage_costs, p=s.pp)
-    free = sim if compact else simulate(order, [StageCost(fwd_s=c.fwd_s, bwd_s=c.bwd_s, activation_bytes=c.activation_bytes)
-                                                for c in stage_costs], p=s.pp)
+    sim = simulate_schedule(schedule, s.pp, s.microbatches, s.v, tuple(stage_costs))
+    free = sim if compact else simulate_schedule(
+        schedule, s.pp, s.microbatches, s.v,
+        tuple(StageCost(fwd_s=c.fwd_s, bwd_s=c.bwd_s, activation_bytes=c.activation_bytes) for c in stage_costs))
 
     # Data-parallel collectives per pipeline rank (all its stages), and what is exposed.
     dp_rpn = math.gcd(s.dp, cluster.devices_per_node) if s.dp > cluster.devices_per_node else None
@@ -224,8 +229,9 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         p2p_s=max(0.0, sim.makespan_s - free.makespan_s), dp_comm_s=rank_dp[critical], optimizer_s=optimizer_s,
         total_s=total)
 
-    memory = _memory(s, profile, cluster, stage_info, sim, p_b, g_b, per_rank=not compact)
-    tokens = s.global_batch_size * (profile.seq_len if profile.input.kind in ("tokens", "features") else 1)
+    memory = _memory(s, profile, cluster, stage_info, sim, p_b, g_b, per_rank=per_rank)
+    per_sequence = profile.input.kind in ("tokens", "features")   # "custom": no sequence axis, count samples
+    tokens = s.global_batch_size * (profile.seq_len if per_sequence else 1)
     model_flops = sum(u.fwd_flops + u.bwd_flops for u in profile.units) / profile.micro_batch_size * s.global_batch_size
     peak = cluster.device.peak_flops.get(compute_dtype)
     # MFU: model FLOPs (no recompute) / (step time x devices x dense peak) (Chowdhery et al. 2022, PaLM, appendix B)
@@ -237,7 +243,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     dp_link = "inter-node" if s.dp > cluster.devices_per_node else "intra-node"
     return Estimate(
         step_time_s=total, breakdown=breakdown, bubble_ratio=free.bubble_ratio, bubble_share=free.bubble_share,
-        tokens_per_step=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, mfu=mfu,
+        tokens_per_step=tokens, tokens_per_s=tokens / total if total > 0 else 0.0,
+        throughput_unit="tokens" if per_sequence else "samples", mfu=mfu,
         stages=tuple(StageEstimate(stage=i, units=info[0], params=info[1], fwd_s=info[3], bwd_s=info[4],
                                    activation_bytes=info[5], boundary_bytes=info[6],
                                    peak_in_flight=sim.peak_in_flight.get(i, 0), send_fwd_s=stage_costs[i].send_fwd_s,
@@ -247,7 +254,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         comm=CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()),
                         dp_collectives=dp_bytes, p2p_link=p2p_link, dp_link=dp_link),
         compute_source="measured" if uses_measured_times(profile, cluster) else "flops",
-        pipeline_order={} if compact else format_order(order))
+        pipeline_order=format_order(cached_order(schedule, s.pp, s.microbatches, s.v)) if per_rank else {})
 
 
 DDP_BUCKET_BYTES = 25 * 2**20   # DistributedDataParallel's default bucket_cap_mb
@@ -328,8 +335,9 @@ def _memory(s: Strategy, profile: ModelProfile, cluster: ClusterProfile, stage_i
     out = []
     for rank in (range(s.world_size) if per_rank else range(0, s.world_size, s.dp)):
         sids, p, g, o, a, b, shares = per_pp_rank[rank // s.dp]
-        if shares is not None:   # ZeroRedundancyOptimizer's uneven split (the compact form keeps the largest)
-            o = shares[rank % s.dp] if per_rank else max(shares)
+        if shares is not None:   # ZeroRedundancyOptimizer's uneven split (the compact form keeps the largest);
+            d = rank % s.dp      # dp ranks past the tensor count own no tensor (zero1_partition)
+            o = (shares[d] if d < len(shares) else 0) if per_rank else max(shares)
         out.append(MemoryBreakdown(rank=rank, stages=sids, parameters=int(p), gradients=int(g), optimizer_states=int(o),
                                    activations=int(a), buffers=int(b), overhead=overhead))
     return tuple(out)

@@ -24,6 +24,8 @@ Overhead: a fixed per-process amount, OVERHEAD_BYTES by device kind.
 """
 from __future__ import annotations
 
+import heapq
+
 from cost_models.records import Record, record
 
 GB = 1e9
@@ -79,11 +81,18 @@ def executor_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16-m
 
 def zero1_partition(numels: list[int], n: int) -> list[int]:
     """Parameters each of n ranks owns under torch's ZeroRedundancyOptimizer: whole tensors, largest first, each
-    to the rank with the fewest so far (its _partition_parameters). One huge tensor (an embedding) can leave the
-    ranks far from Psi/n each."""
-    sizes = [0] * n
+    to the rank with the fewest so far, the lowest rank on a tie (its _partition_parameters). One huge tensor (an
+    embedding) can leave the ranks far from Psi/n each.
+
+    Returns the shares of ranks 0 .. min(n, len(numels)) - 1 only: the ranks beyond own nothing (a rank r is
+    first chosen only once ranks 0..r-1 each hold a tensor, so r < len(numels)). A heap over those bins keyed
+    (size, rank) makes the same choices as torch's linear scan, in O(T log T) for T tensors whatever n is."""
+    heap = [(0, r) for r in range(min(n, len(numels)))]
+    sizes = [0] * len(heap)
     for numel in sorted(numels, reverse=True):
-        sizes[sizes.index(min(sizes))] += numel
+        size, r = heap[0]
+        sizes[r] = size + numel
+        heapq.heapreplace(heap, (sizes[r], r))
     return sizes
 
 

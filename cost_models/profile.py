@@ -29,7 +29,7 @@ class Timing(Record):
 class InputSpec(Record):
     """One micro-batch of model input (shape of the first positional input)."""
 
-    kind: str  # "tokens" (integer ids) | "features" (float) | "custom" (user function)
+    kind: str  # "tokens" (integer ids) | "features" (float, a sequence axis) | "custom" (no sequence axis)
     shape: tuple[int, ...]
     dtype: str
     vocab_size: int | None = None

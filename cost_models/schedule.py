@@ -28,7 +28,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-interleaved")
 _ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)   # slots: a schedule holds m x pp x v of them
 class Action:
     stage: int
     kind: Kind
@@ -82,9 +82,11 @@ def cached_order(schedule: str, p: int, m: int, v: int = 1) -> Mapping[int, Sequ
     return _generate(schedule, p, m, v)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=8)
 def _generate(schedule: str, p: int, m: int, v: int) -> dict[int, tuple[Action, ...]]:
-    """Cached (the planner costs many points with the same schedule shape); callers get copies."""
+    """Cached (an estimate reads its order up to three times; the planner retries a point with recompute); callers
+    get copies. Few are kept: an order holds m x pp x v actions, up to millions at cost_models/limits.py's caps,
+    and the planner's repeats of a shape hit simulate_schedule's cache instead."""
     check_schedule(schedule, p, m, v)
     return {r: tuple(acts) for r, acts in _orders(schedule, p, m, v).items()}
 
@@ -291,6 +293,14 @@ def simulate(order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], 
                       bubble_share=sum(idle.values()) / (len(order) * makespan) if makespan > 0 else 0.0,
                       peak_in_flight=in_flight, peak_activation_bytes=act_bytes,
                       timeline=tuple(sorted(events, key=lambda e: (e.start_s, e.rank))))
+
+
+@lru_cache(maxsize=1024)
+def simulate_schedule(schedule: str, p: int, m: int, v: int, costs: tuple[StageCost, ...]) -> Simulation:
+    """simulate() of the generated order, cached: the planner costs every ZeRO stage of a pipeline shape with the
+    same stage costs (data-parallel collectives come after the pipeline), so each distinct (shape, costs) is
+    simulated once. The result is shared: read it, do not modify it."""
+    return simulate(cached_order(schedule, p, m, v), costs, p=p)
 
 
 def _memory_timeline(points: list[tuple[float, int, int, int]],

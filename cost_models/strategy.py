@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Literal
 
 from cost_models.errors import ConfigError
+from cost_models.limits import check_global_batch, check_gpus, check_microbatches
 from cost_models.records import Record, record
 from cost_models.schedule import SCHEDULES, check_schedule
 
@@ -51,6 +52,10 @@ class Strategy(Record):
                             ("micro_batch_size", self.micro_batch_size), ("v", self.v)):
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        # caps that keep the estimate's work bounded (cost_models/limits.py); a plan file can hold any number
+        check_gpus(self.world_size, "dp x pp =")
+        check_microbatches(self.microbatches, "microbatches")
+        check_global_batch(self.global_batch_size, "dp x microbatches x micro_batch_size =")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.schedule not in SCHEDULES:

@@ -5,28 +5,39 @@ from pathlib import Path
 
 from cost_models.cluster import ClusterProfile
 from cost_models.compute import unit_times
-from cost_models.errors import ConfigError
+from cost_models.errors import ConfigError, FileFormatError
 from cost_models.fileio import read_json
+from cost_models.limits import check_global_batch, check_gpus, check_microbatches
 from cost_models.profile import PROFILE_KIND, SCHEMA_VERSION, ModelProfile, ProfileFile
 from cost_models.strategy import Strategy
+from cost_models.validate import validate_profile_file
 from planner.partition import balanced_partition, stages_from_ranges
 
 
 def load_profile(path: str | Path) -> ProfileFile:
-    return ProfileFile.from_dict(read_json(path, kind=PROFILE_KIND, schema_version=SCHEMA_VERSION))
+    """Read profile.json and refuse, in one line naming the field, numbers the planner cannot trust."""
+    data = read_json(path, kind=PROFILE_KIND, schema_version=SCHEMA_VERSION)
+    try:
+        pf = ProfileFile.from_dict(data)
+    except (FileFormatError, TypeError, ValueError, AttributeError) as exc:  # a field missing, unknown or mistyped
+        raise FileFormatError(f"{path}: {exc}") from None
+    validate_profile_file(pf, str(path))
+    return pf
 
 
 def load_profile_for(path: str | Path, *, cluster: str | None = None,
                      nodes: int | None = None) -> tuple[ProfileFile, ClusterProfile]:
     """The profile and the cluster to plan for: --cluster (a preset or file) if given, else the profile's own,
     scaled to --nodes."""
-    from cost_models.cluster_source import resolve_cluster
+    from cost_models.cluster_source import check_cluster_args, resolve_cluster
+    check_cluster_args(cluster or "the profile's", nodes=nodes, ranks=None)   # --nodes 0 is an error, not "default"
     pf = load_profile(path)
     target = resolve_cluster(cluster, nodes=nodes) if cluster else pf.cluster
     if target is None:
         raise ConfigError(f"{path} has no cluster; pass --cluster PRESET|FILE")
-    if nodes and not cluster:
+    if nodes is not None and not cluster:
         target = target.with_nodes(nodes)
+        validate_cluster(target, str(path), fix="plan for a preset or cluster file that has an inter-node link")
     return pf, target
 
 
@@ -49,9 +60,15 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, *, dp: int, p
                    microbatches: int, micro_batch_size: int | None = None, v: int = 1, recompute: str = "none",
                    precision: str = "bf16-mixed", optimizer: str = "adamw") -> Strategy:
     """A strategy for these flags, its pp*v stages cut where they balance the predicted per-unit time."""
-    mbs = micro_batch_size or profile.micro_batch_size
+    # None means the profile's micro-batch size; an explicit 0 is an error, not "default"
+    mbs = profile.micro_batch_size if micro_batch_size is None else micro_batch_size
     if dp < 1 or pp < 1 or v < 1 or microbatches < 1 or mbs < 1:
         raise ConfigError("--dp, --pp, --v, --microbatches and --micro-batch-size must be >= 1")
+    # the caps of cost_models/limits.py, checked on the flags before any work sized by them
+    check_gpus(dp, "--dp")
+    check_gpus(dp * pp, "--dp x --pp =")
+    check_microbatches(microbatches)
+    check_global_batch(dp * microbatches * mbs, "--dp x --microbatches x --micro-batch-size =")
     if dp * pp > cluster.world_size:
         raise ConfigError(f"dp x pp = {dp * pp} ranks, but the cluster has {cluster.world_size}; "
                           f"lower --dp/--pp or add --nodes")

@@ -24,6 +24,7 @@ from cost_models.cluster import ClusterProfile
 from cost_models.compute import unit_times
 from cost_models.errors import ConfigError, InfeasibleError
 from cost_models.estimate import DTYPE_BYTES, Estimate, estimate
+from cost_models.limits import MAX_MICROBATCHES, check_global_batch, check_gpus
 from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, executor_state_bytes, zero_model_state_bytes
 from cost_models.profile import ModelProfile
 from cost_models.strategy import Strategy
@@ -31,7 +32,7 @@ from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_p
                                milp_partition, stages_from_ranges)
 from planner.plan import Alternative, Candidate, ModelRef, Plan, Provenance
 from planner.rationale import explain, family, why_lost
-from planner.space import Point, enumerate_points
+from planner.space import MAX_MICRO_BATCH, Point, enumerate_points
 
 ProgressFn = Callable[[int, int], None]
 
@@ -139,7 +140,8 @@ def profile_digest(path: str) -> str:
 
 @dataclass
 class SearchResult:
-    feasible: list[_Costed]          # costed points that fit, fastest first (full estimates for the first top_k)
+    feasible: list[_Costed]          # costed points that fit, fastest first (full estimates for the first top_k,
+                                     # every rank listed for the first)
     infeasible: list[_Costed]        # costed points (and unconstrained first attempts) that do not fit
     considered: int
     pruned: int
@@ -155,12 +157,10 @@ def search(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_
            max_v: int | None = None, on_progress: ProgressFn | None = None) -> SearchResult:
     """Enumerate, prune and cost (module doc). prune=False costs every point P1 lets through (the fidelity
     benchmark runs them all); schedules / micro_batch_sizes / max_v narrow the space."""
-    if gpus < 1:
-        raise ConfigError(f"--gpus must be >= 1, got {gpus}")
+    check_gpus(gpus)                       # >= 1 and within cost_models/limits.py's MAX_GPUS
     if gpus > cluster.world_size:
         raise ConfigError(f"--gpus {gpus} but the cluster has {cluster.world_size} devices; add --nodes or lower --gpus")
-    if global_batch_size < 1:
-        raise ConfigError(f"--global-batch-size must be >= 1, got {global_batch_size}")
+    check_global_batch(global_batch_size)   # >= 1 and within MAX_GLOBAL_BATCH
     if top_k < 1:
         raise ConfigError(f"--top-k must be >= 1, got {top_k}")
     if (precision, optimizer) not in BYTES_PER_PARAM:
@@ -178,6 +178,11 @@ def search(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_
               and (micro_batch_sizes is None or pt.micro_batch_size in micro_batch_sizes)
               and (max_v is None or pt.v <= max_v)]
     if not points:
+        if next(enumerate_points(gpus=gpus, global_batch=global_batch_size, n_units=n_units,
+                                 max_microbatches=global_batch_size), None) is not None:
+            raise ConfigError(f"every split of {gpus} devices needs more than {MAX_MICROBATCHES:,} micro-batches of "
+                              f"up to {MAX_MICRO_BATCH} sequences for the global batch {global_batch_size}, more than "
+                              f"this planner simulates; lower --global-batch-size or add --gpus")
         raise ConfigError(f"no (dp, pp) split of {gpus} devices divides the global batch {global_batch_size}; "
                           f"use a batch divisible by the data-parallel degree")
     considered, pruned = len(points), 0
@@ -222,17 +227,23 @@ def search(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_
     if on_progress:
         on_progress(len(survivors), len(survivors))
     feasible.sort(key=lambda c: (c.estimate.step_time_s, c.estimate.peak_memory_bytes))
-    # full estimates (bubble and p2p apart, every rank's memory) for what a plan shows
-    feasible[:top_k] = [replace(c, estimate=estimate(c.strategy, profile, cluster)) for c in feasible[:top_k]]
+    # full estimates (bubble and p2p apart) for what a plan shows; only the winner's lists every rank (memory and
+    # action order: the plan file's prediction), the alternatives keep one memory entry per pipeline rank
+    feasible[:top_k] = [replace(c, estimate=estimate(c.strategy, profile, cluster, per_rank=i == 0))
+                        for i, c in enumerate(feasible[:top_k])]
     return SearchResult(feasible=feasible, infeasible=infeasible, considered=considered, pruned=pruned, costed=costed,
                         pruned_bounds=pruned_bounds, min_state=min_state, unit_cost=unit_cost)
 
 
-def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_batch_size: int, top_k: int = 5,
-         time_limit_s: float = 10.0, precision: str = "bf16-mixed", optimizer: str = "adamw", profile_path: str = "",
-         command: str = "", on_progress: ProgressFn | None = None) -> Plan:
-    """Search every strategy for `gpus` devices of `cluster` at `global_batch_size` sequences; return the Plan."""
+def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int | None = None, global_batch_size: int,
+         top_k: int = 5, time_limit_s: float = 10.0, precision: str = "bf16-mixed", optimizer: str = "adamw",
+         profile_path: str = "", command: str = "", on_progress: ProgressFn | None = None) -> Plan:
+    """Search every strategy for `gpus` devices of `cluster` (None: all of them) at `global_batch_size` sequences;
+    return the Plan. A gpus below 1 or above cost_models/limits.py's MAX_GPUS is refused, never read as "all"."""
     t0 = time.perf_counter()
+    if gpus is None:
+        gpus = cluster.world_size
+        check_gpus(gpus, "the cluster's device count (nodes x devices per node)")
     found = search(profile, cluster, gpus=gpus, global_batch_size=global_batch_size, top_k=top_k,
                    precision=precision, optimizer=optimizer, on_progress=on_progress)
     feasible, infeasible, unit_cost = found.feasible, found.infeasible, found.unit_cost

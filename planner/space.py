@@ -5,8 +5,10 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from cost_models.errors import ConfigError
+from cost_models.limits import MAX_MICROBATCHES
 from cost_models.schedule import check_schedule
 
+MAX_MICRO_BATCH = 64  # largest micro-batch size (sequences) searched
 MAX_V = 4  # interleaving depth searched; deeper chunks multiply p2p and rarely pay off (Narayanan et al. 2021, fig. 12)
 
 
@@ -25,8 +27,9 @@ class Point:
         return "zero" if self.pp == 1 else ("pipeline" if self.dp == 1 else "hybrid")
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int, *, at_most: int | None = None) -> list[int]:
+    """Divisors of n in increasing order, only those <= at_most if given (O(min(n, at_most)) work)."""
+    return [d for d in range(1, (n if at_most is None else min(n, at_most)) + 1) if n % d == 0]
 
 
 def schedules_for(pp: int, m: int, n_units: int) -> list[tuple[str, int]]:
@@ -47,20 +50,21 @@ def schedules_for(pp: int, m: int, n_units: int) -> list[tuple[str, int]]:
     return out
 
 
-def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_batch: int = 64) -> Iterator[Point]:
+def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_batch: int = MAX_MICRO_BATCH,
+                     max_microbatches: int = MAX_MICROBATCHES) -> Iterator[Point]:
     """Every (dp, pp) with dp * pp = gpus, ZeRO 0-3 on dp, every schedule and chunking the units allow, and every
-    micro-batch size with dp * m * mbs = B (up to max_micro_batch sequences)."""
-    for pp in divisors(gpus):
-        if pp > n_units:
-            continue
+    micro-batch size with dp * m * mbs = B (up to max_micro_batch sequences, and m up to max_microbatches, the
+    simulator's cap). Only pp <= n_units and mbs <= max_micro_batch are ever tried, so the work is bounded by
+    n_units x max_micro_batch whatever gpus and B are."""
+    for pp in divisors(gpus, at_most=n_units):
         dp = gpus // pp
         if global_batch % dp:
             continue
         per_replica = global_batch // dp
-        for mbs in divisors(per_replica):
-            if mbs > max_micro_batch:
-                continue
+        for mbs in divisors(per_replica, at_most=max_micro_batch):
             m = per_replica // mbs
+            if m > max_microbatches:
+                continue
             for schedule, v in schedules_for(pp, m, n_units):
                 for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
                     yield Point(dp=dp, pp=pp, zero=zero, schedule=schedule, v=v, micro_batch_size=mbs, microbatches=m)
