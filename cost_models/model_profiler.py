@@ -9,7 +9,8 @@ How (each unit is measured alone, on the exact input it receives inside the whol
     backward includes the input gradient a pipeline stage must send back) under
     torch.utils.flop_counter.FlopCounterMode for FLOPs and torch.autograd.graph.saved_tensors_hooks for the bytes
     kept for backward, deduplicated by storage, parameters and buffers excluded;
- 4. in real mode, forward and backward are timed (warm-up, then the median of repeats, with min and max).
+ 4. in real mode, once every unit is counted, forward and backward are timed (warm-up, then the median of
+    repeats, with min and max); step 3's run of each unit, timed too, says how long step 4 will take.
 The last unit is run with the training loss attached, because an LM's loss keeps float logits for backward.
 
 Meta mode builds the model on the meta device: exact counts and bytes for models of any size, no weights, no times.
@@ -83,13 +84,17 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 class _Capture:
-    """Hooks that record module call order, the first call's inputs of each watched module, and the storages of
-    its outputs (to find which unit's output feeds which unit: the data-flow edges)."""
+    """Hooks that record module call order, the first call's inputs of each watched module, the storages of
+    its outputs (to find which unit's output feeds which unit: the data-flow edges), and, read off the running
+    FLOP counter, the forward FLOPs of that call (known before any unit is measured: the progress weights)."""
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
+    def __init__(self, modules: dict[str, nn.Module], counter: FlopCounterMode) -> None:
         self.order: list[str] = []
         self.inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self.outputs: dict[str, set[int]] = {}
+        self.fwd_flops: dict[str, int] = {}
+        self._flops_before: dict[str, int] = {}
+        self._counter = counter
         self.keep_alive: list[torch.Tensor] = []
         self.handles = [m.register_forward_pre_hook(self._pre(name), with_kwargs=True) for name, m in modules.items()]
         self.handles += [m.register_forward_hook(self._post(name)) for name, m in modules.items()]
@@ -99,6 +104,7 @@ class _Capture:
             if name not in self.inputs:
                 self.order.append(name)
                 self.inputs[name] = (args, kwargs)
+                self._flops_before[name] = self._counter.get_total_flops()
         return hook
 
     def _post(self, name: str):
@@ -107,6 +113,7 @@ class _Capture:
                 tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
                 self.outputs[name] = {_storage_key(t) for t in tensors}
                 self.keep_alive.extend(tensors)  # a freed storage's address could be reused: hold them all
+                self.fwd_flops[name] = self._counter.get_total_flops() - self._flops_before.get(name, 0)
 
         return hook
 
@@ -190,6 +197,7 @@ class _ModuleResult:
         self.fwd_times_one: list[float] = []   # the same with a micro-batch of one sample
         self.bwd_times_one: list[float] = []
         self.attention: set[str] = set()
+        self.target: torch.Tensor | None = None   # the last unit's synthetic loss target, reused by its timed runs
 
 
 def _fresh(captured):
@@ -208,8 +216,8 @@ def _roots(out, loss: str | None, target):
 
 
 def _time_module(module: nn.Module, captured, loss: str | None, target, warmup: int,
-                 repeats: int) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds of each repeat after `warmup` untimed runs."""
+                 repeats: int, tick: Callable[[], None]) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of each repeat after `warmup` untimed runs; `tick()` after every run."""
     fwd, bwd = [], []
     for i in range(warmup + repeats):
         args, kwargs = _fresh(captured)
@@ -223,6 +231,7 @@ def _time_module(module: nn.Module, captured, loss: str | None, target, warmup: 
         if i >= warmup:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
+        tick()
     return fwd, bwd
 
 
@@ -232,11 +241,10 @@ def _one_sample(captured, batch: int):
                     captured)
 
 
-def _measure_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, Any]], *, excluded: set[int],
-                    loss: str | None, timed: bool, warmup: int, repeats: int, batch: int) -> _ModuleResult:
-    """Run one module alone on its captured input: FLOPs, saved bytes, output bytes, and (if timed) times, at the
-    profile's micro-batch and, when that is larger, at one sample, so time can be modelled as a + b * batch
-    (fixed per-call overhead plus per-sample work) rather than proportional to the batch."""
+def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, Any]], *, excluded: set[int],
+                  loss: str | None) -> _ModuleResult:
+    """Run one module alone on its captured input, forward and backward once: FLOPs, saved bytes, output bytes
+    (and, for the last unit, the synthetic loss target its timed runs reuse)."""
     res = _ModuleResult()
 
     saved: dict[int, int] = {}
@@ -250,8 +258,8 @@ def _measure_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str
     args, kwargs = _fresh(captured)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _flop_counter() as fwd_fc:
         out = module(*args, **kwargs)
-        target = synthetic_target(loss, out) if loss is not None else None
-        roots = _roots(out, loss, target)
+        res.target = synthetic_target(loss, out) if loss is not None else None
+        roots = _roots(out, loss, res.target)
     res.output_bytes = sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     res.saved_bytes = sum(saved.values())
     res.fwd_flops = fwd_fc.get_total_flops()
@@ -262,13 +270,19 @@ def _measure_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str
     res.attention = _attention_ops(fwd_fc) | _attention_ops(bwd_fc)
     del out, roots
     module.zero_grad(set_to_none=True)
-
-    if timed:
-        res.fwd_times, res.bwd_times = _time_module(module, captured, loss, target, warmup, repeats)
-        if batch > 1:
-            res.fwd_times_one, res.bwd_times_one = _time_module(
-                module, _one_sample(captured, batch), loss, target[:1] if target is not None else None, warmup, repeats)
     return res
+
+
+def _time_into(res: _ModuleResult, module: nn.Module, captured, *, loss: str | None, warmup: int, repeats: int,
+               batch: int, tick: Callable[[float], None]) -> None:
+    """Forward and backward times at the profile's micro-batch and, when that is larger, at one sample, so time
+    can be modelled as a + b * batch (fixed per-call overhead plus per-sample work) rather than proportional to the
+    batch. `tick(share)` after every run: 1 for a run at the micro-batch, 1 / batch for one on one sample."""
+    res.fwd_times, res.bwd_times = _time_module(module, captured, loss, res.target, warmup, repeats, lambda: tick(1.0))
+    if batch > 1:
+        target = res.target[:1] if res.target is not None else None
+        res.fwd_times_one, res.bwd_times_one = _time_module(module, _one_sample(captured, batch), loss, target, warmup,
+                                                            repeats, lambda: tick(1 / batch))
 
 
 def _timing(per_module: list[list[float]]) -> Timing:
@@ -280,10 +294,71 @@ def _timing(per_module: list[list[float]]) -> Timing:
 UnitResults = list[tuple[str, tuple[str, ...], list[_ModuleResult]]]
 
 
+class _Progress:
+    """Progress as a share of the expected time, reported as (done, total) parts with a total fixed from the start.
+
+    Units differ in size (an embedding lookup against a block's matmuls, a head with a large vocabulary's loss),
+    so a count of units gives a wrong time estimate. Work goes in two passes: every module is first run once,
+    forward and backward, to count FLOPs and bytes; then (real mode) timed, (warmup + repeats) runs at the
+    micro-batch and as many on one sample. The counting pass is weighted by forward FLOPs (known from the
+    whole-model forward before it) and given its share of the time: one run of each module against the timed
+    runs, so 1 / (1 + runs). It also measures each module's forward + backward in seconds, which weighs the timed
+    runs and says how long they will take. FLOPs alone mislead there: the counter misses the loss, and CPU bf16
+    backward runs far below the forward's FLOP rate (gpt2-small, micro-batch 2 x 32, bf16, one thread on this
+    project's 2-core machine: 3 x the timed whole-model forward predicted 61 s of measurements, they took 525 s;
+    the counting pass's seconds predicted 493 s of timed runs, they took 478 s)."""
+
+    TOTAL = 1_000_000
+
+    def __init__(self, flops: dict[str, int], *, timed: bool, warmup: int, repeats: int, batch: int,
+                 on_progress: ProgressFn | None) -> None:
+        # modules without matmuls (lookups, norms) still move the bar: at least 1% of the mean module's FLOPs
+        floor = max(1, sum(flops.values()) // max(1, len(flops)) // 100)
+        self.weight = {m: max(f, floor) for m, f in flops.items()}
+        # timed runs per module in units of one run at the micro-batch (a one-sample run counts 1 / batch)
+        self.runs = (warmup + repeats) * (1 + (1 / batch if batch > 1 else 0)) if timed else 0.0
+        self.counting_share = 1 / (1 + self.runs)
+        self.seconds: dict[str, float] = {}
+        self._report, self._counted, self._timed, self._timed_total = on_progress, 0.0, 0.0, 0.0
+        self.name = ""
+
+    def _emit(self) -> None:
+        if self._report:
+            share = self.counting_share * self._counted / sum(self.weight.values())
+            if self._timed_total:
+                share += (1 - self.counting_share) * self._timed / self._timed_total
+            self._report(min(self.TOTAL, round(share * self.TOTAL)), self.TOTAL, self.name)
+
+    def unit(self, name: str) -> None:
+        self.name = name
+        self._emit()
+
+    def counted(self, module: str, seconds: float) -> None:
+        self._counted += self.weight[module]
+        self.seconds[module] = seconds
+        self._emit()
+
+    def timing_starts(self) -> float:
+        """Seconds the timed runs should take, from the counting pass's forward + backward of each module."""
+        self._timed_total = sum(self.seconds.values()) * self.runs
+        return self._timed_total
+
+    def tick(self, module: str, share: float) -> None:
+        self._timed += self.seconds[module] * share
+        self._emit()
+
+    def done(self) -> None:
+        self.name, self._counted, self._timed = "done", sum(self.weight.values()), self._timed_total
+        self._emit()
+
+
 def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_name: str, units, *, excluded: set[int],
-                   loss: str, timed: bool, warmup: int, repeats: int,
-                   on_progress: ProgressFn | None) -> tuple[UnitResults, int, set[str], tuple["UnitEdge", ...]]:
-    """Find the units (steps 1-2 of the module doc), then measure each of their modules alone (steps 3-4)."""
+                   loss: str, timed: bool, warmup: int, repeats: int, on_progress: ProgressFn | None,
+                   on_estimate: Callable[[float], None] | None,
+                   ) -> tuple[UnitResults, int, set[str], tuple["UnitEdge", ...]]:
+    """Find the units (steps 1-2 of the module doc), then measure each of their modules alone: all counted
+    (step 3), then, in real mode, all timed (step 4). `on_estimate(seconds)`, in real mode, gets the time the
+    timed runs should take, between the two passes."""
     explicit = _parse_units(units, model) if units else None
     if explicit:
         watched = {m: model.get_submodule(m) for _, mods in explicit for m in mods}
@@ -291,9 +366,10 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
         list_name = _largest_module_list(model)
         names = _path_siblings(model, list_name) + [f"{list_name}.{i}" for i in range(len(model.get_submodule(list_name)))]
         watched = {n: model.get_submodule(n) for n in names}
-    capture = _Capture(watched)
+    model_fc = _flop_counter()
+    capture = _Capture(watched, model_fc)
     try:
-        with torch.no_grad(), _flop_counter() as model_fc:
+        with torch.no_grad(), model_fc:
             model(*inputs)
     except Exception as exc:
         raise ProfileError(f"the forward pass of {model_name} failed: {type(exc).__name__}: {exc}") from None
@@ -306,21 +382,32 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
                 raise ProfileError(f"unit '{name}': module '{m}' never ran in the forward pass")
     edges = _data_flow_edges(unit_defs, capture)
 
+    batch = inputs[0].shape[0]
+    progress = _Progress({m: capture.fwd_flops.get(m, 0) for _, mods in unit_defs for m in mods}, timed=timed,
+                         warmup=warmup, repeats=repeats, batch=batch, on_progress=on_progress)
+    last = unit_defs[-1][1][-1]
     results_by_unit: UnitResults = []
     attention: set[str] = set(_attention_ops(model_fc))
-    for i, (name, mods) in enumerate(unit_defs):
-        if on_progress:
-            on_progress(i, len(unit_defs), name)
+    for name, mods in unit_defs:
+        progress.unit(f"counting {name}")
         results = []
-        for j, m in enumerate(mods):
-            is_last = i == len(unit_defs) - 1 and j == len(mods) - 1
-            results.append(_measure_module(model.get_submodule(m), capture.inputs[m], excluded=excluded,
-                                           loss=loss if is_last else None, timed=timed, warmup=warmup, repeats=repeats,
-                                           batch=inputs[0].shape[0]))
+        for m in mods:
+            t0 = time.perf_counter()
+            results.append(_count_module(model.get_submodule(m), capture.inputs[m], excluded=excluded,
+                                         loss=loss if m == last else None))
+            progress.counted(m, time.perf_counter() - t0)
             attention |= results[-1].attention
         results_by_unit.append((name, mods, results))
-    if on_progress:
-        on_progress(len(unit_defs), len(unit_defs), "done")
+    if timed:
+        seconds = progress.timing_starts()
+        if on_estimate:
+            on_estimate(seconds)
+        for name, mods, results in results_by_unit:
+            progress.unit(f"timing {name}")
+            for m, res in zip(mods, results):
+                _time_into(res, model.get_submodule(m), capture.inputs[m], loss=loss if m == last else None,
+                           warmup=warmup, repeats=repeats, batch=batch, tick=lambda share, m=m: progress.tick(m, share))
+    progress.done()
     return results_by_unit, model_fc.get_total_flops(), attention, edges
 
 
@@ -358,11 +445,15 @@ def _check_fits_in_memory(source: ModelSource, dtype: torch.dtype) -> None:
 
 def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str = "fp32",
                   meta: bool = False, units: str | list[str] | None = None, warmup: int = 2, repeats: int = 5,
-                  threads: int | None = None, command: str = "", on_progress: ProgressFn | None = None) -> ModelProfile:
+                  threads: int | None = None, command: str = "", on_progress: ProgressFn | None = None,
+                  on_estimate: Callable[[float], None] | None = None) -> ModelProfile:
     """Measure `source` at one micro-batch of (micro_batch_size, seq_len) and return its ModelProfile.
 
     `threads` sets torch's thread count while measuring (and restores it): real-mode times are only comparable
-    with a run whose ranks use as many (executor CPU ranks use one)."""
+    with a run whose ranks use as many (executor CPU ranks use one). `on_progress(done, total, what)` reports the
+    share of the expected time done (see _Progress: a constant total, done == total at the end);
+    `on_estimate(seconds)`, in real mode, how long the timed runs will take, once the counting pass has measured
+    one forward and backward of every unit (about 1 / (1 + 1.5 x (warmup + repeats)) of the work)."""
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     previous = torch.get_num_threads()
@@ -370,13 +461,15 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
         torch.set_num_threads(threads)
     try:
         return _profile(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
-                        units=units, warmup=warmup, repeats=repeats, command=command, on_progress=on_progress)
+                        units=units, warmup=warmup, repeats=repeats, command=command, on_progress=on_progress,
+                        on_estimate=on_estimate)
     finally:
         torch.set_num_threads(previous)
 
 
 def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str, meta: bool, units,
-             warmup: int, repeats: int, command: str, on_progress: ProgressFn | None) -> ModelProfile:
+             warmup: int, repeats: int, command: str, on_progress: ProgressFn | None,
+             on_estimate: Callable[[float], None] | None) -> ModelProfile:
     if micro_batch_size <= 0:
         raise ConfigError(f"--micro-batch-size must be positive, got {micro_batch_size}")
     if seq_len <= 0:
@@ -393,7 +486,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
     model = source.build(device=device, dtype=torch_dtype)
     model.train()
     inputs = source.example_input(model, micro_batch_size, seq_len, device)
-    in_kind, vocab = source_input_kind(source, model)
+    in_kind, vocab = source_input_kind(source, model, inputs, seq_len)
     loss = loss_kind(in_kind)
     excluded = {_storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
 
@@ -403,7 +496,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
             stack.enter_context(_FusedAttentionOnMeta())
         unit_results, model_fwd_flops, attention, edges = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
-            repeats=repeats, on_progress=on_progress)
+            repeats=repeats, on_progress=on_progress, on_estimate=on_estimate)
     unit_profiles, shared = _account_params(model, unit_results)
     total_params = sum(p.numel() for p in model.parameters())
     assigned = sum(u.params for u in unit_profiles)

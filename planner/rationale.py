@@ -4,6 +4,7 @@ from __future__ import annotations
 from cost_models.cluster import ClusterProfile
 from cost_models.estimate import Estimate
 from cost_models.strategy import Strategy
+from cost_models.summaries import duration
 from planner.plan import Rationale
 
 COMM_BINDS = 0.15  # exposed communication above this share of the step makes bandwidth the binding resource
@@ -28,10 +29,6 @@ def _bytes(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
 
 
-def _ms(x: float) -> str:
-    return f"{x * 1e3:,.1f} ms" if x < 10 else f"{x:,.2f} s"
-
-
 _COMPONENTS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("p2p_s", "p2p transfers"),
                ("dp_comm_s", "data-parallel collectives"), ("optimizer_s", "optimizer step"))
 
@@ -46,12 +43,12 @@ def why_lost(s: Strategy, est: Estimate, ws: Strategy, west: Estimate) -> str:
                 f"({est.peak_memory_bytes / 2**30:.2f} vs {west.peak_memory_bytes / 2**30:.2f} GiB peak)")
     deltas = [(getattr(est.breakdown, f) - getattr(west.breakdown, f), f, label) for f, label in _COMPONENTS]
     delta, field, label = max(deltas)
-    detail = f"{label} {_ms(getattr(est.breakdown, field))} vs {_ms(getattr(west.breakdown, field))}"
+    detail = f"{label} {duration(getattr(est.breakdown, field))} vs {duration(getattr(west.breakdown, field))}"
     if field == "bubble_s":
         detail += f" (bubble {est.bubble_ratio:.2f} of compute)"
     if field == "dp_comm_s":
         detail += f" ({_bytes(est.comm.dp_bytes_per_rank)} per rank per step, {est.comm.dp_link})"
-    return f"+{_ms(slower)} per step; most of it {detail}"
+    return f"+{duration(slower)} per step; most of it {detail}"
 
 
 def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: ClusterProfile,
@@ -79,36 +76,36 @@ def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: Clus
         rs, re_ = runner_comm
         binding = "bandwidth"
         why = (f"bandwidth binds: the best {family(rs)} strategy ({describe(rs)}) spends "
-               f"{_ms(re_.breakdown.dp_comm_s + re_.breakdown.p2p_s)} per step in exposed communication "
+               f"{duration(re_.breakdown.dp_comm_s + re_.breakdown.p2p_s)} per step in exposed communication "
                f"({_bytes(re_.comm.dp_bytes_per_rank)} per rank over {re_.comm.dp_link} links) against "
-               f"{_ms(b.dp_comm_s + b.p2p_s)} here")
+               f"{duration(b.dp_comm_s + b.p2p_s)} here")
     elif fastest_unfit is not None and fastest_unfit.estimate.step_time_s < west.step_time_s:
         binding = "memory"
         why = (f"memory binds: the fastest strategy, {describe(fastest_unfit.strategy)}, would take "
-               f"{_ms(fastest_unfit.estimate.step_time_s)} but needs {fastest_unfit.estimate.peak_memory_bytes / 2**30:.1f} GiB "
+               f"{duration(fastest_unfit.estimate.step_time_s)} but needs {fastest_unfit.estimate.peak_memory_bytes / 2**30:.1f} GiB "
                f"per device against {cluster.device.memory_bytes / 2**30:.1f} GiB")
     elif comm_share >= COMM_BINDS:
         binding = "bandwidth"
         why = (f"bandwidth binds: {comm_share:.0%} of the step is exposed communication "
-               f"({_ms(b.dp_comm_s)} data-parallel over {link.kind}, {_ms(b.p2p_s)} p2p)")
+               f"({duration(b.dp_comm_s)} data-parallel over {link.kind}, {duration(b.p2p_s)} p2p)")
     else:
         binding = "compute"
         why = (f"compute binds: {b.compute_s / west.step_time_s:.0%} of the step is computation; bubble "
-               f"{_ms(b.bubble_s)}, exposed communication {_ms(b.dp_comm_s + b.p2p_s)}")
+               f"{duration(b.bubble_s)}, exposed communication {duration(b.dp_comm_s + b.p2p_s)}")
     names = {"zero": "ZeRO (data parallel)", "pipeline": "pipeline", "hybrid": "pipeline x ZeRO hybrid"}
-    lines = [f"chosen: {describe(ws)}: {_ms(west.step_time_s)} per step, {west.tokens_per_s:,.0f} tokens/s, "
+    lines = [f"chosen: {describe(ws)}: {duration(west.step_time_s)} per step, {west.tokens_per_s:,.0f} {west.throughput_unit}/s, "
              f"peak {west.peak_memory_bytes / 2**30:.2f} of {west.capacity_bytes / 2**30:.2f} GiB", why]
     for fam in ("zero", "pipeline", "hybrid"):
         if fam == wf:
             continue
         if fam in best:
             s, e = best[fam]
-            lines.append(f"best {names[fam]}: {describe(s)}: {_ms(e.step_time_s)}; {why_lost(s, e, ws, west)}")
+            lines.append(f"best {names[fam]}: {describe(s)}: {duration(e.step_time_s)}; {why_lost(s, e, ws, west)}")
         elif pruned_bounds and fam in pruned_bounds:
-            lines.append(f"best {names[fam]}: not costed: no such strategy can beat {_ms(pruned_bounds[fam])} (its compute "
+            lines.append(f"best {names[fam]}: not costed: no such strategy can beat {duration(pruned_bounds[fam])} (its compute "
                          f"alone, a lower bound), slower than the top candidates")
         else:
             lines.append(f"no {names[fam]} strategy fits or divides the batch on these devices")
-    summary = f"{names[wf]} wins: {describe(ws)} at {_ms(west.step_time_s)} per step; {why}"
+    summary = f"{names[wf]} wins: {describe(ws)} at {duration(west.step_time_s)} per step; {why}"
     return Rationale(binding=binding, winner_family=wf, summary=summary, lines=tuple(lines),
                      best_by_family={f: e.step_time_s for f, (_, e) in best.items()})

@@ -8,10 +8,11 @@ approximations; and, given a run, predicted against measured.
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass, field
 
 from cost_models.schedule import parse_order, simulate
-from cost_models.summaries import strategy_name
+from cost_models.summaries import duration, strategy_name
 from planner.plan import Plan
 from planner.rationale import describe
 
@@ -43,10 +44,6 @@ class Section:
     svg: str = ""
 
 
-def _ms(s: float) -> str:
-    return f"{s * 1e3:,.2f} ms" if s < 10 else f"{s:,.2f} s"
-
-
 def _err(c) -> str:
     return "-" if c.error_pct is None else f"{c.error_pct:+.1f}%"
 
@@ -58,7 +55,7 @@ def sections(plan: Plan, run=None) -> list[Section]:
     summary = Section("Summary", [
         f"Chosen: {describe(s)} on {plan.gpus} x {plan.cluster.device.name} ({plan.cluster.name}), global batch "
         f"{plan.global_batch_size} sequences of {plan.model.seq_len} tokens.",
-        f"Predicted step time {_ms(est.step_time_s)}; throughput {est.tokens_per_s:,.0f} tokens/s"
+        f"Predicted step time {duration(est.step_time_s)}; throughput {est.tokens_per_s:,.0f} {est.throughput_unit}/s"
         + (f"; MFU {est.mfu:.1%}" if est.mfu is not None else "; MFU not given (no datasheet peak for this device)") + ".",
         f"Peak memory per rank {peak / GIB:.2f} GiB (lowest {low / GIB:.2f} GiB) of {est.capacity_bytes / GIB:.2f} GiB "
         f"capacity: {'fits' if est.fits else 'DOES NOT FIT'}.",
@@ -69,13 +66,13 @@ def sections(plan: Plan, run=None) -> list[Section]:
     if est.comm.dp_collectives:
         comm_lines.append("Data-parallel collectives (" + est.comm.dp_link + "): " + ", ".join(
             f"{op.replace('_', ' ')} {v / 2**20:,.2f} MiB" for op, v in est.comm.dp_collectives.items())
-                          + f" per rank per step, {_ms(b.dp_comm_s)} exposed.")
+                          + f" per rank per step, {duration(b.dp_comm_s)} exposed.")
     else:
         comm_lines.append("Data-parallel collectives: none (dp = 1).")
     why = Section("Why: ZeRO or pipeline?", [
         r.summary,
-        f"Step time = compute {_ms(b.compute_s)} + bubble {_ms(b.bubble_s)} + p2p {_ms(b.p2p_s)} + data-parallel "
-        f"communication {_ms(b.dp_comm_s)} + optimizer {_ms(b.optimizer_s)}.",
+        f"Step time = compute {duration(b.compute_s)} + bubble {duration(b.bubble_s)} + p2p {duration(b.p2p_s)} + data-parallel "
+        f"communication {duration(b.dp_comm_s)} + optimizer {duration(b.optimizer_s)}.",
         f"Bubble: {est.bubble_ratio:.3f} of ideal compute (Narayanan's (p-1)/m convention), "
         f"{est.bubble_share:.1%} of rank-time idle.",
         *comm_lines, *r.lines[2:]])
@@ -84,7 +81,7 @@ def sections(plan: Plan, run=None) -> list[Section]:
         f"numbered by micro-batch; gaps are bubbles. {s.schedule}, {s.microbatches} micro-batches"
         + (f", {s.v} chunks per rank" if s.v > 1 else "") + "."], svg=timeline_svg(plan))
     stage_rows = [[str(st.stage), f"{st.units[0]} .. {st.units[-1]} ({len(st.units)})", f"{st.params:,}",
-                   _ms(st.fwd_s), _ms(st.bwd_s), str(st.peak_in_flight), f"{st.activation_bytes / 2**20:,.2f}"]
+                   duration(st.fwd_s), duration(st.bwd_s), str(st.peak_in_flight), f"{st.activation_bytes / 2**20:,.2f}"]
                   for st in est.stages]
     timeline.tables.append((["stage", "units", "params", "F / micro-batch", "B / micro-batch", "in flight",
                              "activations MiB / micro-batch"], stage_rows))
@@ -99,8 +96,8 @@ def sections(plan: Plan, run=None) -> list[Section]:
                                   f"pruned, {plan.provenance.points_costed} estimates in "
                                   f"{plan.provenance.planning_time_s:.2f} s."], svg=candidates_svg(plan))
     alt = Section("Alternatives", [], tables=[(["strategy", "step time", "peak GiB", "why it lost"],
-                                              [[strategy_name(s), _ms(est.step_time_s), f"{peak / GIB:.2f}", "chosen"]]
-                                              + [[strategy_name(a.strategy), _ms(a.step_time_s),
+                                              [[strategy_name(s), duration(est.step_time_s), f"{peak / GIB:.2f}", "chosen"]]
+                                              + [[strategy_name(a.strategy), duration(a.step_time_s),
                                                   f"{a.peak_memory_bytes / GIB:.2f}", a.lost_because]
                                                  for a in plan.alternatives])])
     out = [summary, why, timeline, memory, cand, alt,
@@ -108,7 +105,7 @@ def sections(plan: Plan, run=None) -> list[Section]:
     if run is not None:
         out.append(Section("Predicted vs measured", [
             f"Run: {run.steps} steps ({run.warmup} warm-up) on {run.world_size} ranks ({run.backend}); measured "
-            f"median step {_ms(run.step_time_s['median_s'])} against {_ms(run.predicted_step_time_s)} predicted; "
+            f"median step {duration(run.step_time_s['median_s'])} against {duration(run.predicted_step_time_s)} predicted; "
             f"losses " + ", ".join(f"{x:.4f}" for x in run.losses) + "."],
             tables=[(["quantity", "predicted", "measured", "error"],
                      [[c.quantity, _fmt(c.quantity, c.predicted), _fmt(c.quantity, c.measured), _err(c)]
@@ -117,7 +114,7 @@ def sections(plan: Plan, run=None) -> list[Section]:
 
 
 def _fmt(quantity: str, value: float) -> str:
-    return _ms(value) if quantity.endswith("(s)") else f"{value / 2**20:,.3f} MiB"
+    return duration(value) if quantity.endswith("(s)") else f"{value / 2**20:,.3f} MiB"
 
 
 def _rank_groups(plan: Plan):
@@ -151,12 +148,12 @@ def timeline_svg(plan: Plan, width: int = 960) -> str:
         y = top + e.rank * row
         parts.append(f'<rect class="act {a.kind}" data-rank="{e.rank}" data-stage="{a.stage}" data-mb="{a.mb}" '
                      f'x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row - 6}" fill="{KIND_COLOR[a.kind]}">'
-                     f'<title>{a} ({a.kind} of micro-batch {a.mb} on stage {a.stage}): {_ms(e.end_s - e.start_s)}</title></rect>')
+                     f'<title>{a} ({a.kind} of micro-batch {a.mb} on stage {a.stage}): {duration(e.end_s - e.start_s)}</title></rect>')
         if w > 14:
             parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 1}" font-size="10" fill="#fff" '
                          f'text-anchor="middle">{a.mb}</text>')
     parts.append(f'<text x="{left}" y="{height - 8}" font-size="11">0</text>'
-                 f'<text x="{width - 10}" y="{height - 8}" font-size="11" text-anchor="end">{_ms(span)}</text>')
+                 f'<text x="{width - 10}" y="{height - 8}" font-size="11" text-anchor="end">{duration(span)}</text>')
     legend_x = left + 60
     for kind, color in KIND_COLOR.items():
         parts.append(f'<rect x="{legend_x}" y="{height - 18}" width="10" height="10" fill="{color}"/>'
@@ -203,22 +200,88 @@ def memory_svg(plan: Plan, width: int = 960) -> str:
     return "".join(parts)
 
 
+class _Axis:
+    """Value -> pixel along [a, b], logarithmic when the values span a decade or more (a linear axis would crowd
+    every point of a 100x range into one corner), with tick values at 1-2-5 steps."""
+
+    def __init__(self, lo: float, hi: float, a: float, b: float, *, log: bool, label_px: float) -> None:
+        self.log, self.a, self.b, self.label_px = log, a, b, label_px
+        if log:   # 5% margin either side, in log space
+            self.lo, self.hi = math.log10(lo) - 0.05 * math.log10(hi / lo), math.log10(hi) + 0.05 * math.log10(hi / lo)
+        else:
+            self.lo, self.hi = 0.0, hi * 1.05
+
+    def __call__(self, v: float) -> float:
+        x = math.log10(max(v, 10**self.lo)) if self.log else v
+        return self.a + (x - self.lo) / (self.hi - self.lo) * (self.b - self.a)
+
+    def ticks(self) -> list[float]:
+        if self.log:
+            first, last = math.floor(self.lo), math.ceil(self.hi)
+            # 1-2-5 when the closest pair (1 and 2, log10(2) of a decade apart) leaves room for a label
+            px_per_decade = abs(self.b - self.a) / (self.hi - self.lo)
+            mantissas = (1, 2, 5) if math.log10(2) * px_per_decade >= self.label_px else (1,)
+            vals = [m * 10.0**e for e in range(first, last + 1) for m in mantissas]
+            ticks = [v for v in vals if self.lo <= math.log10(v) <= self.hi]
+            if len(ticks) >= 3:
+                return ticks
+            lo, hi = 10**self.lo, 10**self.hi   # a narrow window: evenly spaced 1-2-5 steps instead
+            step = _nice_step((hi - lo) / 5)
+            return [i * step for i in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
+        step = _nice_step(self.hi / 5)
+        return [i * step for i in range(int(self.hi / step) + 1)]
+
+
+def _nice_step(raw: float) -> float:
+    """The 1-2-5 number at or above `raw`."""
+    e = math.floor(math.log10(raw))
+    return next(m * 10.0**e for m in (1, 2, 5, 10) if m * 10.0**e >= raw * (1 - 1e-9))
+
+
+def _short(text: str) -> str:
+    """'2.00 ms' -> '2 ms' for tick labels."""
+    num, _, unit = text.partition(" ")
+    return (num.rstrip("0").rstrip(".") if "." in num else num) + " " + unit
+
+
+def _spans(values: list[float]) -> bool:
+    pos = [v for v in values if v > 0]
+    return bool(pos) and max(pos) >= 10 * min(pos)
+
+
 def candidates_svg(plan: Plan, width: int = 960, height: int = 320) -> str:
     pts = list(plan.candidates)
-    left, bottom, top = 70, 40, 15
+    left, bottom, top, right = 70, 40, 15, 20
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="candidates" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" role="img" aria-label="candidates">']
     if not pts:
         parts.append('<text x="10" y="20">no candidates recorded</text></svg>')
         return "".join(parts)
     cap = plan.prediction.capacity_bytes
-    t_max = max(p.step_time_s for p in pts) * 1.05
-    m_max = max([cap] + [p.peak_memory_bytes for p in pts]) * 1.05
-    sx = (width - left - 20) / t_max
-    sy = (height - bottom - top) / m_max
+    times = [p.step_time_s for p in pts if p.step_time_s > 0] or [1.0]
+    mems = [m / GIB for m in [cap] + [p.peak_memory_bytes for p in pts]]
+    # time is always logarithmic: a one-decade window still reads as ratios; memory only when it spans a decade
+    t_lo, t_hi = min(times), max(times)
+    if t_hi < 2 * t_lo:
+        t_lo, t_hi = t_lo / 1.5, t_hi * 1.5
+    ax = _Axis(t_lo, t_hi, left, width - right, log=True, label_px=45)
+    mem_log = _spans(mems)
+    ay = _Axis(min(m for m in mems if m > 0) if mem_log else 0.0, max(mems), height - bottom, top, log=mem_log,
+               label_px=14)
+    for v in ax.ticks():
+        x = ax(v)
+        parts.append(f'<line class="grid" x1="{x:.2f}" x2="{x:.2f}" y1="{top}" y2="{height - bottom}" stroke="#eee"/>'
+                     f'<text class="tick x" x="{x:.2f}" y="{height - bottom + 14}" font-size="10" '
+                     f'text-anchor="middle">{_short(duration(v))}</text>')
+    for v in ay.ticks():
+        y = ay(v)
+        label = f"{v:g}"
+        parts.append(f'<line class="grid" x1="{left}" x2="{width - right}" y1="{y:.2f}" y2="{y:.2f}" stroke="#eee"/>'
+                     f'<text class="tick y" x="{left - 4}" y="{y + 3:.2f}" font-size="10" text-anchor="end">'
+                     f'{label}</text>')
     for p in pts:
-        x, y = left + p.step_time_s * sx, height - bottom - p.peak_memory_bytes * sy
-        tip = f"<title>{html.escape(p.label)}: {_ms(p.step_time_s)}, {p.peak_memory_bytes / GIB:.2f} GiB" \
+        x, y = ax(p.step_time_s), ay(p.peak_memory_bytes / GIB)
+        tip = f"<title>{html.escape(p.label)}: {duration(p.step_time_s)}, {p.peak_memory_bytes / GIB:.2f} GiB" \
               f"{'' if p.fits else ' (does not fit)'}</title>"
         if p.fits:
             parts.append(f'<circle class="cand fits {p.family}" cx="{x:.2f}" cy="{y:.2f}" r="4" fill="#4e79a7" '
@@ -226,15 +289,15 @@ def candidates_svg(plan: Plan, width: int = 960, height: int = 320) -> str:
         else:
             parts.append(f'<g class="cand nofit {p.family}"><path d="M{x - 4:.2f},{y - 4:.2f}L{x + 4:.2f},{y + 4:.2f}'
                          f'M{x - 4:.2f},{y + 4:.2f}L{x + 4:.2f},{y - 4:.2f}" stroke="#d62728" stroke-width="1.5"/>{tip}</g>')
-    cx, cy = left + plan.prediction.step_time_s * sx, height - bottom - plan.prediction.peak_memory_bytes * sy
+    cx, cy = ax(plan.prediction.step_time_s), ay(plan.prediction.peak_memory_bytes / GIB)
     parts.append(f'<circle class="chosen" cx="{cx:.2f}" cy="{cy:.2f}" r="9" fill="none" stroke="#000" stroke-width="2"/>')
-    cap_y = height - bottom - cap * sy
-    parts.append(f'<line x1="{left}" x2="{width - 10}" y1="{cap_y:.2f}" y2="{cap_y:.2f}" stroke="#d62728" '
-                 f'stroke-dasharray="6 4"/>')
+    cap_y = ay(cap / GIB)
+    parts.append(f'<line class="capacity" x1="{left}" x2="{width - right}" y1="{cap_y:.2f}" y2="{cap_y:.2f}" '
+                 f'stroke="#d62728" stroke-dasharray="6 4"/>')
     parts.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{height - bottom}" stroke="#333"/>'
-                 f'<line x1="{left}" x2="{width - 10}" y1="{height - bottom}" y2="{height - bottom}" stroke="#333"/>'
-                 f'<text x="{width - 10}" y="{height - 8}" font-size="11" text-anchor="end">step time (max '
-                 f'{_ms(t_max)})</text><text x="4" y="{top + 10}" font-size="11">GiB (max {m_max / GIB:.1f})</text>')
+                 f'<line x1="{left}" x2="{width - right}" y1="{height - bottom}" y2="{height - bottom}" stroke="#333"/>'
+                 f'<text x="{width - right}" y="{height - 8}" font-size="11" text-anchor="end">step time (log scale)'
+                 f'</text><text x="4" y="{top + 10}" font-size="11">GiB{" (log)" if mem_log else ""}</text>')
     parts.append("</svg>")
     return "".join(parts)
 

@@ -79,3 +79,43 @@ class SkipNet(nn.Module):
 
 def make_skipnet() -> nn.Module:
     return SkipNet()
+
+
+class TinyLM(nn.Module):
+    """Token ids in (its first module is an nn.Embedding, so the profiler makes int64 ids for it), logits out."""
+
+    def __init__(self, vocab: int = 50, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Gated(d) for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_tiny_lm() -> nn.Module:
+    return TinyLM()
+
+
+class Pooled(nn.Module):
+    """A vector per sample in, a class score out: no sequence axis (its input ignores seq_len)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(10, 10) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+    def example_input(self, batch_size: int, seq_len: int):
+        return torch.randn(batch_size, 10)
+
+
+def make_pooled() -> nn.Module:
+    return Pooled()

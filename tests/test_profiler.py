@@ -103,3 +103,103 @@ def test_user_errors_are_typed():
 def test_real_mode_refuses_a_model_too_big_for_this_machine():
     with pytest.raises(ProfileError, match="--meta"):
         profile_model(resolve("llama3-405b"), micro_batch_size=1, seq_len=8)
+
+
+def _recorded_profile(name="gpt-tiny", **kw):
+    calls, estimates = [], []
+    prof = profile_model(resolve(name), micro_batch_size=2, seq_len=16, dtype="fp32", warmup=1, repeats=2,
+                         on_progress=lambda done, total, unit: calls.append((done, total, unit)),
+                         on_estimate=lambda s: estimates.append((s, len(calls))), **kw)
+    return prof, calls, estimates
+
+
+def test_progress_is_a_share_of_the_expected_time_with_a_constant_total():
+    prof, calls, estimates = _recorded_profile()
+    dones, totals = [c[0] for c in calls], {c[1] for c in calls}
+    assert len(totals) == 1 and dones[0] == 0 and calls[-1][0] == calls[-1][1]
+    assert all(a <= b for a, b in zip(dones, dones[1:]))
+    total = calls[0][1]
+
+    def steps(what):
+        return [b[0] - a[0] for a, b in zip(calls, calls[1:]) if b[2] == what and b[0] > a[0]]
+    # counting pass: one run per module, weighted by forward FLOPs (equal blocks, equal steps), worth 1 / (1 + 4.5)
+    # of the time: (warmup + repeats) = 3 timed runs at the micro-batch of 2 and 3 at one sample (half the work)
+    assert prof.unit("blocks.0").fwd_flops == prof.unit("blocks.1").fwd_flops == 3_276_800
+    assert abs(steps("counting blocks.0")[0] - steps("counting blocks.1")[0]) <= 1
+    assert len(estimates) == 1
+    seconds, at = estimates[0]
+    assert calls[at - 1] == (round(total / 5.5), total, "counting head") and calls[at][2] == "timing embed"
+    assert 0 < seconds < 60
+    # timed pass: 3 runs at the micro-batch, then 3 on one sample worth half as much each
+    a = steps("timing blocks.0")
+    assert len(a) == 6 and max(a[:3]) - min(a[:3]) <= 1 and all(abs(2 * x - a[0]) <= 2 for x in a[3:])
+
+
+def test_meta_progress_has_no_estimate_and_ends_at_the_total():
+    _, calls, estimates = _recorded_profile(meta=True)
+    assert estimates == [] and calls[0][0] == 0 and calls[-1][0] == calls[-1][1] == calls[0][1]
+
+
+def test_profile_cli_says_how_long_a_long_real_profile_takes(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+    import cli
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "LONG_PROFILE_S", 0.0)   # every profile counts as long
+    res = CliRunner().invoke(cli.app, ["profile", "--model", "gpt-tiny", "-b", "2", "-s", "16", "--dtype", "fp32",
+                                       "--cluster", "none", "--repeats", "1", "--warmup", "0", "-o", "p.json"])
+    assert res.exit_code == 0, res.output
+    assert len([l for l in res.stderr.splitlines() if l.startswith("profiling gpt-tiny in real mode: timing the units takes about ")]) == 1
+    res = CliRunner().invoke(cli.app, ["profile", "--model", "gpt-tiny", "-b", "2", "-s", "16", "--meta",
+                                       "--cluster", "none", "-o", "q.json"])
+    assert res.exit_code == 0 and "in real mode" not in res.stderr
+
+
+def _tiny_lm_estimate(**strategy):
+    from cost_models.estimate import estimate
+    from cost_models.presets import preset
+    from cost_models.strategy import Strategy
+    prof = profile_model(resolve("tests.custom_models:make_tiny_lm"), micro_batch_size=3, seq_len=5, meta=True,
+                         dtype="bf16")
+    s = Strategy(**{"dp": 1, "pp": 2, "zero": 0, "schedule": "1f1b", "microbatches": 2, "micro_batch_size": 3,
+                    "stages": (("emb",), ("blocks.0", "blocks.1", "head")), "recompute": (True, False), **strategy})
+    return prof, s, estimate(s, prof, preset("dgx-a100"))
+
+
+def test_factory_token_ids_count_at_int64():
+    prof, _, est = _tiny_lm_estimate()
+    assert (prof.input.kind, prof.input.dtype, prof.input.vocab_size, prof.loss) == \
+        ("tokens", "int64", 50, "cross_entropy")
+    # a recomputed stage of the embedding alone keeps only its input: the ids, 8 bytes each (not 2, bf16's)
+    assert est.stages[0].activation_bytes == 3 * 5 * 8 == 120
+
+
+def test_factory_token_model_throughput_counts_tokens():
+    from cost_models.summaries import estimate_lines
+    from executor.launch import summarize
+    from executor.train import RankResult
+    from tests.plans import plan_for
+    prof, s, est = _tiny_lm_estimate()
+    assert (est.tokens_per_step, est.throughput_unit) == (2 * 3 * 5, "tokens")    # 6 sequences x 5 tokens
+    assert est.tokens_per_s == pytest.approx(30 / est.step_time_s)
+    assert f"throughput: {est.tokens_per_s:,.0f} tokens/s" in estimate_lines(s, est)[3]
+    plan = plan_for(s, prof)
+    ranks = [RankResult(rank=r, pp_rank=r, dp_rank=0, stages=(r,), step_times_s=(0.5, 0.2, 0.2), losses=(3.9, 3.8, 3.7),
+                        parameter_bytes=0, gradient_bytes=0, optimizer_state_bytes=0, peak_memory_bytes=0,
+                        peak_memory_source="test", comm_bytes={}, comm_calls={}) for r in range(2)]
+    run = summarize(plan, ranks, steps=3, warmup=1, backend="gloo")
+    assert run.tokens_per_s == pytest.approx(30 / 0.2) and run.throughput_unit == "tokens"
+
+
+def test_throughput_counts_positions_of_feature_sequences_and_samples_of_other_inputs():
+    from cost_models.estimate import estimate
+    from cost_models.presets import preset
+    from cost_models.strategy import Strategy
+    from cost_models.summaries import estimate_lines
+    for ref, kind, per_sample, unit in (("make_skipnet", "features", 5, "tokens"), ("make_pooled", "custom", 1, "samples")):
+        prof = profile_model(resolve(f"tests.custom_models:{ref}"), micro_batch_size=3, seq_len=5, meta=True)
+        s = Strategy(dp=2, pp=1, zero=0, schedule="1f1b", microbatches=4, micro_batch_size=3,
+                     stages=(tuple(u.name for u in prof.units),))
+        est = estimate(s, prof, preset("dgx-a100"))
+        assert prof.input.kind == kind
+        assert (est.tokens_per_step, est.throughput_unit) == (2 * 4 * 3 * per_sample, unit), ref
+        assert f"throughput: {est.tokens_per_s:,.0f} {unit}/s" in estimate_lines(s, est)[3]

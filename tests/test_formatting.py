@@ -1,0 +1,58 @@
+"""One duration formatter for every printed time: microseconds where milliseconds would print as 0.0."""
+import re
+
+import pytest
+
+from cost_models.estimate import estimate
+from cost_models.model_profiler import profile_model
+from cost_models.models.source import resolve
+from cost_models.presets import preset
+from cost_models.strategy import Strategy
+from cost_models.summaries import duration, estimate_lines, unit_rows
+from tests.plans import GPT_TINY_UNITS, plan_for
+
+ZERO_MS = re.compile(r"(?<![\d.])0\.0+ ms")   # "0.0 ms", "0.00 ms", "0.000 ms": what tiny times printed as
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (2.5e-5, "25.0 µs"), (0.0123, "12.3 ms"), (1.5, "1.50 s"), (2.2e-8, "22.0 ns"), (2.2e-14, "2.2e-14 s"),
+    (1.23456e-5, "12.3 µs"), (9.9996e-5, "0.100 ms"), (0.00012345, "0.123 ms"), (0.34158, "342 ms"),
+    (0.99996, "1.00 s"), (12.345, "12.3 s"), (1234.5, "1,230 s"), (0.0, "0 ms"), (-0.002, "-2.00 ms"),
+])
+def test_duration_switches_to_microseconds_below_a_tenth_of_a_millisecond(seconds, text):
+    assert duration(seconds) == text
+
+
+@pytest.fixture(scope="module")
+def tiny_step():
+    """gpt-tiny on one H100: a step of about 2 µs."""
+    prof = profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
+    s = Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=1, stages=(GPT_TINY_UNITS,))
+    return s, prof, preset("dgx-h100")
+
+
+def test_estimate_lines_print_microsecond_steps(tiny_step):
+    s, prof, cluster = tiny_step
+    est = estimate(s, prof, cluster)
+    assert est.step_time_s < 1e-4
+    lines = estimate_lines(s, est)
+    assert lines[1].startswith(f"step time: {duration(est.step_time_s)} = compute {duration(est.breakdown.compute_s)}")
+    assert " µs" in lines[1] and not any(ZERO_MS.search(line) for line in lines)
+
+
+def test_report_prints_microsecond_steps(tiny_step):
+    from planner.report import render_html, render_markdown
+    s, prof, cluster = tiny_step
+    plan = plan_for(s, prof, cluster=cluster)
+    md, page = render_markdown(plan), render_html(plan)
+    assert f"Predicted step time {duration(plan.prediction.step_time_s)};" in md
+    assert "µs" in md and not ZERO_MS.search(md) and not ZERO_MS.search(page)
+
+
+def test_unit_table_prints_measured_times_with_their_unit(tiny_profiles):
+    prof = tiny_profiles["gpt-tiny", False]
+    rows = unit_rows(prof)
+    for u, row in zip(prof.units, rows):
+        assert row[6:] == [duration(u.fwd_time.median_s), duration(u.bwd_time.median_s)]
+    assert rows[-1][6] == duration(sum(u.fwd_time.median_s for u in prof.units))
+    assert all(re.fullmatch(r"[\d.,]+ (µs|ms|s)", cell) for row in rows for cell in row[6:])
