@@ -4,17 +4,22 @@ Keys are the model's canonical names (executor.stages: a parameter's first name 
 stage's or a wrapper's, so a checkpoint written under one plan loads into any other plan of the same model:
     model.<name>              parameter or persistent buffer (a DTensor shard under FSDP2, else the full tensor)
     optim.<name>.<state>      optimizer state of that parameter (exp_avg, exp_avg_sq, step, momentum_buffer)
-    rng.rank<R>.torch / .cuda / .py   RNG states of rank R (uint8 tensors; loaded by the same rank, if it exists)
+    rng.rank<R>.torch / .cuda         torch's RNG states of rank R (uint8 tensors, as torch returns them)
+    rng.rank<R>.py.* / .np.*          Python's and numpy's RNG states of rank R as int64 / float64 tensors
+                                      (loaded by the same rank, if it exists)
 Every rank passes the tensors it holds; DCP records each one's global shape and which slice this rank has, writes
 a replicated tensor once (its default planner de-duplicates), and on load reads into each tensor exactly the slice
 it holds, whatever slices were written: that is the resharding (shared/torch-on-cpu.md section 5 measured FSDP2
 W=4 -> W=1..4 to be exact). ZeroRedundancyOptimizer keeps whole parameters' states on their owner rank only: the
 owner passes them, so they are written once and land on whichever rank owns them in the new plan.
+
+Nothing here pickles: a pickle runs code when loaded, and a checkpoint may come from elsewhere (the launcher checks
+its signature and digests before any rank loads it, checkpoint_layout.check_signature; DCP's own `.metadata` is a
+pickle, which is why that check must come first).
 """
 from __future__ import annotations
 
 import os
-import pickle
 import random
 import shutil
 import warnings
@@ -27,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from cost_models.errors import PlannerError
 from executor import checkpoint_layout as layout
 
 
@@ -51,9 +57,25 @@ def state_dict(params: dict[str, nn.Parameter], buffers: dict[str, torch.Tensor]
     return sd
 
 
+# The states every rank saves and needs back (cuda only where there is one).
+RNG_KEYS = ("torch", "py.version", "py.state", "py.gauss", "np.state", "np.pos", "np.gauss")
+
+
 def rng_state() -> dict[str, torch.Tensor]:
+    """This process's RNG states as plain tensors. Python's random.getstate() is (version, 625 ints: the 624 32-bit
+    words of its Mersenne Twister and the position, gauss_next or None); numpy's legacy np.random.get_state() is
+    ('MT19937', 624 uint32 words, position, has_gauss, cached_gaussian). Every int fits int64 and every float is
+    a double, so the round trip is exact."""
+    version, words, gauss_next = random.getstate()
+    algorithm, np_words, pos, has_gauss, cached = np.random.get_state()
+    assert algorithm == "MT19937", algorithm   # the only one np.random's legacy generator has
     out = {"torch": torch.get_rng_state(),
-           "py": _bytes_tensor(pickle.dumps((random.getstate(), np.random.get_state())))}
+           "py.version": torch.tensor([version], dtype=torch.int64),
+           "py.state": torch.tensor(words, dtype=torch.int64),
+           "py.gauss": torch.tensor([gauss_next is not None, gauss_next or 0.0], dtype=torch.float64),
+           "np.state": torch.from_numpy(np_words.astype(np.int64)),
+           "np.pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+           "np.gauss": torch.tensor([cached], dtype=torch.float64)}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state()
     return out
@@ -61,15 +83,14 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 def set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(tensors["torch"])
-    py, np_state = pickle.loads(tensors["py"].numpy().tobytes())
-    random.setstate(py)
-    np.random.set_state(np_state)
+    has_gauss, gauss_next = tensors["py.gauss"].tolist()
+    random.setstate((int(tensors["py.version"][0]), tuple(tensors["py.state"].tolist()),
+                     gauss_next if has_gauss else None))
+    pos, np_has_gauss = tensors["np.pos"].tolist()
+    np.random.set_state(("MT19937", tensors["np.state"].numpy().astype(np.uint32), pos, np_has_gauss,
+                         float(tensors["np.gauss"][0])))
     if "cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["cuda"])
-
-
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
@@ -92,7 +113,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Param
 
 def save(sd: dict[str, Any], root: Path, step: int, meta_fields: dict) -> Path | None:
     """Every rank: write `sd` into DIR/.incomplete-step-N, then rank 0 commits it as DIR/step-N (returned on
-    rank 0). Each rank hashes the files it wrote, in parallel, for the meta."""
+    rank 0). Each rank hashes the files it wrote, in parallel, for the meta. A save that fails (a full disk)
+    raises CheckpointSaveError on every rank with its root cause in one line, after rank 0 removed the partial
+    folder (it would go on filling the disk, and is never read)."""
     rank = dist.get_rank()
     tmp = layout.incomplete_dir(root, step)
     if rank == 0:
@@ -100,16 +123,79 @@ def save(sd: dict[str, Any], root: Path, step: int, meta_fields: dict) -> Path |
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(sd, checkpoint_id=str(tmp))
+    try:
+        dcp.save(sd, storage_writer=_Writer(str(tmp)))
+    except dcp.CheckpointException as exc:   # every rank gets it: DCP gathers the failures and broadcasts them
+        cause = failure_text(exc)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()         # no rank says the folder was removed before it was
+        raise _save_failed(root, step, cause) from None
     mine = [layout.digest(p) for p in sorted(tmp.iterdir()) if p.name.startswith(f"__{rank}_")]
     gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object([f.to_dict() for f in mine], gathered, dst=0)
-    final = None
+    final, outcome = None, [None]
     if rank == 0:
         files = [layout.FileDigest.from_dict(f) for per_rank in gathered for f in per_rank]
-        final = layout.commit(root, step, meta_fields, files)
-    dist.barrier()             # the checkpoint is committed before any rank goes on (or reports it)
+        try:
+            final = layout.commit(root, step, meta_fields, files)
+        except (OSError, PlannerError) as exc:   # writing the meta or signature; the signing key
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = [failure_text(exc)]
+    dist.broadcast_object_list(outcome, src=0)   # committed (or given up) before any rank goes on or reports it
+    if outcome[0]:
+        raise _save_failed(root, step, outcome[0])
     return final
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, raising the OSError under a failed write itself: torch's zip writer reports a write that
+    failed with ENOSPC or EFBIG as "unexpected pos 704 vs 598" (the OSError is only its __context__), and DCP sends
+    each rank's failure to the others as a pickle, which drops __context__."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as exc:
+            raise _plain(exc) from None
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as exc:
+            raise _plain(exc) from None
+
+
+def _plain(exc: BaseException) -> BaseException:
+    """The first OSError with an errno in `exc`'s chain, as a fresh one (no chain to lose), else `exc`."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno:
+            return OSError(link.errno, link.strerror, link.filename)
+        link = link.__cause__ or link.__context__
+    return exc
+
+
+def _save_failed(root: Path, step: int, cause: str) -> layout.CheckpointSaveError:
+    return layout.CheckpointSaveError(f"saving checkpoint step {step} to {root} failed: {cause}; the partial folder "
+                                      f"was removed")
+
+
+def failure_text(exc: BaseException) -> str:
+    """One line for what went wrong: '[Errno 28] No space left on device' for the first OSError among DCP's
+    per-rank failures (lowest rank first; _Writer put it there), else the first failure's last line. (A
+    CheckpointException prints every rank's traceback: hundreds of lines.)"""
+    failures = [pair[0] if isinstance(pair, tuple) else pair for _, pair in sorted(exc.failures.items())] \
+        if isinstance(exc, dcp.CheckpointException) else [exc]
+    for failure in map(_plain, failures):
+        if isinstance(failure, OSError):
+            return f"[Errno {failure.errno}] {failure.strerror}"
+    first = failures[0] if failures else exc
+    if isinstance(first, PlannerError):
+        return str(first)
+    return f"{type(first).__name__}: {(str(first).strip().splitlines() or [''])[-1]}"
 
 
 def load(sd: dict[str, Any], step_dir: Path) -> dict[str, torch.Tensor]:
@@ -120,24 +206,22 @@ def load(sd: dict[str, Any], step_dir: Path) -> dict[str, torch.Tensor]:
     if missing:
         raise layout.CheckpointError(f"checkpoint {step_dir} has no {missing[0]} (and {len(missing) - 1} more keys "
                                      f"this plan needs); was it written for another model?")
-    # RNG states are read into fresh tensors of the saved size (a pickled Python RNG state varies in length)
-    wanted = {k: torch.empty(saved[k].size, dtype=torch.uint8) if k.startswith("rng.") else v
-              for k, v in sd.items() if k in saved}
+    # RNG states are read into fresh tensors of the saved size and type (torch's may differ between versions)
+    wanted = {k: torch.empty(saved[k].size, dtype=saved[k].properties.dtype) if k.startswith("rng.") else v
+              for k, v in sd.items() if k in saved and (not k.startswith("rng.") or hasattr(saved[k], "properties"))}
     try:
         with warnings.catch_warnings():   # without a process group DCP warns that it loads in one process: intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(wanted, checkpoint_id=str(step_dir))
     except dcp.CheckpointException as exc:
-        first = next(iter(exc.failures.values()), exc)
-        line = (str(first).strip().splitlines() or [""])[-1]
-        raise layout.CheckpointError(f"loading checkpoint {step_dir} failed: {type(first).__name__}: {line}") from None
+        raise layout.CheckpointError(f"loading checkpoint {step_dir} failed: {failure_text(exc)}") from None
     return {k: v for k, v in wanted.items() if k.startswith("rng.")}
 
 
 def restore_rng(loaded: dict[str, torch.Tensor], rank: int) -> bool:
     prefix = f"rng.rank{rank}."
     mine = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
-    if "torch" in mine and "py" in mine:
+    if all(k in mine for k in RNG_KEYS):
         set_rng_state(mine)
         return True
     return False

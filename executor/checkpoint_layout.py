@@ -3,37 +3,54 @@
     DIR/step-00000006/            a complete checkpoint: 6 optimizer steps done
         .metadata, __R_I.distcp   torch.distributed.checkpoint (DCP) files, written by every rank in parallel
         zeropipe-checkpoint.json  CheckpointMeta: step, data position, seed, lr, the plan, size + sha256 per file
+        zeropipe-checkpoint.sig   hex HMAC-SHA256 of the meta file's bytes under this installation's key (trust.py)
     DIR/.incomplete-step-00000009/  a save in progress (or killed): never read
+    DIR/.zeropipe.lock            held (flock) by the run saving into DIR; records its pid and command
 
 Complete or invisible: ranks write into the .incomplete- folder; only after every rank's DCP write returned and
 the meta (with every file's digest) is in it does rank 0 rename it to step-N (rename is atomic on POSIX, so a
 reader sees the whole checkpoint or none of it). A step-N folder without the meta was not made by that protocol
 and is skipped like an incomplete one; a step-N whose files differ from the digests in its meta is damaged, and
-resuming from it fails in one line that names the latest complete checkpoint before it.
+resuming from it fails in one line that names the latest checkpoint before it that verifies.
+
+Resuming runs code a checkpoint carries (torch's DCP reader unpickles `.metadata`), so the launcher checks, before
+any rank reads a byte of DCP data, that the meta is signed by this installation's key, then that every file it
+lists has its size and sha256: the signature vouches for the digests, the digests for the files.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import hashlib
 import os
 import re
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 from cost_models.errors import ConfigError, FileFormatError
 from cost_models.fileio import dumps, read_json, write_atomic
 from cost_models.records import Record, record
+from executor import trust
 from planner.plan import Plan
 
 CHECKPOINT_KIND = "zeropipe.checkpoint"
 CHECKPOINT_SCHEMA_VERSION = 1
 META_NAME = "zeropipe-checkpoint.json"
+SIG_NAME = "zeropipe-checkpoint.sig"
+LOCK_NAME = ".zeropipe.lock"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _INCOMPLETE_DIR = re.compile(r"^\.incomplete-step-(\d{8})$")
 
 
 class CheckpointError(ConfigError):
-    """A checkpoint that cannot be resumed from (missing, incomplete, damaged, or made for another model)."""
+    """A checkpoint that cannot be resumed from (missing, incomplete, damaged, unsigned, or made for another model),
+    or a checkpoint folder that cannot be written to now."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed (a full disk, a file size limit); its partial folder was removed."""
 
 
 @record
@@ -111,41 +128,94 @@ def digest(path: Path) -> FileDigest:
     return FileDigest(name=path.name, bytes=path.stat().st_size, sha256=h.hexdigest())
 
 
+def check_signature(step_dir: Path, *, trusted: bool = False) -> bool:
+    """Whether the meta of `step_dir` is signed by this installation's key; when it is not, refuse in one line
+    unless the user said they trust the checkpoint (`trusted`). Reads only the meta and the signature."""
+    problem = _signature_problem(step_dir, trust.key_path())
+    if problem is None:
+        return True
+    if trusted:
+        return False
+    raise CheckpointError(f"checkpoint {step_dir} {problem}: resuming runs code stored in it (torch DCP unpickles "
+                          f"its .metadata); pass --trust-checkpoint if you made it or trust who did")
+
+
+def _signature_problem(step_dir: Path, key_file: Path) -> str | None:
+    sig = step_dir / SIG_NAME
+    if not sig.is_file():
+        return f"is not signed (it has no {SIG_NAME})"
+    key = trust.load_key(key_file)
+    if key is None:
+        return (f"is signed, but this installation has no key to check it ({key_file}; set {trust.KEY_ENV} to the "
+                f"key file of the installation that made it)")
+    try:
+        signature = sig.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError):
+        signature = ""
+    if not trust.verify((step_dir / META_NAME).read_bytes(), signature, key):
+        return f"is not signed by this installation's key ({key_file})"
+    return None
+
+
 def verify(step_dir: Path, meta: CheckpointMeta) -> None:
     """Every file the meta lists is there with its size and sha256 (sizes first: truncation shows without
     reading). Reads the checkpoint once."""
+    problem = _file_problem(step_dir, meta)
+    if problem:
+        raise CheckpointError(f"checkpoint {step_dir} is damaged: {problem}{_earlier_hint(step_dir)}")
+
+
+def _file_problem(step_dir: Path, meta: CheckpointMeta) -> str | None:
     for f in meta.files:
         path = step_dir / f.name
         if not path.is_file():
-            _damaged(step_dir, f"{f.name} is missing")
+            return f"{f.name} is missing"
         size = path.stat().st_size
         if size != f.bytes:
-            _damaged(step_dir, f"{f.name} has {size:,} of its {f.bytes:,} bytes")
+            return f"{f.name} has {size:,} of its {f.bytes:,} bytes"
     for f in meta.files:
         if digest(step_dir / f.name).sha256 != f.sha256:
-            _damaged(step_dir, f"{f.name} does not match its sha256")
+            return f"{f.name} does not match its sha256"
+    return None
 
 
-def _damaged(step_dir: Path, what: str) -> None:
-    raise CheckpointError(f"checkpoint {step_dir} is damaged: {what}{_earlier_hint(step_dir)}")
+def _verifies(step_dir: Path, key_file: Path) -> bool:
+    """The checks a resume makes, without raising: the signature (when this installation has a key: without one
+    nothing can be signed here), the meta, every file's size and sha256."""
+    try:
+        if key_file.is_file() and _signature_problem(step_dir, key_file) is not None:
+            return False
+        meta = CheckpointMeta.from_dict(read_json(step_dir / META_NAME, kind=CHECKPOINT_KIND,
+                                                  schema_version=CHECKPOINT_SCHEMA_VERSION))
+        return _file_problem(step_dir, meta) is None
+    except (ConfigError, OSError):
+        return False
 
 
 def _earlier_hint(step_dir: Path) -> str:
+    """Which checkpoint to resume from instead: the latest earlier one that passes every check (an earlier one can
+    be damaged too; each candidate is read whole, newest first, only on this error path)."""
     m = _STEP_DIR.match(step_dir.name)
     earlier = [d for s, d in complete_steps(step_dir.parent) if m and s < int(m.group(1))]
-    if not earlier:
-        return "; no earlier complete checkpoint is there, so start without --resume"
-    return f"; resume from {earlier[-1]}, the latest complete checkpoint before it"
+    key_file = trust.key_path()
+    good = next((d for d in reversed(earlier) if _verifies(d, key_file)), None)
+    if good is None:
+        what = "earlier checkpoint there verifies" if earlier else "earlier complete checkpoint is there"
+        return f"; no {what}, so start without --resume"
+    return f"; resume from {good}, the latest checkpoint before it that verifies"
 
 
 def commit(root: Path, step: int, meta_fields: dict, files: list[FileDigest]) -> Path:
-    """Rank 0, after every rank's DCP write returned: put the meta in the incomplete folder, then rename it."""
+    """Rank 0, after every rank's DCP write returned: put the meta and its signature in the incomplete folder,
+    then rename it."""
     tmp = incomplete_dir(root, step)
     listed = {f.name for f in files}
     files = files + [digest(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name not in listed]
     meta = CheckpointMeta(step=step, files=tuple(sorted(files, key=lambda f: f.name)),
                           created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **meta_fields)
     write_atomic(tmp / META_NAME, dumps(meta.to_dict()))
+    signature = trust.sign((tmp / META_NAME).read_bytes(), trust.load_or_create_key(trust.key_path()))
+    write_atomic(tmp / SIG_NAME, signature + "\n")
     final = root / step_dir_name(step)
     if final.exists():   # a stale checkpoint the user allowed us to replace (--overwrite-checkpoints)
         shutil.rmtree(final)
@@ -160,7 +230,7 @@ def commit(root: Path, step: int, meta_fields: dict, files: list[FileDigest]) ->
 
 def prune(root: Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints (keep <= 0: keep all), and leftovers of killed saves
-    older than the newest complete one."""
+    older than the newest complete one. Only step folders are touched (never the lock file)."""
     steps = complete_steps(root)
     removed = []
     if keep > 0:
@@ -172,6 +242,34 @@ def prune(root: Path, keep: int) -> list[Path]:
         if step < newest:
             shutil.rmtree(d, ignore_errors=True)
     return removed
+
+
+@contextlib.contextmanager
+def locked(root: Path, command: str) -> Iterator[None]:
+    """Hold `root`'s lock for a run that saves into it: two runs sharing a folder would delete each other's saves
+    in progress. flock(2) is released by the kernel when its holder exits however it dies, so no lock outlives its
+    run; the file stays (removing it would let a third run lock a new file while the second holds the old one)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"cannot use --checkpoint-dir {root}: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid, _, holder = os.read(fd, 4096).decode(errors="replace").partition("\n")
+            who = f"pid {pid.strip() or 'unknown'}" + (f": {holder.strip()}" if holder.strip() else "")
+            raise CheckpointError(f"checkpoint folder {root} is in use by another planner run ({who}); wait for it "
+                                  f"to finish or choose another --checkpoint-dir") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n{command}\n".encode(), 0)
+        except OSError as exc:
+            raise CheckpointError(f"cannot use --checkpoint-dir {root}: {exc.strerror}") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def newer_than(root: Path, step: int) -> list[Path]:

@@ -21,7 +21,17 @@ from executor.train import TrainConfig, single_process_losses
 from tests.plans import plan_file, plan_for
 from tests.test_executor import CFG, S
 
-ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_checkpoint_key(tmp_path_factory):
+    """Checkpoints here are signed with a key of the tests' own, never the user's (~/.config/zeropipe): module
+    scope, so that it is in place before the module-scoped checkpoint fixtures run (subprocesses inherit it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        config = tmp_path_factory.mktemp("config")
+        mp.setenv("XDG_CONFIG_HOME", str(config))
+        mp.delenv("ZEROPIPE_CHECKPOINT_KEY", raising=False)
+        yield config / "zeropipe" / "checkpoint.key"
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +40,7 @@ def profile():
 
 
 def _cli(*args, env=None, timeout=240):
-    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout)
 
 
@@ -81,7 +91,7 @@ def test_damage_is_named_with_the_checkpoint_to_use_instead(tmp_path, profile):
     with pytest.raises(layout.CheckpointError) as exc:
         layout.verify(six, layout.read_meta(six))
     assert str(exc.value) == (f"checkpoint {six} is damaged: __0_0.distcp has 493 of its 500 bytes; resume from "
-                              f"{tmp_path / 'step-00000003'}, the latest complete checkpoint before it")
+                              f"{tmp_path / 'step-00000003'}, the latest checkpoint before it that verifies")
     data.write_bytes(original[:-1] + b"X")                      # same size, other bytes
     with pytest.raises(layout.CheckpointError, match="does not match its sha256"):
         layout.verify(six, layout.read_meta(six))
@@ -90,6 +100,7 @@ def test_damage_is_named_with_the_checkpoint_to_use_instead(tmp_path, profile):
         layout.read_meta(six)
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_gives_the_uninterrupted_losses(tmp_path, profile):
     """ZeRO-1 over 2 ranks (DDP + ZeroRedundancyOptimizer: each rank owns half the optimizer states)."""
     plan = plan_file(tmp_path, S(2, 1, 1), profile)
@@ -116,8 +127,8 @@ def test_kill_9_then_resume_gives_the_uninterrupted_losses(tmp_path, profile):
     assert broken.returncode == 2
     assert broken.stderr.strip().splitlines() == [
         f"error: checkpoint {ck / 'step-00000008'} is damaged: __1_0.distcp has {shard.stat().st_size:,} of its "
-        f"{shard.stat().st_size + 100:,} bytes; resume from {ck / 'step-00000006'}, the latest complete checkpoint "
-        f"before it"]
+        f"{shard.stat().st_size + 100:,} bytes; resume from {ck / 'step-00000006'}, the latest checkpoint before it "
+        f"that verifies"]
     earlier = _losses(_cli("run", plan, "--steps", "8", "--resume", ck / "step-00000006", "-o", "-", "--json",
                            "--warmup", "0"))
     assert earlier == pytest.approx(uninterrupted[6:], rel=1e-6, abs=0)
@@ -149,6 +160,7 @@ def zero3_checkpoint(tmp_path_factory, profile):
     return root, run
 
 
+@pytest.mark.slow
 def test_zero3_on_4_ranks_resumes_as_a_2_stage_1f1b_pipeline(zero3_checkpoint, profile, tmp_path, monkeypatch):
     root, run_a = zero3_checkpoint
     ck = root / "ck" / "step-00000003"
@@ -179,6 +191,7 @@ def test_zero3_on_4_ranks_resumes_as_a_2_stage_1f1b_pipeline(zero3_checkpoint, p
     assert list(run_b.losses) == pytest.approx(fresh[3:5], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_replan_for_2_gpus_then_run_resumes_from_the_checkpoint(zero3_checkpoint, profile, tmp_path):
     root, _ = zero3_checkpoint
     ck = root / "ck"
@@ -202,6 +215,7 @@ def test_replan_for_2_gpus_then_run_resumes_from_the_checkpoint(zero3_checkpoint
     assert resumed == pytest.approx(reference, rel=1e-6, abs=0)
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_batch_or_no_steps_left_in_one_line(zero3_checkpoint, profile, tmp_path):
     root, _ = zero3_checkpoint
     half = Strategy.from_dict({**S(2, 1).to_dict(), "microbatches": 1, "micro_batch_size": 2})   # global batch 4

@@ -1,0 +1,85 @@
+"""The key that signs checkpoint listings, kept outside every checkpoint folder.
+
+Resuming runs code a checkpoint carries (torch's DCP reader unpickles `.metadata`), and the sha256 listing sits in
+the same folder as the files it lists: whoever can rewrite a file can rewrite its digest. So the listing is signed
+with HMAC-SHA256 (RFC 2104) under a secret only this installation holds; a checkpoint whose listing's signature
+checks was written by a run holding the key, and its digests then vouch for every file.
+
+The key file is 32 random bytes (the output size of SHA-256: RFC 2104 section 3 recommends a key no shorter),
+made on the first save with mode 0600: $ZEROPIPE_CHECKPOINT_KEY if set (one key file shared by several machines),
+else $XDG_CONFIG_HOME/zeropipe/checkpoint.key, else ~/.config/zeropipe/checkpoint.key.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from cost_models.errors import ConfigError
+
+KEY_ENV = "ZEROPIPE_CHECKPOINT_KEY"
+KEY_BYTES = 32
+
+
+def key_path() -> Path:
+    """Where this installation's key lives (it may not exist yet)."""
+    named = os.environ.get(KEY_ENV)
+    if named:
+        return Path(named).expanduser()
+    config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config) / "zeropipe" / "checkpoint.key"
+
+
+def load_key(path: Path) -> bytes | None:
+    """The key at `path`, or None when there is none."""
+    try:
+        key = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the checkpoint key {path}: {exc.strerror}") from None
+    if len(key) < KEY_BYTES:
+        raise ConfigError(f"the checkpoint key {path} holds {len(key)} bytes, a key needs {KEY_BYTES}; remove it to "
+                          f"have a new one made (checkpoints signed with the old one then need --trust-checkpoint)")
+    return key
+
+
+def load_or_create_key(path: Path) -> bytes:
+    """The key at `path`, made first if there is none: written to a private temporary file, then linked into place
+    (link never replaces an existing file, so two processes making it at once end up with the same key)."""
+    key = load_key(path)
+    if key is not None:
+        return key
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_bytes(KEY_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass             # another process made it first: use theirs
+    except OSError as exc:
+        raise ConfigError(f"cannot create the checkpoint signing key {path}: {exc.strerror}; set {KEY_ENV} to a "
+                          f"file in a writable place") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    key = load_key(path)
+    assert key is not None
+    return key
+
+
+def sign(data: bytes, key: bytes) -> str:
+    """Hex HMAC-SHA256 of `data`."""
+    return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def verify(data: bytes, signature: str, key: bytes) -> bool:
+    """`signature` is `data`'s under `key` (compared in constant time)."""
+    return hmac.compare_digest(sign(data, key).encode(), signature.strip().encode())
