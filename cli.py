@@ -14,7 +14,8 @@ from typing import Callable, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
 from cost_models.errors import PlannerError
@@ -30,8 +31,17 @@ def _command_line() -> str:
     return shlex.join(["planner", *sys.argv[1:]])
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """Ctrl-C or SIGTERM: KeyboardInterrupt here (main installs the SIGTERM handler), or torch elastic's
+    SignalException while ranks run (its agent installs its own handlers, stops every rank, then raises it)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    elastic = sys.modules.get("torch.distributed.elastic.multiprocessing.api")
+    return elastic is not None and isinstance(exc, elastic.SignalException)
+
+
 def handles_errors(fn: Callable) -> Callable:
-    """Turn PlannerError into one line on stderr and its exit code; Ctrl-C into exit 130."""
+    """Turn PlannerError into one line on stderr and its exit code; Ctrl-C and SIGTERM into exit 130."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -39,7 +49,9 @@ def handles_errors(fn: Callable) -> Callable:
         except PlannerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             raise typer.Exit(exc.exit_code) from None
-        except KeyboardInterrupt:
+        except BaseException as exc:
+            if not _interrupted(exc):
+                raise
             print("interrupted", file=sys.stderr)
             raise typer.Exit(130) from None
     return wrapper
@@ -55,9 +67,13 @@ def _confirm_overwrite(path: Path, force: bool) -> bool:
 
 
 def _prepare_output(output: Path, force: bool, *, also: tuple[Path, ...] = ()) -> tuple[Path | None, bool]:
-    """(where to write or None for '-', may overwrite): refuses, before any work, to clobber a user's file."""
+    """(where to write or None for '-', may overwrite): refuses, before any work, to clobber a user's file or to
+    start work whose output cannot be written."""
     from cost_models.errors import OutputExistsError
+    from cost_models.fileio import check_writable
     write_to = None if str(output) == "-" else output
+    for path in (write_to, *also) if write_to else ():
+        check_writable(path)
     overwrite = _confirm_overwrite(write_to, force) if write_to else False
     for path in (write_to, *also) if write_to else ():
         if path.exists() and not overwrite:
@@ -71,13 +87,25 @@ def _emit(data: dict, write_to: Path | None, overwrite: bool, as_json: bool) -> 
     if write_to:
         write_atomic(write_to, dumps(data), overwrite=overwrite)
     if as_json:
-        print(json.dumps(data, indent=2))
+        print(dumps(data), end="")
     return as_json
 
 
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=err, transient=True)
+def _progress(*, counts: bool = True) -> Progress:
+    """A bar on stderr with elapsed and remaining time; `counts` shows done/total (items), else a percentage (the
+    profiler reports shares of its expected time). The time left is the whole task's average rate applied to
+    what remains (rich's default averages the last 30 s only, and a profiled unit can take longer than that)."""
+    amount = MofNCompleteColumn() if counts else TaskProgressColumn()
+    return Progress(TextColumn("{task.description}"), BarColumn(), amount, TimeElapsedColumn(), TextColumn("left"),
+                    TimeRemainingColumn(), console=err, transient=True, speed_estimate_period=7 * 24 * 3600)
+
+
+LONG_PROFILE_S = 30.0   # real-mode profiles whose timed runs will take longer than this say so when they start
+
+
+def _about(seconds: float) -> str:
+    return (f"about {seconds:.0f} s" if seconds < 90 else f"about {seconds / 60:.0f} min" if seconds < 5400
+            else f"about {seconds / 3600:.1f} h")
 
 
 def _table(columns: list[str], rows: list[list[str]], title: str | None = None) -> Table:
@@ -123,13 +151,18 @@ def profile(
     check_cluster_args(cluster, nodes=nodes, ranks=ranks)
     if cluster != "local":  # load presets and files before spending time on the model
         cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
-    with _progress() as bar:
-        task = bar.add_task(f"profiling {source.name}", total=None)
+    with _progress(counts=False) as bar:
+        task = bar.add_task(f"profiling {source.name}: forward pass of the whole model", total=None)
         def on_progress(done: int, total: int, name: str) -> None:
             bar.update(task, completed=done, total=total, description=f"profiling {source.name}: {name}")
+        def on_estimate(seconds: float) -> None:
+            if seconds >= LONG_PROFILE_S:
+                err.print(f"profiling {source.name} in real mode: timing the units takes {_about(seconds)} more (from "
+                          f"one forward and backward of each, just run); --meta counts without timing in seconds",
+                          highlight=False)
         prof = profile_model(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
                              units=units, warmup=warmup, repeats=repeats, threads=threads, command=_command_line(),
-                             on_progress=on_progress)
+                             on_progress=on_progress, on_estimate=on_estimate)
     if cluster == "local":
         cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats)
     if _emit(ProfileFile(model=prof, cluster=cluster_prof).to_dict(), write_to, overwrite, as_json):
@@ -228,7 +261,7 @@ def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="
     from cost_models.summaries import UNIT_COLUMNS, unit_rows
     from executor.demo import run_demo
 
-    with _progress() as bar:
+    with _progress(counts=False) as bar:
         task = bar.add_task("demo: profiling", total=None)
         def on_progress(done: int, total: int, name: str) -> None:
             bar.update(task, completed=done, total=total, description=f"demo: profiling {name}")
@@ -324,7 +357,7 @@ def plan(
     outputs = _plan_outputs(output, force, report)
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
     result = _planning("planning", lambda on_progress: run_plan(
-        pf.model, target, gpus=gpus or target.world_size, global_batch_size=global_batch_size, top_k=top_k,
+        pf.model, target, gpus=target.world_size if gpus is None else gpus, global_batch_size=global_batch_size, top_k=top_k,
         time_limit_s=time_limit, precision=precision, optimizer=optimizer, profile_path=str(profile_path),
         command=_command_line(), on_progress=on_progress))
     write_to = outputs[0]
@@ -385,28 +418,27 @@ def report_cmd(
     force: bool = typer.Option(False, "--force", "-f", help="overwrite existing report files"),
 ) -> None:
     """Write a plan report for review: report.html (self-contained, SVG pictures) and report.md."""
-    from cost_models.fileio import read_json
-    from executor.launch import RUN_KIND, RUN_SCHEMA_VERSION, RunFile
+    from executor.launch import load_run
     from planner.plan import load_plan
     _, overwrite = _prepare_output(output, force, also=(output.with_suffix(".md"),))
     the_plan = load_plan(plan_path)
-    the_run = RunFile.from_dict(read_json(run_path, kind=RUN_KIND, schema_version=RUN_SCHEMA_VERSION)) if run_path else None
+    the_run = load_run(run_path, the_plan) if run_path else None
     _write_report(the_plan, the_run, output, overwrite)
 
 
 def _print_plan(p) -> None:
-    from cost_models.summaries import strategy_name
+    from cost_models.summaries import duration, strategy_name
     r, pv = p.rationale, p.provenance
     out.print(f"{p.model.name} on {p.gpus} x {p.cluster.device.name} ({p.cluster.name}), global batch "
               f"{p.global_batch_size} x {p.model.seq_len}", highlight=False)
     for line in r.lines:
         out.print(line, highlight=False)
     _print_estimate(p.strategy, p.prediction)
-    rows = [[strategy_name(p.strategy), f"{p.prediction.step_time_s * 1e3:,.1f}",
+    rows = [[strategy_name(p.strategy), duration(p.prediction.step_time_s),
              f"{p.prediction.peak_memory_bytes / 2**30:.2f}", "chosen"]]
-    rows += [[strategy_name(a.strategy), f"{a.step_time_s * 1e3:,.1f}", f"{a.peak_memory_bytes / 2**30:.2f}",
+    rows += [[strategy_name(a.strategy), duration(a.step_time_s), f"{a.peak_memory_bytes / 2**30:.2f}",
               a.lost_because] for a in p.alternatives]
-    out.print(_table(["strategy", "step ms", "peak GiB", "why not"], rows, title="top candidates"))
+    out.print(_table(["strategy", "step time", "peak GiB", "why not"], rows, title="top candidates"))
     out.print(f"searched {pv.points_considered} points: {pv.points_pruned} pruned, {pv.points_costed} estimates, "
               f"{pv.planning_time_s:.2f} s; partition {pv.partitioner}, MILP {pv.milp_status}", highlight=False)
 
@@ -425,11 +457,12 @@ def run(
     timeout: float = typer.Option(60.0, "--timeout", help="seconds a collective may wait before the job fails"),
     seed: Optional[int] = typer.Option(None, "--seed", help="initialisation and data seed (default 0, or the checkpoint's)"),
     lr: Optional[float] = typer.Option(None, "--lr", help="learning rate (default 1e-3, or the checkpoint's)"),
-    checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="save checkpoints (DCP, one folder per step) here"),
+    checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="save checkpoints (DCP, one folder per step) here, signed with this installation's key: the file $ZEROPIPE_CHECKPOINT_KEY names, else $XDG_CONFIG_HOME/zeropipe/checkpoint.key or ~/.config/zeropipe/checkpoint.key (made on the first save); give machines that resume each other's checkpoints the same key file"),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="save after every K steps (default: after the last step only)"),
     checkpoint_keep: int = typer.Option(0, "--checkpoint-keep", help="keep only the newest K checkpoints (default: all)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue from a checkpoint: a step folder, or a --checkpoint-dir (its latest complete one); any plan of the same model and batch"),
     overwrite_checkpoints: bool = typer.Option(False, "--overwrite-checkpoints", help="replace checkpoints in --checkpoint-dir past the step this run starts at"),
+    trust_checkpoint: bool = typer.Option(False, "--trust-checkpoint", help="--resume from a checkpoint this installation's key did not sign (see --checkpoint-dir; ZEROPIPE_CHECKPOINT_KEY names another key file): loading it runs code stored in it (torch DCP unpickles .metadata), so only for checkpoints you made or trust who made; sizes and sha256 are still checked"),
     as_json: bool = typer.Option(False, "--json", help="print run.json on stdout"),
 ) -> None:
     """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction.
@@ -445,7 +478,9 @@ def run(
                         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                         checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
                         resume=str(resume) if resume else None, overwrite_checkpoints=overwrite_checkpoints,
-                        on_resume=lambda d, meta: _print_resume(d, meta, the_plan, saving=checkpoint_dir is not None))
+                        trust_checkpoint=trust_checkpoint,
+                        on_resume=lambda d, meta, signed: _print_resume(d, meta, the_plan, signed=signed,
+                                                                        saving=checkpoint_dir is not None))
     if result is None:
         err.print("this node's ranks finished; global rank 0's node writes run.json", highlight=False)
         return
@@ -470,14 +505,18 @@ def replan(
     force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout"),
     report: bool = typer.Option(True, "--report/--no-report", help="write report.html and report.md beside the plan"),
+    trust_checkpoint: bool = typer.Option(False, "--trust-checkpoint", help="re-plan from a checkpoint this installation's key did not sign (see planner run --checkpoint-dir): the new plan takes its model, which `planner run` imports, from the checkpoint"),
 ) -> None:
     """Re-plan a checkpointed job for another GPU count (same model, batch, precision, optimizer); then
     `planner run PLAN --resume CHECKPOINT` carries its training state over."""
     from cost_models.summaries import strategy_name
-    from executor.checkpoint_layout import read_meta, resolve
+    from executor.checkpoint_layout import check_signature, read_meta, resolve
     from planner.replan import replan as run_replan
 
     step_dir = resolve(checkpoint)
+    # only the JSON listing is read here (no pickle), but the plan written from it names the model code every rank
+    # of `planner run` imports, with or without --resume: the same signature as a resume
+    check_signature(step_dir, trusted=trust_checkpoint)
     meta = read_meta(step_dir)
     outputs = _plan_outputs(output, force, report)
     result = _planning("re-planning", lambda on_progress: run_replan(
@@ -495,17 +534,19 @@ def replan(
                   f"--steps N", highlight=False)
 
 
-def _print_resume(step_dir, meta, the_plan, *, saving: bool) -> None:
+def _print_resume(step_dir, meta, the_plan, *, signed: bool, saving: bool) -> None:
     from cost_models.summaries import strategy_name
     was, now = strategy_name(meta.plan.strategy), strategy_name(the_plan.strategy)
     how = "same plan" if meta.plan.strategy == the_plan.strategy else f"resharded from {was} on {meta.world_size} ranks to {now}"
-    err.print(f"resuming at step {meta.step} ({meta.samples_seen:,} sequences seen) from {step_dir}, checksums "
-              f"verified; {how}", highlight=False)
+    checked = "signature and checksums verified" if signed else "checksums verified (not signed: --trust-checkpoint)"
+    err.print(f"resuming at step {meta.step} ({meta.samples_seen:,} sequences seen) from {step_dir}, {checked}; "
+              f"{how}", highlight=False)
     if not saving:   # --resume only reads: saving again is a separate choice (and another folder is allowed)
         err.print("this run saves no checkpoints: add --checkpoint-dir to keep saving", highlight=False)
 
 
 def _print_run(r) -> None:
+    from cost_models.summaries import duration
     first = f"steps {r.start_step}-{r.steps - 1}" if r.start_step else f"{r.steps} steps"
     out.print(f"ran {r.strategy_summary} on {r.world_size} ranks ({r.backend}), {first}, "
               f"{r.warmup} warm-up", highlight=False)
@@ -520,14 +561,20 @@ def _print_run(r) -> None:
     rows = []
     for c in r.comparisons:
         unit_s = c.quantity.endswith("(s)")
-        fmt = (lambda v: f"{v * 1e3:,.2f} ms") if unit_s else (lambda v: f"{v / 2**20:,.3f} MiB")
+        fmt = duration if unit_s else (lambda v: f"{v / 2**20:,.3f} MiB")
         rows.append([c.quantity.replace(" (s)", "").replace(" (B)", ""), fmt(c.predicted), fmt(c.measured),
                      "-" if c.error_pct is None else f"{c.error_pct:+.1f}%"])
     out.print(_table(["quantity", "predicted", "measured", "error"], rows, title="predicted vs measured"))
-    out.print(f"throughput: {r.tokens_per_s:,.0f} tokens/s measured", highlight=False)
+    out.print(f"throughput: {r.tokens_per_s:,.0f} {r.throughput_unit}/s measured", highlight=False)
+
+
+def _sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt   # handled like Ctrl-C: "interrupted", exit 130, files written atomically or not at all
 
 
 def main() -> None:
+    import signal
+    signal.signal(signal.SIGTERM, _sigterm)
     app()
 
 

@@ -28,7 +28,8 @@ from torch import nn
 from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
 from executor.runtime import LossFn, Runtime, build_runtime, stage_io_shapes
-from planner.plan import Plan, load_plan
+from executor.stages import check_covers_model
+from planner.plan import Plan, check_plan, load_plan
 
 
 def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Module],
@@ -42,16 +43,24 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
     """
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)
+    if isinstance(plan, Plan):
+        check_plan(plan)     # load_plan checked a file; a Plan built in code is checked here
     strategy = plan.strategy if isinstance(plan, Plan) else plan
+    strategy.validate(tuple(u for stage in strategy.stages for u in stage))
     order = plan.prediction.pipeline_order if isinstance(plan, Plan) else None
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=dt.timedelta(seconds=timeout_s))
+    if dist.get_world_size() != strategy.world_size:
+        raise ConfigError(f"the plan runs on {strategy.world_size} ranks (dp {strategy.dp} x pp {strategy.pp}), this job "
+                          f"has {dist.get_world_size()}; start it with torchrun --nproc-per-node {strategy.world_size} "
+                          f"(per node) or re-plan for {dist.get_world_size()} GPUs")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     with torch.device("meta"):
         model = model_fn()
+    check_covers_model(model, strategy.stages)
     if example_input is None and isinstance(plan, Plan) and plan.model.input_kind == "tokens":
         example_input = torch.zeros(strategy.micro_batch_size, plan.model.seq_len, dtype=torch.long)
     if example_input is None and strategy.n_stages > 1:

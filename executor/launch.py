@@ -1,32 +1,36 @@
 """`planner run`: start the plan's ranks with torchrun's own machinery, gather what they measured, compare it with
 the plan's prediction, and write run.json.
 
-Local runs use torch.distributed.launcher.elastic_launch with c10d rendezvous on 127.0.0.1 (what `torchrun
---standalone` does); --nnodes / --node-rank / --rdzv-endpoint pass through for several nodes. max_restarts=0: a
+Local runs use torch.distributed.launcher.elastic_launch on file stores (cost_models.elastic.elastic_job: nothing
+listens on a network port); --nnodes / --node-rank / --rdzv-endpoint use a c10d TCP rendezvous. max_restarts=0: a
 rank that raises makes the agent stop every other rank, and the error comes back as one line naming the rank.
 Collectives time out after `timeout_s` (init_process_group's timeout), so a hung peer cannot hang the job.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import os
+import shlex
 import shutil
-import tempfile
+import sys
 import time
-import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from cost_models.elastic import is_consequence, quiet_elastic_logs, root_failure
-from cost_models.errors import ConfigError, PlannerError
+from cost_models.elastic import elastic_job, init_process_group, is_consequence, root_failure
+from cost_models.errors import ConfigError, FileFormatError, PlannerError
+from cost_models.fileio import read_json
 from cost_models.records import Record, record
 from executor import checkpoint_layout as layout
+from executor import trust
 from executor.train import RankResult, TrainConfig, run_on_rank, summarize_times
-from planner.plan import Plan
+from executor.stages import check_covers_model
+from planner.plan import Plan, check_plan
 
 RUN_KIND = "zeropipe.run"
 RUN_SCHEMA_VERSION = 1
@@ -66,6 +70,24 @@ class RunFile(Record):
     start_step: int = 0                    # losses[i] is step start_step + i
     resumed_from: str | None = None        # the checkpoint folder the run started from
     checkpoints: tuple[str, ...] = ()      # checkpoint folders this run committed
+    throughput_unit: str = "tokens"        # what tokens_per_s counts: "tokens" | "samples" (as the plan's estimate)
+
+
+def load_run(path, plan: Plan) -> RunFile:
+    """Read run.json and check it is a run of `plan` (the report sets its measurements beside the plan's
+    predictions): the same model, strategy, rank count and predicted step time, one result per rank."""
+    from planner.rationale import describe
+    run = RunFile.from_dict(read_json(path, kind=RUN_KIND, schema_version=RUN_SCHEMA_VERSION))
+    planned = (plan.model.name, describe(plan.strategy), plan.strategy.world_size, plan.prediction.step_time_s)
+    if (run.model, run.strategy_summary, run.world_size, run.predicted_step_time_s) != planned:
+        raise FileFormatError(f"{path} is a run of {run.strategy_summary} ({run.model}, {run.world_size} ranks, "
+                              f"predicted {run.predicted_step_time_s * 1e3:.6g} ms), not of this plan "
+                              f"({planned[1]}, {planned[0]}, {planned[2]} ranks, predicted {planned[3] * 1e3:.6g} ms); "
+                              f"pass the run.json that `planner run` wrote for this plan")
+    if sorted(r.rank for r in run.ranks) != list(range(run.world_size)):
+        raise FileFormatError(f"{path} has results for ranks {sorted(r.rank for r in run.ranks)} of a "
+                              f"{run.world_size}-rank run; re-run planner run")
+    return run
 
 
 def _note_failure(failure_dir: str, exc: BaseException) -> None:
@@ -84,6 +106,10 @@ def worker(plan_data: dict, cfg_data: dict, timeout_s: float, failure_dir: str) 
     except BaseException as exc:
         _note_failure(failure_dir, exc)
         raise
+
+
+def _noted_ranks(failure_dir: str) -> set[int]:
+    return {int(name[4:-4]) for name in os.listdir(failure_dir) if name.startswith("rank") and name.endswith(".txt")}
 
 
 def _failure_from_files(failure_dir: str) -> tuple[int, str] | None:
@@ -109,7 +135,7 @@ def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | Non
     else:
         torch.set_num_threads(1)   # ranks share the host's cores (and the profile was taken with one thread)
         backend = "gloo"
-    dist.init_process_group(backend, timeout=dt.timedelta(seconds=timeout_s))
+    init_process_group(backend, timeout_s)
     try:
         result = run_on_rank(plan.strategy, cfg, plan.prediction.pipeline_order, plan)
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -122,15 +148,16 @@ def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | Non
 def launch(plan: Plan, *, steps: int, warmup: int, seed: int | None = None, lr: float | None = None, nnodes: int = 1,
            node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float = 60.0,
            checkpoint_dir: str | None = None, checkpoint_every: int = 0, checkpoint_keep: int = 0,
-           resume: str | None = None, overwrite_checkpoints: bool = False,
+           resume: str | None = None, overwrite_checkpoints: bool = False, trust_checkpoint: bool = False,
            on_resume=None) -> RunFile | None:
     """Run the plan; returns the RunFile on the node holding global rank 0 (None on other nodes).
 
     `steps` counts from the start of training: resuming from a checkpoint at step k runs steps k .. steps - 1, with
-    the checkpoint's seed and learning rate unless given. `on_resume(step_dir, meta)` is told which checkpoint
-    was taken (after it was verified, before ranks start)."""
+    the checkpoint's seed and learning rate unless given. `on_resume(step_dir, meta, signed)` is told which
+    checkpoint was taken (after it was verified, before ranks start) and whether this installation's key signed it
+    (an unsigned one is refused unless `trust_checkpoint`: resuming runs code stored in it)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     if steps < 1 or warmup < 0:
         raise ConfigError("--steps must be >= 1 and --warmup >= 0")
@@ -140,39 +167,40 @@ def launch(plan: Plan, *, steps: int, warmup: int, seed: int | None = None, lr: 
         raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 0")
     if checkpoint_every and not checkpoint_dir:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to write them)")
+    check_plan(plan)
+    _check_model(plan)
     start, step_dir = 0, None
     if resume:
         step_dir = layout.resolve(resume)
+        signed = layout.check_signature(step_dir, trusted=trust_checkpoint)   # before anything else is read
         meta = layout.read_meta(step_dir)
         layout.check_resumable(meta, step_dir, plan, steps)
-        layout.verify(step_dir, meta)
+        layout.verify(step_dir, meta)   # here, before any rank starts: ranks load with DCP, which unpickles
         start = meta.step
         seed = meta.seed if seed is None else seed
         lr = meta.lr if lr is None else lr
         if on_resume:
-            on_resume(step_dir, meta)
+            on_resume(step_dir, meta, signed)
     if warmup >= steps - start:
         raise ConfigError(f"--warmup {warmup} leaves no timed step of the {steps - start} this run makes; "
                           f"use fewer warm-up steps")
-    if checkpoint_dir:
-        _check_checkpoint_dir(Path(checkpoint_dir), start, overwrite_checkpoints)
+    # entered with the job below: the folder is locked and checked right before ranks start, until they end
+    folder = _checkpoint_folder(Path(checkpoint_dir), start, overwrite_checkpoints, lock=node_rank == 0) \
+        if checkpoint_dir else contextlib.nullcontext()
     per_node = plan.strategy.world_size // nnodes
     check_fits_here(plan, per_node)
     cfg = TrainConfig(model_source=plan.model.source, seq_len=plan.model.seq_len, input_kind=plan.model.input_kind,
                       steps=steps, warmup=warmup, seed=0 if seed is None else seed, lr=1e-3 if lr is None else lr,
                       start_step=start, resume_from=str(step_dir) if step_dir else None,
                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep)
-    config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node,
-                          run_id=f"zeropipe-run-{uuid.uuid4().hex[:8]}" if nnodes == 1 else "zeropipe-run",
-                          rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
-                          rdzv_configs={"rank": node_rank} if nnodes > 1 else {}, max_restarts=0,
-                          monitor_interval=0.1)
-    with tempfile.TemporaryDirectory(prefix="zeropipe-run-") as failure_dir:
+    local_ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
+    # Ctrl-C / SIGTERM: torch's agent stops every rank, then raises its SignalException (the CLI says "interrupted")
+    with folder, elastic_job("run", per_node, nnodes=nnodes, node_rank=node_rank,
+                             rdzv_endpoint=rdzv_endpoint) as (config, failure_dir):
         try:
-            with quiet_elastic_logs():
-                results = elastic_launch(config, worker)(plan.to_dict(), cfg.to_dict(), timeout_s, failure_dir)
+            results = elastic_launch(config, worker)(plan.to_dict(), cfg.to_dict(), timeout_s, failure_dir)
         except ChildFailedError as exc:
-            rank, line = _root_cause(failure_dir, exc)
+            rank, line = _root_cause(failure_dir, exc, local_ranks, timeout_s)
             raise RunFailed(f"rank {rank} failed: {line}") from None
     gathered = results.get(0) if isinstance(results, dict) else None
     if gathered is None:
@@ -184,11 +212,30 @@ def launch(plan: Plan, *, steps: int, warmup: int, seed: int | None = None, lr: 
                                checkpoints=written)
 
 
+@contextlib.contextmanager
+def _checkpoint_folder(root: Path, start: int, overwrite: bool, *, lock: bool) -> Iterator[None]:
+    """While a run saves into `root`: the folder's lock held (on the node of global rank 0, which commits the
+    checkpoints; `lock`), the key that signs its checkpoints made, and the folder checked."""
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--checkpoint-dir {root} is a file; name a folder")
+    with layout.locked(root, shlex.join(sys.argv)) if lock else contextlib.nullcontext():
+        if lock:
+            trust.load_or_create_key(trust.key_path())   # a key that cannot be made fails here, not after training
+        _check_checkpoint_dir(root, start, overwrite)
+        yield
+
+
+def _check_model(plan: Plan) -> None:
+    """Before any rank starts: the plan's model builds (on the meta device: no memory) and its stages hold all of
+    it (executor.stages.check_covers_model)."""
+    from cost_models.models.source import DTYPES, resolve
+    model = resolve(plan.model.source).build(device="meta", dtype=DTYPES["fp32"])
+    check_covers_model(model, plan.strategy.stages)
+
+
 def _check_checkpoint_dir(root: Path, start: int, overwrite: bool) -> None:
     """Nothing a user made is overwritten without asking: checkpoints past this run's start would be replaced
     (or would shadow this run's as the latest)."""
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"--checkpoint-dir {root} is a file; name a folder")
     stale = layout.newer_than(root, start)
     if stale and not overwrite:
         raise ConfigError(f"{root} already holds {len(stale)} checkpoint(s) past step {start} (latest "
@@ -199,14 +246,22 @@ def _check_checkpoint_dir(root: Path, start: int, overwrite: bool) -> None:
     root.mkdir(parents=True, exist_ok=True)
 
 
-def _root_cause(failure_dir: str, exc) -> tuple[int, str]:
+def _root_cause(failure_dir: str, exc, local_ranks: range, timeout_s: float) -> tuple[int, str]:
     """The ranks' own notes name an exception; a rank killed by a signal leaves none, and its peers' notes only
-    say they lost it: then the agent's record of the signal (root_failure) is the cause."""
+    say they lost it: then the agent's record of the signal (root_failure) is the cause. When every rank that
+    failed only timed out waiting, the cause is a rank that did not fail and left no note: it stopped answering
+    (SIGSTOP, a hung kernel, swapped out), and the agent stops it with the rest."""
     noted = _failure_from_files(failure_dir)
     if noted and not is_consequence(noted[1]):
         return noted
     rank, line = root_failure(exc)
-    return noted if noted and is_consequence(line) else (rank, line)
+    if not is_consequence(line):
+        return rank, line
+    silent = [r for r in local_ranks if r not in _noted_ranks(failure_dir) and r not in exc.failures]
+    if silent:
+        return silent[0], (f"stopped responding (no error of its own: its peers timed out after --timeout "
+                           f"{timeout_s:g} s waiting for it)")
+    return noted or (rank, line)
 
 
 def check_fits_here(plan: Plan, per_node: int) -> None:
@@ -259,8 +314,8 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
                             measured=float(p2p_measured), error_pct=_err(est.comm.p2p_bytes_per_step, p2p_measured)))
     return RunFile(model=plan.model.name, strategy_summary=describe(plan.strategy), world_size=len(ranks), steps=steps,
                    warmup=warmup, backend=backend, losses=ranks[0].losses, step_time_s=slowest,
-                   tokens_per_s=est.tokens_per_step / slowest["median_s"], predicted_step_time_s=est.step_time_s,
-                   ranks=tuple(ranks), comparisons=tuple(comps),
+                   tokens_per_s=est.tokens_per_step / slowest["median_s"], throughput_unit=est.throughput_unit,
+                   predicted_step_time_s=est.step_time_s, ranks=tuple(ranks), comparisons=tuple(comps),
                    created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
 
@@ -280,7 +335,7 @@ def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list 
     from cost_models.strategy import Strategy
     from cost_models.summaries import strategy_name
     torch.set_num_threads(1)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=dt.timedelta(seconds=timeout_s))
+    init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout_s)
     try:
         cfg = TrainConfig.from_dict(cfg_data)
         results = []
@@ -302,15 +357,12 @@ def run_many(nproc: int, strategies: list, cfg: TrainConfig, *, timeout_s: float
     """Run several strategies of the same world size on one set of local ranks: [strategy][rank] -> RankResult.
     (The fidelity benchmark and the executor tests; `planner run` runs one plan.)"""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"zeropipe-many-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1)
-    with tempfile.TemporaryDirectory(prefix="zeropipe-many-") as failure_dir:
+    from torch.distributed.launcher.api import elastic_launch
+    with elastic_job("many", nproc) as (config, failure_dir):
         try:
-            with quiet_elastic_logs():
-                per_rank = elastic_launch(config, _many_worker)([s.to_dict() for s in strategies], cfg.to_dict(),
-                                                                timeout_s, failure_dir)[0]
+            per_rank = elastic_launch(config, _many_worker)([s.to_dict() for s in strategies], cfg.to_dict(),
+                                                            timeout_s, failure_dir)[0]
         except ChildFailedError as exc:
-            rank, line = _root_cause(failure_dir, exc)
+            rank, line = _root_cause(failure_dir, exc, range(nproc), timeout_s)
             raise RunFailed(f"rank {rank} failed: {line}") from None
     return [[RankResult.from_dict(per_rank[r][i]) for r in range(nproc)] for i in range(len(strategies))]

@@ -98,6 +98,22 @@ class TiedParam:
     pp_ranks: tuple[int, ...]
 
 
+def check_covers_model(model: nn.Module, stages: tuple[tuple[str, ...], ...]) -> None:
+    """Refuse (ConfigError, one line) stages that name a module the model lacks, or that leave some of the model's
+    parameters out: a plan edited to drop a block would otherwise train a different function without a word."""
+    held: set[int] = set()
+    for name in (u for stage in stages for u in stage):
+        try:
+            held.update(id(p) for p in model.get_submodule(name).parameters())
+        except AttributeError:
+            raise ConfigError(f"the plan's unit '{name}' is not a module of this model; was the plan made for "
+                              "another model?") from None
+    left_out = [n for n, p in model.named_parameters() if id(p) not in held]
+    if left_out:
+        raise ConfigError(f"the plan's stages leave out {len(left_out)} parameter tensor(s) of the model (first: "
+                          f"{left_out[0]}); re-create the plan from a profile of this model")
+
+
 def build_stages(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_ids: list[int], *,
                  recompute: tuple[bool, ...], seed: int, device: torch.device) -> list[Stage]:
     """The Stage modules for `stage_ids` (this rank's), materialised and initialised."""

@@ -3,6 +3,7 @@ the equivalence tests compare against."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import statistics
@@ -25,8 +26,12 @@ from executor.stages import build_stages, buffers_by_canonical, canonical_names,
 from planner.plan import Plan
 
 # Test hook for failure handling: "RANK:STEP" makes that rank raise at the start of that step, "RANK:STEP:kill" makes it
-# SIGKILL itself there (what kill -9 or the OOM killer does: no exception, no cleanup, no note).
+# SIGKILL itself there (what kill -9 or the OOM killer does: no exception, no cleanup, no note), "RANK:STEP:stop"
+# SIGSTOP itself (a hung rank: alive, silent, its peers time out waiting for it).
 INJECT_FAILURE_ENV = "ZEROPIPE_INJECT_FAILURE"
+# Test hook for a full disk: "STEP:BYTES" makes every rank's files stop growing at BYTES from the save after STEP on
+# (RLIMIT_FSIZE, with SIGXFSZ ignored, so write(2) fails with a real EFBIG: setrlimit(2), getrlimit(2)).
+SAVE_FILE_LIMIT_ENV = "ZEROPIPE_SAVE_FILE_LIMIT"
 
 
 @record
@@ -118,7 +123,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
                        optimizer_fn=optimizer_for(strategy, cfg.lr), stage_io=stage_io, plan_order=plan_order,
                        seed=cfg.seed, device=device)
     restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0
-    fail_rank, fail_step, kill = _injected_failure()
+    fail_rank, fail_step, how = _injected_failure()
     per_replica = strategy.microbatches * strategy.micro_batch_size
     times, losses, saved, save_s = [], [], [], []
     parts: dict[str, list[float]] = {"compute": [], "sync": [], "optimizer": []}
@@ -130,8 +135,8 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
         sl = slice(rt.dp_rank * per_replica, (rt.dp_rank + 1) * per_replica)
         x, y = inputs[sl].to(device), targets[sl].to(device)
         if step == fail_step and dist.get_rank() == fail_rank:
-            if kill:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if how in ("kill", "stop"):
+                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             raise RuntimeError(f"injected failure at step {step} ({INJECT_FAILURE_ENV})")
         counter = CommCounter() if counting else None
         rt.reset_timings()
@@ -159,6 +164,9 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
         for key in parts:
             parts[key].append(rt.timings[key])
         losses.append(_global_loss(replica_loss, rt, device))
+        if not math.isfinite(losses[-1]):   # the same all-reduced value on every rank: they all stop here, before a save
+            raise ConfigError(f"training diverged: the loss is {losses[-1]} at step {step}; lower --lr (now "
+                              f"{cfg.lr:g}) or check the data")
         done = step + 1
         if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
             t0 = time.perf_counter()
@@ -194,6 +202,7 @@ def _save(rt, cfg: TrainConfig, plan: Plan | None, step: int, last_loss: float) 
     meta = {"samples_seen": step * plan.strategy.global_batch_size, "seed": cfg.seed, "lr": cfg.lr,
             "loss": last_loss, "world_size": dist.get_world_size(), "plan": plan, "torch_version": torch.__version__}
     root = Path(cfg.checkpoint_dir)
+    _limit_file_size(step)
     checkpoint.save(sd, root, step, meta)
     if dist.get_rank() == 0:
         checkpoint_layout.prune(root, cfg.checkpoint_keep)
@@ -210,12 +219,21 @@ def _global_loss(replica_loss: torch.Tensor | None, rt, device: torch.device) ->
     return float(value[0] / value[1])
 
 
-def _injected_failure() -> tuple[int, int, bool]:
+def _limit_file_size(step: int) -> None:
+    spec = os.environ.get(SAVE_FILE_LIMIT_ENV, "")
+    if spec and step >= int(spec.split(":")[0]):
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(spec.split(":")[1]), hard))
+
+
+def _injected_failure() -> tuple[int, int, str]:
     spec = os.environ.get(INJECT_FAILURE_ENV, "")
     if not spec:
-        return -1, -1, False
+        return -1, -1, ""
     rank, step, *how = spec.split(":")
-    return int(rank), int(step or 0), how == ["kill"]
+    return int(rank), int(step or 0), how[0] if how else "raise"
 
 
 def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:

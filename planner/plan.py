@@ -4,10 +4,13 @@ from __future__ import annotations
 from typing import Literal
 
 from cost_models.cluster import ClusterProfile
+from cost_models.errors import ConfigError, FileFormatError
 from cost_models.estimate import Estimate
 from cost_models.fileio import read_json
 from cost_models.records import Record, record
+from cost_models.schedule import format_order, generate
 from cost_models.strategy import Strategy
+from cost_models.validate import validate_cluster
 
 PLAN_KIND = "zeropipe.plan"
 PLAN_SCHEMA_VERSION = 1
@@ -87,4 +90,39 @@ class Plan(Record):
 
 
 def load_plan(path) -> Plan:
-    return Plan.from_dict(read_json(path, kind=PLAN_KIND, schema_version=PLAN_SCHEMA_VERSION))
+    """Read and check a plan file (check_plan): what is run, reported or re-planned is what was estimated."""
+    data = read_json(path, kind=PLAN_KIND, schema_version=PLAN_SCHEMA_VERSION)
+    try:
+        plan = Plan.from_dict(data)
+        check_plan(plan)
+    except (ConfigError, TypeError, ValueError, AttributeError) as exc:   # a field missing, mistyped or inconsistent
+        raise FileFormatError(f"{path}: {exc}") from None
+    return plan
+
+
+def check_plan(plan: Plan) -> None:
+    """Raise ConfigError, one line naming the field and the fix, unless the plan is one the planner could have
+    written: the strategy is valid for the model's units (Strategy.validate: degrees >= 1, ZeRO 0-3, a known
+    schedule, stages covering every unit once and in order), its degrees match the plan's GPU count and global
+    batch, and the prediction belongs to this strategy (a rank layout, a memory entry per rank and the schedule's
+    own order). Called before any rank starts by every command that takes a plan; an edited plan is refused rather
+    than run as something other than what was estimated."""
+    s = plan.strategy
+    validate_cluster(plan.cluster, "the plan", fix="re-create the plan")
+    s.validate(plan.model.units)
+    fix = "re-create the plan with planner plan or planner estimate -o"
+    if s.global_batch_size != plan.global_batch_size:
+        raise ConfigError(f"strategy dp x microbatches x micro_batch_size = {s.dp} x {s.microbatches} x "
+                          f"{s.micro_batch_size} = {s.global_batch_size} sequences but global_batch_size is "
+                          f"{plan.global_batch_size}; {fix}")
+    if s.world_size != plan.gpus:
+        raise ConfigError(f"strategy dp x pp = {s.dp} x {s.pp} = {s.world_size} ranks but gpus is {plan.gpus}; {fix}")
+    if plan.stage_ranks != tuple(s.stage_ranks(i) for i in range(s.n_stages)):
+        raise ConfigError(f"stage_ranks do not match dp={s.dp}, pp={s.pp}; {fix}")
+    memory = plan.prediction.memory_per_rank
+    if tuple(m.rank for m in memory) != tuple(range(s.world_size)):
+        raise ConfigError(f"prediction.memory_per_rank has {len(memory)} entries for {s.world_size} ranks; {fix}")
+    schedule = s.schedule if s.n_stages > 1 else "1f1b"   # one stage: plain gradient accumulation (estimate)
+    if plan.prediction.pipeline_order != format_order(generate(schedule, s.pp, s.microbatches, s.v)):
+        raise ConfigError(f"prediction.pipeline_order is not the {s.schedule} order for pp={s.pp}, "
+                          f"microbatches={s.microbatches}, v={s.v}; {fix}")

@@ -8,6 +8,23 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _own_folder(tmp_path, monkeypatch):
+    """Every test runs in its own empty folder: files a user left in the repository (the README's examples write
+    profile.json there) never change what a CLI test sees, and tests never write into the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_checkpoint_key(tmp_path_factory):
+    """Checkpoints are signed with a key from the user's config folder (executor.trust): tests make their own,
+    never the real user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+        mp.delenv("ZEROPIPE_CHECKPOINT_KEY", raising=False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_profiles():
     """Real and meta profiles of the tiny zoo models, shared by tests that only read them."""

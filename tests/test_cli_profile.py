@@ -1,4 +1,5 @@
 """`planner profile` as a user runs it: exit codes, one-line errors, JSON on stdout, files written safely."""
+import pytest
 import json
 import subprocess
 import sys
@@ -69,6 +70,7 @@ def test_profile_embeds_a_preset_cluster(tmp_path):
     assert data["cluster"]["nodes"] == 128 and data["cluster"]["source"] == "preset:dgx-h100"
 
 
+@pytest.mark.slow
 def test_profile_probes_this_machine_by_default(tmp_path):
     res = run("profile", "--model", "mlp-deep", "-b", "2", "-s", "4", "--dtype", "fp32", "--repeats", "1",
               "--ranks", "2", "--probe-sizes", "64K..4M", "-o", "-", "--json")

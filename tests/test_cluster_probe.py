@@ -16,6 +16,7 @@ def test_fit_recovers_a_known_line():
     assert alpha == pytest.approx(2e-4) and beta == pytest.approx(5e-10) and r2 == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_probe_fits_predict_held_out_sizes(ranks):
     raw = run_local_probe(ranks, ProbeConfig(sizes=SIZES, repeats=5, matmul_seconds=0.2))

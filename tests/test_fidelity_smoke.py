@@ -18,6 +18,7 @@ def test_kendall_tau():
     assert kendall_tau([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / 6 ** 0.5)   # tau-b with a tie
 
 
+@pytest.mark.slow
 def test_quick_fidelity_run(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)

@@ -1,0 +1,251 @@
+"""Issue 14: edited plans, unwritable outputs, zeros, mismatched runs, signals, hung ranks and listening ports.
+
+Each test reproduces a defect found by the bad-input and fault matrix and asserts the one-line refusal (or the
+named cause) that replaces the traceback, the silent wrong result or the lost output."""
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from cost_models.fileio import dumps, write_atomic
+from cost_models.model_profiler import profile_model
+from cost_models.models.source import resolve
+from cost_models.presets import preset
+from cost_models.profile import ProfileFile
+from cost_models.strategy import Strategy
+from tests.plans import GPT_TINY_UNITS, plan_for
+
+runner = CliRunner()
+U = GPT_TINY_UNITS
+
+
+def _strategy(**kw) -> Strategy:
+    base = dict(dp=2, pp=1, zero=0, schedule="1f1b", microbatches=2, micro_batch_size=2, v=1, stages=(U,),
+                precision="fp32", optimizer="adamw")
+    return Strategy(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_model(resolve("gpt-tiny"), micro_batch_size=2, seq_len=16, meta=True, dtype="fp32")
+
+
+@pytest.fixture()
+def plan_json(profile, tmp_path):
+    """A valid 2-rank plan as JSON data, to edit the way a user (or a bad merge) would."""
+    return plan_for(_strategy(), profile).to_dict()
+
+
+def _write(tmp_path, data, name="plan.json") -> str:
+    return str(write_atomic(tmp_path / name, dumps(data), overwrite=True))
+
+
+def _one_error_line(res) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    return lines[0]
+
+
+EDITS = {  # what the matrix did to plan.json -> a word the refusal must contain
+    "stage drops blocks.2": (lambda d: d["strategy"].update(stages=[[u for u in U if u != "blocks.2"]]), "in order"),
+    "units out of order": (lambda d: d["strategy"].update(stages=[["embed", "blocks.1", "blocks.0", *U[3:]]]), "in order"),
+    "a unit twice": (lambda d: d["strategy"].update(stages=[[*U, "head"]]), "exactly once"),
+    "two stages at pp=1": (lambda d: d["strategy"].update(stages=[list(U[:3]), list(U[3:])]), "2 stages given"),
+    "dp=3 (48 of 64 sequences)": (lambda d: d["strategy"].update(dp=3), "global_batch_size"),
+    "zero=7": (lambda d: d["strategy"].update(zero=7), "0, 1, 2 or 3"),
+    "dp=0": (lambda d: d["strategy"].update(dp=0), "dp must be >= 1"),
+    "microbatches=0": (lambda d: d["strategy"].update(microbatches=0), "microbatches must be >= 1"),
+    "gpus edited": (lambda d: d.update(gpus=4), "gpus is 4"),
+    "another schedule's order": (lambda d: d["prediction"].update(pipeline_order={"0": ["0F0", "0F1", "0B0"]}),
+                                 "pipeline_order"),
+    "memory entries dropped": (lambda d: d["prediction"].update(memory_per_rank=d["prediction"]["memory_per_rank"][:1]),
+                               "memory_per_rank"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edited_plan_is_refused_by_run_and_report_before_any_rank_starts(edit, plan_json, tmp_path):
+    change, word = EDITS[edit]
+    change(plan_json)
+    path = _write(tmp_path, plan_json)
+    for args in (["run", path, "--steps", "2", "-o", "run.json"], ["report", path]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (edit, args, res.output)
+        line = _one_error_line(res)
+        assert line.startswith(f"error: {path}: ") and word in line, (edit, line)
+    assert not (tmp_path / "run.json").exists() and not (tmp_path / "report.html").exists()
+
+
+def test_a_plan_whose_model_units_were_edited_too_is_refused_for_leaving_parameters_out(plan_json, tmp_path):
+    # both the stages and the recorded unit list drop blocks.2: consistent as data, yet not the model's function
+    kept = [u for u in U if u != "blocks.2"]
+    plan_json["model"]["units"] = kept
+    plan_json["strategy"]["stages"] = [kept]
+    res = runner.invoke(app, ["run", _write(tmp_path, plan_json), "--steps", "2", "-o", "run.json"])
+    assert res.exit_code == 2
+    line = _one_error_line(res)
+    assert "leave out" in line and "blocks.2." in line, line
+
+
+def test_a_valid_plan_still_loads(plan_json, tmp_path):
+    from planner.plan import load_plan
+    plan = load_plan(_write(tmp_path, plan_json))
+    assert plan.strategy.global_batch_size == plan.global_batch_size == 8 and plan.gpus == 2
+
+
+def _profile_path(tmp_path, profile) -> str:
+    return str(write_atomic(tmp_path / "profile.json",
+                            dumps(ProfileFile(model=profile, cluster=preset("dgx-a100")).to_dict())))
+
+
+def test_zero_is_refused_not_taken_as_the_default(profile, tmp_path):
+    path = _profile_path(tmp_path, profile)
+    for args, word in ((["plan", path, "-B", "8", "--gpus", "0"], "gpus"),
+                       (["plan", path, "-B", "8", "--nodes", "0"], "--nodes must be >= 1"),
+                       (["estimate", path, "--nodes", "0"], "--nodes must be >= 1")):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert word in _one_error_line(res), args
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_unwritable_outputs_are_refused_before_any_work(profile, plan_json, tmp_path):
+    profile_path = _profile_path(tmp_path, profile)
+    plan_path = _write(tmp_path, plan_json)
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "a-folder").mkdir()
+    cases = [(["plan", profile_path, "-B", "8", "-o", "a-file/plan.json"], "a-file is a file, not a folder"),
+             (["plan", profile_path, "-B", "8", "-o", "a-folder", "--force"], "a-folder is a folder"),
+             (["run", plan_path, "--steps", "2", "-o", "a-file/run.json"], "a-file is a file, not a folder"),
+             (["report", plan_path, "-o", "a-folder", "--force"], "a-folder is a folder"),
+             (["profile", "--model", "gpt-tiny", "-b", "1", "-s", "8", "--meta", "--cluster", "none", "-o",
+               "a-file/p.json"], "a-file is a file, not a folder")]
+    for args, words in cases:
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert words in _one_error_line(res), args
+    assert (tmp_path / "a-file").read_text() == "not a folder" and not any((tmp_path / "a-folder").iterdir())
+
+
+def _cli(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "import cli; cli.main()", *map(str, args)], capture_output=True,
+                          text=True, timeout=kw.pop("timeout", 300), **kw)
+
+
+def test_a_write_that_fails_at_the_end_is_one_line_and_leaves_no_partial_file(tmp_path):
+    """The OS refuses the write itself (RLIMIT_FSIZE: the kernel's "File too large", as a full disk gives "No space
+    left on device"): one line naming the file and the cause, exit 2, no temp file left beside it."""
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # write() then fails with EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    proc = _cli("profile", "--model", "gpt-tiny", "-b", "1", "-s", "8", "--meta", "--cluster", "none", "-o", "p.json",
+                preexec_fn=small_files)
+    assert proc.returncode == 2, proc.stderr[-1500:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["error: cannot write p.json: File too large; nothing was written there"], proc.stderr[-1500:]
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_run_json_of_another_plan_is_refused_by_report(profile, tmp_path):
+    from executor.launch import RunFile
+    from planner.rationale import describe
+    plan_a = plan_for(_strategy(), profile)
+    plan_b = plan_for(_strategy(zero=1), profile)
+    run_of_b = RunFile(model=plan_b.model.name, strategy_summary=describe(plan_b.strategy), world_size=2, steps=2,
+                       warmup=1, backend="gloo", losses=(6.2, 6.1), step_time_s={"median_s": 0.05}, tokens_per_s=1.0,
+                       predicted_step_time_s=plan_b.prediction.step_time_s, ranks=(), comparisons=(), created_at="")
+    a = _write(tmp_path, plan_a.to_dict(), "a.json")
+    run = _write(tmp_path, run_of_b.to_dict(), "run.json")
+    res = runner.invoke(app, ["report", a, "--run", run])
+    assert res.exit_code == 2
+    line = _one_error_line(res)
+    assert f"is a run of {describe(plan_b.strategy)}" in line and describe(plan_a.strategy) in line
+    assert not (tmp_path / "report.html").exists()
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _wait_for_ranks(proc: subprocess.Popen, n: int, deadline_s: float = 120) -> list[psutil.Process]:
+    """The planner process and its descendants once `n` ranks (processes multiprocessing spawned) are running."""
+    t0 = time.time()
+    while time.time() - t0 < deadline_s:
+        assert proc.poll() is None, proc.communicate()[1][-1500:]
+        tree = _tree(proc.pid)
+        ranks = [p for p in tree[1:] if "spawn_main" in " ".join(p.cmdline())]
+        if len(ranks) >= n:
+            return tree
+        time.sleep(0.2)
+    raise AssertionError("ranks did not start")
+
+
+@pytest.mark.slow
+def test_a_local_run_listens_on_no_network_port_and_sigterm_is_interrupted_exit_130(plan_json, tmp_path):
+    path = _write(tmp_path, plan_json)
+    proc = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "run", path, "--steps", "100000",
+                             "-o", "run.json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tree = _wait_for_ranks(proc, 2)
+        time.sleep(3)   # ranks initialise their process group (gloo pairs connect) and train
+        listening = [c.laddr for p in _tree(proc.pid) for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    # TCPStore's server binds every interface ('*:PORT'); a single-node run uses file stores instead, and gloo's
+    # own sockets are on the loopback interface
+    assert all(a.ip.startswith("127.") or a.ip == "::1" for a in listening), listening
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines() == ["interrupted"], stderr[-2000:]
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree[1:])   # no orphan ranks
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_sigterm_before_ranks_start_is_interrupted_exit_130(tmp_path):
+    # real-mode profiling of a model too big to finish soon: SIGTERM arrives while no rank exists
+    proc = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "profile", "--model", "gpt2-small", "-b",
+                             "4", "-s", "1024", "--cluster", "none", "-o", "p.json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "interrupted"
+    assert "Traceback" not in stderr and not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_named_not_the_peer_that_timed_out_waiting_for_it(plan_json, tmp_path):
+    path = _write(tmp_path, plan_json)
+    proc = _cli("run", path, "--steps", "6", "--timeout", "5", "-o", "-",
+                env={**os.environ, "ZEROPIPE_INJECT_FAILURE": "1:2:stop"})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: rank 1 failed: stopped responding"), proc.stderr[-2000:]
+    assert "--timeout 5 s" in lines[-1] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_run_whose_loss_diverges_stops_in_one_line_without_writing_nan(plan_json, tmp_path):
+    # lr 1e6 makes AdamW's second step produce NaN weights; NaN is not JSON, and a checkpoint of them is worthless
+    proc = _cli("run", _write(tmp_path, plan_json), "--steps", "4", "--lr", "1e6", "-o", "run.json",
+                "--checkpoint-dir", "ck")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    # every rank sees the same all-reduced loss and stops; whichever noted it first is named
+    assert re.match(r"error: rank [01] failed: ConfigError: training diverged: the loss is nan at step \d", line), line
+    assert "lower --lr (now 1e+06)" in line and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run.json").exists() and not list((tmp_path / "ck").glob("step-*"))
