@@ -6,7 +6,6 @@ PlannerError subclasses: one line, no traceback, exit code 2 (bad input) or 3 (n
 from __future__ import annotations
 
 import functools
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgress
 from rich.table import Table
 
 from cost_models.errors import PlannerError
+from cost_models.fileio import dumps
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="zeropipe: profile a model and a cluster, plan ZeRO / pipeline / hybrid training, run it.")
@@ -83,7 +83,7 @@ def _prepare_output(output: Path, force: bool, *, also: tuple[Path, ...] = ()) -
 
 def _emit(data: dict, write_to: Path | None, overwrite: bool, as_json: bool) -> bool:
     """Write the file atomically; with --json print it. True when JSON was printed (the caller stops there)."""
-    from cost_models.fileio import dumps, write_atomic
+    from cost_models.fileio import write_atomic
     if write_to:
         write_atomic(write_to, dumps(data), overwrite=overwrite)
     if as_json:
@@ -234,7 +234,7 @@ def presets(as_json: bool = typer.Option(False, "--json", help="print as JSON"))
     """List the cluster presets (one node each; scale with --nodes)."""
     from cost_models.presets import PRESETS
     if as_json:
-        print(json.dumps({k: v.to_dict() for k, v in PRESETS.items()}, indent=2))
+        print(dumps({k: v.to_dict() for k, v in PRESETS.items()}), end="")
         return
     rows = [[p.name, f"{p.devices_per_node} x {p.device.name}", f"{p.device.peak_flops['bf16'] / 1e12:.0f}",
              f"{p.intra_node.kind} {p.intra_node.bandwidth_Bps / 1e9:.0f}",
@@ -249,7 +249,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="print as JSON")) 
     from cost_models.models.zoo import ZOO
     rows = [[e.name, e.family, e.input_kind, str(e.max_seq_len or "-"), e.description] for e in ZOO.values()]
     if as_json:
-        print(json.dumps([e.to_dict() for e in ZOO.values()], indent=2))
+        print(dumps([e.to_dict() for e in ZOO.values()]), end="")
         return
     out.print(_table(["name", "family", "input", "max seq", "description"], rows))
 
@@ -314,7 +314,7 @@ def estimate(
                               optimizer=optimizer)
     est = run_estimate(strategy, pf.model, target)
     if as_json:
-        print(json.dumps({"strategy": strategy.to_dict(), **est.to_dict()}, indent=2))
+        print(dumps({"strategy": strategy.to_dict(), **est.to_dict()}), end="")
     else:
         _print_estimate(strategy, est)
     if not est.fits:
@@ -510,14 +510,13 @@ def replan(
     """Re-plan a checkpointed job for another GPU count (same model, batch, precision, optimizer); then
     `planner run PLAN --resume CHECKPOINT` carries its training state over."""
     from cost_models.summaries import strategy_name
-    from executor.checkpoint_layout import check_signature, read_meta, resolve
+    from executor.checkpoint_layout import read_verified, resolve
     from planner.replan import replan as run_replan
 
     step_dir = resolve(checkpoint)
     # only the JSON listing is read here (no pickle), but the plan written from it names the model code every rank
     # of `planner run` imports, with or without --resume: the same signature as a resume
-    check_signature(step_dir, trusted=trust_checkpoint)
-    meta = read_meta(step_dir)
+    meta, _ = read_verified(step_dir, trusted=trust_checkpoint)
     outputs = _plan_outputs(output, force, report)
     result = _planning("re-planning", lambda on_progress: run_replan(
         meta.plan, gpus=gpus, profile_path=str(profile_path) if profile_path else None, cluster=cluster,

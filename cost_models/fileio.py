@@ -120,11 +120,17 @@ def read_json(path: str | os.PathLike[str], *, kind: str, schema_version: int) -
         raise FileFormatError(f"{p}: not valid JSON ({exc})") from None
     except OSError as exc:
         raise FileFormatError(f"{p}: cannot read ({exc.strerror})") from None
-    data = parse_json(text, str(p))
+    return loads_document(text, str(p), kind=kind, schema_version=schema_version)
+
+
+def loads_document(text: str, where: str, *, kind: str, schema_version: int) -> dict[str, Any]:
+    """Parse the text of a zeropipe JSON file (read by the caller: a signed file is parsed from the very bytes whose
+    signature was checked), checking its kind and schema version."""
+    data = parse_json(text, where)
     if not isinstance(data, dict) or data.get("kind") != kind:
-        raise FileFormatError(f"{p}: not a zeropipe {kind} file (its 'kind' is {data.get('kind') if isinstance(data, dict) else None!r})")
+        raise FileFormatError(f"{where}: not a zeropipe {kind} file (its 'kind' is {data.get('kind') if isinstance(data, dict) else None!r})")
     if data.get("schema_version") != schema_version:
         raise FileFormatError(
-            f"{p}: schema_version {data.get('schema_version')!r}, this zeropipe reads {schema_version}; re-create the file"
+            f"{where}: schema_version {data.get('schema_version')!r}, this zeropipe reads {schema_version}; re-create the file"
         )
     return data

@@ -13,13 +13,16 @@ it holds, whatever slices were written: that is the resharding (shared/torch-on-
 W=4 -> W=1..4 to be exact). ZeroRedundancyOptimizer keeps whole parameters' states on their owner rank only: the
 owner passes them, so they are written once and land on whichever rank owns them in the new plan.
 
-Nothing here pickles: a pickle runs code when loaded, and a checkpoint may come from elsewhere (the launcher checks
-its signature and digests before any rank loads it, checkpoint_layout.check_signature; DCP's own `.metadata` is a
-pickle, which is why that check must come first).
+Nothing of ours is pickled: a pickle runs code when loaded, and a checkpoint may come from elsewhere. DCP's own
+`.metadata` is a pickle, so it is unpickled only from the bytes whose sha256 the signed listing vouches for
+(_verified_reader; checkpoint_layout.check_signature), checked again on every rank right before the load, not only by
+the launcher.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from cost_models.errors import PlannerError
 from executor import checkpoint_layout as layout
@@ -82,13 +86,18 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 
 def set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(tensors["torch"])
-    has_gauss, gauss_next = tensors["py.gauss"].tolist()
-    random.setstate((int(tensors["py.version"][0]), tuple(tensors["py.state"].tolist()),
-                     gauss_next if has_gauss else None))
-    pos, np_has_gauss = tensors["np.pos"].tolist()
-    np.random.set_state(("MT19937", tensors["np.state"].numpy().astype(np.uint32), pos, np_has_gauss,
-                         float(tensors["np.gauss"][0])))
+    """Restore each generator whose state is there: a checkpoint from before these keys existed has only torch's
+    (its Python and numpy states were one pickle, which is not loaded)."""
+    if "torch" in tensors:
+        torch.set_rng_state(tensors["torch"])
+    if all(f"py.{k}" in tensors for k in ("version", "state", "gauss")):
+        has_gauss, gauss_next = tensors["py.gauss"].tolist()
+        random.setstate((int(tensors["py.version"][0]), tuple(tensors["py.state"].tolist()),
+                         gauss_next if has_gauss else None))
+    if all(f"np.{k}" in tensors for k in ("state", "pos", "gauss")):
+        pos, np_has_gauss = tensors["np.pos"].tolist()
+        np.random.set_state(("MT19937", tensors["np.state"].numpy().astype(np.uint32), pos, np_has_gauss,
+                             float(tensors["np.gauss"][0])))
     if "cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["cuda"])
 
@@ -198,10 +207,42 @@ def failure_text(exc: BaseException) -> str:
     return f"{type(first).__name__}: {(str(first).strip().splitlines() or [''])[-1]}"
 
 
-def load(sd: dict[str, Any], step_dir: Path) -> dict[str, torch.Tensor]:
+class _VerifiedReader(dcp.FileSystemReader):
+    """DCP's file reader, unpickling the `.metadata` bytes that were checked against the signed listing instead of
+    reading the file again (which could have been swapped after the check)."""
+
+    def __init__(self, path: str, metadata_bytes: bytes) -> None:
+        super().__init__(path)
+        self._metadata = metadata_bytes
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = pickle.loads(self._metadata)   # verified: sha256 listed in the signed meta (or trusted by the user)
+        if getattr(metadata, "storage_meta", None) is None:   # as FileSystemReader.read_metadata does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _verified_reader(step_dir: Path, trusted: bool) -> _VerifiedReader:
+    """Every loader passes here, the launcher's check notwithstanding: the listing's signature (unless `trusted`)
+    and `.metadata`'s sha256 are checked on the bytes that are then used, right before DCP unpickles them."""
+    meta, _ = layout.read_verified(step_dir, trusted=trusted)
+    listed = {f.name: f for f in meta.files}
+    if ".metadata" not in listed:
+        raise layout.CheckpointError(f"checkpoint {step_dir} does not list its .metadata; it was not written by "
+                                     f"planner run")
+    data = (step_dir / ".metadata").read_bytes()
+    if hashlib.sha256(data).hexdigest() != listed[".metadata"].sha256:
+        raise layout.CheckpointError(f"checkpoint {step_dir} is damaged: .metadata does not match its sha256")
+    return _VerifiedReader(str(step_dir), data)
+
+
+def load(sd: dict[str, Any], step_dir: Path, *, trusted: bool = False) -> dict[str, torch.Tensor]:
     """Load `sd` in place from `step_dir` (keys absent from the checkpoint, such as RNG states of ranks it did not
-    have, are left out and returned untouched); works with or without a process group."""
-    saved = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    have, are left out and returned untouched); works with or without a process group. The checkpoint must be
+    signed by this installation's key unless `trusted` (_verified_reader)."""
+    reader = _verified_reader(step_dir, trusted)
+    saved = reader.read_metadata().state_dict_metadata
     missing = [k for k in sd if k not in saved and not k.startswith("rng.")]
     if missing:
         raise layout.CheckpointError(f"checkpoint {step_dir} has no {missing[0]} (and {len(missing) - 1} more keys "
@@ -212,7 +253,7 @@ def load(sd: dict[str, Any], step_dir: Path) -> dict[str, torch.Tensor]:
     try:
         with warnings.catch_warnings():   # without a process group DCP warns that it loads in one process: intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(wanted, checkpoint_id=str(step_dir))
+            dcp.load(wanted, storage_reader=reader)
     except dcp.CheckpointException as exc:
         raise layout.CheckpointError(f"loading checkpoint {step_dir} failed: {failure_text(exc)}") from None
     return {k: v for k, v in wanted.items() if k.startswith("rng.")}
@@ -221,10 +262,8 @@ def load(sd: dict[str, Any], step_dir: Path) -> dict[str, torch.Tensor]:
 def restore_rng(loaded: dict[str, torch.Tensor], rank: int) -> bool:
     prefix = f"rng.rank{rank}."
     mine = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
-    if all(k in mine for k in RNG_KEYS):
-        set_rng_state(mine)
-        return True
-    return False
+    set_rng_state(mine)
+    return all(k in mine for k in RNG_KEYS)
 
 
 def full_state(sd: dict[str, Any]) -> dict[str, torch.Tensor]:

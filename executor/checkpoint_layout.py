@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Iterator
 
 from cost_models.errors import ConfigError, FileFormatError
-from cost_models.fileio import dumps, read_json, write_atomic
+from cost_models.fileio import dumps, loads_document, read_json, write_atomic
 from cost_models.records import Record, record
 from executor import trust
 from planner.plan import Plan
@@ -112,12 +112,29 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     return steps[-1][1]
 
 
-def read_meta(step_dir: Path) -> CheckpointMeta:
+def read_meta(step_dir: Path, meta_bytes: bytes | None = None) -> CheckpointMeta:
+    """The checkpoint's listing: parsed from `meta_bytes` when given (the bytes whose signature was checked, so a
+    file swapped after the check is never what is used), else read from disk."""
+    where = step_dir / META_NAME
     try:
-        return CheckpointMeta.from_dict(read_json(step_dir / META_NAME, kind=CHECKPOINT_KIND,
-                                                  schema_version=CHECKPOINT_SCHEMA_VERSION))
-    except FileFormatError as exc:
+        if meta_bytes is None:
+            return CheckpointMeta.from_dict(read_json(where, kind=CHECKPOINT_KIND,
+                                                      schema_version=CHECKPOINT_SCHEMA_VERSION))
+        return CheckpointMeta.from_dict(loads_document(meta_bytes.decode("utf-8"), str(where), kind=CHECKPOINT_KIND,
+                                                       schema_version=CHECKPOINT_SCHEMA_VERSION))
+    except (FileFormatError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint {step_dir} is damaged ({exc}){_earlier_hint(step_dir)}") from None
+
+
+def read_verified(step_dir: Path, *, trusted: bool = False) -> tuple[CheckpointMeta, bool]:
+    """(the listing, whether this installation's key signed it): the listing is read once, its signature checked
+    on those bytes (check_signature), and the meta parsed from the same bytes."""
+    try:
+        meta_bytes = (step_dir / META_NAME).read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {step_dir}: cannot read {META_NAME} ({exc.strerror})") from None
+    signed = check_signature(step_dir, trusted=trusted, meta_bytes=meta_bytes)
+    return read_meta(step_dir, meta_bytes), signed
 
 
 def digest(path: Path) -> FileDigest:
@@ -128,10 +145,11 @@ def digest(path: Path) -> FileDigest:
     return FileDigest(name=path.name, bytes=path.stat().st_size, sha256=h.hexdigest())
 
 
-def check_signature(step_dir: Path, *, trusted: bool = False) -> bool:
-    """Whether the meta of `step_dir` is signed by this installation's key; when it is not, refuse in one line
-    unless the user said they trust the checkpoint (`trusted`). Reads only the meta and the signature."""
-    problem = _signature_problem(step_dir, trust.key_path())
+def check_signature(step_dir: Path, *, trusted: bool = False, meta_bytes: bytes | None = None) -> bool:
+    """Whether the meta of `step_dir` (or `meta_bytes`, its bytes as already read) is signed by this installation's
+    key; when it is not, refuse in one line unless the user said they trust the checkpoint (`trusted`). Reads only
+    the meta and the signature."""
+    problem = _signature_problem(step_dir, trust.key_path(), meta_bytes)
     if problem is None:
         return True
     if trusted:
@@ -140,7 +158,7 @@ def check_signature(step_dir: Path, *, trusted: bool = False) -> bool:
                           f"its .metadata); pass --trust-checkpoint if you made it or trust who did")
 
 
-def _signature_problem(step_dir: Path, key_file: Path) -> str | None:
+def _signature_problem(step_dir: Path, key_file: Path, meta_bytes: bytes | None = None) -> str | None:
     sig = step_dir / SIG_NAME
     if not sig.is_file():
         return f"is not signed (it has no {SIG_NAME})"
@@ -152,7 +170,9 @@ def _signature_problem(step_dir: Path, key_file: Path) -> str | None:
         signature = sig.read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError):
         signature = ""
-    if not trust.verify((step_dir / META_NAME).read_bytes(), signature, key):
+    if meta_bytes is None:
+        meta_bytes = (step_dir / META_NAME).read_bytes()
+    if not trust.verify(meta_bytes, signature, key):
         return f"is not signed by this installation's key ({key_file})"
     return None
 

@@ -15,6 +15,7 @@ import os
 import shlex
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -99,17 +100,45 @@ def _note_failure(failure_dir: str, exc: BaseException) -> None:
         fh.write(f"{time.time()}\n{line}\n")
 
 
-def worker(plan_data: dict, cfg_data: dict, timeout_s: float, failure_dir: str) -> list[dict] | None:
-    """Entry point of every rank (env:// rendezvous set up by the elastic agent)."""
+HEARTBEAT_S = 0.5   # how often a rank shows it is alive; a stopped rank's last sign then dates from when it stopped
+
+
+def _heartbeat(failure_dir: str) -> None:
+    """Touch alive-rank<R> every HEARTBEAT_S from a daemon thread. A rank that is stopped (SIGSTOP), frozen or
+    swapped out stops touching it, while its peers, blocked in a collective waiting for it, go on: that is what
+    tells the hung rank from the ranks that time out waiting for it (_root_cause)."""
+    path = os.path.join(failure_dir, f"alive-rank{os.environ.get('RANK', -1)}")
+
+    def beat() -> None:
+        while True:
+            with open(path, "w"):
+                pass
+            time.sleep(HEARTBEAT_S)
+    threading.Thread(target=beat, name="zeropipe-heartbeat", daemon=True).start()
+
+
+def _guarded(failure_dir: str, fn, *args):
+    """Run a rank's work with a heartbeat, noting an exception where the launcher looks before re-raising it."""
+    _heartbeat(failure_dir)
     try:
-        return _work(plan_data, cfg_data, timeout_s)
+        return fn(*args)
     except BaseException as exc:
         _note_failure(failure_dir, exc)
         raise
 
 
+def worker(plan_data: dict, cfg_data: dict, timeout_s: float, failure_dir: str) -> list[dict] | None:
+    """Entry point of every rank (env:// rendezvous set up by the elastic agent)."""
+    return _guarded(failure_dir, _work, plan_data, cfg_data, timeout_s)
+
+
 def _noted_ranks(failure_dir: str) -> set[int]:
     return {int(name[4:-4]) for name in os.listdir(failure_dir) if name.startswith("rank") and name.endswith(".txt")}
+
+
+def _last_sign_of_life(failure_dir: str, rank: int) -> float:
+    path = os.path.join(failure_dir, f"alive-rank{rank}")
+    return os.path.getmtime(path) if os.path.exists(path) else 0.0
 
 
 def _failure_from_files(failure_dir: str) -> tuple[int, str] | None:
@@ -172,8 +201,7 @@ def launch(plan: Plan, *, steps: int, warmup: int, seed: int | None = None, lr: 
     start, step_dir = 0, None
     if resume:
         step_dir = layout.resolve(resume)
-        signed = layout.check_signature(step_dir, trusted=trust_checkpoint)   # before anything else is read
-        meta = layout.read_meta(step_dir)
+        meta, signed = layout.read_verified(step_dir, trusted=trust_checkpoint)   # before anything else is read
         layout.check_resumable(meta, step_dir, plan, steps)
         layout.verify(step_dir, meta)   # here, before any rank starts: ranks load with DCP, which unpickles
         start = meta.step
@@ -192,7 +220,7 @@ def launch(plan: Plan, *, steps: int, warmup: int, seed: int | None = None, lr: 
     cfg = TrainConfig(model_source=plan.model.source, seq_len=plan.model.seq_len, input_kind=plan.model.input_kind,
                       steps=steps, warmup=warmup, seed=0 if seed is None else seed, lr=1e-3 if lr is None else lr,
                       start_step=start, resume_from=str(step_dir) if step_dir else None,
-                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep)
+                      trust_checkpoint=trust_checkpoint, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep)
     local_ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
     # Ctrl-C / SIGTERM: torch's agent stops every rank, then raises its SignalException (the CLI says "interrupted")
     with folder, elastic_job("run", per_node, nnodes=nnodes, node_rank=node_rank,
@@ -258,10 +286,19 @@ def _root_cause(failure_dir: str, exc, local_ranks: range, timeout_s: float) -> 
     if not is_consequence(line):
         return rank, line
     silent = [r for r in local_ranks if r not in _noted_ranks(failure_dir) and r not in exc.failures]
-    if silent:
-        return silent[0], (f"stopped responding (no error of its own: its peers timed out after --timeout "
-                           f"{timeout_s:g} s waiting for it)")
-    return noted or (rank, line)
+    if not silent:
+        return noted or (rank, line)
+    last = {r: _last_sign_of_life(failure_dir, r) for r in local_ranks}
+    hung = min(silent, key=lambda r: last[r])
+    others = [last[r] for r in local_ranks if r != hung]
+    # the hung rank fell silent at least a timeout before its peers gave up; every rank alive till the end means
+    # none was stopped (a deadlock, a lost message), and the silent ones are all suspects
+    if others and min(others) - last[hung] >= timeout_s / 2:
+        return hung, (f"stopped responding: no sign of life for {max(others) - last[hung]:.0f} s before the job "
+                      f"ended (its peers timed out after --timeout {timeout_s:g} s waiting for it)")
+    names = ", ".join(map(str, silent))
+    return (noted or (rank, line))[0], (f"timed out after --timeout {timeout_s:g} s waiting for a peer; ranks "
+                                        f"{names} raised nothing and were alive: a collective they never joined?")
 
 
 def check_fits_here(plan: Plan, per_node: int) -> None:
@@ -323,11 +360,7 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
 
 def _many_worker(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float, failure_dir: str) -> list | None:
     """Every rank: run each strategy in turn in one process group (spawning ranks costs ~10 s here)."""
-    try:
-        return _many(strategy_dicts, cfg_data, timeout_s)
-    except BaseException as exc:
-        _note_failure(failure_dir, exc)
-        raise
+    return _guarded(failure_dir, _many, strategy_dicts, cfg_data, timeout_s)
 
 
 def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list | None:

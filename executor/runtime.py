@@ -149,6 +149,9 @@ def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, opti
         raise ConfigError(f"the plan needs {s.world_size} ranks (dp={s.dp} x pp={s.pp}), this job has {world}")
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     mesh = init_device_mesh(device.type, (s.pp, s.dp), mesh_dim_names=("pp", "dp"))
+    timeout = _world_timeout(device)
+    for dim in ("pp", "dp"):
+        _set_timeout(mesh[dim].get_group(), timeout)
     pp_rank, dp_rank = rank // s.dp, rank % s.dp
     stage_ids = list(range(pp_rank, s.n_stages, s.pp))
     ties = tied_params(model, s.stages, s.pp)
@@ -173,13 +176,28 @@ def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, opti
     for tied in ties:
         for d in range(s.dp):
             members = [r * s.dp + d for r in tied.pp_ranks]
-            group = dist.new_group(ranks=members)
+            group = dist.new_group(ranks=members, timeout=timeout)
             if rank in members:
                 tie_groups.append((tied.canonical, group))
     return Runtime(strategy=s, pp_rank=pp_rank, dp_rank=dp_rank, stage_ids=stage_ids, wrapped=wrapped,
                    loss_fn=loss_fn, schedule=schedule, dp_group=dp_mesh.get_group() if s.dp > 1 else None,
                    tie_groups=tie_groups, params_by_name=params_by_canonical(stages, canon),
                    buffers_by_name=buffers_by_canonical(stages))
+
+
+def _world_timeout(device: torch.device):
+    """init_process_group's timeout (`planner run --timeout`). Subgroups do not inherit it: new_group and DeviceMesh's
+    per-dimension groups take torch's default (30 min for gloo, 10 for NCCL; distributed_c10d._get_default_timeout),
+    so a stopped pipeline peer left the others waiting in p2p and all-reduce for half an hour (measured: a
+    SIGSTOPped rank of a PP2 x DP2 run, --timeout 5, peers still blocked after 5 minutes)."""
+    from torch.distributed import distributed_c10d as c10d
+    return c10d._get_default_group()._get_backend(device).options._timeout
+
+
+def _set_timeout(group, timeout) -> None:
+    from torch.distributed import distributed_c10d as c10d
+    if group is not None and group is not c10d._get_default_group():
+        c10d._set_pg_timeout(timeout, group)
 
 
 def stage_io_shapes(model: nn.Module, stages: tuple[tuple[str, ...], ...], example: torch.Tensor,

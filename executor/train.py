@@ -27,7 +27,8 @@ from planner.plan import Plan
 
 # Test hook for failure handling: "RANK:STEP" makes that rank raise at the start of that step, "RANK:STEP:kill" makes it
 # SIGKILL itself there (what kill -9 or the OOM killer does: no exception, no cleanup, no note), "RANK:STEP:stop"
-# SIGSTOP itself (a hung rank: alive, silent, its peers time out waiting for it).
+# SIGSTOP itself (a hung rank: alive, silent, its peers time out waiting for it), "RANK:STEP:nan" sets one of its
+# parameters to NaN after that step's update.
 INJECT_FAILURE_ENV = "ZEROPIPE_INJECT_FAILURE"
 # Test hook for a full disk: "STEP:BYTES" makes every rank's files stop growing at BYTES from the save after STEP on
 # (RLIMIT_FSIZE, with SIGXFSZ ignored, so write(2) fails with a real EFBIG: setrlimit(2), getrlimit(2)).
@@ -46,6 +47,7 @@ class TrainConfig(Record):
     count_comm: bool = True
     start_step: int = 0                    # steps already done (a resumed run starts here)
     resume_from: str | None = None         # a complete checkpoint folder (executor.checkpoint_layout)
+    trust_checkpoint: bool = False         # resume_from need not be signed by this installation's key
     checkpoint_dir: str | None = None      # where to save checkpoints
     checkpoint_every: int = 0              # save after every K steps (0: only after the last step)
     checkpoint_keep: int = 0               # keep the newest K complete checkpoints (0: all)
@@ -134,7 +136,8 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
         inputs, targets = synthetic_batch(cfg, example, out_shape, strategy.global_batch_size, step, loss)
         sl = slice(rt.dp_rank * per_replica, (rt.dp_rank + 1) * per_replica)
         x, y = inputs[sl].to(device), targets[sl].to(device)
-        if step == fail_step and dist.get_rank() == fail_rank:
+        injected = step == fail_step and dist.get_rank() == fail_rank
+        if injected and how != "nan":
             if how in ("kill", "stop"):
                 os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             raise RuntimeError(f"injected failure at step {step} ({INJECT_FAILURE_ENV})")
@@ -149,6 +152,9 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
             param_grad = rt.local_bytes()[:2]   # while gradients exist; left out of the step time
             t_count = time.perf_counter() - t_count
             rt.optimizer_step()
+            if injected and how == "nan":   # an update that broke the weights while the loss was still finite
+                with torch.no_grad():
+                    next(iter(rt.params_by_name.values())).fill_(float("nan"))
         rt.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -170,7 +176,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
         done = step + 1
         if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
             t0 = time.perf_counter()
-            _save(rt, cfg, plan, done, losses[-1])
+            _save(rt, cfg, plan, done, losses[-1], device)
             save_s.append(time.perf_counter() - t0)
             saved.append(done)
     peak, source_name = peak_memory_bytes()
@@ -188,16 +194,23 @@ def _resume(rt, cfg: TrainConfig) -> float:
     t0 = time.perf_counter()
     checkpoint.init_optimizer_state(rt.optimizer, list(rt.params_by_name.values()))
     sd = rt.state_dict()
-    loaded = checkpoint.load(sd, Path(cfg.resume_from))
+    loaded = checkpoint.load(sd, Path(cfg.resume_from), trusted=cfg.trust_checkpoint)
     checkpoint.restore_rng(loaded, dist.get_rank())
     elapsed = time.perf_counter() - t0
     checkpoint.dump_for_tests(sd, "loaded")
     return elapsed
 
 
-def _save(rt, cfg: TrainConfig, plan: Plan | None, step: int, last_loss: float) -> None:
+def _save(rt, cfg: TrainConfig, plan: Plan | None, step: int, last_loss: float, device: torch.device) -> None:
     if plan is None:
         raise ConfigError("saving a checkpoint needs the plan the run is under")
+    # the loss is taken before the update: an update that made the weights NaN shows only in the weights
+    local = [getattr(p, "to_local", lambda: p)().detach() for p in rt.params_by_name.values()]   # FSDP2: its shard
+    finite = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in local))], device=device)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if finite.item() < 1:
+        raise ConfigError(f"training diverged: parameters are not finite after step {step}, so no checkpoint was "
+                          f"saved; lower --lr (now {cfg.lr:g}) or check the data")
     sd = rt.state_dict()
     meta = {"samples_seen": step * plan.strategy.global_batch_size, "seed": cfg.seed, "lr": cfg.lr,
             "loss": last_loss, "world_size": dist.get_world_size(), "plan": plan, "torch_version": torch.__version__}

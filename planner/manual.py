@@ -10,7 +10,7 @@ from cost_models.fileio import read_json
 from cost_models.limits import check_global_batch, check_gpus, check_microbatches
 from cost_models.profile import PROFILE_KIND, SCHEMA_VERSION, ModelProfile, ProfileFile
 from cost_models.strategy import Strategy
-from cost_models.validate import validate_profile_file
+from cost_models.validate import validate_cluster, validate_profile_file
 from planner.partition import balanced_partition, stages_from_ranges
 
 

@@ -108,9 +108,9 @@ def check_plan(plan: Plan) -> None:
     own order). Called before any rank starts by every command that takes a plan; an edited plan is refused rather
     than run as something other than what was estimated."""
     s = plan.strategy
-    validate_cluster(plan.cluster, "the plan", fix="re-create the plan")
+    validate_cluster(plan.cluster, "plan", fix="re-create the plan")
     s.validate(plan.model.units)
-    fix = "re-create the plan with planner plan or planner estimate -o"
+    fix = "re-create the plan with planner plan"
     if s.global_batch_size != plan.global_batch_size:
         raise ConfigError(f"strategy dp x microbatches x micro_batch_size = {s.dp} x {s.microbatches} x "
                           f"{s.micro_batch_size} = {s.global_batch_size} sequences but global_batch_size is "

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from cost_models.errors import ConfigError
 from planner.manual import load_profile
-from planner.plan import Plan
+from cost_models.cluster_source import check_cluster_args
+from planner.plan import Plan, check_plan
 from planner.search import ProgressFn, plan, profile_digest
 
 
@@ -17,6 +18,10 @@ def replan(old: Plan, *, gpus: int, profile_path: str | None = None, cluster: st
     """The plan for `gpus` devices that continues `old`'s training. The profile is `profile_path` if given, else
     the one `old` was made from, which must be unchanged (its sha256 is in the plan); the cluster is `cluster` (a
     preset or file) if given, else `old`'s, scaled to `nodes`."""
+    try:   # the checkpoint's listing was verified, not the plan inside it: a bad one is refused here
+        check_plan(old)
+    except ConfigError as exc:
+        raise ConfigError(f"the checkpoint's plan: {exc}") from None
     explicit = profile_path is not None
     path = profile_path or old.provenance.profile_path
     if not path:
@@ -36,7 +41,8 @@ def replan(old: Plan, *, gpus: int, profile_path: str | None = None, cluster: st
         if target is None:
             raise ConfigError("--cluster none leaves nothing to plan for; name a preset or a cluster file")
     else:
-        target = old.cluster.with_nodes(nodes) if nodes else old.cluster
+        check_cluster_args("the plan's", nodes=nodes, ranks=None)   # --nodes 0 is an error, not "default"
+        target = old.cluster.with_nodes(nodes) if nodes is not None else old.cluster
     return plan(pf.model, target, gpus=gpus, global_batch_size=old.global_batch_size, top_k=top_k,
                 time_limit_s=time_limit_s, precision=old.strategy.precision, optimizer=old.strategy.optimizer,
                 profile_path=str(path), command=command, on_progress=on_progress)

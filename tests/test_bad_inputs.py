@@ -228,24 +228,35 @@ def test_sigterm_before_ranks_start_is_interrupted_exit_130(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_hung_rank_is_named_not_the_peer_that_timed_out_waiting_for_it(plan_json, tmp_path):
-    path = _write(tmp_path, plan_json)
+def test_a_hung_rank_is_named_not_the_peer_that_timed_out_waiting_for_it(profile, tmp_path):
+    # PP2 x DP2 on 4 ranks, rank 2 (stage 1) stops: rank 0 waits on it for activations, rank 3 for the gradient
+    # all-reduce, rank 1 on rank 3; whichever times out first, the stopped rank is the one to name
+    pp2 = _strategy(dp=2, pp=2, stages=(U[:3], U[3:]))
+    path = _write(tmp_path, plan_for(pp2, profile).to_dict())
     proc = _cli("run", path, "--steps", "6", "--timeout", "5", "-o", "-",
-                env={**os.environ, "ZEROPIPE_INJECT_FAILURE": "1:2:stop"})
+                env={**os.environ, "ZEROPIPE_INJECT_FAILURE": "2:2:stop"})
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: rank 1 failed: stopped responding"), proc.stderr[-2000:]
-    assert "--timeout 5 s" in lines[-1] and "Traceback" not in proc.stderr
+    assert re.match(r"error: rank 2 failed: stopped responding: no sign of life for \d+ s before the job ended "
+                    r"\(its peers timed out after --timeout 5 s waiting for it\)$", lines[-1]), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
-def test_a_run_whose_loss_diverges_stops_in_one_line_without_writing_nan(plan_json, tmp_path):
-    # lr 1e6 makes AdamW's second step produce NaN weights; NaN is not JSON, and a checkpoint of them is worthless
-    proc = _cli("run", _write(tmp_path, plan_json), "--steps", "4", "--lr", "1e6", "-o", "run.json",
-                "--checkpoint-dir", "ck")
+@pytest.mark.parametrize("lr, inject, every, cause", [
+    ("1e6", "", "0", r"the loss is nan at step \d"),                 # AdamW's second step makes the loss NaN
+    # step 0's loss is finite but its update leaves a NaN weight (injected on rank 1): the save after it refuses
+    ("0.001", "1:0:nan", "1", r"parameters are not finite after step 1, so no checkpoint was saved"),
+])
+def test_a_run_that_diverges_stops_in_one_line_without_saving_or_writing_nan(lr, inject, every, cause, plan_json,
+                                                                            tmp_path):
+    proc = _cli("run", _write(tmp_path, plan_json), "--steps", "4", "--lr", lr, "-o", "run.json",
+                "--checkpoint-dir", "ck", "--checkpoint-every", every,
+                env={**os.environ, "ZEROPIPE_INJECT_FAILURE": inject})
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
-    # every rank sees the same all-reduced loss and stops; whichever noted it first is named
-    assert re.match(r"error: rank [01] failed: ConfigError: training diverged: the loss is nan at step \d", line), line
-    assert "lower --lr (now 1e+06)" in line and "Traceback" not in proc.stderr
+    # every rank sees the same all-reduced value and stops; whichever noted it first is named
+    assert re.match(rf"error: rank [01] failed: ConfigError: training diverged: {cause}; lower --lr \(now "
+                    rf"{re.escape(format(float(lr), 'g'))}\) or check the data$", line), line
+    assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run.json").exists() and not list((tmp_path / "ck").glob("step-*"))

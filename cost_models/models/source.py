@@ -88,19 +88,19 @@ def input_spec(inputs: tuple[torch.Tensor, ...], *, kind: str, vocab_size: int |
 def source_input_kind(source: ModelSource, model: nn.Module, inputs: tuple[torch.Tensor, ...],
                       seq_len: int) -> tuple[str, int | None]:
     """What the model is fed, from its example input (a factory's ids are tokens as much as a zoo LM's):
-    ('tokens', vocab) for integer ids: an LM, trained with cross-entropy, its input 8 bytes an id (int64);
+    ('tokens', vocab) for integer (batch, seq_len) ids: an LM, trained with cross-entropy, 8 bytes an id (int64);
     ('features', None) for float (batch, seq_len, ...) sequences, like the zoo's MLP: seq_len positions a sample;
     ('custom', None) for anything else (an image, a vector): throughput counts samples, not positions."""
     if source.kind == "zoo":
         entry = ZOO[source.ref]
         return entry.input_kind, getattr(entry.config, "vocab_size", None)
     first = inputs[0]
+    if not (first.dim() >= 2 and first.shape[1] == seq_len):
+        return "custom", None     # no sequence axis: ids of one item each (a class, a user) are not tokens
     if not first.is_floating_point() and not first.is_complex() and first.dtype != torch.bool:
         emb = _first_embedding(model)
         return "tokens", emb.num_embeddings if emb is not None else None
-    if first.dim() >= 2 and first.shape[1] == seq_len:
-        return "features", None
-    return "custom", None
+    return "features", None
 
 
 def resolve(ref: str, *, input_ref: str | None = None) -> ModelSource:
