@@ -6,8 +6,10 @@ bootstrap from is another; TCPStore's server binds every interface whatever host
 or feed the job. Locally there is no need for a network store: the rendezvous uses c10d's FileStore backend
 (`rdzv_configs={"store_type": "file"}`, torch.distributed.elastic.rendezvous.c10d_rendezvous_backend), the agent
 is told not to start its shared TCPStore (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, dynamic_rendezvous.py), and the
-ranks build their process group on a FileStore in a private temporary folder (mode 0700). gloo's own pair
-sockets are bound to the loopback interface (GLOO_SOCKET_IFNAME=lo) unless the user chose an interface.
+ranks build their process group on a FileStore in a private temporary folder (mode 0700). gloo's pair sockets
+and NCCL's bootstrap socket are bound to the loopback interface (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME=lo, as
+NCCL's environment-variable docs describe) unless the user chose an interface; on one node NCCL's data moves over
+NVLink / PCIe / shared memory, not sockets. (NCCL's binding is not measured here: no GPU on this machine.)
 Multi-node jobs need a network rendezvous: there the endpoint is the user's and the README says to keep it on a
 trusted network.
 """
@@ -105,7 +107,7 @@ def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: i
                                   rdzv_endpoint=os.path.join(workdir, "rendezvous"),
                                   rdzv_configs={"store_type": "file"}, **common)
             env = {STORE_FILE_ENV: os.path.join(workdir, "store"), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                   "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+                   **{var: os.environ.get(var, "lo") for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}}
         else:
             config = LaunchConfig(run_id=f"zeropipe-{name}" if nnodes > 1 else f"zeropipe-{name}-{uuid.uuid4().hex[:8]}",
                                   rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",

@@ -30,17 +30,16 @@ MAX_GLOBAL_BATCH = 2**22
 MAX_MICROBATCHES = 1024
 
 
-def _above(flag: str, value: int, maximum: int, hint: str) -> ConfigError:
-    return ConfigError(f"{flag} {value} is above the {maximum:,} this planner supports; {hint}")
+def _check_range(flag: str, value: int, maximum: int, hint: str) -> None:
+    if value < 1:
+        raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if value > maximum:
+        raise ConfigError(f"{flag} {value} is above the {maximum:,} this planner supports; {hint}")
 
 
 def check_gpus(gpus: int, flag: str = "--gpus") -> None:
     """Refuse a device count (`--gpus`, or dp x pp of a strategy) below 1 or above MAX_GPUS."""
-    if gpus < 1:
-        raise ConfigError(f"{flag} must be >= 1, got {gpus}")
-    if gpus > MAX_GPUS:
-        raise _above(flag, gpus, MAX_GPUS,
-                     "lower it (the largest clusters trained on today hold about 100,000 devices)")
+    _check_range(flag, gpus, MAX_GPUS, "lower it (the largest clusters trained on today hold about 100,000 devices)")
 
 
 def check_nodes(nodes: int, devices_per_node: int) -> None:
@@ -55,18 +54,11 @@ def check_nodes(nodes: int, devices_per_node: int) -> None:
 
 def check_global_batch(global_batch: int, flag: str = "--global-batch-size") -> None:
     """Refuse a global batch (sequences per step) below 1 or above MAX_GLOBAL_BATCH."""
-    if global_batch < 1:
-        raise ConfigError(f"{flag} must be >= 1, got {global_batch}")
-    if global_batch > MAX_GLOBAL_BATCH:
-        raise _above(flag, global_batch, MAX_GLOBAL_BATCH,
-                     "lower it (the largest published runs use a few thousand sequences per step)")
+    _check_range(flag, global_batch, MAX_GLOBAL_BATCH,
+                 "lower it (the largest published runs use a few thousand sequences per step)")
 
 
 def check_microbatches(microbatches: int, flag: str = "--microbatches") -> None:
     """Refuse a micro-batch count per pipeline below 1 or above MAX_MICROBATCHES."""
-    if microbatches < 1:
-        raise ConfigError(f"{flag} must be >= 1, got {microbatches}")
-    if microbatches > MAX_MICROBATCHES:
-        raise _above(flag, microbatches, MAX_MICROBATCHES,
-                     "use larger micro-batches (--micro-batch-size) to reach the same global batch")
-
+    _check_range(flag, microbatches, MAX_MICROBATCHES,
+                 "use larger micro-batches (--micro-batch-size) to reach the same global batch")

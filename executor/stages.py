@@ -98,16 +98,18 @@ class TiedParam:
     pp_ranks: tuple[int, ...]
 
 
+def _unit(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise ConfigError(f"the plan's unit '{name}' is not a module of this model; was the plan made for another "
+                          "model?") from None
+
+
 def check_covers_model(model: nn.Module, stages: tuple[tuple[str, ...], ...]) -> None:
     """Refuse (ConfigError, one line) stages that name a module the model lacks, or that leave some of the model's
     parameters out: a plan edited to drop a block would otherwise train a different function without a word."""
-    held: set[int] = set()
-    for name in (u for stage in stages for u in stage):
-        try:
-            held.update(id(p) for p in model.get_submodule(name).parameters())
-        except AttributeError:
-            raise ConfigError(f"the plan's unit '{name}' is not a module of this model; was the plan made for "
-                              "another model?") from None
+    held = {id(p) for name in (u for stage in stages for u in stage) for p in _unit(model, name).parameters()}
     left_out = [n for n, p in model.named_parameters() if id(p) not in held]
     if left_out:
         raise ConfigError(f"the plan's stages leave out {len(left_out)} parameter tensor(s) of the model (first: "
@@ -119,13 +121,7 @@ def build_stages(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_id
     """The Stage modules for `stage_ids` (this rank's), materialised and initialised."""
     built = []
     for sid in stage_ids:
-        units = []
-        for name in stages[sid]:
-            try:
-                units.append((name, model.get_submodule(name)))
-            except AttributeError:
-                raise ConfigError(f"the plan's unit '{name}' is not a module of this model; was the plan made "
-                                  "for another model?") from None
+        units = [(name, _unit(model, name)) for name in stages[sid]]
         built.append(Stage(units, recompute=bool(recompute) and recompute[sid]))
     materialize([u for st in built for u in zip(st.unit_names, st.children())], model, seed=seed, device=device)
     return built

@@ -117,6 +117,12 @@ def test_zero_is_refused_not_taken_as_the_default(profile, tmp_path):
         assert res.exit_code == 2, (args, res.output)
         assert word in _one_error_line(res), args
     assert not (tmp_path / "plan.json").exists()
+    # and the numbers that are allowed still work: --nodes scales the profile's own cluster (dgx-a100, 8 per node)
+    res = runner.invoke(app, ["plan", path, "-B", "16", "--nodes", "2", "-o", "-", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["gpus"] == 16
+    res = runner.invoke(app, ["estimate", path, "--nodes", "2", "--dp", "16", "-m", "1", "--json"])
+    assert res.exit_code == 0 and len(json.loads(res.stdout)["memory_per_rank"]) == 16, res.output
 
 
 def test_unwritable_outputs_are_refused_before_any_work(profile, plan_json, tmp_path):
@@ -219,7 +225,12 @@ def test_sigterm_before_ranks_start_is_interrupted_exit_130(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "profile", "--model", "gpt2-small", "-b",
                              "4", "-s", "1024", "--cluster", "none", "-o", "p.json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)
+    # torch is imported inside the command, after main() installed the SIGTERM handler: wait until it is loaded
+    t0 = time.time()
+    while psutil.Process(proc.pid).memory_info().rss < 200 * 2**20 and time.time() - t0 < 120:
+        assert proc.poll() is None
+        time.sleep(0.2)
+    time.sleep(1)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr[-2000:]

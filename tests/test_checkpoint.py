@@ -23,17 +23,6 @@ from tests.test_executor import CFG, S
 
 
 
-@pytest.fixture(scope="module", autouse=True)
-def own_checkpoint_key(tmp_path_factory):
-    """Checkpoints here are signed with a key of the tests' own, never the user's (~/.config/zeropipe): module
-    scope, so that it is in place before the module-scoped checkpoint fixtures run (subprocesses inherit it)."""
-    with pytest.MonkeyPatch.context() as mp:
-        config = tmp_path_factory.mktemp("config")
-        mp.setenv("XDG_CONFIG_HOME", str(config))
-        mp.delenv("ZEROPIPE_CHECKPOINT_KEY", raising=False)
-        yield config / "zeropipe" / "checkpoint.key"
-
-
 @pytest.fixture(scope="module")
 def profile():
     return profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")

@@ -92,7 +92,6 @@ def test_the_key_is_private_made_once_and_kept_outside_checkpoints(tmp_path, mon
 
 def test_a_checkpoint_with_rewritten_files_and_digests_is_refused_before_anything_unpickles_it(
         tmp_path, profile, own_checkpoint_key, monkeypatch):
-    monkeypatch.chdir(tmp_path)
     plan = plan_for(S(2, 1), profile)
     plan_path = plan_file(tmp_path, S(2, 1), profile)
     ck = tmp_path / "ck"
@@ -144,7 +143,6 @@ def test_a_checkpoint_with_rewritten_files_and_digests_is_refused_before_anythin
 
 def test_replan_checks_the_signature_of_the_listing_it_plans_from(tmp_path, profile, monkeypatch):
     """replan reads only the JSON listing, but the plan it writes names the model code `planner run` imports."""
-    monkeypatch.chdir(tmp_path)
     step = _fake_checkpoint(tmp_path / "ck", 3, plan_for(S(2, 1), profile))
     (step / layout.SIG_NAME).unlink()
     res = runner.invoke(app, ["replan", "--gpus", "2", "--checkpoint", str(tmp_path / "ck"), "-o", "new.json"])
@@ -175,7 +173,6 @@ def test_the_hint_names_the_latest_earlier_checkpoint_that_verifies(tmp_path, pr
 
 
 def test_a_second_run_on_a_checkpoint_folder_is_refused_before_it_touches_it(tmp_path, profile, monkeypatch):
-    monkeypatch.chdir(tmp_path)
     plan_path = plan_file(tmp_path, S(2, 1), profile)
     ck = tmp_path / "ck"
     later = _fake_checkpoint(ck, 9, plan_for(S(2, 1), profile))  # --overwrite-checkpoints would remove it
