@@ -574,7 +574,11 @@ def _sigterm(signum, frame) -> None:
 def main() -> None:
     import signal
     signal.signal(signal.SIGTERM, _sigterm)
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:   # before a command's own boundary (handles_errors) is entered: typer building it
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -97,11 +97,16 @@ def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: i
     One node and no endpoint given: file stores only, nothing listens on a network port (module doc). Otherwise a
     c10d TCP rendezvous at `rdzv_endpoint` (default 127.0.0.1, any free port). max_restarts=0: a rank that fails
     ends the job, and the caller names it."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
     with tempfile.TemporaryDirectory(prefix=f"zeropipe-{name}-") as workdir:   # mkdtemp: mode 0700
         local = nnodes == 1 and rdzv_endpoint is None
+        # the ranks' own stdout/stderr go to files in the work folder: a Ctrl-C reaches every process of the
+        # terminal's group, and ranks still importing torch would each print a KeyboardInterrupt traceback; what
+        # a failed rank says reaches the user as one line through the failure notes and the agent's error files
+        logs = DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), redirects=Std.ALL)
         common = dict(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node, rdzv_backend="c10d",
-                      max_restarts=0, monitor_interval=0.1)
+                      max_restarts=0, monitor_interval=0.1, logs_specs=logs)
         if local:
             config = LaunchConfig(run_id=f"zeropipe-{name}-{uuid.uuid4().hex[:8]}",
                                   rdzv_endpoint=os.path.join(workdir, "rendezvous"),

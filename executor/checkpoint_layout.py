@@ -100,6 +100,9 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     """The checkpoint folder `path` names: itself if it is one, else the latest complete one inside it."""
     p = Path(path)
     if (p / META_NAME).is_file():
+        if not _STEP_DIR.match(p.name):   # a save in progress (or killed before its rename), or a renamed folder
+            raise CheckpointError(f"{p} is not a committed checkpoint (those are named step-NNNNNNNN); resume from "
+                                  f"its parent folder to take the latest complete one")
         return p
     if _STEP_DIR.match(p.name) and p.is_dir():
         raise CheckpointError(f"{p} is not a complete checkpoint (it has no {META_NAME}: the save did not finish); "

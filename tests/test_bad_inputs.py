@@ -271,3 +271,37 @@ def test_a_run_that_diverges_stops_in_one_line_without_saving_or_writing_nan(lr,
                     rf"{re.escape(format(float(lr), 'g'))}\) or check the data$", line), line
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run.json").exists() and not list((tmp_path / "ck").glob("step-*"))
+
+
+def _catches_sigterm(pid: int) -> bool:
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        mask = next(int(line.split()[1], 16) for line in fh if line.startswith("SigCgt:"))
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_at_start_up_before_any_command_runs_is_interrupted_exit_130(sig, plan_json, tmp_path):
+    # the moment main() has installed its SIGTERM handler, typer is still building the command, outside the
+    # command's own error boundary
+    proc = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "run", _write(tmp_path, plan_json),
+                             "-o", "run.json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not _catches_sigterm(proc.pid) and time.time() - t0 < 60:
+        assert proc.poll() is None
+        time.sleep(0.001)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines() == ["interrupted"], stderr[-2000:]
+
+
+def test_resume_refuses_a_folder_that_is_not_a_committed_checkpoint(plan_json, tmp_path):
+    from executor.checkpoint_layout import META_NAME
+    folder = tmp_path / "ck" / ".incomplete-step-00000004"   # a save killed before its rename (or renamed by hand)
+    folder.mkdir(parents=True)
+    (folder / META_NAME).write_text("{}")
+    res = runner.invoke(app, ["run", _write(tmp_path, plan_json), "--steps", "8", "--resume", str(folder),
+                              "-o", "run.json"])
+    assert res.exit_code == 2
+    assert _one_error_line(res) == (f"error: {folder} is not a committed checkpoint (those are named step-NNNNNNNN); "
+                                    f"resume from its parent folder to take the latest complete one")
