@@ -101,9 +101,11 @@ def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: i
     from torch.distributed.launcher.api import LaunchConfig
     with tempfile.TemporaryDirectory(prefix=f"zeropipe-{name}-") as workdir:   # mkdtemp: mode 0700
         local = nnodes == 1 and rdzv_endpoint is None
-        # the ranks' own stdout/stderr go to files in the work folder: a Ctrl-C reaches every process of the
-        # terminal's group, and ranks still importing torch would each print a KeyboardInterrupt traceback; what
-        # a failed rank says reaches the user as one line through the failure notes and the agent's error files
+        # once a rank runs its entry point, its stdout/stderr go to files in the work folder: a Ctrl-C reaches
+        # every process of the terminal's group, and each rank would print its KeyboardInterrupt traceback; what a
+        # failed rank says reaches the user as one line through the failure notes and the agent's error files.
+        # (A rank still unpickling its entry point, i.e. importing torch, has no redirection yet: a Ctrl-C in those
+        # first seconds still prints its traceback; not fixed, see README "Limits and refusals".)
         logs = DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), redirects=Std.ALL)
         common = dict(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node, rdzv_backend="c10d",
                       max_restarts=0, monitor_interval=0.1, logs_specs=logs)
