@@ -20,6 +20,7 @@ import datetime as dt
 import logging
 import os
 import re
+import sys
 import tempfile
 import uuid
 from typing import Any, Iterator
@@ -101,11 +102,9 @@ def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: i
     from torch.distributed.launcher.api import LaunchConfig
     with tempfile.TemporaryDirectory(prefix=f"zeropipe-{name}-") as workdir:   # mkdtemp: mode 0700
         local = nnodes == 1 and rdzv_endpoint is None
-        # once a rank runs its entry point, its stdout/stderr go to files in the work folder: a Ctrl-C reaches
-        # every process of the terminal's group, and each rank would print its KeyboardInterrupt traceback; what a
-        # failed rank says reaches the user as one line through the failure notes and the agent's error files.
-        # (A rank still unpickling its entry point, i.e. importing torch, has no redirection yet: a Ctrl-C in those
-        # first seconds still prints its traceback; not fixed, see README "Limits and refusals".)
+        # the ranks' own stdout/stderr go to files in the work folder (and before torch redirects them, their
+        # inherited fd 2 does: _children_stderr_to): what a failed rank says reaches the user as one line through
+        # the failure notes and the agent's error files
         logs = DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), redirects=Std.ALL)
         common = dict(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node, rdzv_backend="c10d",
                       max_restarts=0, monitor_interval=0.1, logs_specs=logs)
@@ -120,8 +119,31 @@ def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: i
                                   rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
                                   rdzv_configs={"rank": node_rank} if nnodes > 1 else {}, **common)
             env = {}
-        with _environ(env), quiet_elastic_logs():
+        with _environ(env), quiet_elastic_logs(), _children_stderr_to(os.path.join(workdir, "ranks.log")):
             yield config, workdir
+
+
+@contextlib.contextmanager
+def _children_stderr_to(path: str) -> Iterator[None]:
+    """Processes started inside write their fd 2 to `path`, while this process's sys.stderr stays on the terminal.
+    A Ctrl-C reaches every process of the terminal's group, and ranks that are still unpickling their entry point
+    (importing torch, ~10 s here) print a KeyboardInterrupt traceback each before torch's own redirection starts;
+    the user hears "interrupted" from the launcher instead."""
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 2)
+    os.close(log)
+    saved = sys.stderr
+    sys.stderr = open(terminal, "w", buffering=1, encoding=saved.encoding or "utf-8", errors="backslashreplace",
+                      closefd=False)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stderr = saved
+        os.dup2(terminal, 2)
+        os.close(terminal)
 
 
 def init_process_group(backend: str, timeout_s: float) -> None:
