@@ -220,7 +220,8 @@ def launch(plan: Plan, *, steps: int, warmup: int, seed: int | None = None, lr: 
     cfg = TrainConfig(model_source=plan.model.source, seq_len=plan.model.seq_len, input_kind=plan.model.input_kind,
                       steps=steps, warmup=warmup, seed=0 if seed is None else seed, lr=1e-3 if lr is None else lr,
                       start_step=start, resume_from=str(step_dir) if step_dir else None,
-                      trust_checkpoint=trust_checkpoint, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep)
+                      trust_checkpoint=trust_checkpoint, checkpoint_dir=checkpoint_dir,
+                      checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep)
     local_ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
     # Ctrl-C / SIGTERM: torch's agent stops every rank, then raises its SignalException (the CLI says "interrupted")
     with folder, elastic_job("run", per_node, nnodes=nnodes, node_rank=node_rank,
