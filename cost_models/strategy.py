@@ -27,6 +27,33 @@ class Strategy(Record):
     optimizer: Optimizer = "adamw"
 
     @property
+    def family(self) -> str:
+        """'zero' (no pipeline), 'pipeline' (no data parallelism) or 'hybrid': the ZeRO-or-pipeline question's terms."""
+        return "zero" if self.pp == 1 else ("pipeline" if self.dp == 1 else "hybrid")
+
+    @property
+    def name(self) -> str:
+        """Short label for tables: 'ZeRO-3 dp=8, 4x2' or 'PP4 1f1b x DP2 ZeRO-1, 16x1 +recompute 2/4' (m x mbs)."""
+        shape = (f"ZeRO-{self.zero} dp={self.dp}" if self.pp == 1 else
+                 f"PP{self.pp} {self.schedule}" + (f" v={self.v}" if self.v > 1 else "")
+                 + (f" x DP{self.dp} ZeRO-{self.zero}" if self.dp > 1 else ""))
+        rec = sum(self.recompute) if self.recompute else 0
+        return f"{shape}, {self.microbatches}x{self.micro_batch_size}" + (f" +recompute {rec}/{self.n_stages}" if rec else "")
+
+    @property
+    def summary(self) -> str:
+        """The same strategy in words, for rationales and run records: '4-stage 1f1b x 2-way ZeRO-1, 8 micro-batch(es) of 2'."""
+        if self.pp == 1:
+            shape = f"ZeRO-{self.zero} over {self.dp} ranks" if self.dp > 1 else "one device"
+        else:
+            shape = f"{self.pp}-stage {self.schedule}" + (f" (v={self.v})" if self.v > 1 else "")
+            shape += f" x {self.dp}-way ZeRO-{self.zero}" if self.dp > 1 else ""
+        rec = sum(self.recompute) if self.recompute else 0
+        recompute = "" if not rec else (", full recompute" if rec == self.n_stages
+                                        else f", recompute on {rec} of {self.n_stages} stages")
+        return shape + f", {self.microbatches} micro-batch(es) of {self.micro_batch_size}" + recompute
+
+    @property
     def world_size(self) -> int:
         return self.dp * self.pp
 
