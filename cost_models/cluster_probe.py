@@ -29,6 +29,7 @@ from cost_models.cluster import (ClusterProfile, CollectiveFit, ComputeProbe, De
 from cost_models.elastic import elastic_job, init_process_group, root_failure
 from cost_models.errors import ConfigError, ProfileError
 from cost_models.fit import fit_alpha_beta
+from cost_models.formatting import fixed
 from cost_models.records import Record, record
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
@@ -67,7 +68,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    # torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single (shared/torch-on-cpu.md).
+    # torch 2.13 marks all_gather_into_tensor / reduce_scatter_tensor @deprecated in favour of all_gather_single /
+    # reduce_scatter_single (torch/distributed/distributed_c10d.py); older torch has only the former.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
 
@@ -146,74 +148,106 @@ def _copy_rate(numel: int, seconds: float, device: torch.device) -> float:
     return 2 * numel * 4 * iters / (time.perf_counter() - t0)
 
 
+def _rank_device() -> torch.device:
+    """This rank's GPU (made current) when there are GPUs, else the CPU with one thread."""
+    if torch.cuda.is_available():
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(1)  # ranks share the host's cores; one thread each, as the executor runs them
+    return torch.device("cpu")
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """NCCL reduces only device tensors; gloo takes the CPU tensor as it is."""
+    return t.to(device) if device.type == "cuda" else t
+
+
+def _probe_groups(world: int, local_world: int) -> list[tuple[str, list[int]]]:
+    """(scope, members): the first g ranks of node 0 for each intra-node size, and one rank per node across nodes."""
+    groups = [("intra", list(range(g))) for g in _group_sizes(local_world)]
+    if world // local_world > 1:
+        groups.append(("inter", [n * local_world for n in range(world // local_world)]))
+    return groups
+
+
+def _measure_collectives(cfg: ProbeConfig, groups: list[tuple[str, list[int]]],
+                         device: torch.device) -> list[dict[str, Any]]:
+    """One row per (op, scope, group size, buffer size): the median over repeats of the slowest member's time."""
+    rank = dist.get_rank()
+    # new_group is collective over the whole world: every rank creates every group, in the same order.
+    handles = [(dist.new_group(ranks=members), dist.new_group(ranks=members[:2])) for _, members in groups]
+    raw: list[dict[str, Any]] = []
+    for (scope, members), (group, pair_group) in zip(groups, handles):
+        for op in cfg.ops:
+            if op == "send_recv" and scope == "intra" and len(members) != 2:
+                continue  # p2p is pairwise: measured once per scope
+            active, active_group = (members[:2], pair_group) if op == "send_recv" else (members, group)
+            local = torch.zeros(cfg.repeats, len(cfg.sizes), dtype=torch.float64)
+            if rank in active:
+                local = torch.tensor(_time_op(op, cfg.sizes, active, active_group, cfg, device), dtype=torch.float64)
+            # slowest member per repeat: a collective is done when its last rank is done
+            slowest = _on(local, device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            per_size = slowest.cpu().t().tolist()
+            for size, times in zip(cfg.sizes, per_size):
+                raw.append({"op": op, "scope": scope, "group_size": len(active),
+                            "size_bytes": _buffer_numel(size, len(active)) * 4,
+                            "seconds": statistics.median(times), "spread_s": max(times) - min(times)})
+    return raw
+
+
+def _measure_compute(cfg: ProbeConfig, device: torch.device) -> dict[str, Any]:
+    """Matmul rate of every rank with all busy and of rank 0 alone, and every rank's copy bandwidth."""
+    world = dist.get_world_size()
+    dtype = _DTYPES[cfg.dtype]
+    n = cfg.matmul_n or (8192 if device.type == "cuda" else 512)
+    dist.barrier()
+    together = torch.tensor([_matmul_rate(n, dtype, cfg.matmul_seconds, device)], dtype=torch.float64)
+    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(gathered, _on(together, device))
+    dist.barrier()
+    alone = _matmul_rate(n, dtype, cfg.matmul_seconds, device) if dist.get_rank() == 0 else 0.0
+    dist.barrier()
+    # 64 MiB per buffer: far beyond any cache, so this is DRAM / HBM bandwidth with all ranks copying.
+    copy = torch.tensor([_copy_rate(16 * MIB, cfg.matmul_seconds, device)], dtype=torch.float64)
+    copies = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(copies, _on(copy, device))
+    dist.barrier()
+    return {"matmul_n": n, "flops_together": [float(t.item()) for t in gathered], "flops_alone": alone,
+            "copy_Bps": [float(t.item()) for t in copies]}
+
+
+def _intra_fits(raw: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[float, float]]:
+    """(alpha, beta) per intra-node (op, group size) with more than one size: what the overhead probe subtracts."""
+    series: dict[tuple[str, int], list] = {}
+    for r in raw:
+        if r["scope"] == "intra":
+            series.setdefault((r["op"], r["group_size"]), []).append((r["size_bytes"], r["seconds"]))
+    return {k: fit_alpha_beta([a for a, _ in v], [b for _, b in v])[:2] for k, v in series.items() if len(v) > 1}
+
+
 def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
     """Run on every rank (env:// rendezvous). Returns the raw measurements on global rank 0, None elsewhere."""
+    from cost_models.overhead_probe import overhead_probe
+
     cfg = ProbeConfig.from_dict(cfg_data)
-    use_cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)  # ranks share the host's cores; one thread each, as the executor runs them
+    device = _rank_device()
+    use_cuda = device.type == "cuda"
     backend = "nccl" if use_cuda else "gloo"
     init_process_group(backend, cfg.timeout_s)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        nodes = world // local_world
-        groups: list[tuple[str, list[int]]] = [("intra", list(range(g))) for g in _group_sizes(local_world)]
-        if nodes > 1:
-            groups.append(("inter", [n * local_world for n in range(nodes)]))
-        # new_group is collective over the whole world: every rank creates every group, in the same order.
-        handles = [(dist.new_group(ranks=members), dist.new_group(ranks=members[:2])) for _, members in groups]
-        raw: list[dict[str, Any]] = []
-        for (scope, members), (group, pair_group) in zip(groups, handles):
-            for op in cfg.ops:
-                if op == "send_recv" and scope == "intra" and len(members) != 2:
-                    continue  # p2p is pairwise: measured once per scope
-                active, active_group = (members[:2], pair_group) if op == "send_recv" else (members, group)
-                local = torch.zeros(cfg.repeats, len(cfg.sizes), dtype=torch.float64)
-                if rank in active:
-                    local = torch.tensor(_time_op(op, cfg.sizes, active, active_group, cfg, device), dtype=torch.float64)
-                # slowest member per repeat: a collective is done when its last rank is done
-                slowest = local.to(device) if use_cuda else local
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                per_size = slowest.cpu().t().tolist()
-                for size, times in zip(cfg.sizes, per_size):
-                    raw.append({"op": op, "scope": scope, "group_size": len(active),
-                                "size_bytes": _buffer_numel(size, len(active)) * 4,
-                                "seconds": statistics.median(times), "spread_s": max(times) - min(times)})
-        dtype = _DTYPES[cfg.dtype]
-        n = cfg.matmul_n or (8192 if use_cuda else 512)
-        dist.barrier()
-        together = torch.tensor([_matmul_rate(n, dtype, cfg.matmul_seconds, device)], dtype=torch.float64)
-        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(gathered, together.to(device) if use_cuda else together)
-        dist.barrier()
-        alone = _matmul_rate(n, dtype, cfg.matmul_seconds, device) if rank == 0 else 0.0
-        dist.barrier()
-        # 64 MiB per buffer: far beyond any cache, so this is DRAM / HBM bandwidth with all ranks copying.
-        copy = torch.tensor([_copy_rate(16 * MIB, cfg.matmul_seconds, device)], dtype=torch.float64)
-        copies = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(copies, copy.to(device) if use_cuda else copy)
-        dist.barrier()
-        from cost_models.fit import fit_alpha_beta
-        from cost_models.overhead_probe import overhead_probe
-        series: dict[tuple[str, int], list] = {}
-        for r in raw:
-            if r["scope"] == "intra":
-                series.setdefault((r["op"], r["group_size"]), []).append((r["size_bytes"], r["seconds"]))
-        fits = {k: fit_alpha_beta([a for a, _ in v], [b for _, b in v])[:2] for k, v in series.items() if len(v) > 1}
-        overheads = overhead_probe(device, fits)
+        raw = _measure_collectives(cfg, _probe_groups(world, local_world), device)
+        compute = _measure_compute(cfg, device)
+        overheads = overhead_probe(device, _intra_fits(raw))
         if rank != 0:
             return None
-        return {"raw": raw, "world": world, "local_world": local_world, "nodes": nodes, "backend": backend,
-                "device_name": torch.cuda.get_device_name(device) if use_cuda else _cpu_name(),
+        return {"raw": raw, "world": world, "local_world": local_world, "nodes": world // local_world,
+                "backend": backend, "device_name": torch.cuda.get_device_name(device) if use_cuda else _cpu_name(),
                 "device_memory": torch.cuda.get_device_properties(device).total_memory if use_cuda else None,
-                "matmul_n": n, "flops_together": [float(t.item()) for t in gathered], "flops_alone": alone,
-                "copy_Bps": [float(t.item()) for t in copies], "overheads": overheads,
-                "threads_per_rank": torch.get_num_threads()}
+                **compute, "overheads": overheads, "threads_per_rank": torch.get_num_threads()}
     finally:
         dist.destroy_process_group()
 
@@ -278,9 +312,9 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
                             memory_bandwidth_Bps=compute.copy_Bps)
         if not gpu:
             notes.append(f"CPU ranks: {local_world} ranks share {os.cpu_count()} cores and "
-                         f"{psutil.virtual_memory().total / 2**30:.1f} GiB; each rank gets {together / 1e9:.1f} GFLOP/s "
-                         f"({dtype} matmul, all ranks busy; {raw['flops_alone'] / 1e9:.1f} alone) and "
-                         f"{mem / 2**30:.1f} GiB")
+                         f"{fixed(psutil.virtual_memory().total, 'GiB', 1)}; each rank gets "
+                         f"{fixed(together, 'GFLOP/s', 1)} ({dtype} matmul, all ranks busy; "
+                         f"{fixed(raw['flops_alone'], 'GFLOP/s', 1, show_unit=False)} alone) and {fixed(mem, 'GiB', 1)}")
     links = {}
     for scope in ("intra", "inter"):
         p2p = next((f for f in fits if f.op == "send_recv" and f.scope == scope), None)

@@ -1,7 +1,9 @@
 """Alpha-beta communication costs (pure functions over a ClusterProfile).
 
-Ring collectives over n ranks moving a full buffer of S bytes (Thakur, Rabenseifner & Gropp 2005, "Optimization
-of Collective Communication Operations in MPICH"; the formulas of shared/DESIGN.md):
+Ring collectives over n ranks moving a full buffer of S bytes (bandwidth terms: the ring all-gather and
+reduce-scatter of Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH",
+IJHPCA 19(1); the ring all-reduce as reduce-scatter then all-gather, Patarasuk & Yuan 2009, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations", JPDC 69(2)); latency is one alpha per phase, not per ring step:
     all-gather, reduce-scatter:  alpha + (n-1)/n * S * beta
     all-reduce:                  2 * (alpha + (n-1)/n * S * beta)      (reduce-scatter then all-gather)
     point-to-point:              alpha + S * beta

@@ -35,8 +35,9 @@ BYTES_PER_PARAM: dict[tuple[str, str], tuple[int, int, int]] = {
     ("fp32", "adamw"): (4, 4, 8), ("fp32", "adam"): (4, 4, 8), ("fp32", "sgd"): (4, 4, 4),
 }
 # Per-process overhead. GPU: CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers, about 1 GiB in practice
-# (PyTorch "CUDA semantics" notes; nvidia-smi shows ~0.5 GiB for an idle context). CPU: a gloo rank's RSS after
-# import torch and init, ~310 MiB (shared/torch-on-cpu.md, section 9).
+# (PyTorch "CUDA semantics" notes; nvidia-smi shows ~0.5 GiB for an idle context). CPU: a gloo rank's peak RSS after
+# importing the executor and init_process_group, ~300 MiB on torch 2.13 (measured by tests/test_memory_model.py,
+# test_cpu_overhead_is_a_gloo_ranks_rss_before_any_model).
 OVERHEAD_BYTES = {"gpu": 2**30, "cpu": 310 * 2**20}
 
 

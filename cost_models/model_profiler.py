@@ -31,17 +31,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from cost_models.errors import ConfigError, ProfileError
+from cost_models.formatting import fixed
 from cost_models.models.losses import compute_loss, loss_kind, synthetic_target
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.profile import ModelProfile, SharedParam, Timing, UnitEdge, UnitProfile
+from cost_models.torch_private import (CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD, storage_id, tree_leaves,
+                                      tree_map)
 
 ProgressFn = Callable[[int, int, str], None]
 
-_aten = torch.ops.aten
 # torch's FlopCounterMode has no formula for the CPU flash-attention kernels, so it would count attention as 0.
 # They compute the same products as the CUDA kernels; reuse torch's own SDPA formulas (4*b*s^2*h forward).
 def _cpu_flash_fwd_flop(q, k, v, *args, out_shape=None, **kwargs) -> int:
@@ -53,8 +54,8 @@ def _cpu_flash_bwd_flop(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> i
 
 
 _FLOP_MAPPING = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd_flop,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd_flop,
+    CPU_FLASH_ATTENTION: _cpu_flash_fwd_flop,
+    CPU_FLASH_ATTENTION_BACKWARD: _cpu_flash_bwd_flop,
 }
 _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 
@@ -69,18 +70,13 @@ class _FusedAttentionOnMeta(TorchFunctionMode):
             extra = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
             # The CPU flash kernel takes grouped-query K/V (fewer heads) natively, as enable_gqa asks.
             if q.is_meta and extra.get("attn_mask") is None and (q.shape[1] == k.shape[1] or extra.get("enable_gqa")):
-                return _aten._scaled_dot_product_flash_attention_for_cpu(
-                    q, k, v, extra.get("dropout_p", 0.0), bool(extra.get("is_causal", False)), scale=extra.get("scale"))[0]
+                return CPU_FLASH_ATTENTION(q, k, v, extra.get("dropout_p", 0.0), bool(extra.get("is_causal", False)),
+                                           scale=extra.get("scale"))[0]
         return func(*args, **kwargs)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    # The StorageImpl address: shared by all views of one storage, distinct per storage, valid on meta too.
-    return t.untyped_storage()._cdata
 
 
 class _Capture:
@@ -111,7 +107,7 @@ class _Capture:
         def hook(module, args, output):
             if name not in self.outputs:
                 tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-                self.outputs[name] = {_storage_key(t) for t in tensors}
+                self.outputs[name] = {storage_id(t) for t in tensors}
                 self.keep_alive.extend(tensors)  # a freed storage's address could be reused: hold them all
                 self.fwd_flops[name] = self._counter.get_total_flops() - self._flops_before.get(name, 0)
 
@@ -250,7 +246,7 @@ def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, 
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_id(t)
         if key not in excluded:
             saved.setdefault(key, t.untyped_storage().nbytes())
         return t
@@ -425,7 +421,7 @@ def _data_flow_edges(unit_defs, capture: _Capture) -> tuple[UnitEdge, ...]:
             for t in tree_leaves(capture.inputs[m]):
                 if not isinstance(t, torch.Tensor):
                     continue
-                key = _storage_key(t)
+                key = storage_id(t)
                 src = producer.get(key)
                 if src is not None and src < j and key not in seen:
                     seen.add(key)
@@ -439,8 +435,8 @@ def _check_fits_in_memory(source: ModelSource, dtype: torch.dtype) -> None:
     # parameters + gradients + a working margin of the same size: a floor, not an estimate of the activations.
     need, avail = 3 * param_bytes, psutil.virtual_memory().available
     if need > avail:
-        raise ProfileError(f"real-mode profiling of {source.name} needs about {need / 2**30:.1f} GiB, this machine has "
-                           f"{avail / 2**30:.1f} GiB available; add --meta to profile it without weights")
+        raise ProfileError(f"real-mode profiling of {source.name} needs about {fixed(need, 'GiB', 1)}, this machine has "
+                           f"{fixed(avail, 'GiB', 1)} available; add --meta to profile it without weights")
 
 
 def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str = "fp32",
@@ -488,7 +484,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
     inputs = source.example_input(model, micro_batch_size, seq_len, device)
     in_kind, vocab = source_input_kind(source, model, inputs, seq_len)
     loss = loss_kind(in_kind)
-    excluded = {_storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
+    excluded = {storage_id(t) for t in list(model.parameters()) + list(model.buffers())}
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(source.forward_context())

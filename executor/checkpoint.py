@@ -9,9 +9,10 @@ stage's or a wrapper's, so a checkpoint written under one plan loads into any ot
                                       (loaded by the same rank, if it exists)
 Every rank passes the tensors it holds; DCP records each one's global shape and which slice this rank has, writes
 a replicated tensor once (its default planner de-duplicates), and on load reads into each tensor exactly the slice
-it holds, whatever slices were written: that is the resharding (shared/torch-on-cpu.md section 5 measured FSDP2
-W=4 -> W=1..4 to be exact). ZeroRedundancyOptimizer keeps whole parameters' states on their owner rank only: the
-owner passes them, so they are written once and land on whichever rank owns them in the new plan.
+it holds, whatever slices were written: that is the resharding (tests/test_checkpoint.py: a ZeRO-3 checkpoint of
+4 ranks loads bit-exact into a 2-stage pipeline, which then continues with one process's losses).
+ZeroRedundancyOptimizer keeps whole parameters' states on their owner rank only: the owner passes them, so they are
+written once and land on whichever rank owns them in the new plan.
 
 Nothing of ours is pickled: a pickle runs code when loaded, and a checkpoint may come from elsewhere. DCP's own
 `.metadata` is a pickle, so it is unpickled only from the bytes whose sha256 the signed listing vouches for

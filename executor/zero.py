@@ -1,4 +1,6 @@
-"""The ZeRO mapping of shared/DESIGN.md, over the "dp" mesh dimension of each stage.
+"""ZeRO stages on torch's wrappers, over the "dp" mesh dimension of each stage (stages 1-3 partition optimizer
+states, then gradients, then parameters: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", SC20, sections 5.1-5.3).
 
                  no pipeline (pp = 1)                          pipeline (pp > 1)
     ZeRO-0       DDP                                           plain stage + gradient all-reduce (AVG) over dp
@@ -6,9 +8,13 @@
     ZeRO-2       FSDP2 fully_shard per unit + root,            FSDP2 fully_shard(stage), reshard_after_forward=False
                  reshard_after_forward=False
     ZeRO-3       the same, reshard_after_forward=True          FSDP2 fully_shard(stage), reshard_after_forward=True
-Why the pipeline column differs (shared/torch-on-cpu.md, section 4): DDP-wrapped stages fail under GPipe and
-interleaved schedules (reducer assertion) or give wrong gradients (static_graph); nested FSDP2 gives wrong
-gradients under zero-bubble schedules; one fully_shard per stage and the manual all-reduce are right for all.
+Why the pipeline column differs: torch's pipelining drives a DDP-wrapped stage by reaching into DDP's reducer
+(torch 2.13, torch/distributed/pipelining/stage.py, backward_maybe_with_nosync: no_sync on every backward but the
+last, then reducer.prepare_for_backward), and when this module was written DDP-wrapped stages failed here under
+GPipe and interleaved schedules (reducer assertion) or gave wrong gradients (static_graph), and nested FSDP2 gave
+wrong gradients under zero-bubble schedules. One fully_shard per stage and the manual all-reduce are right for all:
+tests/test_executor.py checks them against one process's losses (ZeRO 0-3 alone, every schedule alone, PP2 x DP2
+with ZeRO 1-3, zero-bubble among them).
 DDP uses gradient_as_bucket_view so gradients are not held twice (the memory model assumes it).
 """
 from __future__ import annotations
@@ -30,7 +36,6 @@ class Wrapped:
     optimizer: torch.optim.Optimizer
     manual_grad_sync: bool               # all-reduce gradients over dp after backward (pipelined ZeRO-0/1)
     ddp: bool = False
-    fsdp: bool = False
     params: list[nn.Parameter] = field(default_factory=list)
 
 
@@ -55,8 +60,7 @@ def wrap(stages: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: 
                         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=raf)
             fully_shard(st, mesh=dp_mesh, reshard_after_forward=raf)
         params = [p for st in stages for p in st.parameters()]
-        return Wrapped(modules=list(stages), optimizer=optimizer_fn(params), manual_grad_sync=False, fsdp=True,
-                       params=params)
+        return Wrapped(modules=list(stages), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params)
     params = [p for st in stages for p in st.parameters()]
     if pp == 1:
         from torch.nn.parallel import DistributedDataParallel as DDP

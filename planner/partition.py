@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cost_models.errors import ConfigError, InfeasibleError
+from cost_models.formatting import fixed
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ def dp_partition(problem: PartitionProblem) -> list[tuple[int, int]]:
                 if value < best[j][i]:
                     best[j][i], arg[j][i] = value, l
     if best[k][n] == inf:
-        raise PartitionInfeasible(f"no split of {n} units into {k} stages fits {problem.capacity / 2**30:.2f} GiB per rank")
+        raise PartitionInfeasible(f"no split of {n} units into {k} stages fits {fixed(problem.capacity, 'GiB', 2)} "
+                                  f"per rank")
     ranges, i = [], n
     for j in range(k, 0, -1):
         l = arg[j][i]
@@ -195,7 +197,7 @@ def _milp(problem: PartitionProblem, time_limit_s: float) -> tuple[list[tuple[in
     status_code = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
     status = pulp.LpStatus[status_code]
     if status == "Infeasible":
-        raise PartitionInfeasible(f"MILP: no split of {n} units into {k} stages fits {problem.capacity / 2**30:.2f} GiB")
+        raise PartitionInfeasible(f"MILP: no split of {n} units into {k} stages fits {fixed(problem.capacity, 'GiB', 2)}")
     if status not in ("Optimal",) and T.varValue is None:
         raise PartitionInfeasible(f"MILP solver ended with status {status} and no solution within {time_limit_s} s")
     stage_of = [min(s for s in range(k) if (y[u, s].varValue or 0) > 0.5) for u in range(n)]

@@ -1,8 +1,13 @@
 """Memory: the ZeRO paper's numbers exactly, and the per-rank breakdown of estimates."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from cost_models.estimate import estimate
-from cost_models.memory import BYTES_PER_PARAM, zero_model_state_bytes
+from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, zero_model_state_bytes
 from cost_models.presets import preset
 from cost_models.strategy import Strategy
 
@@ -94,3 +99,37 @@ def test_measured_times_move_to_other_micro_batches_affinely(tiny_profiles):
     for b, expected in ((1, t1), (2, t2), (5, t1 + (t2 - t1) * 4)):
         fwd, _ = unit_times(u, prof, cpu, micro_batch_size=b, precision="fp32", ranks_running=1)
         assert fwd == pytest.approx(max(0.0, expected) if t2 >= t1 else t1)
+
+
+_RANK_RSS = """
+import torch.distributed as dist
+import executor.train   # everything a rank imports before it builds its stages
+from executor.measure import peak_rss_bytes
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+print(peak_rss_bytes()[0])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_cpu_overhead_is_a_gloo_ranks_rss_before_any_model():
+    # The measurement behind OVERHEAD_BYTES["cpu"] (about 300 MiB here, torch 2.13 CPU); a factor of 1.5 either way
+    # leaves room for other builds of torch and still catches a constant that is off by an order.
+    proc = subprocess.run([sys.executable, "-c", _RANK_RSS], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rss = int(proc.stdout.split()[-1])
+    assert OVERHEAD_BYTES["cpu"] / 1.5 <= rss <= OVERHEAD_BYTES["cpu"] * 1.5, rss / 2**20
+
+
+def test_a_rank_reports_its_own_peak_rss_not_its_launchers():
+    # ru_maxrss survives execve on Linux: a child of a large parent would read the parent's peak
+    ballast = bytearray(1024 * 2**20)
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    code = "from executor.measure import peak_memory_bytes; print(peak_memory_bytes()[0])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) < 700 * 2**20   # torch imported: ~300 MiB, far below the 1 GiB parent
+    del ballast

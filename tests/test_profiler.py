@@ -176,7 +176,7 @@ def test_factory_token_ids_count_at_int64():
 def test_factory_token_model_throughput_counts_tokens():
     from cost_models.summaries import estimate_lines
     from executor.launch import summarize
-    from executor.train import RankResult
+    from planner.run_record import RankResult
     from tests.plans import plan_for
     prof, s, est = _tiny_lm_estimate()
     assert (est.tokens_per_step, est.throughput_unit) == (2 * 3 * 5, "tokens")    # 6 sequences x 5 tokens

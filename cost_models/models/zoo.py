@@ -21,7 +21,7 @@ class ZooEntry(Record):
     name: str
     family: Literal["gpt", "llama", "mlp"]
     description: str
-    config: GPTConfig | LlamaConfig | MLPConfig
+    config: Config
 
     @property
     def input_kind(self) -> str:

@@ -1,0 +1,81 @@
+"""The one module that uses torch's private names (a leading underscore): each is wrapped or re-exported here with
+why no public API does the job, so a torch upgrade that moves one breaks this file only. Checked on torch 2.13.0;
+tests/test_code_shape.py fails if product code outside this file uses a private name of a library.
+
+Where torch 2.13 has a public equivalent it is used instead (ProcessGroup.set_timeout, below).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+from torch import nn
+# torch 2.13 has no public pytree module (torch.utils.pytree does not exist; only _pytree and _cxx_pytree):
+# tree_leaves / tree_map walk the nested args, kwargs and outputs of a module call.
+from torch.utils._pytree import tree_leaves, tree_map
+# No public path in torch 2.13 (torch.overrides has only TorchFunctionMode): a dispatch mode sees the c10d ops
+# that FSDP2, ZeroRedundancyOptimizer and pipelining issue below the Python API.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["tree_leaves", "tree_map", "TorchDispatchMode", "storage_id", "CPU_FLASH_ATTENTION",
+           "CPU_FLASH_ATTENTION_BACKWARD", "persistent_buffers", "default_group_timeout", "set_group_timeout",
+           "schedule_stages", "compute_action_strings"]
+
+# The fused CPU flash-attention kernels (aten ops with private names; torch.nn.functional.scaled_dot_product_attention
+# picks them on CPU). The profiler runs them on meta and gives FlopCounterMode a formula for them.
+CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """The address of the tensor's StorageImpl: shared by all views of one storage, distinct per storage, and valid
+    on meta tensors, whose untyped_storage().data_ptr() is 0 for every storage (the public alternative)."""
+    return t.untyped_storage()._cdata
+
+
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the module's own buffers that its state_dict holds: set, and not registered with
+    persistent=False. nn.Module keeps that flag only in _non_persistent_buffers_set (torch/nn/modules/module.py)."""
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            yield name, b
+
+
+def default_group_timeout(device: torch.device) -> timedelta:
+    """The timeout init_process_group was given. torch 2.13 exposes it only as the backend's Options._timeout
+    (ProcessGroup._get_backend; distributed_c10d._set_pg_timeout reads the same backend)."""
+    import torch.distributed as dist
+    return dist.group.WORLD._get_backend(device).options._timeout
+
+
+def set_group_timeout(group, timeout: timedelta) -> None:
+    """Give a subgroup the world's timeout: new_group and DeviceMesh's groups take torch's default instead.
+    Public in torch 2.13 (ProcessGroup.set_timeout sets every backend of the group, as _set_pg_timeout did for
+    gloo and NCCL); the default group already has it. Older torch (the project admits >= 2.6) may lack the public
+    method: then distributed_c10d._set_pg_timeout, what torch 2.13's set_timeout replaces."""
+    import torch.distributed as dist
+    if group is None or group is dist.group.WORLD:
+        return
+    if hasattr(group, "set_timeout"):
+        group.set_timeout(timeout)
+    else:
+        from torch.distributed import distributed_c10d as c10d
+        c10d._set_pg_timeout(timeout, group)
+
+
+def schedule_stages(schedule) -> list:
+    """The PipelineStage objects a torch pipelining schedule runs on this rank: PipelineScheduleMulti keeps them in
+    `_stages`, PipelineScheduleSingle its one stage in `_stage` (torch/distributed/pipelining/schedules.py);
+    neither has a public accessor."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
+def compute_action_strings(pipeline_order, rank: int) -> list[str]:
+    """The forward / backward / input-backward / weight-backward actions of `rank` in a schedule's pipeline_order,
+    as torch prints them ("0F1", "1B0", "0I2", "0W2"), in order; communication and FSDP actions left out. The
+    action kinds are the private enum _ComputationType of torch/distributed/pipelining/schedules.py."""
+    from torch.distributed.pipelining import schedules as S
+    compute = (S._ComputationType.FORWARD, S._ComputationType.FULL_BACKWARD, S._ComputationType.BACKWARD_INPUT,
+               S._ComputationType.BACKWARD_WEIGHT)
+    return [str(a) for a in pipeline_order[rank] if a is not None and a.computation_type in compute]
