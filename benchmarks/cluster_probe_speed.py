@@ -14,6 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+from cost_models.formatting import duration  # noqa: E402  (after the path: the script runs from a checkout)
 
 
 def main() -> None:
@@ -31,12 +33,12 @@ def main() -> None:
     cluster = json.loads(proc.stdout)["cluster"]
     print(f"default probe: {cluster['nodes'] * cluster['devices_per_node']} ranks, "
           f"wall {wall:.1f} s (target <= 60 s: {'met' if wall <= 60 else 'MISSED'})")
-    print(f"{'collective':<15} {'ranks':>5} {'alpha ms':>9} {'GB/s':>8} {'R^2':>6}")
+    print(f"{'collective':<15} {'ranks':>5} {'alpha':>10} {'GB/s':>8} {'R^2':>6}")
     rows = []
     for f in cluster["fits"]:
         bw = 1 / f["beta_s_per_byte"] / 1e9 if f["beta_s_per_byte"] > 0 else 0.0
         rows.append({"op": f["op"], "group_size": f["group_size"], "alpha_s": f["alpha_s"], "bandwidth_GBps": bw, "r2": f["r2"]})
-        print(f"{f['op']:<15} {f['group_size']:>5} {f['alpha_s'] * 1e3:>9.3f} {bw:>8.3f} {f['r2']:>6.3f}")
+        print(f"{f['op']:<15} {f['group_size']:>5} {duration(f['alpha_s']):>10} {bw:>8.3f} {f['r2']:>6.3f}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "cluster_probe_speed.json").write_text(json.dumps({
         "schema_version": 1, "kind": "zeropipe.benchmark.cluster_probe_speed", "wall_s": round(wall, 2),

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(RESULTS.parents[1]))
+from cost_models.formatting import fixed  # noqa: E402  (after the path: the script runs from a checkout)
 
 
 def run_once(model: str, seq_len: int) -> dict:
@@ -44,7 +46,7 @@ def main() -> None:
     targets = {"wall_s": 30.0, "peak_rss_bytes": 2e9}
     print(f"{'model':<12} {'seq':>6} {'params':>16} {'wall s':>8} {'peak RSS GB':>12}  target")
     print(f"{row['model']:<12} {row['seq_len']:>6} {row['total_params']:>16,} {row['wall_s']:>8.2f} "
-          f"{row['peak_rss_bytes'] / 1e9:>12.3f}  <= 30 s, <= 2 GB: "
+          f"{fixed(row['peak_rss_bytes'], 'GB', 3, show_unit=False):>12}  <= 30 s, <= 2 GB: "
           f"{'met' if row['wall_s'] <= targets['wall_s'] and row['peak_rss_bytes'] <= targets['peak_rss_bytes'] else 'MISSED'}")
     RESULTS.mkdir(exist_ok=True)
     result = {"schema_version": 1, "kind": "zeropipe.benchmark.profile_speed", "rows": [row], "targets": targets,

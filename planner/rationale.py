@@ -4,29 +4,10 @@ from __future__ import annotations
 from cost_models.cluster import ClusterProfile
 from cost_models.estimate import Estimate
 from cost_models.strategy import Strategy
-from cost_models.summaries import duration
+from cost_models.formatting import duration, fixed, size
 from planner.plan import Rationale
 
 COMM_BINDS = 0.15  # exposed communication above this share of the step makes bandwidth the binding resource
-
-
-def family(s: Strategy) -> str:
-    return "zero" if s.pp == 1 else ("pipeline" if s.dp == 1 else "hybrid")
-
-
-def describe(s: Strategy) -> str:
-    if s.pp == 1:
-        shape = f"ZeRO-{s.zero} over {s.dp} ranks" if s.dp > 1 else "one device"
-    else:
-        shape = f"{s.pp}-stage {s.schedule}" + (f" (v={s.v})" if s.v > 1 else "")
-        shape += f" x {s.dp}-way ZeRO-{s.zero}" if s.dp > 1 else ""
-    rec = sum(s.recompute) if s.recompute else 0
-    recompute = "" if not rec else (", full recompute" if rec == s.n_stages else f", recompute on {rec} of {s.n_stages} stages")
-    return shape + f", {s.microbatches} micro-batch(es) of {s.micro_batch_size}" + recompute
-
-
-def _bytes(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
 
 
 _COMPONENTS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("p2p_s", "p2p transfers"),
@@ -36,18 +17,18 @@ _COMPONENTS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("p2p_
 def why_lost(s: Strategy, est: Estimate, ws: Strategy, west: Estimate) -> str:
     """The component that grew most against the winner, with both numbers."""
     if not est.fits:
-        return f"does not fit: {est.peak_memory_bytes / 2**30:.1f} GiB > {est.capacity_bytes / 2**30:.1f} GiB"
+        return f"does not fit: {fixed(est.peak_memory_bytes, 'GiB', 1)} > {fixed(est.capacity_bytes, 'GiB', 1)}"
     slower = est.step_time_s - west.step_time_s
     if slower <= 1e-9 * max(west.step_time_s, 1e-12):
-        return (f"ties on predicted time; ranked below for less memory headroom "
-                f"({est.peak_memory_bytes / 2**30:.2f} vs {west.peak_memory_bytes / 2**30:.2f} GiB peak)")
+        peaks = f"{fixed(est.peak_memory_bytes, 'GiB', show_unit=False)} vs {fixed(west.peak_memory_bytes, 'GiB')}"
+        return f"ties on predicted time; ranked below for less memory headroom ({peaks} peak)"
     deltas = [(getattr(est.breakdown, f) - getattr(west.breakdown, f), f, label) for f, label in _COMPONENTS]
     delta, field, label = max(deltas)
     detail = f"{label} {duration(getattr(est.breakdown, field))} vs {duration(getattr(west.breakdown, field))}"
     if field == "bubble_s":
         detail += f" (bubble {est.bubble_ratio:.2f} of compute)"
     if field == "dp_comm_s":
-        detail += f" ({_bytes(est.comm.dp_bytes_per_rank)} per rank per step, {est.comm.dp_link})"
+        detail += f" ({size(est.comm.dp_bytes_per_rank)} per rank per step, {est.comm.dp_link})"
     return f"+{duration(slower)} per step; most of it {detail}"
 
 
@@ -56,12 +37,12 @@ def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: Clus
     """Binding resource and the family comparison. `feasible` are costed candidates that fit (winner first)."""
     best: dict[str, tuple[Strategy, Estimate]] = {}
     for c in feasible:
-        fam = family(c.strategy)
+        fam = c.strategy.family
         if fam not in best or c.estimate.step_time_s < best[fam][1].step_time_s:
             best[fam] = (c.strategy, c.estimate)
     b = west.breakdown
     comm_share = (b.dp_comm_s + b.p2p_s) / west.step_time_s if west.step_time_s else 0.0
-    wf = family(ws)
+    wf = ws.family
     others = [(e.step_time_s, s_, e) for fam, (s_, e) in best.items() if fam != wf]
     runner = min(others, key=lambda x: x[0], default=None)
     runner_comm = None
@@ -75,15 +56,16 @@ def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: Clus
         # The question "ZeRO or pipeline?" was decided by the links: the best other family lost to communication.
         rs, re_ = runner_comm
         binding = "bandwidth"
-        why = (f"bandwidth binds: the best {family(rs)} strategy ({describe(rs)}) spends "
+        why = (f"bandwidth binds: the best {rs.family} strategy ({rs.summary}) spends "
                f"{duration(re_.breakdown.dp_comm_s + re_.breakdown.p2p_s)} per step in exposed communication "
-               f"({_bytes(re_.comm.dp_bytes_per_rank)} per rank over {re_.comm.dp_link} links) against "
+               f"({size(re_.comm.dp_bytes_per_rank)} per rank over {re_.comm.dp_link} links) against "
                f"{duration(b.dp_comm_s + b.p2p_s)} here")
     elif fastest_unfit is not None and fastest_unfit.estimate.step_time_s < west.step_time_s:
         binding = "memory"
-        why = (f"memory binds: the fastest strategy, {describe(fastest_unfit.strategy)}, would take "
-               f"{duration(fastest_unfit.estimate.step_time_s)} but needs {fastest_unfit.estimate.peak_memory_bytes / 2**30:.1f} GiB "
-               f"per device against {cluster.device.memory_bytes / 2**30:.1f} GiB")
+        fast = fastest_unfit.estimate
+        why = (f"memory binds: the fastest strategy, {fastest_unfit.strategy.summary}, would take "
+               f"{duration(fast.step_time_s)} but needs {fixed(fast.peak_memory_bytes, 'GiB', 1)} "
+               f"per device against {fixed(cluster.device.memory_bytes, 'GiB', 1)}")
     elif comm_share >= COMM_BINDS:
         binding = "bandwidth"
         why = (f"bandwidth binds: {comm_share:.0%} of the step is exposed communication "
@@ -93,19 +75,20 @@ def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: Clus
         why = (f"compute binds: {b.compute_s / west.step_time_s:.0%} of the step is computation; bubble "
                f"{duration(b.bubble_s)}, exposed communication {duration(b.dp_comm_s + b.p2p_s)}")
     names = {"zero": "ZeRO (data parallel)", "pipeline": "pipeline", "hybrid": "pipeline x ZeRO hybrid"}
-    lines = [f"chosen: {describe(ws)}: {duration(west.step_time_s)} per step, {west.tokens_per_s:,.0f} {west.throughput_unit}/s, "
-             f"peak {west.peak_memory_bytes / 2**30:.2f} of {west.capacity_bytes / 2**30:.2f} GiB", why]
+    lines = [f"chosen: {ws.summary}: {duration(west.step_time_s)} per step, {west.tokens_per_s:,.0f} "
+             f"{west.throughput_unit}/s, peak {fixed(west.peak_memory_bytes, 'GiB', show_unit=False)} of "
+             f"{fixed(west.capacity_bytes, 'GiB')}", why]
     for fam in ("zero", "pipeline", "hybrid"):
         if fam == wf:
             continue
         if fam in best:
             s, e = best[fam]
-            lines.append(f"best {names[fam]}: {describe(s)}: {duration(e.step_time_s)}; {why_lost(s, e, ws, west)}")
+            lines.append(f"best {names[fam]}: {s.summary}: {duration(e.step_time_s)}; {why_lost(s, e, ws, west)}")
         elif pruned_bounds and fam in pruned_bounds:
             lines.append(f"best {names[fam]}: not costed: no such strategy can beat {duration(pruned_bounds[fam])} (its compute "
                          f"alone, a lower bound), slower than the top candidates")
         else:
             lines.append(f"no {names[fam]} strategy fits or divides the batch on these devices")
-    summary = f"{names[wf]} wins: {describe(ws)} at {duration(west.step_time_s)} per step; {why}"
+    summary = f"{names[wf]} wins: {ws.summary} at {duration(west.step_time_s)} per step; {why}"
     return Rationale(binding=binding, winner_family=wf, summary=summary, lines=tuple(lines),
                      best_by_family={f: e.step_time_s for f, (_, e) in best.items()})

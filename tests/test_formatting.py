@@ -1,4 +1,4 @@
-"""One duration formatter for every printed time: microseconds where milliseconds would print as 0.0."""
+"""One formatting module for every printed time, size and rate: adaptive units, so nothing prints as 0.0 ms."""
 import re
 
 import pytest
@@ -8,7 +8,8 @@ from cost_models.model_profiler import profile_model
 from cost_models.models.source import resolve
 from cost_models.presets import preset
 from cost_models.strategy import Strategy
-from cost_models.summaries import duration, estimate_lines, unit_rows
+from cost_models.formatting import about, duration, fixed, flop_rate, measured, rate, size
+from cost_models.summaries import estimate_lines, unit_rows
 from tests.plans import GPT_TINY_UNITS, plan_for
 
 ZERO_MS = re.compile(r"(?<![\d.])0\.0+ ms")   # "0.0 ms", "0.00 ms", "0.000 ms": what tiny times printed as
@@ -21,6 +22,47 @@ ZERO_MS = re.compile(r"(?<![\d.])0\.0+ ms")   # "0.0 ms", "0.00 ms", "0.000 ms":
 ])
 def test_duration_switches_to_microseconds_below_a_tenth_of_a_millisecond(seconds, text):
     assert duration(seconds) == text
+
+
+def test_a_40_microsecond_step_is_not_zero_milliseconds():
+    assert duration(4e-5) == "40.0 µs" and duration(4e-5, digits=6) == "40.0000 µs"
+    assert duration(0.0123456789, digits=6) == "12.3457 ms"
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (40, "about 40 s"), (89, "about 89 s"), (90, "about 2 min"), (700, "about 12 min"), (5399, "about 90 min"),
+    (5400, "about 1.5 h"), (9000, "about 2.5 h"),
+])
+def test_about_goes_from_seconds_to_minutes_to_hours(seconds, text):
+    assert about(seconds) == text
+
+
+@pytest.mark.parametrize("n_bytes, text", [
+    (0, "0 B"), (5, "5 B"), (1023, "1,023 B"), (1024, "1.00 KiB"), (1536, "1.50 KiB"), (40 * 2**10, "40.0 KiB"),
+    (2**20 - 0.1, "1.00 MiB"), (12.34 * 2**20, "12.3 MiB"), (2**30, "1.00 GiB"), (80 * 2**30, "80.0 GiB"),
+    (1234 * 2**30, "1,230 GiB"), (-3 * 2**20, "-3.00 MiB"),
+])
+def test_size_picks_the_unit_that_keeps_three_digits(n_bytes, text):
+    assert size(n_bytes) == text
+
+
+def test_rates_use_decimal_units():
+    assert rate(25e9) == "25.0 GB/s" and rate(9e8) == "900 MB/s" and rate(1.5e3) == "1.50 kB/s"
+    assert flop_rate(989e12) == "989 TFLOP/s" and flop_rate(2.4e8) == "240 MFLOP/s"
+
+
+def test_fixed_keeps_the_unit_a_column_header_names():
+    assert fixed(3 * 2**30, "GiB", 3, show_unit=False) == "3.000"
+    assert fixed(50 * 2**10, "GiB") == "0.00 GiB"          # a fixed unit can print 0: for columns, not for prose
+    assert fixed(1234.5 * 2**20, "MiB", 3) == "1,234.500 MiB"
+    assert fixed(989.4e12, "TFLOP/s", 0, show_unit=False) == "989"
+
+
+def test_measured_values_print_by_their_unit():
+    assert measured(2.5e-5, "s") == "25.0 µs"
+    assert measured(3 * 2**20, "B") == "3.000 MiB"
+    with pytest.raises(ValueError):
+        measured(1.0, "GiB")
 
 
 @pytest.fixture(scope="module")
