@@ -7,8 +7,10 @@ group communicates at once: an inter-node NIC shared by a node's devices is divi
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
+from cost_models.errors import FileFormatError
+from cost_models.file_record import FileRecord
 from cost_models.records import Record, record
 
 CLUSTER_KIND = "zeropipe.cluster"
@@ -133,7 +135,25 @@ class ClusterProfile(Record):
 
 
 @record
-class ClusterFile(Record):
+class ClusterFile(FileRecord):
+    """A cluster file (`planner profile-cluster` writes one; people write them by hand too, in JSON or YAML)."""
+
     schema_version: int = CLUSTER_SCHEMA_VERSION
     kind: str = CLUSTER_KIND
     cluster: ClusterProfile
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> Any:
+        """JSON, or YAML for a .yaml / .yml file."""
+        if not where.lower().endswith((".yaml", ".yml")):
+            return super().parse(text, where)
+        import yaml
+        try:
+            return yaml.safe_load(text)
+        except Exception as exc:  # yaml.YAMLError (and its recursion limits): report the parser's first line
+            raise FileFormatError(f"{where}: not valid YAML: {str(exc).splitlines()[0]}") from None
+
+    def check(self, where: str) -> None:
+        """Finite, non-negative, consistent (cost_models.validate): one line naming the field."""
+        from cost_models.validate import validate_cluster   # validate imports this module
+        validate_cluster(self.cluster, where)

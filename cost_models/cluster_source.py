@@ -5,9 +5,8 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from cost_models.cluster import CLUSTER_KIND, CLUSTER_SCHEMA_VERSION, ClusterFile, ClusterProfile
-from cost_models.errors import ConfigError, FileFormatError
-from cost_models.fileio import parse_json
+from cost_models.cluster import ClusterFile, ClusterProfile
+from cost_models.errors import ConfigError
 from cost_models.presets import PRESETS, preset
 from cost_models.validate import validate_cluster
 
@@ -38,40 +37,6 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def load_cluster_file(path: str | Path) -> ClusterProfile:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise FileFormatError(f"{p}: cannot read ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise FileFormatError(f"{p}: not a text file ({exc.reason} at byte {exc.start})") from None
-    try:
-        if p.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-            data = yaml.safe_load(text)
-        else:
-            data = parse_json(text, str(p))  # refuses NaN / Infinity with the JSON path
-    except FileFormatError:
-        raise
-    except Exception as exc:  # yaml.YAMLError (and its recursion limits): report the parser's first line
-        raise FileFormatError(f"{p}: not valid {'YAML' if p.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: "
-                              f"{str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict) or data.get("kind") != CLUSTER_KIND:
-        raise FileFormatError(f"{p}: not a zeropipe cluster file (needs kind: {CLUSTER_KIND}, schema_version: "
-                              f"{CLUSTER_SCHEMA_VERSION}, cluster: {{...}})")
-    if data.get("schema_version") != CLUSTER_SCHEMA_VERSION:
-        raise FileFormatError(f"{p}: schema_version {data.get('schema_version')!r}, this zeropipe reads {CLUSTER_SCHEMA_VERSION}")
-    try:
-        cluster = ClusterFile.from_dict(data).cluster
-    except FileFormatError as exc:
-        raise FileFormatError(f"{p}: {exc}") from None
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise FileFormatError(f"{p}: {exc}") from None
-    validate_cluster(cluster, str(p))  # finite, non-negative, consistent: one line naming the field
-    return cluster
-
-
 def check_cluster_args(spec: str, *, nodes: int | None, ranks: int | None) -> None:
     """Reject flag combinations that cannot work, before any slow profiling starts."""
     if nodes is not None and nodes < 1:
@@ -97,9 +62,10 @@ def resolve_cluster(spec: str, *, nodes: int | None = None, ranks: int | None = 
     if spec in PRESETS:
         return preset(spec, nodes=nodes or 1)
     if Path(spec).exists():
-        cluster = load_cluster_file(spec)
-        cluster = cluster.with_nodes(nodes) if nodes else cluster
-        validate_cluster(cluster, spec)
+        cluster = ClusterFile.load(spec).cluster
+        if nodes:
+            cluster = cluster.with_nodes(nodes)
+            validate_cluster(cluster, spec)   # the scaled cluster: an inter-node link is needed now
         return cluster
     raise ConfigError(f"unknown --cluster '{spec}': use local, none, a preset ({', '.join(PRESETS)}) or a cluster file")
 

@@ -1,4 +1,5 @@
-"""Atomic, non-clobbering file output and schema-checked JSON input shared by every zeropipe file format."""
+"""Atomic, non-clobbering file output and strict JSON input shared by every zeropipe file format (the kind and
+schema version of a file are checked by cost_models.file_record.FileRecord, which reads and writes through here)."""
 from __future__ import annotations
 
 import json
@@ -109,28 +110,22 @@ def parse_json(text: str, where: str) -> Any:
     return data
 
 
-def read_json(path: str | os.PathLike[str], *, kind: str, schema_version: int) -> dict[str, Any]:
-    """Read a zeropipe JSON file, checking that it exists, parses, and has the expected kind and schema version."""
+def read_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a file the user named, or one line saying why not: missing, a folder, unreadable."""
     p = Path(path)
+    if p.is_dir():
+        raise FileFormatError(f"{p}: a folder, not a file")
     if not p.is_file():
         raise FileFormatError(f"{p}: no such file")
     try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise FileFormatError(f"{p}: not valid JSON ({exc})") from None
+        return p.read_bytes()
     except OSError as exc:
         raise FileFormatError(f"{p}: cannot read ({exc.strerror})") from None
-    return loads_document(text, str(p), kind=kind, schema_version=schema_version)
 
 
-def loads_document(text: str, where: str, *, kind: str, schema_version: int) -> dict[str, Any]:
-    """Parse the text of a zeropipe JSON file (read by the caller: a signed file is parsed from the very bytes whose
-    signature was checked), checking its kind and schema version."""
-    data = parse_json(text, where)
-    if not isinstance(data, dict) or data.get("kind") != kind:
-        raise FileFormatError(f"{where}: not a zeropipe {kind} file (its 'kind' is {data.get('kind') if isinstance(data, dict) else None!r})")
-    if data.get("schema_version") != schema_version:
-        raise FileFormatError(
-            f"{where}: schema_version {data.get('schema_version')!r}, this zeropipe reads {schema_version}; re-create the file"
-        )
-    return data
+def decode(data: bytes, where: str) -> str:
+    """UTF-8 text of a file's bytes (JSON and YAML files are UTF-8), or one line naming the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FileFormatError(f"{where}: not a text file ({exc.reason} at byte {exc.start})") from None

@@ -9,6 +9,7 @@ import functools
 from typing import Literal
 
 from cost_models.cluster import ClusterProfile
+from cost_models.file_record import FileRecord
 from cost_models.records import Record, record
 
 SCHEMA_VERSION = 1
@@ -112,16 +113,17 @@ class ModelProfile(Record):
     def is_chain(self) -> bool:
         return all(e.dst == e.src + 1 for e in self.edges)
 
-    @property
-    def unattributed_fwd_flops(self) -> int:
-        return self.model_fwd_flops - sum(u.fwd_flops for u in self.units)
-
 
 @record
-class ProfileFile(Record):
+class ProfileFile(FileRecord):
     """profile.json: the model profile (and, from `planner profile`, the cluster it was taken on)."""
 
     schema_version: int = SCHEMA_VERSION
     kind: str = PROFILE_KIND
     model: ModelProfile
     cluster: ClusterProfile | None = None
+
+    def check(self, where: str) -> None:
+        """Numbers the planner cannot trust are refused in one line naming the field (cost_models.validate)."""
+        from cost_models.validate import validate_profile_file   # validate imports this module
+        validate_profile_file(self, where)

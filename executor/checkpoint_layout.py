@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Iterator
 
 from cost_models.errors import ConfigError, FileFormatError
-from cost_models.fileio import dumps, loads_document, read_json, write_atomic
+from cost_models.file_record import FileRecord
+from cost_models.fileio import write_atomic
 from cost_models.records import Record, record
 from executor import trust
 from planner.plan import Plan
@@ -61,7 +62,9 @@ class FileDigest(Record):
 
 
 @record
-class CheckpointMeta(Record):
+class CheckpointMeta(FileRecord):
+    """zeropipe-checkpoint.json: what a checkpoint holds and where training stands, signed (SIG_NAME)."""
+
     schema_version: int = CHECKPOINT_SCHEMA_VERSION
     kind: str = CHECKPOINT_KIND
     step: int                           # optimizer steps done; the next step to run has this index
@@ -121,11 +124,9 @@ def read_meta(step_dir: Path, meta_bytes: bytes | None = None) -> CheckpointMeta
     where = step_dir / META_NAME
     try:
         if meta_bytes is None:
-            return CheckpointMeta.from_dict(read_json(where, kind=CHECKPOINT_KIND,
-                                                      schema_version=CHECKPOINT_SCHEMA_VERSION))
-        return CheckpointMeta.from_dict(loads_document(meta_bytes.decode("utf-8"), str(where), kind=CHECKPOINT_KIND,
-                                                       schema_version=CHECKPOINT_SCHEMA_VERSION))
-    except (FileFormatError, UnicodeDecodeError) as exc:
+            return CheckpointMeta.load(where)
+        return CheckpointMeta.from_bytes(meta_bytes, str(where))
+    except FileFormatError as exc:
         raise CheckpointError(f"checkpoint {step_dir} is damaged ({exc}){_earlier_hint(step_dir)}") from None
 
 
@@ -208,8 +209,7 @@ def _verifies(step_dir: Path, key_file: Path) -> bool:
     try:
         if key_file.is_file() and _signature_problem(step_dir, key_file) is not None:
             return False
-        meta = CheckpointMeta.from_dict(read_json(step_dir / META_NAME, kind=CHECKPOINT_KIND,
-                                                  schema_version=CHECKPOINT_SCHEMA_VERSION))
+        meta = CheckpointMeta.load(step_dir / META_NAME)
         return _file_problem(step_dir, meta) is None
     except (ConfigError, OSError):
         return False
@@ -236,7 +236,7 @@ def commit(root: Path, step: int, meta_fields: dict, files: list[FileDigest]) ->
     files = files + [digest(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name not in listed]
     meta = CheckpointMeta(step=step, files=tuple(sorted(files, key=lambda f: f.name)),
                           created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **meta_fields)
-    write_atomic(tmp / META_NAME, dumps(meta.to_dict()))
+    meta.save(tmp / META_NAME)
     signature = trust.sign((tmp / META_NAME).read_bytes(), trust.load_or_create_key(trust.key_path()))
     write_atomic(tmp / SIG_NAME, signature + "\n")
     final = root / step_dir_name(step)

@@ -5,24 +5,14 @@ from pathlib import Path
 
 from cost_models.cluster import ClusterProfile
 from cost_models.compute import unit_times
-from cost_models.errors import ConfigError, FileFormatError
-from cost_models.fileio import read_json
+from cost_models.errors import ConfigError
 from cost_models.limits import check_global_batch, check_gpus, check_microbatches
-from cost_models.profile import PROFILE_KIND, SCHEMA_VERSION, ModelProfile, ProfileFile
-from cost_models.strategy import Strategy
-from cost_models.validate import validate_cluster, validate_profile_file
+from cost_models.profile import ModelProfile, ProfileFile
+from cost_models.records import Record, record
+from cost_models.schedule import DEFAULT_SCHEDULE
+from cost_models.strategy import Optimizer, Precision, Strategy
+from cost_models.validate import validate_cluster
 from planner.partition import balanced_partition, stages_from_ranges
-
-
-def load_profile(path: str | Path) -> ProfileFile:
-    """Read profile.json and refuse, in one line naming the field, numbers the planner cannot trust."""
-    data = read_json(path, kind=PROFILE_KIND, schema_version=SCHEMA_VERSION)
-    try:
-        pf = ProfileFile.from_dict(data)
-    except (FileFormatError, TypeError, ValueError, AttributeError) as exc:  # a field missing, unknown or mistyped
-        raise FileFormatError(f"{path}: {exc}") from None
-    validate_profile_file(pf, str(path))
-    return pf
 
 
 def load_profile_for(path: str | Path, *, cluster: str | None = None,
@@ -31,7 +21,7 @@ def load_profile_for(path: str | Path, *, cluster: str | None = None,
     scaled to --nodes."""
     from cost_models.cluster_source import check_cluster_args, resolve_cluster
     check_cluster_args(cluster or "the profile's", nodes=nodes, ranks=None)   # --nodes 0 is an error, not "default"
-    pf = load_profile(path)
+    pf = ProfileFile.load(path)
     target = resolve_cluster(cluster, nodes=nodes) if cluster else pf.cluster
     if target is None:
         raise ConfigError(f"{path} has no cluster; pass --cluster PRESET|FILE")
@@ -56,12 +46,28 @@ def parse_recompute(text: str, n_stages: int) -> tuple[bool, ...]:
     return tuple(i in chosen for i in range(n_stages))
 
 
-def build_strategy(profile: ModelProfile, cluster: ClusterProfile, *, dp: int, pp: int, zero: int, schedule: str,
-                   microbatches: int, micro_batch_size: int | None = None, v: int = 1, recompute: str = "none",
-                   precision: str = "bf16-mixed", optimizer: str = "adamw") -> Strategy:
-    """A strategy for these flags, its pp*v stages cut where they balance the predicted per-unit time."""
-    # None means the profile's micro-batch size; an explicit 0 is an error, not "default"
-    mbs = profile.micro_batch_size if micro_batch_size is None else micro_batch_size
+@record
+class StrategyRequest(Record):
+    """A strategy as `planner estimate` is given it (its flags): degrees, schedule and micro-batching; the stages
+    are cut by build_strategy."""
+
+    dp: int = 1
+    pp: int = 1
+    zero: int = 0
+    schedule: str = DEFAULT_SCHEDULE
+    microbatches: int = 1
+    micro_batch_size: int | None = None   # None: the profile's; an explicit 0 is an error, not "default"
+    v: int = 1
+    recompute: str = "none"               # none | all | stage indices, e.g. "0,1"
+    precision: Precision = "bf16-mixed"
+    optimizer: Optimizer = "adamw"
+
+
+def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: StrategyRequest) -> Strategy:
+    """The requested strategy, its pp*v stages cut where they balance the predicted per-unit time."""
+    r = request
+    dp, pp, v, microbatches, precision = r.dp, r.pp, r.v, r.microbatches, r.precision
+    mbs = profile.micro_batch_size if r.micro_batch_size is None else r.micro_batch_size
     if dp < 1 or pp < 1 or v < 1 or microbatches < 1 or mbs < 1:
         raise ConfigError("--dp, --pp, --v, --microbatches and --micro-batch-size must be >= 1")
     # the caps of cost_models/limits.py, checked on the flags before any work sized by them
@@ -78,6 +84,6 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, *, dp: int, p
     costs = [sum(unit_times(u, profile, cluster, micro_batch_size=mbs, precision=precision, ranks_running=dp * pp))
              for u in profile.units]
     ranges = balanced_partition(costs, n_stages)
-    return Strategy(dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=mbs, v=v,
-                    stages=stages_from_ranges([u.name for u in profile.units], ranges),
-                    recompute=parse_recompute(recompute, n_stages), precision=precision, optimizer=optimizer)
+    return Strategy(dp=dp, pp=pp, zero=r.zero, schedule=r.schedule, microbatches=microbatches, micro_batch_size=mbs,
+                    v=v, stages=stages_from_ranges([u.name for u in profile.units], ranges),
+                    recompute=parse_recompute(r.recompute, n_stages), precision=precision, optimizer=r.optimizer)

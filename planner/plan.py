@@ -6,9 +6,9 @@ from typing import Literal
 from cost_models.cluster import ClusterProfile
 from cost_models.errors import ConfigError, FileFormatError
 from cost_models.estimate import Estimate
-from cost_models.fileio import read_json
+from cost_models.file_record import FileRecord
 from cost_models.records import Record, record
-from cost_models.schedule import format_order, generate
+from cost_models.schedule import format_order
 from cost_models.strategy import Strategy
 from cost_models.validate import validate_cluster
 
@@ -73,7 +73,9 @@ class ModelRef(Record):
 
 
 @record
-class Plan(Record):
+class Plan(FileRecord):
+    """plan.json: the chosen strategy, its prediction, the alternatives and why they lost, and provenance."""
+
     schema_version: int = PLAN_SCHEMA_VERSION
     kind: str = PLAN_KIND
     model: ModelRef
@@ -88,16 +90,12 @@ class Plan(Record):
     rationale: Rationale
     provenance: Provenance
 
-
-def load_plan(path) -> Plan:
-    """Read and check a plan file (check_plan): what is run, reported or re-planned is what was estimated."""
-    data = read_json(path, kind=PLAN_KIND, schema_version=PLAN_SCHEMA_VERSION)
-    try:
-        plan = Plan.from_dict(data)
-        check_plan(plan)
-    except (ConfigError, TypeError, ValueError, AttributeError) as exc:   # a field missing, mistyped or inconsistent
-        raise FileFormatError(f"{path}: {exc}") from None
-    return plan
+    def check(self, where: str) -> None:
+        """check_plan: what is run, reported or re-planned from a file is what was estimated."""
+        try:
+            check_plan(self)
+        except (ConfigError, TypeError, ValueError, AttributeError) as exc:   # a field inconsistent with the rest
+            raise FileFormatError(f"{where}: {exc}") from None
 
 
 def check_plan(plan: Plan) -> None:
@@ -122,7 +120,6 @@ def check_plan(plan: Plan) -> None:
     memory = plan.prediction.memory_per_rank
     if tuple(m.rank for m in memory) != tuple(range(s.world_size)):
         raise ConfigError(f"prediction.memory_per_rank has {len(memory)} entries for {s.world_size} ranks; {fix}")
-    schedule = s.schedule if s.n_stages > 1 else "1f1b"   # one stage: plain gradient accumulation (estimate)
-    if plan.prediction.pipeline_order != format_order(generate(schedule, s.pp, s.microbatches, s.v)):
+    if plan.prediction.pipeline_order != format_order(s.action_order()):
         raise ConfigError(f"prediction.pipeline_order is not the {s.schedule} order for pp={s.pp}, "
                           f"microbatches={s.microbatches}, v={s.v}; {fix}")

@@ -11,12 +11,12 @@ import html
 import math
 from dataclasses import dataclass, field
 
-from cost_models.schedule import parse_order, simulate
-from cost_models.summaries import duration, strategy_name
+from cost_models.formatting import GIB, duration, fixed, measured, size
+from cost_models.schedule import SCHEDULES, parse_order, simulate
+from cost_models.summaries import rank_groups
 from planner.plan import Plan
-from planner.rationale import describe
+from planner.run_record import RunFile
 
-GIB = 2**30
 KIND_COLOR = {"F": "#4e79a7", "B": "#59a14f", "I": "#f28e2b", "W": "#b07aa1"}
 MEMORY_COLOR = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_states": "#e15759",
                 "activations": "#76b7b2", "buffers": "#edc948", "overhead": "#bab0ac"}
@@ -30,7 +30,8 @@ APPROXIMATIONS = (
     "collectives are not overlapped with compute.",
     "DDP runs with gradient_as_bucket_view (no second gradient copy); pipelined ZeRO-0/1 all-reduce gradients "
     "after the schedule, because DDP-wrapped stages fail or give wrong gradients under GPipe and interleaving.",
-    "Backward splits into input and weight gradients in equal halves for zero-bubble schedules.",
+    "Backward splits into input and weight gradients in equal halves where the schedule splits it ("
+    + ", ".join(name for name, spec in SCHEDULES.items() if spec.split_backward) + ").",
     "Measured unit times (CPU profiles) are scaled to other micro-batch sizes through two timings and slowed by "
     "core sharing from the compute probe; FLOP-based times use the device's dense peak x matmul efficiency.",
 )
@@ -44,93 +45,122 @@ class Section:
     svg: str = ""
 
 
-def _err(c) -> str:
-    return "-" if c.error_pct is None else f"{c.error_pct:+.1f}%"
-
-
-def sections(plan: Plan, run=None) -> list[Section]:
-    est, s, r = plan.prediction, plan.strategy, plan.rationale
-    peak = max(m.total_bytes for m in est.memory_per_rank)
-    low = min(m.total_bytes for m in est.memory_per_rank)
-    summary = Section("Summary", [
-        f"Chosen: {describe(s)} on {plan.gpus} x {plan.cluster.device.name} ({plan.cluster.name}), global batch "
-        f"{plan.global_batch_size} sequences of {plan.model.seq_len} tokens.",
-        f"Predicted step time {duration(est.step_time_s)}; throughput {est.tokens_per_s:,.0f} {est.throughput_unit}/s"
-        + (f"; MFU {est.mfu:.1%}" if est.mfu is not None else "; MFU not given (no datasheet peak for this device)") + ".",
-        f"Peak memory per rank {peak / GIB:.2f} GiB (lowest {low / GIB:.2f} GiB) of {est.capacity_bytes / GIB:.2f} GiB "
-        f"capacity: {'fits' if est.fits else 'DOES NOT FIT'}.",
-    ])
-    b = est.breakdown
-    comm_lines = [f"Pipeline point-to-point: {est.comm.p2p_bytes_per_step / 2**20:,.2f} MiB per step "
-                  f"({est.comm.p2p_link})." if s.n_stages > 1 else "Pipeline point-to-point: none (one stage)."]
-    if est.comm.dp_collectives:
-        comm_lines.append("Data-parallel collectives (" + est.comm.dp_link + "): " + ", ".join(
-            f"{op.replace('_', ' ')} {v / 2**20:,.2f} MiB" for op, v in est.comm.dp_collectives.items())
-                          + f" per rank per step, {duration(b.dp_comm_s)} exposed.")
-    else:
-        comm_lines.append("Data-parallel collectives: none (dp = 1).")
-    why = Section("Why: ZeRO or pipeline?", [
-        r.summary,
-        f"Step time = compute {duration(b.compute_s)} + bubble {duration(b.bubble_s)} + p2p {duration(b.p2p_s)} + data-parallel "
-        f"communication {duration(b.dp_comm_s)} + optimizer {duration(b.optimizer_s)}.",
-        f"Bubble: {est.bubble_ratio:.3f} of ideal compute (Narayanan's (p-1)/m convention), "
-        f"{est.bubble_share:.1%} of rank-time idle.",
-        *comm_lines, *r.lines[2:]])
-    timeline = Section("Pipeline timeline", [
-        f"Ranks (rows) against time: forward (F), backward (B), input-gradient (I) and weight-gradient (W) blocks, "
-        f"numbered by micro-batch; gaps are bubbles. {s.schedule}, {s.microbatches} micro-batches"
-        + (f", {s.v} chunks per rank" if s.v > 1 else "") + "."], svg=timeline_svg(plan))
-    stage_rows = [[str(st.stage), f"{st.units[0]} .. {st.units[-1]} ({len(st.units)})", f"{st.params:,}",
-                   duration(st.fwd_s), duration(st.bwd_s), str(st.peak_in_flight), f"{st.activation_bytes / 2**20:,.2f}"]
-                  for st in est.stages]
-    timeline.tables.append((["stage", "units", "params", "F / micro-batch", "B / micro-batch", "in flight",
-                             "activations MiB / micro-batch"], stage_rows))
-    memory = Section("Memory per rank", [f"Stacked by category against the {est.capacity_bytes / GIB:.2f} GiB capacity "
-                                         "(dashed line). GiB = 2^30 bytes."], svg=memory_svg(plan))
-    memory.tables.append((["ranks", "parameters", "gradients", "optimizer", "activations", "buffers", "overhead",
-                           "total GiB"], [[label] + [f"{getattr(m, c) / GIB:.3f}" for c in MEMORY_COLOR] +
-                                          [f"{m.total_bytes / GIB:.3f}"] for label, m in _rank_groups(plan)]))
-    cand = Section("Candidates", [f"{len(plan.candidates)} costed strategies, predicted step time against peak "
-                                  "memory per rank; filled: fits, crossed: does not fit; the chosen one is ringed. "
-                                  f"Search: {plan.provenance.points_considered} points, {plan.provenance.points_pruned} "
-                                  f"pruned, {plan.provenance.points_costed} estimates in "
-                                  f"{plan.provenance.planning_time_s:.2f} s."], svg=candidates_svg(plan))
-    alt = Section("Alternatives", [], tables=[(["strategy", "step time", "peak GiB", "why it lost"],
-                                              [[strategy_name(s), duration(est.step_time_s), f"{peak / GIB:.2f}", "chosen"]]
-                                              + [[strategy_name(a.strategy), duration(a.step_time_s),
-                                                  f"{a.peak_memory_bytes / GIB:.2f}", a.lost_because]
-                                                 for a in plan.alternatives])])
-    out = [summary, why, timeline, memory, cand, alt,
+def sections(plan: Plan, run: RunFile | None = None) -> list[Section]:
+    out = [_summary(plan), _why(plan), _timeline(plan), _memory(plan), _candidates(plan), _alternatives(plan),
            Section("How the plan maps to torch (approximations)", list(APPROXIMATIONS))]
     if run is not None:
-        out.append(Section("Predicted vs measured", [
-            f"Run: {run.steps} steps ({run.warmup} warm-up) on {run.world_size} ranks ({run.backend}); measured "
-            f"median step {duration(run.step_time_s['median_s'])} against {duration(run.predicted_step_time_s)} predicted; "
-            f"losses " + ", ".join(f"{x:.4f}" for x in run.losses) + "."],
-            tables=[(["quantity", "predicted", "measured", "error"],
-                     [[c.quantity, _fmt(c.quantity, c.predicted), _fmt(c.quantity, c.measured), _err(c)]
-                      for c in run.comparisons])]))
+        out.append(_measured(run))
     return out
 
 
-def _fmt(quantity: str, value: float) -> str:
-    return duration(value) if quantity.endswith("(s)") else f"{value / 2**20:,.3f} MiB"
+def _summary(plan: Plan) -> Section:
+    est = plan.prediction
+    peak = max(m.total_bytes for m in est.memory_per_rank)
+    low = min(m.total_bytes for m in est.memory_per_rank)
+    return Section("Summary", [
+        f"Chosen: {plan.strategy.summary} on {plan.gpus} x {plan.cluster.device.name} ({plan.cluster.name}), global "
+        f"batch {plan.global_batch_size} sequences of {plan.model.seq_len} tokens.",
+        f"Predicted step time {duration(est.step_time_s)}; throughput {est.tokens_per_s:,.0f} {est.throughput_unit}/s"
+        + (f"; MFU {est.mfu:.1%}" if est.mfu is not None else "; MFU not given (no datasheet peak for this device)")
+        + ".",
+        f"Peak memory per rank {fixed(peak, 'GiB')} (lowest {fixed(low, 'GiB')}) of {fixed(est.capacity_bytes, 'GiB')} "
+        f"capacity: {'fits' if est.fits else 'DOES NOT FIT'}.",
+    ])
+
+
+def _why(plan: Plan) -> Section:
+    est, r, b = plan.prediction, plan.rationale, plan.prediction.breakdown
+    comm_lines = [f"Pipeline point-to-point: {size(est.comm.p2p_bytes_per_step)} per step ({est.comm.p2p_link})."
+                  if plan.strategy.n_stages > 1 else "Pipeline point-to-point: none (one stage)."]
+    if est.comm.dp_collectives:
+        comm_lines.append("Data-parallel collectives (" + est.comm.dp_link + "): " + ", ".join(
+            f"{op.replace('_', ' ')} {size(v)}" for op, v in est.comm.dp_collectives.items())
+                          + f" per rank per step, {duration(b.dp_comm_s)} exposed.")
+    else:
+        comm_lines.append("Data-parallel collectives: none (dp = 1).")
+    return Section("Why: ZeRO or pipeline?", [
+        r.summary,
+        f"Step time = compute {duration(b.compute_s)} + bubble {duration(b.bubble_s)} + p2p {duration(b.p2p_s)} + "
+        f"data-parallel communication {duration(b.dp_comm_s)} + optimizer {duration(b.optimizer_s)}.",
+        f"Bubble: {est.bubble_ratio:.3f} of ideal compute (Narayanan's (p-1)/m convention), "
+        f"{est.bubble_share:.1%} of rank-time idle.",
+        *comm_lines, *r.lines[2:]])
+
+
+def _timeline(plan: Plan) -> Section:
+    s = plan.strategy
+    spec = s.spec
+    timeline = Section("Pipeline timeline", [
+        f"Ranks (rows) against time: forward (F), backward (B), input-gradient (I) and weight-gradient (W) blocks, "
+        f"numbered by micro-batch; gaps are bubbles. {s.schedule}, {s.microbatches} micro-batches"
+        + (f", {s.v} chunks per rank" if s.v > 1 else "") + "."
+        + (f" {s.schedule}: {spec.summary}." if s.n_stages > 1 else "")], svg=timeline_svg(plan))
+    stage_rows = [[str(st.stage), f"{st.units[0]} .. {st.units[-1]} ({len(st.units)})", f"{st.params:,}",
+                   duration(st.fwd_s), duration(st.bwd_s), str(st.peak_in_flight),
+                   fixed(st.activation_bytes, "MiB", show_unit=False)] for st in plan.prediction.stages]
+    timeline.tables.append((["stage", "units", "params", "F / micro-batch", "B / micro-batch", "in flight",
+                             "activations MiB / micro-batch"], stage_rows))
+    return timeline
+
+
+def _memory(plan: Plan) -> Section:
+    capacity = fixed(plan.prediction.capacity_bytes, "GiB")
+    memory = Section("Memory per rank", [f"Stacked by category against the {capacity} capacity (dashed line). "
+                                         "GiB = 2^30 bytes."], svg=memory_svg(plan))
+    memory.tables.append((["ranks", "parameters", "gradients", "optimizer", "activations", "buffers", "overhead",
+                           "total GiB"], [[label] + [_gib(getattr(m, c), 3) for c in (*MEMORY_COLOR, "total_bytes")]
+                                          for label, m in _rank_groups(plan)]))
+    return memory
+
+
+def _candidates(plan: Plan) -> Section:
+    pv = plan.provenance
+    return Section("Candidates", [f"{len(plan.candidates)} costed strategies, predicted step time against peak "
+                                  "memory per rank; filled: fits, crossed: does not fit; the chosen one is ringed. "
+                                  f"Search: {pv.points_considered} points, {pv.points_pruned} pruned, "
+                                  f"{pv.points_costed} estimates in {duration(pv.planning_time_s)}."],
+                   svg=candidates_svg(plan))
+
+
+def _alternatives(plan: Plan) -> Section:
+    est = plan.prediction
+    rows = [[plan.strategy.name, duration(est.step_time_s), _gib(est.peak_memory_bytes), "chosen"]]
+    rows += [[a.strategy.name, duration(a.step_time_s), _gib(a.peak_memory_bytes), a.lost_because]
+             for a in plan.alternatives]
+    return Section("Alternatives", [], tables=[(["strategy", "step time", "peak GiB", "why it lost"], rows)])
+
+
+MEASURE_COLUMNS = ["quantity", "predicted", "measured", "error"]
+
+
+def measure_rows(run: RunFile) -> list[list[str]]:
+    """The run's predicted-vs-measured table (the report and `planner run` print the same rows)."""
+    return [[m.quantity, measured(m.predicted, m.unit), measured(m.measured, m.unit),
+             "-" if m.error_pct is None else f"{m.error_pct:+.1f}%"] for m in run.measures]
+
+
+def _measured(run: RunFile) -> Section:
+    return Section("Predicted vs measured", [
+        f"Run: {run.steps} steps ({run.warmup} warm-up) on {run.world_size} ranks ({run.backend}); measured median "
+        f"step {duration(run.step_time_s['median_s'])} against {duration(run.predicted_step_time_s)} predicted; "
+        f"losses " + ", ".join(f"{x:.4f}" for x in run.losses) + "."],
+        tables=[(MEASURE_COLUMNS, measure_rows(run))])
+
+
+def _gib(n_bytes: float, decimals: int = 2) -> str:
+    return fixed(n_bytes, "GiB", decimals, show_unit=False)
 
 
 def _rank_groups(plan: Plan):
     """(label, breakdown) per group of ranks with identical memory (the dp replicas of a pipeline rank)."""
-    groups: dict[tuple, list] = {}
-    for m in plan.prediction.memory_per_rank:
-        key = (m.stages, m.parameters, m.gradients, m.optimizer_states, m.activations, m.buffers, m.overhead)
-        groups.setdefault(key, []).append(m)
-    return [((f"rank {ms[0].rank}" if len(ms) == 1 else f"ranks {ms[0].rank}-{ms[-1].rank}"), ms[0])
-            for ms in groups.values()]
+    return [(f"rank {ranks}" if "-" not in ranks else f"ranks {ranks}", m)
+            for ranks, m in rank_groups(plan.prediction.memory_per_rank)]
 
 
 def timeline_svg(plan: Plan, width: int = 960) -> str:
-    s, est = plan.strategy, plan.prediction
+    est = plan.prediction
     order = parse_order(est.pipeline_order)
-    sim = simulate(order, [st.cost() for st in est.stages], p=s.pp, keep_timeline=True)
+    sim = simulate(order, [st.cost() for st in est.stages], keep_timeline=True)
     events = sim.timeline
     span = sim.makespan_s or 1.0
     row, left, top = 28, 70, 20
@@ -184,13 +214,13 @@ def memory_svg(plan: Plan, width: int = 960) -> str:
             y -= h
             parts.append(f'<rect class="mem {cat}" data-ranks="{html.escape(label)}" x="{x:.2f}" y="{y:.2f}" '
                          f'width="{bar_w:.2f}" height="{h:.2f}" fill="{color}"><title>{html.escape(label)} '
-                         f'{cat.replace("_", " ")}: {getattr(m, cat) / GIB:.3f} GiB</title></rect>')
+                         f'{cat.replace("_", " ")}: {fixed(getattr(m, cat), "GiB", 3)}</title></rect>')
         parts.append(f'<text x="{x + bar_w / 2:.2f}" y="{height - bottom + 14}" font-size="10" text-anchor="middle">'
                      f'{html.escape(label)}</text>')
     cap_y = height - bottom - cap * scale
     parts.append(f'<line class="capacity" x1="{left}" x2="{width - 10}" y1="{cap_y:.2f}" y2="{cap_y:.2f}" '
                  f'stroke="#d62728" stroke-dasharray="6 4"/><text x="{width - 12}" y="{cap_y - 4:.2f}" font-size="11" '
-                 f'text-anchor="end" fill="#d62728">capacity {cap / GIB:.2f} GiB</text>')
+                 f'text-anchor="end" fill="#d62728">capacity {fixed(cap, "GiB")}</text>')
     legend_x = left
     for cat, color in MEMORY_COLOR.items():
         parts.append(f'<rect x="{legend_x}" y="{height - 16}" width="10" height="10" fill="{color}"/>'
@@ -281,7 +311,7 @@ def candidates_svg(plan: Plan, width: int = 960, height: int = 320) -> str:
                      f'{label}</text>')
     for p in pts:
         x, y = ax(p.step_time_s), ay(p.peak_memory_bytes / GIB)
-        tip = f"<title>{html.escape(p.label)}: {duration(p.step_time_s)}, {p.peak_memory_bytes / GIB:.2f} GiB" \
+        tip = f"<title>{html.escape(p.label)}: {duration(p.step_time_s)}, {fixed(p.peak_memory_bytes, 'GiB')}" \
               f"{'' if p.fits else ' (does not fit)'}</title>"
         if p.fits:
             parts.append(f'<circle class="cand fits {p.family}" cx="{x:.2f}" cy="{y:.2f}" r="4" fill="#4e79a7" '
@@ -302,7 +332,7 @@ def candidates_svg(plan: Plan, width: int = 960, height: int = 320) -> str:
     return "".join(parts)
 
 
-def render_markdown(plan: Plan, run=None) -> str:
+def render_markdown(plan: Plan, run: RunFile | None = None) -> str:
     out = [f"# zeropipe plan: {plan.model.name} on {plan.gpus} x {plan.cluster.device.name}", ""]
     for sec in sections(plan, run):
         out += [f"## {sec.title}", ""]
@@ -321,7 +351,7 @@ _CSS = ("body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;
         "th{background:#f4f4f4}h2{border-bottom:1px solid #ddd;padding-bottom:4px}svg{display:block;margin:.5em 0}")
 
 
-def render_html(plan: Plan, run=None) -> str:
+def render_html(plan: Plan, run: RunFile | None = None) -> str:
     title = f"zeropipe plan: {plan.model.name} on {plan.gpus} x {plan.cluster.device.name}"
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{html.escape(title)}</title>",
            f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>"]

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from cost_models.cluster import ClusterFile
-from cost_models.cluster_source import load_cluster_file, parse_sizes, resolve_cluster
+from cost_models.cluster_source import parse_sizes, resolve_cluster
 from cost_models.errors import ConfigError, FileFormatError
 from cost_models.presets import PRESETS, preset
 
@@ -36,7 +36,7 @@ def test_cluster_file_round_trip_json_and_yaml(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps(data))
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
     for name in ("c.json", "c.yaml"):
-        c = load_cluster_file(tmp_path / name)
+        c = ClusterFile.load(tmp_path / name).cluster
         assert c == preset("l4-pcie", nodes=3) and c.world_size == 24
     assert resolve_cluster(str(tmp_path / "c.yaml"), nodes=2).world_size == 16
 
@@ -58,7 +58,7 @@ def test_malformed_cluster_files_are_one_line_errors(tmp_path):
         path = tmp_path / name
         path.write_text(text)
         with pytest.raises(FileFormatError, match=message):
-            load_cluster_file(path)
+            ClusterFile.load(path)
         res = runner.invoke(app, ["profile-cluster", "--cluster", str(path), "-o", "-"])
         lines = res.stderr.strip().splitlines()
         assert res.exit_code == 2 and len(lines) == 1 and message.split()[0] in lines[0], (name, res.output)
@@ -77,4 +77,4 @@ def test_profile_cluster_cli_for_a_preset(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert data["cluster"]["nodes"] * data["cluster"]["devices_per_node"] == 1024
-    assert load_cluster_file(out).world_size == 1024
+    assert ClusterFile.load(out).cluster.world_size == 1024

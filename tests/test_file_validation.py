@@ -9,7 +9,6 @@ from typer.testing import CliRunner
 
 from cli import app
 from cost_models.cluster import ClusterFile, CollectiveFit
-from cost_models.cluster_source import load_cluster_file
 from cost_models.errors import FileFormatError
 from cost_models.fileio import dumps
 from cost_models.model_profiler import profile_model
@@ -17,7 +16,6 @@ from cost_models.models.source import resolve
 from cost_models.presets import PRESETS, preset
 from cost_models.profile import ProfileFile
 from cost_models.validate import validate_cluster
-from planner.manual import load_profile
 
 runner = CliRunner()
 
@@ -97,7 +95,7 @@ def test_bad_numbers_make_plan_exit_2(tmp_path, monkeypatch, good, where, edit, 
         _refused(["plan", path, "-B", "16"], "p.json", *fragments)
         _refused(["estimate", path, "--dp", "1"], *fragments)
         with pytest.raises(FileFormatError, match="need"):
-            load_profile(path)
+            ProfileFile.load(path)
     else:
         profile = _write(tmp_path / "p.json", good)
         cluster = _write(tmp_path / "c.json", _edited({"schema_version": 1, "kind": "zeropipe.cluster",
@@ -113,18 +111,18 @@ def test_infinity_in_a_cluster_file_is_refused_and_never_written_back(tmp_path, 
                   _edited(data, lambda d: d["cluster"]["inter_node"].update(bandwidth_Bps=float("inf"))))
     assert '"bandwidth_Bps": Infinity' in (tmp_path / "c.json").read_text()
     with pytest.raises(FileFormatError, match=r"cluster\.inter_node\.bandwidth_Bps is Infinity"):
-        load_cluster_file(path)
+        ClusterFile.load(path)
     _refused(["profile-cluster", "--cluster", path, "-o", "out.json"], "cluster.inter_node.bandwidth_Bps is Infinity")
     assert not (tmp_path / "out.json").exists()
     _refused(["plan", _write(tmp_path / "p.json", good), "-B", "16", "--cluster", path], "Infinity")
     # a float that overflows (1e400 parses as inf) and YAML's .inf are refused the same way
     (tmp_path / "big.json").write_text((tmp_path / "c.json").read_text().replace("Infinity", "1e400"))
     with pytest.raises(FileFormatError, match=r"cluster\.inter_node\.bandwidth_Bps is 1e400"):
-        load_cluster_file(tmp_path / "big.json")
+        ClusterFile.load(tmp_path / "big.json")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(json.loads((tmp_path / "c.json").read_text())))
     assert "bandwidth_Bps: .inf" in (tmp_path / "c.yaml").read_text()
     with pytest.raises(FileFormatError, match=r"cluster\.inter_node\.bandwidth_Bps is inf; need a finite number"):
-        load_cluster_file(tmp_path / "c.yaml")
+        ClusterFile.load(tmp_path / "c.yaml")
 
 
 def test_nothing_writes_non_finite_json():
@@ -139,13 +137,13 @@ def test_a_real_profile_still_loads(tmp_path, monkeypatch, tiny_profiles):
     for (name, meta), prof in tiny_profiles.items():
         original = ProfileFile(model=prof, cluster=preset("dgx-h100"))
         (tmp_path / "p.json").write_text(dumps(original.to_dict()))
-        loaded = load_profile(tmp_path / "p.json")
+        loaded = ProfileFile.load(tmp_path / "p.json")
         assert loaded == original, (name, meta)
         m = loaded.model
         assert m.total_params == sum(u.params for u in m.units) + m.unassigned_params
     gpt = ProfileFile(model=tiny_profiles["gpt-tiny", False], cluster=preset("dgx-a100"))
     (tmp_path / "gpt.json").write_text(dumps(gpt.to_dict()))
-    m = load_profile(tmp_path / "gpt.json").model
+    m = ProfileFile.load(tmp_path / "gpt.json").model
     assert m.mode == "real" and len(m.units) == 6 and m.total_params == 241024 and m.unassigned_params == 0
     assert all(u.fwd_time.median_s > 0 and u.bwd_time.median_s > 0 for u in m.units)
     assert m.largest_unit in {u.name for u in m.units}
@@ -160,7 +158,7 @@ def test_what_our_own_probe_may_write_loads(tmp_path):
     data = ClusterFile(cluster=cluster).to_dict()
     data["cluster"]["fits"] = [fit.to_dict()]
     (tmp_path / "c.json").write_text(dumps(data))
-    loaded = load_cluster_file(tmp_path / "c.json")
+    loaded = ClusterFile.load(tmp_path / "c.json").cluster
     assert loaded.fits == (fit,) and loaded.world_size == 16
     for p in PRESETS.values():
         validate_cluster(p, "preset")
@@ -169,4 +167,4 @@ def test_what_our_own_probe_may_write_loads(tmp_path):
     data["cluster"]["fits"][0]["alpha_s"] = -1e-6
     (tmp_path / "c.json").write_text(dumps(data))
     with pytest.raises(FileFormatError, match=r"cluster\.fits\[0\]\.alpha_s is -1e-06; need alpha_s >= 0"):
-        load_cluster_file(tmp_path / "c.json")
+        ClusterFile.load(tmp_path / "c.json")

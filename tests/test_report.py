@@ -10,7 +10,7 @@ from cli import app
 from cost_models.model_profiler import profile_model
 from cost_models.models.source import resolve
 from cost_models.strategy import Strategy
-from cost_models.summaries import duration
+from cost_models.formatting import duration, fixed, size
 from planner.report import render_html, render_markdown
 from tests.plans import GPT_TINY_UNITS, plan_file, plan_for
 
@@ -29,8 +29,8 @@ def test_report_content_matches_the_plan(pipeline_plan):
     est = plan.prediction
     assert "2-stage 1f1b x 2-way ZeRO-1, 4 micro-batch(es) of 1" in page
     assert f"Predicted step time {duration(est.step_time_s)}" in page
-    assert f"{max(m.total_bytes for m in est.memory_per_rank) / 2**30:.2f} GiB" in page
-    assert f"{est.comm.p2p_bytes_per_step / 2**20:,.2f} MiB per step" in page
+    assert f"{fixed(max(m.total_bytes for m in est.memory_per_rank), 'GiB')}" in page
+    assert f"Pipeline point-to-point: {size(est.comm.p2p_bytes_per_step)} per step" in page
     # the timeline: a forward and a backward block for every (rank, micro-batch)
     for rank in range(2):
         for mb in range(4):
@@ -48,16 +48,15 @@ def test_report_content_matches_the_plan(pipeline_plan):
 def test_report_cli_with_a_run(tmp_path, pipeline_plan):
     plan, prof = pipeline_plan
     path = plan_file(tmp_path, plan.strategy, prof)
-    from cost_models.fileio import dumps, write_atomic
     from executor.launch import summarize
-    from executor.train import RankResult
+    from planner.run_record import RankResult
     ranks = [RankResult(rank=r, pp_rank=r // 2, dp_rank=r % 2, stages=(r // 2,), step_times_s=(0.2, 0.1, 0.1),
                         losses=(6.2, 6.1, 6.0), parameter_bytes=m.parameters, gradient_bytes=m.gradients,
                         optimizer_state_bytes=m.optimizer_states, peak_memory_bytes=m.total_bytes * 2,
                         peak_memory_source="test", comm_bytes={}, comm_calls={})
              for r, m in enumerate(plan.prediction.memory_per_rank)]
     run = summarize(plan, ranks, steps=3, warmup=1, backend="gloo")
-    run_path = write_atomic(tmp_path / "run.json", dumps(run.to_dict()))
+    run_path = run.save(tmp_path / "run.json")
     res = CliRunner().invoke(app, ["report", str(path), "--run", str(run_path), "-o", str(tmp_path / "report.html")])
     assert res.exit_code == 0, res.output
     page = (tmp_path / "report.html").read_text()
@@ -65,6 +64,44 @@ def test_report_cli_with_a_run(tmp_path, pipeline_plan):
     assert (tmp_path / "report.md").read_text().count("| rank ") >= 16
     res = CliRunner().invoke(app, ["report", str(path), "-o", str(tmp_path / "report.html")])
     assert res.exit_code == 2 and "--force" in res.stderr
+
+
+def _run_of(plan, measures):
+    from planner.run_record import RunFile
+    return RunFile(model=plan.model.name, strategy_summary=plan.strategy.summary, world_size=plan.gpus, steps=3,
+                   warmup=1, backend="gloo", losses=(6.2, 6.1, 6.0), step_time_s={"median_s": 4e-5},
+                   tokens_per_s=1.0, predicted_step_time_s=plan.prediction.step_time_s, ranks=(),
+                   measures=tuple(measures), created_at="")
+
+
+def test_the_run_section_renders_typed_rows_with_their_units(pipeline_plan):
+    from planner.report import MEASURE_COLUMNS, measure_rows
+    from planner.run_record import Measure
+    plan, _ = pipeline_plan
+    run = _run_of(plan, [Measure(quantity="step time", unit="s", predicted=5e-5, measured=4e-5),
+                         Measure(quantity="rank 1 parameters", unit="B", predicted=2 * 2**20, measured=3 * 2**20),
+                         Measure(quantity="p2p bytes per step (one pipeline)", unit="B", predicted=0, measured=10)])
+    assert measure_rows(run) == [["step time", "50.0 µs", "40.0 µs", "-20.0%"],
+                                 ["rank 1 parameters", "2.000 MiB", "3.000 MiB", "+50.0%"],
+                                 ["p2p bytes per step (one pipeline)", "0.000 MiB", "0.000 MiB", "-"]]
+    md = render_markdown(plan, run)
+    assert "| " + " | ".join(MEASURE_COLUMNS) + " |" in md
+    assert "| step time | 50.0 µs | 40.0 µs | -20.0% |" in md and "measured median step 40.0 µs" in md
+
+
+def test_a_run_json_of_the_old_format_is_refused_saying_to_re_run(tmp_path, pipeline_plan):
+    import json
+    from cost_models.errors import FileFormatError
+    from planner.run_record import load_run
+    plan, _ = pipeline_plan
+    data = _run_of(plan, []).to_dict()
+    data.update(schema_version=1, comparisons=[{"quantity": "step time (s)", "predicted": 1.0, "measured": 1.0,
+                                                 "error_pct": 0.0}])
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    with pytest.raises(FileFormatError) as exc:
+        load_run(tmp_path / "run.json", plan)
+    assert str(exc.value) == (f"{tmp_path / 'run.json'}: schema_version 1, this zeropipe reads 2; "
+                              f"re-run planner run to write it again")
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (apt-get install chromium)")
