@@ -1,17 +1,15 @@
-"""The pipeline schedule IR, its generators, and an event simulator with real durations.
+"""The pipeline schedule IR, the schedule registry with its generators, and an event simulator with real durations.
 
 IR: the one torch.distributed.pipelining uses (its `pipeline_order`): rank -> ordered compute actions, each
 written `{stage}{kind}{microbatch}`: F forward, B full backward, I input-gradient backward, W weight-gradient
 backward (`0F0`, `1B3`, `1I3`, `1W3`). Idle steps are not stored: the simulator derives them from dependencies.
-What the planner simulates is what the executor hands to torch.
+What the planner simulates is what the executor hands to torch (and checks torch ran, action by action).
 
-Schedules (p ranks, m micro-batches, v stage chunks per rank, S = p*v stages):
-  gpipe             all forwards, then all backwards (Huang et al. 2019)
-  1f1b              p-1-r warm-up forwards on rank r, then one forward / one backward (Narayanan et al. 2021 "PipeDream-flush")
-  interleaved-1f1b  v looped chunks per rank, stage s on rank s % p (Narayanan et al. 2021, section 2.2); warm-up
-                    (v-1)*m_round + 2(p-1-r) forwards, as torch's ScheduleInterleaved1F1B
-  zb-interleaved    the same loop with backward split into I and W, W deferred to fill bubbles (Qi et al. 2024,
-                    "Zero Bubble Pipeline Parallelism", ZB1P), as torch's ScheduleInterleavedZeroBubble
+Registry: every schedule is one `ScheduleSpec` in `SCHEDULES` (p ranks, m micro-batches, v stage chunks per rank,
+S = p*v stages). Strategy validation, the search space, the estimate's placement and per-action costs, the
+planner's and the executor's guards, the executor's torch class and the report's legend all read it: adding a
+schedule is one entry plus its generator. Schedule names appear as strings in product code only here
+(tests/test_schedule.py checks).
 """
 from __future__ import annotations
 
@@ -19,12 +17,11 @@ import re
 from collections import defaultdict
 from functools import lru_cache
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 from cost_models.errors import ConfigError
 
 Kind = Literal["F", "B", "I", "W"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-interleaved")
 _ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
@@ -46,30 +43,248 @@ class Action:
 
 
 Order = dict[int, list[Action]]
+Generator = Callable[[int, int, int, int], list[Action]]    # (rank, p, m, v) -> that rank's actions in order
+Constraint = Callable[[str, int, int, int], "str | None"]    # (name, p, m, v) -> why not, or None
+Guard = Callable[[int, int], "str | None"]                   # (zero, dp) -> why the executor cannot run it, or None
 
 
-def stage_to_rank(stage: int, p: int) -> int:
-    """Looped placement: stage s runs on rank s mod p (every schedule here)."""
-    return stage % p
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """What a pipeline schedule is, in one place."""
+
+    name: str
+    summary: str                 # one line with its source, for the report's legend
+    placement: Literal["loop", "v"]   # loop: stage s on rank s mod p; v: chunk c runs ranks 0..p-1, then back
+    split_backward: bool         # backward runs as I (input gradient) then a deferred W (weight gradient)
+    torch_class: str             # its class in torch.distributed.pipelining.schedules
+    searched_v: tuple[int, ...]  # the chunk counts the planner tries (Narayanan et al. 2021, fig. 12: deeper
+                                 # interleaving multiplies p2p and rarely pays off past 4)
+    generator: Generator
+    constraint: Constraint       # what it (and torch's class) needs of (p, m, v), beyond all being >= 1
+    unsafe: Guard = lambda zero, dp: None
+    same_rank_tie: str | None = None   # why a parameter shared by two stages on one rank trains wrongly, if it does
+
+    def stage_rank(self, stage: int, p: int) -> int:
+        """The pipeline rank that runs `stage` (torch's generate_stage_to_rank_mapping, style loop / v)."""
+        chunk, pos = divmod(stage, p)
+        return p - 1 - pos if self.placement == "v" and chunk % 2 else pos
+
+    def rank_stages(self, rank: int, p: int, v: int) -> tuple[int, ...]:
+        """The stages pipeline rank `rank` holds, ascending."""
+        return tuple(sorted(c * p + (p - 1 - rank if self.placement == "v" and c % 2 else rank) for c in range(v)))
+
+    def check(self, p: int, m: int, v: int) -> None:
+        """The constraints on (p, m, v), as one-line ConfigErrors."""
+        if p < 1 or m < 1 or v < 1:
+            raise ConfigError(f"pipeline degree, micro-batches and chunks must be >= 1 (got pp={p}, m={m}, v={v})")
+        why = self.constraint(self.name, p, m, v)
+        if why:
+            raise ConfigError(why)
 
 
-def check_schedule(schedule: str, p: int, m: int, v: int) -> None:
-    """The constraints each schedule (and torch's class for it) puts on (p, m, v), as one-line ConfigErrors."""
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"unknown schedule '{schedule}'; choose one of {', '.join(SCHEDULES)}")
-    if p < 1 or m < 1 or v < 1:
-        raise ConfigError(f"pipeline degree, micro-batches and chunks must be >= 1 (got pp={p}, m={m}, v={v})")
-    if schedule in ("gpipe", "1f1b") and v != 1:
-        raise ConfigError(f"{schedule} runs one stage per rank; use interleaved-1f1b or zb-interleaved for v={v}")
-    if schedule == "interleaved-1f1b" and v < 2:
-        raise ConfigError("interleaved-1f1b needs v >= 2 chunks per rank (v=1 is 1f1b)")
-    if schedule == "1f1b" and m < p:
-        # torch's Schedule1F1B refuses this (shared/torch-on-cpu.md, section 3).
-        raise ConfigError(f"1f1b needs at least as many micro-batches as stages (m={m} < pp={p})")
-    if schedule in ("interleaved-1f1b", "zb-interleaved"):
-        rounds = max(1, m // p)
-        if m % rounds:
-            raise ConfigError(f"{schedule} needs micro-batches divisible by max(1, m // pp) = {rounds} (got m={m})")
+# --- generators ---------------------------------------------------------------------------------------------------
+
+def _gpipe(rank: int, p: int, m: int, v: int) -> list[Action]:
+    return [Action(rank, "F", i) for i in range(m)] + [Action(rank, "B", i) for i in range(m)]
+
+
+def _one_f_one_b(rank: int, p: int, m: int, v: int) -> list[Action]:
+    warmup = min(p - 1 - rank, m)
+    ops = [Action(rank, "F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        ops += [Action(rank, "F", warmup + i), Action(rank, "B", i)]
+    ops += [Action(rank, "B", i) for i in range(m - warmup, m)]
+    return ops
+
+
+def _interleaved(rank: int, p: int, m: int, v: int) -> list[Action]:
+    return _looped(rank, p, m, v, zero_bubble=False)
+
+
+def _zero_bubble_looped(rank: int, p: int, m: int, v: int) -> list[Action]:
+    return _looped(rank, p, m, v, zero_bubble=True)
+
+
+def _looped(rank: int, p: int, m: int, v: int, *, zero_bubble: bool) -> list[Action]:
+    """Interleaved 1F1B, and with zero_bubble its ZB1P variant (backward split into I then a deferred W).
+
+    Forwards walk the rank's chunks in rounds of m_round micro-batches; backwards walk them in reverse. Each
+    rank runs `warmup` forwards, then pairs (forward, backward), then `warmup` backwards. Zero bubble warms up
+    one step less per hop (its backward is only I) and starts emitting W after `rank` steady pairs.
+    """
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    total = m * v
+    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank), total)
+    counter = _Counter()
+
+    def fwd_stage(step: int) -> int:
+        return ((step // per_round) % v) * p + rank
+
+    def bwd_stage(step: int) -> int:
+        return (v - 1 - ((step - warmup) // per_round) % v) * p + rank
+
+    back = "I" if zero_bubble else "B"
+    ops: list[Action] = []
+    backward_steps: list[int] = []
+    weights_done = 0
+
+    def backward(step: int) -> None:
+        nonlocal weights_done
+        ops.append(counter.take(back, bwd_stage(step)))
+        backward_steps.append(step)
+        if zero_bubble and step - warmup >= rank:
+            ops.append(counter.take("W", bwd_stage(backward_steps[weights_done])))
+            weights_done += 1
+
+    for step in range(warmup):
+        ops.append(counter.take("F", fwd_stage(step)))
+    for step in range(warmup, total):
+        ops.append(counter.take("F", fwd_stage(step)))
+        backward(step)
+    for step in range(total, total + warmup):
+        backward(step)
+    while zero_bubble and weights_done < len(backward_steps):
+        ops.append(counter.take("W", bwd_stage(backward_steps[weights_done])))
+        weights_done += 1
+    return ops
+
+
+class _Counter:
+    """Hands out each (kind, stage)'s micro-batches in order."""
+
+    def __init__(self) -> None:
+        self.next: dict[tuple[str, int], int] = defaultdict(int)
+
+    def take(self, kind: str, stage: int) -> Action:
+        mb = self.next[kind, stage]
+        self.next[kind, stage] = mb + 1
+        return Action(stage, kind, mb)  # type: ignore[arg-type]
+
+    def pending(self, kind: str, stage: int, than: str) -> bool:
+        """Has `than` handed out more of the stage's micro-batches than `kind`?"""
+        return self.next[kind, stage] < self.next[than, stage]
+
+
+def _zbv(rank: int, p: int, m: int, v: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6), as torch's ScheduleZBVZeroBubble orders
+    it: rank r holds chunk 0 = stage r and chunk 1 = stage 2p-1-r (V placement, so the last stage sits beside the
+    first). It plans for at least 2p-1 micro-batches and drops the actions of micro-batches past m."""
+    n = max(2 * p - 1, m)
+    lo, hi = rank, 2 * p - 1 - rank
+    c = _Counter()
+    ops: list[Action] = []
+    ops += [c.take("F", lo) for _ in range(2 * (p - rank) - 1)]                      # warm-up: the first leg
+    for _ in range(rank):
+        ops += [c.take("F", hi), c.take("F", lo)]
+    for _ in range(p - rank):                                                        # the turn of the V
+        ops += [c.take("F", hi), c.take("I", hi), c.take("W", hi)]
+    while c.next["F", hi] < c.next["F", lo] or c.next["F", lo] < n:                 # steady: one F, I, W per chunk
+        if c.next["F", lo] < n:
+            ops.append(c.take("F", lo))
+        ops += [c.take("I", lo), c.take("W", lo), c.take("F", hi), c.take("I", hi), c.take("W", hi)]
+    for _ in range(rank):                                                            # cool-down: inputs first
+        ops += [c.take("I", lo), c.take("I", hi)]
+    for _ in range(p - rank):
+        ops += [c.take("I", lo), c.take("W", lo)]
+    while c.pending("W", hi, than="I"):
+        ops.append(c.take("W", hi))
+    while c.pending("W", lo, than="I"):
+        ops.append(c.take("W", lo))
+    return [a for a in ops if a.mb < m]
+
+
+# --- constraints --------------------------------------------------------------------------------------------------
+
+def _one_chunk(name: str, p: int, m: int, v: int) -> str | None:
+    if v != 1:
+        return f"{name} runs one stage per rank; use a multi-chunk schedule ({', '.join(_multi_chunk())}) for v={v}"
+    return None
+
+
+def _one_chunk_m_ge_p(name: str, p: int, m: int, v: int) -> str | None:
+    one_chunk = _one_chunk(name, p, m, v)
+    if one_chunk or m >= p:
+        return one_chunk
+    # torch's Schedule1F1B refuses this (its __init__ raises ValueError)
+    return f"{name} needs at least as many micro-batches as stages (m={m} < pp={p})"
+
+
+def _rounds(name: str, p: int, m: int, v: int) -> str | None:
+    rounds = max(1, m // p)   # torch's PipelineScheduleMulti: micro-batches go round in groups of m // rounds
+    if m % rounds:
+        return f"{name} needs micro-batches divisible by max(1, m // pp) = {rounds} (got m={m})"
+    return None
+
+
+def _interleaved_rounds(name: str, p: int, m: int, v: int) -> str | None:
+    if v < 2:
+        return f"{name} needs v >= 2 chunks per rank (v=1 is {DEFAULT_SCHEDULE})"
+    return _rounds(name, p, m, v)
+
+
+def _two_chunks(name: str, p: int, m: int, v: int) -> str | None:
+    if v != 2:   # torch's ScheduleZBVZeroBubble raises "ZBV requires exactly 2 stages per rank"
+        return f"{name} runs exactly 2 chunks per rank in a V (got v={v})"
+    return None
+
+
+def _fsdp_reshard_loses_grads(zero: int, dp: int) -> str | None:
+    # Measured here (torch 2.13, gloo, found by benchmarks/fidelity.py): with FSDP2 ZeRO-3 stages
+    # (reshard_after_forward=True) and backward split into I and W, the last stage gets no gradients, so its
+    # weights never train, and a tied parameter on two pipeline ranks deadlocks the step.
+    if zero == 3 and dp > 1:
+        return ("zero-bubble with ZeRO-3 stages trains wrongly in this torch (the last stage gets no gradients); "
+                "use ZeRO-2 or another schedule")
+    return None
+
+
+# Measured here (torch 2.13, gloo, 2 ranks): gpt-tiny's tied embedding and head, both on rank 0 under zbv's V
+# placement, train to losses 0.2 away from one process by step 4; llama-tiny (untied) matches within 1e-6 and the
+# same tie across two ranks under zb-interleaved matches within 1e-6. Applied to both split-backward schedules.
+_TIE_ON_ONE_RANK = ("with backward split into I and W, torch 2.13 gives a parameter shared by two stages of one "
+                    "rank wrong gradients; use another schedule")
+
+
+# --- the registry -------------------------------------------------------------------------------------------------
+
+DEFAULT_SCHEDULE = "1f1b"   # the CLI's default; one stage (pp = v = 1) simulates as plain gradient accumulation
+
+SCHEDULES: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec(name="gpipe", summary="all forwards, then all backwards (Huang et al. 2019, GPipe)",
+                 placement="loop", split_backward=False, torch_class="ScheduleGPipe", searched_v=(1,),
+                 generator=_gpipe, constraint=_one_chunk),
+    ScheduleSpec(name="1f1b", placement="loop", split_backward=False, torch_class="Schedule1F1B", searched_v=(1,),
+                 summary="p-1-r warm-up forwards on rank r, then one forward / one backward (Narayanan et al. "
+                         "2021, PipeDream-flush)",
+                 generator=_one_f_one_b, constraint=_one_chunk_m_ge_p),
+    ScheduleSpec(name="interleaved-1f1b", placement="loop", split_backward=False,
+                 torch_class="ScheduleInterleaved1F1B", searched_v=(2, 3, 4),
+                 summary="v looped chunks per rank, stage s on rank s mod p (Narayanan et al. 2021, section 2.2)",
+                 generator=_interleaved, constraint=_interleaved_rounds),
+    ScheduleSpec(name="zb-interleaved", placement="loop", split_backward=True,
+                 torch_class="ScheduleInterleavedZeroBubble", searched_v=(1, 2, 3, 4),
+                 summary="looped chunks, backward split into input and weight gradients, W deferred into bubbles "
+                         "(Qi et al. 2024, Zero Bubble Pipeline Parallelism, ZB1P)",
+                 generator=_zero_bubble_looped, constraint=_rounds, unsafe=_fsdp_reshard_loses_grads,
+                 same_rank_tie=_TIE_ON_ONE_RANK),
+    ScheduleSpec(name="zbv", placement="v", split_backward=True, torch_class="ScheduleZBVZeroBubble",
+                 searched_v=(2,),
+                 summary="two chunks per rank in a V, backward split into I and W (Qi et al. 2024, section 6, ZB-V)",
+                 generator=_zbv, constraint=_two_chunks, unsafe=_fsdp_reshard_loses_grads,
+                 same_rank_tie=_TIE_ON_ONE_RANK),
+)}
+
+
+def _multi_chunk() -> list[str]:
+    return [n for n, spec in SCHEDULES.items() if 1 not in spec.searched_v or len(spec.searched_v) > 1]
+
+
+def get_spec(name: str) -> ScheduleSpec:
+    spec = SCHEDULES.get(name)
+    if spec is None:
+        raise ConfigError(f"unknown schedule '{name}'; choose one of {', '.join(SCHEDULES)}")
+    return spec
 
 
 def generate(schedule: str, p: int, m: int, v: int = 1) -> Order:
@@ -87,75 +302,9 @@ def _generate(schedule: str, p: int, m: int, v: int) -> dict[int, tuple[Action, 
     """Cached (an estimate reads its order up to three times; the planner retries a point with recompute); callers
     get copies. Few are kept: an order holds m x pp x v actions, up to millions at cost_models/limits.py's caps,
     and the planner's repeats of a shape hit simulate_schedule's cache instead."""
-    check_schedule(schedule, p, m, v)
-    return {r: tuple(acts) for r, acts in _orders(schedule, p, m, v).items()}
-
-
-def _orders(schedule: str, p: int, m: int, v: int) -> Order:
-    if schedule == "gpipe":
-        return {r: [Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)] for r in range(p)}
-    if schedule == "1f1b":
-        return {r: _one_f_one_b(r, p, m) for r in range(p)}
-    return {r: _looped(r, p, m, v, zero_bubble=schedule == "zb-interleaved") for r in range(p)}
-
-
-def _one_f_one_b(rank: int, p: int, m: int) -> list[Action]:
-    warmup = min(p - 1 - rank, m)
-    ops = [Action(rank, "F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        ops += [Action(rank, "F", warmup + i), Action(rank, "B", i)]
-    ops += [Action(rank, "B", i) for i in range(m - warmup, m)]
-    return ops
-
-
-def _looped(rank: int, p: int, m: int, v: int, *, zero_bubble: bool) -> list[Action]:
-    """Interleaved 1F1B, and with zero_bubble its ZB1P variant (backward split into I then a deferred W).
-
-    Forwards walk the rank's chunks in rounds of m_round micro-batches; backwards walk them in reverse. Each
-    rank runs `warmup` forwards, then pairs (forward, backward), then `warmup` backwards. Zero bubble warms up
-    one step less per hop (its backward is only I) and starts emitting W after `rank` steady pairs.
-    """
-    rounds = max(1, m // p)
-    per_round = m // rounds
-    total = m * v
-    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank), total)
-    next_mb: dict[tuple[str, int], int] = defaultdict(int)
-
-    def take(kind: str, stage: int) -> Action:
-        mb = next_mb[kind, stage]
-        next_mb[kind, stage] = mb + 1
-        return Action(stage, kind, mb)  # type: ignore[arg-type]
-
-    def fwd_stage(step: int) -> int:
-        return ((step // per_round) % v) * p + rank
-
-    def bwd_stage(step: int) -> int:
-        return (v - 1 - ((step - warmup) // per_round) % v) * p + rank
-
-    back = "I" if zero_bubble else "B"
-    ops: list[Action] = []
-    backward_steps: list[int] = []
-    weights_done = 0
-
-    def backward(step: int) -> None:
-        nonlocal weights_done
-        ops.append(take(back, bwd_stage(step)))
-        backward_steps.append(step)
-        if zero_bubble and step - warmup >= rank:
-            ops.append(take("W", bwd_stage(backward_steps[weights_done])))
-            weights_done += 1
-
-    for step in range(warmup):
-        ops.append(take("F", fwd_stage(step)))
-    for step in range(warmup, total):
-        ops.append(take("F", fwd_stage(step)))
-        backward(step)
-    for step in range(total, total + warmup):
-        backward(step)
-    while zero_bubble and weights_done < len(backward_steps):
-        ops.append(take("W", bwd_stage(backward_steps[weights_done])))
-        weights_done += 1
-    return ops
+    spec = get_spec(schedule)
+    spec.check(p, m, v)
+    return {r: tuple(spec.generator(r, p, m, v)) for r in range(p)}
 
 
 def format_order(order: Mapping[int, Sequence[Action]]) -> dict[str, list[str]]:
@@ -205,94 +354,122 @@ class Simulation:
 _KEY = {"F": 0, "B": 1, "I": 1, "W": 2}   # B and I both release the input gradient the previous stage waits for
 
 
-def simulate(order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], *, p: int,
+def simulate(order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], *,
              keep_timeline: bool = False) -> Simulation:
     """Run the order with real durations: an action starts when its rank is free and its inputs have arrived.
 
     Dependencies: F(s, i) needs F(s-1, i) (plus the p2p time if s-1 is on another rank); B or I (s, i) needs
     F(s, i) and the backward of (s+1, i) (plus p2p); W(s, i) needs I(s, i). p2p transfers overlap compute.
-    Event-driven: a rank blocked on a missing input is parked on it and woken when it completes, so each action
-    is examined a bounded number of times.
+    Where each stage runs is read from the order itself (looped or V placement alike). Event-driven: a rank blocked on a missing input is parked on it and woken when it
+    completes, so each action is examined a bounded number of times. A deadlock raises ScheduleDeadlock with the
+    rank x step grid, the stuck actions marked.
     """
-    n_stages = len(costs)
-    dur = {"F": [c.fwd_s for c in costs], "B": [c.bwd_s for c in costs],
-           "I": [c.bwd_s * c.bwd_input_fraction for c in costs],
-           "W": [c.bwd_s * (1 - c.bwd_input_fraction) for c in costs]}
-    send_f = [c.send_fwd_s for c in costs]
-    send_b = [c.send_bwd_s for c in costs]
-    done: dict[tuple[int, int, int], float] = {}
-    waiting: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-    free = {r: 0.0 for r in order}
-    busy = {r: 0.0 for r in order}
-    pos = {r: 0 for r in order}
-    has_w = {a.stage for acts in order.values() for a in acts if a.kind == "W"}
-    points: list[tuple[float, int, int, int]] = []  # (time, +1/-1, stage, rank) for the memory timeline
-    events: list[Event] = []
+    run = _Run(order, costs, keep_timeline=keep_timeline)
     stack = list(order)
     while stack:
-        r = stack.pop()
-        acts = order[r]
-        while pos[r] < len(acts):
-            a = acts[pos[r]]
-            s, kind, mb = a.stage, a.kind, a.mb
-            if kind == "F":
-                if s > 0:
-                    dep = (s - 1, 0, mb)
-                    t = done.get(dep)
-                    if t is None:
-                        waiting[dep].append(r)
-                        break
-                    ready = t + (send_f[s - 1] if (s - 1) % p != r else 0.0)
-                else:
-                    ready = 0.0
-            elif kind == "W":
-                dep = (s, 1, mb)
-                ready = done.get(dep)
-                if ready is None:
-                    waiting[dep].append(r)
-                    break
-            else:
-                dep = (s, 0, mb)
-                own = done.get(dep)
-                if own is None:
-                    waiting[dep].append(r)
-                    break
-                ready = own
-                if s < n_stages - 1:
-                    dep = (s + 1, 1, mb)
-                    t = done.get(dep)
-                    if t is None:
-                        waiting[dep].append(r)
-                        break
-                    ready = max(ready, t + (send_b[s + 1] if (s + 1) % p != r else 0.0))
-            start = free[r] if free[r] > ready else ready
-            end = start + dur[kind][s]
-            key = (s, _KEY[kind], mb)
-            done[key] = end
-            free[r] = end
-            busy[r] += end - start
-            pos[r] += 1
-            if kind == "F":
-                points.append((start, 1, s, r))
-            elif kind == "W" or s not in has_w:
-                points.append((end, -1, s, r))
-            if keep_timeline:
-                events.append(Event(r, a, start, end))
-            for w in waiting.pop(key, ()):
-                stack.append(w)
-    stuck = {r: str(acts[pos[r]]) for r, acts in order.items() if pos[r] < len(acts)}
+        stack.extend(run.advance(stack.pop()))
+    stuck = {r: run.pos[r] for r, acts in order.items() if run.pos[r] < len(acts)}
     if stuck:
-        raise ValueError(f"schedule deadlocks: ranks wait on each other at {stuck}")
+        raise ScheduleDeadlock("schedule deadlocks: ranks wait on each other at "
+                               f"{ {r: str(order[r][i]) for r, i in stuck.items()} }\n" + format_grid(order, mark=stuck))
+    return run.result()
 
-    makespan = max(free.values(), default=0.0)
-    idle = {r: makespan - busy[r] for r in order}
-    ideal = max(busy.values(), default=0.0)
-    in_flight, act_bytes = _memory_timeline(points, costs)
-    return Simulation(makespan_s=makespan, busy_s=busy, idle_s=idle, finish_s=dict(free),
-                      bubble_ratio=(makespan - ideal) / ideal if ideal > 0 else 0.0,
-                      bubble_share=sum(idle.values()) / (len(order) * makespan) if makespan > 0 else 0.0,
-                      peak_in_flight=in_flight, peak_activation_bytes=act_bytes,
-                      timeline=tuple(sorted(events, key=lambda e: (e.start_s, e.rank))))
+
+class ScheduleDeadlock(ValueError):
+    """The order cannot finish: each stuck rank waits on an action another stuck rank has not reached."""
+
+
+class _Run:
+    """The simulator's state: when each (stage, F | B/I | W, micro-batch) finished, who waits on what, rank clocks."""
+
+    def __init__(self, order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], *,
+                 keep_timeline: bool) -> None:
+        self.order, self.costs = order, costs
+        self.dur = {"F": [c.fwd_s for c in costs], "B": [c.bwd_s for c in costs],
+                    "I": [c.bwd_s * c.bwd_input_fraction for c in costs],
+                    "W": [c.bwd_s * (1 - c.bwd_input_fraction) for c in costs]}
+        self.where = {a.stage: r for r, acts in order.items() for a in acts}   # stage -> rank, from the order
+        self.has_w = {a.stage for acts in order.values() for a in acts if a.kind == "W"}
+        self.done: dict[tuple[int, int, int], float] = {}
+        self.waiting: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+        self.free = {r: 0.0 for r in order}
+        self.busy = {r: 0.0 for r in order}
+        self.pos = {r: 0 for r in order}
+        self.points: list[tuple[float, int, int, int]] = []  # (time, +1/-1, stage, rank) for the memory timeline
+        self.events: list[Event] = []
+        self.keep_timeline = keep_timeline
+
+    def _arrival(self, stage: int, phase: int, mb: int, rank: int, send: float) -> float | tuple[int, int, int]:
+        """When (stage, phase, mb)'s result is usable on `rank` (p2p time added across ranks), or its key if not done."""
+        key = (stage, phase, mb)
+        t = self.done.get(key)
+        if t is None:
+            return key
+        return t + (send if self.where[stage] != rank else 0.0)
+
+    def _ready(self, a: Action, r: int) -> float | tuple[int, int, int]:
+        s, mb = a.stage, a.mb
+        if a.kind == "F":
+            return self._arrival(s - 1, 0, mb, r, self.costs[s - 1].send_fwd_s) if s > 0 else 0.0
+        if a.kind == "W":
+            return self._arrival(s, 1, mb, r, 0.0)
+        own = self._arrival(s, 0, mb, r, 0.0)
+        if isinstance(own, tuple) or s == len(self.costs) - 1:
+            return own
+        grad = self._arrival(s + 1, 1, mb, r, self.costs[s + 1].send_bwd_s)
+        return grad if isinstance(grad, tuple) else max(own, grad)
+
+    def advance(self, r: int) -> list[int]:
+        """Run rank r's actions until one waits on a missing input; return the ranks this woke."""
+        acts, woken = self.order[r], []
+        while self.pos[r] < len(acts):
+            a = acts[self.pos[r]]
+            ready = self._ready(a, r)
+            if isinstance(ready, tuple):
+                self.waiting[ready].append(r)
+                break
+            start = max(self.free[r], ready)
+            end = start + self.dur[a.kind][a.stage]
+            key = (a.stage, _KEY[a.kind], a.mb)
+            self.done[key] = self.free[r] = end
+            self.busy[r] += end - start
+            self.pos[r] += 1
+            if a.kind == "F":
+                self.points.append((start, 1, a.stage, r))
+            elif a.kind == "W" or a.stage not in self.has_w:
+                self.points.append((end, -1, a.stage, r))
+            if self.keep_timeline:
+                self.events.append(Event(r, a, start, end))
+            woken += self.waiting.pop(key, ())
+        return woken
+
+    def result(self) -> Simulation:
+        makespan = max(self.free.values(), default=0.0)
+        idle = {r: makespan - self.busy[r] for r in self.order}
+        ideal = max(self.busy.values(), default=0.0)
+        in_flight, act_bytes = _memory_timeline(self.points, self.costs)
+        return Simulation(makespan_s=makespan, busy_s=self.busy, idle_s=idle, finish_s=dict(self.free),
+                          bubble_ratio=(makespan - ideal) / ideal if ideal > 0 else 0.0,
+                          bubble_share=sum(idle.values()) / (len(self.order) * makespan) if makespan > 0 else 0.0,
+                          peak_in_flight=in_flight, peak_activation_bytes=act_bytes,
+                          timeline=tuple(sorted(self.events, key=lambda e: (e.start_s, e.rank))))
+
+
+def format_grid(order: Mapping[int, Sequence[Action]], *, mark: Mapping[int, int] | None = None,
+                max_steps: int = 40) -> str:
+    """The order as a step x rank grid (as torch's _format_pipeline_order prints it), each rank's action at `mark`
+    flagged with '>' and the rows around the first mark shown (at most max_steps of them)."""
+    mark = dict(mark or {})
+    ranks = sorted(order)
+    depth = max((len(order[r]) for r in ranks), default=0)
+    first = min(mark.values(), default=0)
+    lo = max(0, min(first - max_steps // 2, depth - max_steps))
+    rows = range(lo, min(depth, lo + max_steps))
+    cell = lambda r, i: ("" if i >= len(order[r]) else (">" if mark.get(r) == i else "") + str(order[r][i]))
+    width = max([len(cell(r, i)) for r in ranks for i in rows] + [len(f"rank {r}") for r in ranks] + [4])
+    lines = ["step  " + " ".join(f"{'rank ' + str(r):>{width}}" for r in ranks)]
+    lines += [f"{i:>4}  " + " ".join(f"{cell(r, i):>{width}}" for r in ranks) for i in rows]
+    return "\n".join(lines)
 
 
 @lru_cache(maxsize=1024)
@@ -300,7 +477,7 @@ def simulate_schedule(schedule: str, p: int, m: int, v: int, costs: tuple[StageC
     """simulate() of the generated order, cached: the planner costs every ZeRO stage of a pipeline shape with the
     same stage costs (data-parallel collectives come after the pipeline), so each distinct (shape, costs) is
     simulated once. The result is shared: read it, do not modify it."""
-    return simulate(cached_order(schedule, p, m, v), costs, p=p)
+    return simulate(cached_order(schedule, p, m, v), costs)
 
 
 def _memory_timeline(points: list[tuple[float, int, int, int]],

@@ -1,15 +1,27 @@
 """A parallel training strategy as plain data: what the planner searches over and the executor runs."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Iterable, Literal, Mapping, Sequence
 
 from cost_models.errors import ConfigError
 from cost_models.limits import check_global_batch, check_gpus, check_microbatches
+from cost_models.memory import BYTES_PER_PARAM
 from cost_models.records import Record, record
-from cost_models.schedule import SCHEDULES, check_schedule
+from cost_models.schedule import DEFAULT_SCHEDULE, Action, ScheduleSpec, cached_order, get_spec
 
 Precision = Literal["fp32", "bf16-mixed"]
 Optimizer = Literal["adamw", "adam", "sgd"]
+
+
+def check_training(precision: str, optimizer: str) -> None:
+    """The (precision, optimizer) pairs the cost model and the executor know (memory.BYTES_PER_PARAM's keys)."""
+    if (precision, optimizer) not in BYTES_PER_PARAM:
+        raise ConfigError("--precision must be bf16-mixed or fp32 and --optimizer adamw, adam or sgd")
+
+
+def family_of(*, dp: int, pp: int) -> str:
+    """'zero' (no pipeline), 'pipeline' (no data parallelism) or 'hybrid': the ZeRO-or-pipeline question's terms."""
+    return "zero" if pp == 1 else ("pipeline" if dp == 1 else "hybrid")
 
 
 @record
@@ -17,7 +29,7 @@ class Strategy(Record):
     dp: int                              # data-parallel degree (the ZeRO group)
     pp: int                              # pipeline degree (ranks per pipeline)
     zero: int                            # ZeRO stage over dp: 0 (DDP), 1, 2, 3
-    schedule: str                        # see cost_models.schedule.SCHEDULES
+    schedule: str                        # a name in cost_models.schedule.SCHEDULES
     microbatches: int                    # m: micro-batches per step per pipeline
     micro_batch_size: int                # sequences per micro-batch
     v: int = 1                           # stage chunks per rank (interleaved schedules)
@@ -28,8 +40,7 @@ class Strategy(Record):
 
     @property
     def family(self) -> str:
-        """'zero' (no pipeline), 'pipeline' (no data parallelism) or 'hybrid': the ZeRO-or-pipeline question's terms."""
-        return "zero" if self.pp == 1 else ("pipeline" if self.dp == 1 else "hybrid")
+        return family_of(dp=self.dp, pp=self.pp)
 
     @property
     def name(self) -> str:
@@ -68,10 +79,50 @@ class Strategy(Record):
     def stage_recompute(self, stage: int) -> bool:
         return bool(self.recompute) and self.recompute[stage]
 
+    @property
+    def spec(self) -> ScheduleSpec:
+        return get_spec(self.schedule)
+
+    @property
+    def simulated_schedule(self) -> str:
+        """The schedule the estimate simulates: one stage (pp = v = 1) is plain gradient accumulation, whatever the
+        plan names, and simulates as the default's order."""
+        return self.schedule if self.n_stages > 1 else DEFAULT_SCHEDULE
+
+    def action_order(self) -> Mapping[int, Sequence[Action]]:
+        """Every pipeline rank's compute actions in order (the shared cached copy: read it, do not modify it)."""
+        return cached_order(self.simulated_schedule, self.pp, self.microbatches, self.v)
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank running `stage` (the schedule's placement: looped or V)."""
+        return self.spec.stage_rank(stage, self.pp)
+
+    def rank_stages(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank `pp_rank` holds, ascending."""
+        return self.spec.rank_stages(pp_rank, self.pp, self.v)
+
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """Global ranks holding `stage`: mesh (pp, dp) with dp innermost, so a dp group is contiguous ranks."""
-        pp_rank = stage % self.pp
+        pp_rank = self.stage_rank(stage)
         return tuple(pp_rank * self.dp + d for d in range(self.dp))
+
+    def split_tie(self, tied_units: Iterable[Sequence[str]]) -> str | None:
+        """Why this schedule cannot run a parameter shared by units in two stages on one pipeline rank, or None.
+        tied_units: for each tied parameter, the units using it (ModelProfile.shared[i].units)."""
+        why = self.spec.same_rank_tie if self.n_stages > 1 else None
+        if not why:
+            return None
+        stage_of = {u: sid for sid, units in enumerate(self.stages) for u in units}
+        for units in tied_units:
+            sids = sorted({stage_of[u] for u in units if u in stage_of})
+            ranks = [self.stage_rank(sid) for sid in sids]
+            if len(set(ranks)) < len(ranks):
+                return f"{self.schedule} puts stages {sids}, which share a tied parameter, on one rank: {why}"
+        return None
+
+    def unsafe_reason(self) -> str | None:
+        """Why the executor cannot run this schedule with this ZeRO stage correctly, or None (the registry's guard)."""
+        return self.spec.unsafe(self.zero, self.dp) if self.n_stages > 1 else None
 
     def validate(self, unit_names: tuple[str, ...]) -> None:
         """Raise ConfigError (one line, what to change) unless this strategy can run on a model with these units."""
@@ -83,14 +134,14 @@ class Strategy(Record):
         check_gpus(self.world_size, "dp x pp =")
         check_microbatches(self.microbatches, "microbatches")
         check_global_batch(self.global_batch_size, "dp x microbatches x micro_batch_size =")
+        check_training(self.precision, self.optimizer)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule '{self.schedule}'; choose one of {', '.join(SCHEDULES)}")
+        spec = get_spec(self.schedule)   # an unknown name is a one-line ConfigError
         if self.zero > 0 and self.dp == 1:
             raise ConfigError(f"ZeRO-{self.zero} shards over data parallel ranks; with --dp 1 use --zero 0")
         if self.pp > 1 or self.v > 1:
-            check_schedule(self.schedule, self.pp, self.microbatches, self.v)
+            spec.check(self.pp, self.microbatches, self.v)
         if len(self.stages) != self.n_stages:
             raise ConfigError(f"{len(self.stages)} stages given for pp={self.pp} x v={self.v} = {self.n_stages}")
         flat = tuple(u for stage in self.stages for u in stage)

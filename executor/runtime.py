@@ -17,8 +17,10 @@ from torch import nn
 
 from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
+from cost_models.torch_private import default_group_timeout, schedule_stages, set_group_timeout
 from executor import checkpoint, pipeline
-from executor.stages import build_stages, buffers_by_canonical, canonical_names, params_by_canonical, tied_params
+from executor.stages import (build_stages, buffers_by_canonical, canonical_names, params_by_canonical, tied_params,
+                             tied_units)
 from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,7 +48,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         if self.schedule is not None:
-            for stage in getattr(self.schedule, "_stages", None) or [self.schedule._stage]:
+            for stage in schedule_stages(self.schedule):
                 for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                     if hasattr(stage, name):
                         setattr(stage, name, self._timed(getattr(stage, name), "compute"))
@@ -135,7 +137,7 @@ class Runtime:
 
 
 def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, optimizer_fn, stage_io,
-                  plan_order: dict[str, list[str]] | None = None, seed: int = 0,
+                  seed: int = 0,
                   device: torch.device | None = None) -> Runtime:
     """Apply `strategy` to `model` (built on the meta device) on this rank of an initialised process group.
 
@@ -149,27 +151,28 @@ def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, opti
         raise ConfigError(f"the plan needs {s.world_size} ranks (dp={s.dp} x pp={s.pp}), this job has {world}")
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     mesh = init_device_mesh(device.type, (s.pp, s.dp), mesh_dim_names=("pp", "dp"))
-    timeout = _world_timeout(device)
+    # init_process_group's timeout (`planner run --timeout`). Subgroups do not inherit it: new_group and DeviceMesh's
+    # per-dimension groups take torch's default (30 min for gloo, 10 for NCCL), so a stopped pipeline peer left the
+    # others waiting in p2p and all-reduce for half an hour (measured: a SIGSTOPped rank of a PP2 x DP2 run,
+    # --timeout 5, peers still blocked after 5 minutes).
+    timeout = default_group_timeout(device)
     for dim in ("pp", "dp"):
-        _set_timeout(mesh[dim].get_group(), timeout)
+        set_group_timeout(mesh[dim].get_group(), timeout)
     pp_rank, dp_rank = rank // s.dp, rank % s.dp
-    stage_ids = list(range(pp_rank, s.n_stages, s.pp))
-    ties = tied_params(model, s.stages, s.pp)
-    if s.schedule == "zb-interleaved" and s.zero == 3 and s.dp > 1:
-        # planner.search.runnable never plans this: in torch 2.13 the last stage gets no gradients (and with a tied
-        # parameter across pipeline ranks the step deadlocks)
-        raise ConfigError("zero-bubble with ZeRO-3 stages trains wrongly in this torch (the last stage gets no "
-                          "gradients); use ZeRO-2 or another schedule")
+    stage_ids = list(s.rank_stages(pp_rank))
+    ties = tied_params(model, s.stages, s.stage_rank)
+    # the schedule registry's guards; the planner never plans these
+    unsafe = s.unsafe_reason() or s.split_tie(tied_units(model, s.stages))
+    if unsafe:
+        raise ConfigError(unsafe)
     canon = canonical_names(model)
     stages = build_stages(model, s.stages, stage_ids, recompute=s.recompute, seed=seed, device=device)
     dp_mesh = mesh["dp"]
     wrapped = wrap(stages, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=dp_mesh, optimizer_fn=optimizer_fn)
     schedule = None
     if s.n_stages > 1:
-        schedule = pipeline.build_schedule(wrapped.modules, stage_ids, n_stages=s.n_stages,
-                                           pp_group=mesh["pp"].get_group(), device=device, schedule=s.schedule,
-                                           microbatches=s.microbatches, loss_fn=loss_fn, stage_io=stage_io,
-                                           plan_order=plan_order, pp_rank=pp_rank)
+        schedule = pipeline.build_schedule(wrapped.modules, stage_ids, strategy=s, pp_group=mesh["pp"].get_group(),
+                                           device=device, loss_fn=loss_fn, stage_io=stage_io, pp_rank=pp_rank)
     # Tied parameters on several pipeline ranks: one group per (tied parameter, dp index), created in the same
     # order on every rank (new_group is collective).
     tie_groups = []
@@ -183,21 +186,6 @@ def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, opti
                    loss_fn=loss_fn, schedule=schedule, dp_group=dp_mesh.get_group() if s.dp > 1 else None,
                    tie_groups=tie_groups, params_by_name=params_by_canonical(stages, canon),
                    buffers_by_name=buffers_by_canonical(stages))
-
-
-def _world_timeout(device: torch.device):
-    """init_process_group's timeout (`planner run --timeout`). Subgroups do not inherit it: new_group and DeviceMesh's
-    per-dimension groups take torch's default (30 min for gloo, 10 for NCCL; distributed_c10d._get_default_timeout),
-    so a stopped pipeline peer left the others waiting in p2p and all-reduce for half an hour (measured: a
-    SIGSTOPped rank of a PP2 x DP2 run, --timeout 5, peers still blocked after 5 minutes)."""
-    from torch.distributed import distributed_c10d as c10d
-    return c10d._get_default_group()._get_backend(device).options._timeout
-
-
-def _set_timeout(group, timeout) -> None:
-    from torch.distributed import distributed_c10d as c10d
-    if group is not None and group is not c10d._get_default_group():
-        c10d._set_pg_timeout(timeout, group)
 
 
 def stage_io_shapes(model: nn.Module, stages: tuple[tuple[str, ...], ...], example: torch.Tensor,

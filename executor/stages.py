@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cost_models.errors import ConfigError
+from cost_models.torch_private import persistent_buffers
 
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
 
@@ -127,16 +128,30 @@ def build_stages(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_id
     return built
 
 
-def tied_params(model: nn.Module, stages: tuple[tuple[str, ...], ...], pp: int) -> list[TiedParam]:
-    """Parameters reachable from units of stages that live on different pipeline ranks (call before materialising)."""
+def tied_params(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_rank: Callable[[int], int]) -> list[TiedParam]:
+    """Parameters reachable from units of stages that live on different pipeline ranks (call before materialising);
+    stage_rank maps a stage to its pipeline rank (Strategy.stage_rank: the schedule's placement)."""
     canon = canonical_names(model)
     ranks_of: dict[str, set[int]] = {}
     for sid, names in enumerate(stages):
         for name in names:
             for pname, _ in model.get_submodule(name).named_parameters(prefix=name, remove_duplicate=False):
-                ranks_of.setdefault(canon[pname], set()).add(sid % pp)
+                ranks_of.setdefault(canon[pname], set()).add(stage_rank(sid))
     return sorted((TiedParam(canonical=c, pp_ranks=tuple(sorted(r))) for c, r in ranks_of.items() if len(r) > 1),
                   key=lambda t: t.canonical)
+
+
+def tied_units(model: nn.Module, stages: tuple[tuple[str, ...], ...]) -> list[tuple[str, ...]]:
+    """For each parameter used by more than one unit, the units using it (the executor's view of
+    ModelProfile.shared[i].units)."""
+    canon = canonical_names(model)
+    units_of: dict[str, list[str]] = {}
+    for name in (u for stage in stages for u in stage):
+        for pname, _ in model.get_submodule(name).named_parameters(prefix=name, remove_duplicate=False):
+            users = units_of.setdefault(canon[pname], [])
+            if name not in users:
+                users.append(name)
+    return [tuple(users) for users in units_of.values() if len(users) > 1]
 
 
 def params_by_canonical(stage_modules: list[Stage], canon: dict[str, str]) -> dict[str, nn.Parameter]:
@@ -156,10 +171,7 @@ def buffers_by_canonical(stage_modules: list[Stage]) -> dict[str, torch.Tensor]:
     for st in stage_modules:
         for unit_name, unit in zip(st.unit_names, st.children()):
             for mod_name, mod in unit.named_modules(prefix=unit_name):
-                for name, b in mod._buffers.items():
-                    if b is not None and name not in mod._non_persistent_buffers_set:
-                        out.setdefault(f"{mod_name}.{name}", b)
+                for name, b in persistent_buffers(mod):
+                    out.setdefault(f"{mod_name}.{name}", b)
     return out
 
-
-ModelFn = Callable[[], nn.Module]

@@ -6,10 +6,10 @@ from typing import Iterator
 
 from cost_models.errors import ConfigError
 from cost_models.limits import MAX_MICROBATCHES
-from cost_models.schedule import check_schedule
+from cost_models.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from cost_models.strategy import family_of
 
 MAX_MICRO_BATCH = 64  # largest micro-batch size (sequences) searched
-MAX_V = 4  # interleaving depth searched; deeper chunks multiply p2p and rarely pay off (Narayanan et al. 2021, fig. 12)
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Point:
 
     @property
     def family(self) -> str:
-        return "zero" if self.pp == 1 else ("pipeline" if self.dp == 1 else "hybrid")
+        return family_of(dp=self.dp, pp=self.pp)
 
 
 def divisors(n: int, *, at_most: int | None = None) -> list[int]:
@@ -33,17 +33,16 @@ def divisors(n: int, *, at_most: int | None = None) -> list[int]:
 
 
 def schedules_for(pp: int, m: int, n_units: int) -> list[tuple[str, int]]:
-    """(schedule, v) pairs that can run pp ranks and m micro-batches on n_units units."""
+    """(schedule, v) pairs that can run pp ranks and m micro-batches on n_units units (each schedule's searched v)."""
     if pp == 1:
-        return [("1f1b", 1)]  # one stage: plain gradient accumulation, every schedule is the same
+        return [(DEFAULT_SCHEDULE, 1)]  # one stage: plain gradient accumulation, every schedule is the same
     out = []
-    for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved-1f1b", range(2, MAX_V + 1)),
-                     ("zb-interleaved", range(1, MAX_V + 1))):
-        for v in vs:
+    for name, spec in SCHEDULES.items():
+        for v in spec.searched_v:
             if pp * v > n_units:
                 continue
             try:
-                check_schedule(name, pp, m, v)
+                spec.check(pp, m, v)
             except ConfigError:
                 continue
             out.append((name, v))

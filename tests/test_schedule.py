@@ -4,7 +4,8 @@ from torch.distributed.pipelining import schedules as S
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from cost_models.errors import ConfigError
-from cost_models.schedule import Action, StageCost, generate, parse_order, format_order, simulate
+from cost_models.schedule import (SCHEDULES, Action, ScheduleDeadlock, StageCost, format_grid, format_order, generate,
+                                  parse_order, simulate)
 
 
 class MockStage(_PipelineStageBase):
@@ -28,15 +29,15 @@ class MockStage(_PipelineStageBase):
         return None
 
 
-TORCH = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "interleaved-1f1b": S.ScheduleInterleaved1F1B,
-         "zb-interleaved": S.ScheduleInterleavedZeroBubble}
+TORCH = {name: getattr(S, spec.torch_class) for name, spec in SCHEDULES.items()}
 
 
 def torch_order(name, p, m, v):
-    if name in ("gpipe", "1f1b"):
+    if issubclass(TORCH[name], S.PipelineScheduleSingle):
         sched = TORCH[name](MockStage(0, p, p), n_microbatches=m)
-    else:
-        sched = TORCH[name]([MockStage(i * p, p * v, p) for i in range(v)], n_microbatches=m)
+    else:   # rank 0's stages, as the registry places them (torch builds every rank's order from any rank)
+        stages = SCHEDULES[name].rank_stages(0, p, v)
+        sched = TORCH[name]([MockStage(sid, p * v, p) for sid in stages], n_microbatches=m)
     compute = (S._ComputationType.FORWARD, S._ComputationType.FULL_BACKWARD,
                S._ComputationType.BACKWARD_INPUT, S._ComputationType.BACKWARD_WEIGHT)
     return {r: [str(a) for a in acts if a is not None and a.computation_type in compute]
@@ -46,7 +47,8 @@ def torch_order(name, p, m, v):
 CASES = [("gpipe", p, m, 1) for p in (2, 4) for m in (2, 4, 8)] + \
         [("1f1b", p, m, 1) for p in (2, 3, 4) for m in (4, 8)] + \
         [(name, p, m, v) for name in ("interleaved-1f1b", "zb-interleaved") for p in (2, 4) for m in (2, 4, 8, 12)
-         for v in (2, 3)] + [("zb-interleaved", 4, 8, 1)]
+         for v in (2, 3)] + [("zb-interleaved", 4, 8, 1)] + \
+        [("zbv", p, m, 2) for p in (2, 3, 4) for m in (1, 2, 3, 4, 5, 8, 12)]
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
@@ -67,7 +69,7 @@ def test_every_action_appears_once():
     for name, p, m, v in CASES:
         order = generate(name, p, m, v)
         acts = [a for r in order.values() for a in r]
-        kinds = ("F", "I", "W") if name == "zb-interleaved" else ("F", "B")
+        kinds = ("F", "I", "W") if SCHEDULES[name].split_backward else ("F", "B")
         assert sorted(acts) == sorted(Action(s, k, i) for s in range(p * v) for k in kinds for i in range(m))
 
 
@@ -84,11 +86,11 @@ def test_bubble_is_p_minus_1_over_m(p, m):
     # Narayanan et al. 2021, section 2.2: equal stages, free p2p: bubble / ideal = (p-1)/m for GPipe and 1F1B.
     costs = [StageCost(fwd_s=1.0, bwd_s=2.0, activation_bytes=1.0) for _ in range(p)]
     for name in ("gpipe", "1f1b"):
-        sim = simulate(generate(name, p, m), costs, p=p)
+        sim = simulate(generate(name, p, m), costs)
         assert sim.bubble_ratio == pytest.approx((p - 1) / m, rel=1e-12)
         assert sim.makespan_s == pytest.approx((m + p - 1) * 3.0)
-    gpipe = simulate(generate("gpipe", p, m), costs, p=p)
-    ofob = simulate(generate("1f1b", p, m), costs, p=p)
+    gpipe = simulate(generate("gpipe", p, m), costs)
+    ofob = simulate(generate("1f1b", p, m), costs)
     assert gpipe.peak_in_flight[0] == m                 # GPipe: every micro-batch before any backward
     assert ofob.peak_in_flight[0] == min(p, m)          # 1F1B: at most p on the first stage
     assert max(ofob.peak_in_flight.values()) <= p
@@ -97,18 +99,18 @@ def test_bubble_is_p_minus_1_over_m(p, m):
 @pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 16, 4), (2, 8, 3)])
 def test_interleaved_bubble_is_divided_by_v(p, m, v):
     costs = [StageCost(fwd_s=1.0 / v, bwd_s=2.0 / v) for _ in range(p * v)]
-    sim = simulate(generate("interleaved-1f1b", p, m, v), costs, p=p)
+    sim = simulate(generate("interleaved-1f1b", p, m, v), costs)
     assert sim.bubble_ratio == pytest.approx((p - 1) / (v * m), rel=1e-12)
 
 
 def test_zero_bubble_beats_interleaved_and_p2p_costs_time():
     p, m, v = 4, 8, 2
     costs = [StageCost(fwd_s=0.5, bwd_s=1.0) for _ in range(p * v)]
-    zb = simulate(generate("zb-interleaved", p, m, v), costs, p=p)
-    il = simulate(generate("interleaved-1f1b", p, m, v), costs, p=p)
+    zb = simulate(generate("zb-interleaved", p, m, v), costs)
+    il = simulate(generate("interleaved-1f1b", p, m, v), costs)
     assert zb.bubble_ratio < il.bubble_ratio
     slow = [StageCost(fwd_s=0.5, bwd_s=1.0, send_fwd_s=0.2, send_bwd_s=0.2) for _ in range(p * v)]
-    assert simulate(generate("interleaved-1f1b", p, m, v), slow, p=p).makespan_s > il.makespan_s
+    assert simulate(generate("interleaved-1f1b", p, m, v), slow).makespan_s > il.makespan_s
     busy = sum(zb.busy_s.values())
     assert busy == pytest.approx(p * v * m * 1.5)  # every F, I and W ran once
 
@@ -120,3 +122,113 @@ def test_schedule_constraints_are_config_errors():
         generate("interleaved-1f1b", 2, 4, 1)
     with pytest.raises(ConfigError, match="unknown schedule"):
         generate("dualpipe", 2, 4)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (3, 3)])
+def test_placement_is_torchs(name, p, v):
+    # torch's generate_stage_to_rank_mapping (style "loop" or "v") is what its schedules send activations by
+    spec = SCHEDULES[name]
+    theirs = S.generate_stage_to_rank_mapping(p, p * v, style=spec.placement)
+    assert {sid: spec.stage_rank(sid, p) for sid in range(p * v)} == theirs
+    for r in range(p):
+        assert spec.rank_stages(r, p, v) == tuple(sorted(sid for sid, rank in theirs.items() if rank == r))
+
+
+def test_zbv_puts_both_ends_on_rank_0_and_beats_the_looped_schedules():
+    p, m = 4, 8
+    assert SCHEDULES["zbv"].rank_stages(0, p, 2) == (0, 2 * p - 1)
+    # equal F, I and W (the ZB-V paper's setting, Qi et al. 2024 section 6): a sixth of 1F1B's idle time with the
+    # same work per rank, and less than interleaved 1F1B's
+    chunk = [StageCost(fwd_s=1.0, bwd_s=2.0) for _ in range(2 * p)]
+    zbv = simulate(generate("zbv", p, m, 2), chunk)
+    interleaved = simulate(generate("interleaved-1f1b", p, m, 2), chunk)
+    ofob = simulate(generate("1f1b", p, m), [StageCost(fwd_s=2.0, bwd_s=4.0) for _ in range(p)])
+    assert sum(zbv.busy_s.values()) == pytest.approx(2 * p * m * 3.0)   # every F, I and W ran once
+    assert zbv.bubble_ratio == pytest.approx(ofob.bubble_ratio / 6) and ofob.bubble_ratio == pytest.approx((p - 1) / m)
+    assert zbv.bubble_ratio < interleaved.bubble_ratio
+    # the V's turn (stage p-1 -> p) stays on rank p-1: with p2p costs ZB-V ends before looped zero bubble
+    slow = [StageCost(fwd_s=1.0, bwd_s=2.0, send_fwd_s=0.5, send_bwd_s=0.5) for _ in range(2 * p)]
+    zbv_slow = simulate(generate("zbv", p, m, 2), slow).makespan_s
+    assert zbv.makespan_s < zbv_slow < simulate(generate("zb-interleaved", p, m, 2), slow).makespan_s
+
+
+def test_a_deadlock_prints_the_grid_with_the_stuck_actions_marked():
+    order = {0: [Action(0, "F", 0), Action(0, "B", 0)], 1: [Action(1, "B", 0), Action(1, "F", 0)]}
+    with pytest.raises(ScheduleDeadlock) as info:
+        simulate(order, [StageCost(fwd_s=1.0, bwd_s=1.0)] * 2)
+    text = str(info.value)
+    assert "{0: '0B0', 1: '1B0'}" in text
+    rows = text.splitlines()[1:]
+    assert rows[0].split() == ["step", "rank", "0", "rank", "1"]
+    assert rows[1].split() == ["0", "0F0", ">1B0"] and rows[2].split() == ["1", ">0B0", "1F0"]
+    assert format_grid(generate("1f1b", 2, 2)).splitlines()[1].split() == ["0", "0F0", "1F0"]
+
+
+def test_the_executor_names_the_first_action_torch_ran_differently():
+    from executor.pipeline import ActionLog, check_order
+    order = generate("1f1b", 2, 4)
+    log = ActionLog([], order, pp_rank=1)
+    log.ran = list(order[1])
+    log.check_step()                       # equal: no error, and the log starts again
+    assert log.ran == []
+    log.ran = list(order[1])
+    log.ran[2], log.ran[3] = log.ran[3], log.ran[2]
+    with pytest.raises(RuntimeError, match=r"ran 1B1 at step 2 on pipeline rank 1 where the plan has 1F1") as info:
+        log.check_step()
+    assert ">1F1" in str(info.value)
+    with pytest.raises(RuntimeError, match=r"would run nothing at step 4"):
+        check_order({1: list(order[1])[:4]}, order, 1)
+
+
+def test_schedule_names_appear_in_product_code_only_in_the_registry():
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    files = [*root.glob("cost_models/**/*.py"), *root.glob("planner/*.py"), *root.glob("executor/*.py"), root / "cli.py"]
+    found = [f"{f.relative_to(root)}:{node.lineno} {node.value!r}" for f in files if f.name != "schedule.py"
+             for node in ast.walk(ast.parse(f.read_text())) if isinstance(node, ast.Constant) and node.value in SCHEDULES]
+    assert not found, found
+
+
+def test_zbv_is_planned_for_an_untied_model_and_not_where_a_tie_would_share_a_rank():
+    from cost_models.model_profiler import profile_model
+    from cost_models.models.source import resolve
+    from cost_models.presets import preset
+    from planner.request import PlanRequest
+    from planner.search import search
+    request = PlanRequest(gpus=2, global_batch_size=8, precision="fp32", prune=False, schedules=("zbv",))
+    llama = profile_model(resolve("llama-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
+    found = search(llama, preset("dgx-a100"), request)
+    zbv = [c for c in found.feasible if c.strategy.pp > 1]
+    assert zbv and all(c.strategy.schedule == "zbv" and c.strategy.v == 2 for c in zbv)
+    best = zbv[0].strategy
+    assert best.stage_ranks(0) == best.stage_ranks(3) == (0,) and best.stage_ranks(1) == (1,)
+    gpt = profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
+    assert gpt.shared   # tied embedding and head: the first and the last stage, both on rank 0 in a V
+    assert not [c for c in search(gpt, preset("dgx-a100"), request).feasible if c.strategy.pp > 1]
+
+
+def test_the_estimate_holds_zbv_stages_where_the_v_puts_them():
+    from cost_models.estimate import estimate
+    from cost_models.memory import executor_state_bytes
+    from cost_models.model_profiler import profile_model
+    from cost_models.models.source import resolve
+    from cost_models.presets import preset
+    from cost_models.strategy import Strategy
+    prof = profile_model(resolve("llama-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
+    names = [u.name for u in prof.units]
+    stages = (tuple(names[:2]), (names[2],), (names[3],), tuple(names[4:]))
+    s = Strategy(dp=1, pp=2, zero=0, schedule="zbv", microbatches=4, micro_batch_size=2, v=2, stages=stages,
+                 precision="fp32", optimizer="adamw")
+    est = estimate(s, prof, preset("dgx-a100"))
+    assert [st.pp_rank for st in est.stages] == [0, 1, 1, 0]
+    assert [m.stages for m in est.memory_per_rank] == [(0, 3), (1, 2)]
+    held = est.stages[0].params + est.stages[3].params
+    assert held == sum(u.params for u in prof.units if u.name in stages[0] + stages[3])
+    assert est.memory_per_rank[0].parameters == executor_state_bytes(held, 1, 0, "fp32", "adamw")[0]
+    assert est.pipeline_order == format_order(generate("zbv", 2, 4, 2))
+    # the V's turn (stage 1 -> 2, both on rank 1) is handed over in memory: no p2p time, no p2p bytes
+    assert est.stages[1].send_fwd_s == 0 and est.stages[2].send_bwd_s == 0 and est.stages[0].send_fwd_s > 0
+    crossing = est.stages[0].boundary_bytes + est.stages[2].boundary_bytes
+    assert est.comm.p2p_bytes_per_step == 2 * crossing * 4 and est.comm.p2p_link.endswith("of 2 stage boundaries inter-node")
