@@ -17,7 +17,9 @@ compute, so they are exposed. CPU ranks share their cores with gloo's threads: n
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Callable, Sequence
 
 from cost_models.cluster import ClusterProfile, ComputeProbe
 from cost_models.comm import collective_time, p2p_time
@@ -26,12 +28,13 @@ from cost_models.memory import (BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown
                                  executor_state_bytes, zero1_partition)
 from cost_models.profile import ModelProfile
 from cost_models.records import Record, record
-from cost_models.schedule import StageCost, cached_order, format_order, simulate_schedule, stage_to_rank
+from cost_models.schedule import Simulation, StageCost, format_order, simulate_schedule
 from cost_models.strategy import Strategy
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # presets carry no probe: no per-call overheads are assumed there (GPU launches mostly hide behind kernels)
 _NO_OVERHEADS = ComputeProbe(dtype="", matmul_n=0, ranks=1, threads_per_rank=1, flops_per_rank=0.0, flops_alone=0.0)
+CollFn = Callable[[str, float], float]   # (op, full buffer bytes) -> seconds over the strategy's dp group
 
 
 @record
@@ -56,6 +59,9 @@ class StageEstimate(Record):
     peak_in_flight: int
     send_fwd_s: float = 0.0 # p2p time of its output to the next stage (per micro-batch)
     send_bwd_s: float = 0.0 # p2p time of its input gradient to the previous stage
+    pp_rank: int = 0               # the pipeline rank that runs it (the schedule's placement)
+    largest_unit_params: int = 0   # its largest unit's parameters (FSDP2 gathers one unit at a time)
+    working_set_bytes: float = 0.0 # with recompute: one unit's saved activations, live while it is recomputed
 
     def cost(self) -> StageCost:
         """The simulator's view of this stage (reports re-simulate the plan's timeline from it)."""
@@ -95,34 +101,228 @@ class Estimate(Record):
         return max(m.total_bytes for m in self.memory_per_rank)
 
 
-def _stage_params(profile: ModelProfile, units: tuple[str, ...]) -> tuple[int, int]:
-    """(parameters held, largest unit's parameters) of a stage; tied parameters count in each stage using them."""
-    held = [profile.unit(n).params + _shared_numel(profile, n, units) for n in units]
-    return sum(held), max(held)
+# --- the tied-parameter rule --------------------------------------------------------------------------------------
+
+def tied_copies(profile: ModelProfile, unit: str, stage_units: Sequence[str]) -> list[int]:
+    """Sizes of the tied parameters `unit` uses whose owning unit is in another stage: its stage holds a copy (each
+    pipeline stage owns the modules it runs; the executor all-reduces tied gradients across the copies). Pass no
+    stage units for every tied parameter the unit uses (the memory-aware partitioner's bound, before stages exist).
+    Each tied tensor counts once however many of its aliases the unit uses."""
+    uses = set(profile.unit(unit).shared_params)
+    return [sp.numel for sp in profile.shared if uses & set(sp.aliases) and sp.units[0] not in stage_units]
 
 
-def _shared_numel(profile: ModelProfile, unit: str, stage_units) -> int:
-    """Elements of tied parameters `unit` uses whose owning unit is in another stage (this stage holds a copy)."""
-    extra = 0
-    for alias in profile.unit(unit).shared_params:
-        shared = next((sp for sp in profile.shared if alias in sp.aliases), None)
-        if shared is not None and shared.units[0] not in stage_units:
-            extra += shared.numel
-    return extra
+def _held_params(profile: ModelProfile, unit: str, stage_units: Sequence[str]) -> int:
+    return profile.unit(unit).params + sum(tied_copies(profile, unit, stage_units))
 
 
-def _boundary_bytes(profile: ModelProfile, stages, sid: int, unit_index: dict[str, int]) -> float:
-    """Bytes stage `sid` sends on per micro-batch: its last unit's output in a chain; in a DAG, every edge from a
-    unit at or before this stage to a unit after it (skip connections ride along through later stages)."""
-    last = unit_index[stages[sid][-1]]
-    if not profile.edges:
-        return float(profile.units[last].output_bytes)
-    return float(sum(e.bytes for e in profile.edges if e.src <= last < e.dst))
+def _unit_numels(profile: ModelProfile, unit: str, stage_units: Sequence[str]) -> list[int]:
+    """Sizes of the parameter tensors a unit holds in its stage (tied copies included); [] for old profiles."""
+    u = profile.unit(unit)
+    return list(u.param_numels) + tied_copies(profile, unit, stage_units) if u.param_numels else []
+
+
+# --- pass 1: stage costs ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What every pass reads: the strategy, the model, the cluster and the derived byte sizes."""
+    s: Strategy
+    profile: ModelProfile
+    cluster: ClusterProfile
+    param_bytes: int
+    grad_bytes: int
+    act_scale: float          # profile's saved bytes -> this micro-batch size and compute dtype
+    overheads: ComputeProbe
+    unit_index: dict[str, int]  # unit name -> position in the model's chain
+
+    @staticmethod
+    def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> "_Context":
+        p_b, g_b, _ = BYTES_PER_PARAM[(s.precision, s.optimizer)]
+        return _Context(s=s, profile=profile, cluster=cluster, param_bytes=p_b, grad_bytes=g_b,
+                        act_scale=activation_scale(profile, micro_batch_size=s.micro_batch_size, precision=s.precision),
+                        overheads=cluster.compute or _NO_OVERHEADS,
+                        unit_index={u.name: i for i, u in enumerate(profile.units)})
+
+
+def compute_dtype(precision: str) -> str:
+    """The dtype activations are computed and kept in: fp32, or bf16 under mixed precision."""
+    return "fp32" if precision == "fp32" else "bf16"
+
+
+def activation_scale(profile: ModelProfile, *, micro_batch_size: int, precision: str) -> float:
+    """Factor from the profile's saved-activation bytes to a micro-batch of `micro_batch_size` in the compute dtype
+    (activations scale linearly with the batch and with the element size)."""
+    return ((micro_batch_size / profile.micro_batch_size)
+            * DTYPE_BYTES[compute_dtype(precision)] / DTYPE_BYTES[profile.dtype])
 
 
 def _crosses_nodes(rank_a: int, rank_b: int, cluster: ClusterProfile) -> bool:
     return rank_a // cluster.devices_per_node != rank_b // cluster.devices_per_node
 
+
+def _boundary_bytes(profile: ModelProfile, last: int) -> float:
+    """Bytes a stage ending at unit `last` sends on per micro-batch: that unit's output in a chain; in a DAG, every
+    edge from a unit at or before it to a unit after it (skip connections ride along through later stages)."""
+    if not profile.edges:
+        return float(profile.units[last].output_bytes)
+    return float(sum(e.bytes for e in profile.edges if e.src <= last < e.dst))
+
+
+def _stage_input_bytes(c: _Context, first: int) -> float:
+    profile = c.profile
+    if first == 0:
+        tokens = profile.input.kind == "tokens"
+        input_bytes = math.prod(profile.input.shape) * (8 if tokens else DTYPE_BYTES[profile.dtype])
+        return input_bytes * c.s.micro_batch_size / profile.micro_batch_size
+    return profile.units[first - 1].output_bytes * c.act_scale
+
+
+def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEstimate:
+    """One stage's per-micro-batch times, activation and p2p bytes; appends its units' (fwd, bwd) to unit_fb."""
+    s, profile, units = c.s, c.profile, c.s.stages[sid]
+    recompute = s.stage_recompute(sid)
+    index = c.unit_index
+    fwd = bwd = 0.0
+    for name in units:
+        f, b = unit_times(profile.unit(name), profile, c.cluster, micro_batch_size=s.micro_batch_size,
+                          precision=s.precision, ranks_running=s.world_size)
+        fwd, bwd = fwd + f, bwd + b
+        unit_fb.append((f, b + (f if recompute else 0.0)))
+    members = [profile.unit(n) for n in units]
+    stage_input = _stage_input_bytes(c, index[units[0]])
+    if recompute:
+        # Full recompute keeps each unit's input per micro-batch and one unit's working set at a time
+        # (Korthikanti et al. 2022, section 4: 2sbh per layer in 16-bit instead of sbh(34 + 5as/h)).
+        act = stage_input + sum(profile.units[index[n] - 1].output_bytes * c.act_scale for n in units[1:])
+        bwd += fwd
+    else:
+        act = sum(u.saved_bytes for u in members) * c.act_scale
+    boundary = _boundary_bytes(profile, index[units[-1]]) * c.act_scale
+    held = [_held_params(profile, n, units) for n in units]
+    send_f, send_b = _p2p_times(c, sid, boundary, stage_input)
+    if s.n_stages > 1:
+        # torch's schedule runtime costs a fixed amount per action (probed); a split backward runs as I and W
+        per_action = c.overheads.pipeline_action_s
+        fwd, bwd = fwd + per_action, bwd + per_action * (2 if s.spec.split_backward else 1)
+    return StageEstimate(stage=sid, units=units, params=sum(held), fwd_s=fwd, bwd_s=bwd, activation_bytes=act,
+                         boundary_bytes=boundary, peak_in_flight=0, send_fwd_s=send_f, send_bwd_s=send_b,
+                         pp_rank=s.stage_rank(sid), largest_unit_params=max(held),
+                         working_set_bytes=max(u.saved_bytes for u in members) * c.act_scale if recompute else 0.0)
+
+
+def _p2p_times(c: _Context, sid: int, boundary: float, stage_input: float) -> tuple[float, float]:
+    """p2p time of the stage's output to the next stage and of its input gradient to the previous one.
+    A neighbour on the same rank (the turn of a V) is handed the tensor in memory: no p2p (torch's stage skips the
+    send there)."""
+    s, cluster = c.s, c.cluster
+    here = s.stage_rank(sid)
+    send_f = send_b = 0.0
+    if sid < s.n_stages - 1 and s.stage_rank(sid + 1) != here:
+        send_f = p2p_time(cluster, boundary, crosses_nodes=_crosses_nodes(here * s.dp, s.stage_rank(sid + 1) * s.dp,
+                                                                          cluster))
+    if sid > 0 and s.stage_rank(sid - 1) != here:
+        send_b = p2p_time(cluster, stage_input, crosses_nodes=_crosses_nodes(here * s.dp, s.stage_rank(sid - 1) * s.dp,
+                                                                             cluster))
+    return send_f, send_b
+
+
+def _stage_pass(c: _Context) -> tuple[tuple[StageEstimate, ...], list[tuple[float, float]]]:
+    unit_fb: list[tuple[float, float]] = []   # per unit (forward, backward incl. recompute) of one micro-batch
+    return tuple(_stage(c, sid, unit_fb) for sid in range(c.s.n_stages)), unit_fb
+
+
+# --- pass 2: the pipeline -----------------------------------------------------------------------------------------
+
+def _pipeline_pass(s: Strategy, stages: tuple[StageEstimate, ...], *, compact: bool) -> tuple[Simulation, Simulation]:
+    """The schedule simulated with p2p, and (unless compact) again with free p2p to split bubble from p2p time."""
+    costs = tuple(st.cost() for st in stages)
+    sim = simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, costs)
+    if compact:
+        return sim, sim
+    free = tuple(StageCost(fwd_s=x.fwd_s, bwd_s=x.bwd_s, activation_bytes=x.activation_bytes) for x in costs)
+    return sim, simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, free)
+
+
+def _rank_stages(s: Strategy, stages: tuple[StageEstimate, ...], r: int) -> list[StageEstimate]:
+    return [stages[sid] for sid in s.rank_stages(r)]
+
+
+# --- pass 3: data-parallel exposure -------------------------------------------------------------------------------
+
+def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple[float, float]]
+             ) -> tuple[list[float], dict[str, float]]:
+    """Each pipeline rank's exposed data-parallel time per step, and pipeline rank 0's bytes per collective op."""
+    s, cluster = c.s, c.cluster
+    dp_rpn = math.gcd(s.dp, cluster.devices_per_node) if s.dp > cluster.devices_per_node else None
+
+    def coll(op: str, size: float) -> float:   # a CollFn
+        return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn)
+
+    dp_bytes: dict[str, float] = {}
+    rank_dp: list[float] = []
+    for r in range(s.pp):
+        mine = _rank_stages(s, stages, r)
+        units = [(_held_params(c.profile, n, st.units), c.profile.unit(n).param_tensors) for st in mine for n in st.units]
+        exposed = 0.0
+        for op, count, size in _dp_collectives(s, units, c.param_bytes, c.grad_bytes):
+            exposed += count * coll(op, size)
+            if r == 0:
+                dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
+        if s.dp > 1 and s.zero >= 2:
+            # FSDP2's per-unit work beyond compute and collective latency (probed), every micro-batch: one unit per
+            # pipeline unit without a pipeline, one per stage with one
+            fsdp_units = len(units) if s.pp == 1 else len(mine)
+            exposed += s.microbatches * fsdp_units * c.overheads.fsdp_unit_s
+        if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1:
+            exposed = _overlapped_dp_time(s, c.profile, unit_fb, coll, c.param_bytes, c.grad_bytes)
+        rank_dp.append(exposed)
+    return rank_dp, dp_bytes
+
+
+# --- pass 4: the optimizer ----------------------------------------------------------------------------------------
+
+def _optimizer_pass(c: _Context, stages: tuple[StageEstimate, ...]) -> float:
+    """The busiest pipeline rank's optimizer step: its parameters' update plus a per-tensor overhead (probed)."""
+    s = c.s
+    per_rank = [_rank_stages(s, stages, r) for r in range(s.pp)]
+    opt_params = max(sum(st.params for st in mine) for mine in per_rank)
+    opt_params_rank = opt_params / (s.dp if s.zero >= 1 else 1)
+    opt_tensors = max(sum(max(1, c.profile.unit(n).param_tensors) for st in mine for n in st.units)
+                      for mine in per_rank)
+    # FSDP2 keeps a shard of every tensor on every rank; ZeroRedundancyOptimizer gives each rank whole tensors
+    opt_tensors_rank = opt_tensors / (s.dp if s.zero == 1 else 1)
+    return (optimizer_step_time(opt_params_rank, precision=s.precision, optimizer=s.optimizer, cluster=c.cluster)
+            + opt_tensors_rank * c.overheads.optimizer_tensor_s)
+
+
+# --- pass 5: throughput and traffic -------------------------------------------------------------------------------
+
+def _throughput(c: _Context, total: float) -> tuple[int, str, float | None]:
+    """(tokens or samples per step, which of the two, MFU)."""
+    s, profile, cluster = c.s, c.profile, c.cluster
+    per_sequence = profile.input.kind in ("tokens", "features")   # "custom": no sequence axis, count samples
+    tokens = s.global_batch_size * (profile.seq_len if per_sequence else 1)
+    model_flops = sum(u.fwd_flops + u.bwd_flops for u in profile.units) / profile.micro_batch_size * s.global_batch_size
+    peak = cluster.device.peak_flops.get(compute_dtype(s.precision))
+    # MFU: model FLOPs (no recompute) / (step time x devices x dense peak) (Chowdhery et al. 2022, PaLM, appendix B)
+    mfu = model_flops / (total * s.world_size * peak) if peak and total > 0 and cluster.device.kind == "gpu" else None
+    return tokens, "tokens" if per_sequence else "samples", mfu
+
+
+def _comm_volume(c: _Context, stages: tuple[StageEstimate, ...], dp_bytes: dict[str, float]) -> CommVolume:
+    s, cluster = c.s, c.cluster
+    # boundaries between ranks: the same-rank turn of a V moves nothing
+    between = [i for i in range(s.n_stages - 1) if s.stage_rank(i) != s.stage_rank(i + 1)]
+    p2p_bytes = sum(2 * stages[i].boundary_bytes for i in between) * s.microbatches
+    crossing = sum(_crosses_nodes(s.stage_rank(i) * s.dp, s.stage_rank(i + 1) * s.dp, cluster) for i in between)
+    p2p_link = f"{crossing} of {len(between)} stage boundaries inter-node" if s.n_stages > 1 else "none"
+    dp_link = "inter-node" if s.dp > cluster.devices_per_node else "intra-node"
+    return CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()), dp_collectives=dp_bytes,
+                      p2p_link=p2p_link, dp_link=dp_link)
+
+
+# --- the estimate -------------------------------------------------------------------------------------------------
 
 def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *, compact: bool = False,
              per_rank: bool | None = None) -> Estimate:
@@ -136,125 +336,29 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     per_rank = not compact if per_rank is None else per_rank
     s = strategy
     s.validate(tuple(u.name for u in profile.units))
-    p_b, g_b, _ = BYTES_PER_PARAM[(s.precision, s.optimizer)]
-    compute_dtype = "fp32" if s.precision == "fp32" else "bf16"
-    act_scale = (s.micro_batch_size / profile.micro_batch_size) * DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[profile.dtype]
-    world = s.world_size
-
-    unit_index = {u.name: i for i, u in enumerate(profile.units)}
-    input_bytes = math.prod(profile.input.shape) * (8 if profile.input.kind == "tokens" else DTYPE_BYTES[profile.dtype])
-    overheads = cluster.compute or _NO_OVERHEADS
-    stage_costs, stage_info = [], []
-    unit_fb: list[tuple[float, float]] = []   # per unit (forward, backward incl. recompute) of one micro-batch
-    for sid, units in enumerate(s.stages):
-        fwd = bwd = 0.0
-        for name in units:
-            f, b = unit_times(profile.unit(name), profile, cluster, micro_batch_size=s.micro_batch_size,
-                              precision=s.precision, ranks_running=world)
-            fwd, bwd = fwd + f, bwd + b
-            unit_fb.append((f, b + (f if s.stage_recompute(sid) else 0.0)))
-        members = [profile.unit(n) for n in units]
-        first = unit_index[units[0]]
-        stage_input = input_bytes * s.micro_batch_size / profile.micro_batch_size if first == 0 else \
-            profile.units[first - 1].output_bytes * act_scale
-        if s.stage_recompute(sid):
-            # Full recompute keeps each unit's input per micro-batch and one unit's working set at a time
-            # (Korthikanti et al. 2022, section 4: 2sbh per layer in 16-bit instead of sbh(34 + 5as/h)).
-            inputs = stage_input + sum(profile.units[unit_index[n] - 1].output_bytes * act_scale for n in units[1:])
-            act = inputs
-            bwd += fwd
-        else:
-            act = sum(u.saved_bytes for u in members) * act_scale
-        boundary = _boundary_bytes(profile, s.stages, sid, unit_index) * act_scale
-        params, largest = _stage_params(profile, units)
-        rank = stage_to_rank(sid, s.pp) * s.dp
-        nxt = stage_to_rank(sid + 1, s.pp) * s.dp
-        prv = stage_to_rank(sid - 1, s.pp) * s.dp
-        send_f = p2p_time(cluster, boundary, crosses_nodes=_crosses_nodes(rank, nxt, cluster)) if sid < s.n_stages - 1 else 0.0
-        send_b = p2p_time(cluster, stage_input, crosses_nodes=_crosses_nodes(rank, prv, cluster)) if sid > 0 else 0.0
-        if s.n_stages > 1:
-            # torch's schedule runtime costs a fixed amount per action (probed); zero-bubble splits B into I and W
-            per_action = overheads.pipeline_action_s
-            fwd, bwd = fwd + per_action, bwd + per_action * (2 if s.schedule == "zb-interleaved" else 1)
-        stage_costs.append(StageCost(fwd_s=fwd, bwd_s=bwd, send_fwd_s=send_f, send_bwd_s=send_b, activation_bytes=act))
-        working_set = max(u.saved_bytes for u in members) * act_scale if s.stage_recompute(sid) else 0.0
-        stage_info.append((units, params, largest, fwd, bwd, act, boundary, working_set, stage_input))
-
-    schedule = s.schedule if s.pp > 1 or s.v > 1 else "1f1b"   # one stage: plain gradient accumulation
-    sim = simulate_schedule(schedule, s.pp, s.microbatches, s.v, tuple(stage_costs))
-    free = sim if compact else simulate_schedule(
-        schedule, s.pp, s.microbatches, s.v,
-        tuple(StageCost(fwd_s=c.fwd_s, bwd_s=c.bwd_s, activation_bytes=c.activation_bytes) for c in stage_costs))
-
-    # Data-parallel collectives per pipeline rank (all its stages), and what is exposed.
-    dp_rpn = math.gcd(s.dp, cluster.devices_per_node) if s.dp > cluster.devices_per_node else None
-
-    def coll(op: str, size: float) -> float:
-        return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn)
-
-    dp_bytes: dict[str, float] = {}
-    rank_end: list[float] = []
-    rank_dp: list[float] = []
-    for r in range(s.pp):
-        exposed = 0.0
-        units = [(profile.unit(n).params + _shared_numel(profile, n, stage_info[sid][0]), profile.unit(n).param_tensors)
-                 for sid in range(r, s.n_stages, s.pp) for n in stage_info[sid][0]]
-        for op, count, size in _dp_collectives(s, units, p_b, g_b):
-            exposed += count * coll(op, size)
-            if r == 0:
-                dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
-        if s.dp > 1 and s.zero >= 2:
-            # FSDP2's per-unit work beyond compute and collective latency (probed), every micro-batch: one unit per
-            # pipeline unit without a pipeline, one per stage with one
-            fsdp_units = len(units) if s.pp == 1 else len(range(r, s.n_stages, s.pp))
-            exposed += s.microbatches * fsdp_units * overheads.fsdp_unit_s
-        if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1:
-            exposed = _overlapped_dp_time(s, profile, unit_fb, coll, p_b, g_b)
-        rank_dp.append(exposed)
-        rank_end.append(sim.finish_s.get(r, 0.0) + exposed)
-
-    opt_params = max(sum(stage_info[sid][1] for sid in range(r, s.n_stages, s.pp)) for r in range(s.pp))
-    opt_params_rank = opt_params / (s.dp if s.zero >= 1 else 1)
-    opt_tensors = max(sum(max(1, profile.unit(n).param_tensors) for sid in range(r, s.n_stages, s.pp)
-                          for n in stage_info[sid][0]) for r in range(s.pp))
-    # FSDP2 keeps a shard of every tensor on every rank; ZeroRedundancyOptimizer gives each rank whole tensors
-    opt_tensors_rank = opt_tensors / (s.dp if s.zero == 1 else 1)
-    optimizer_s = (optimizer_step_time(opt_params_rank, precision=s.precision, optimizer=s.optimizer, cluster=cluster)
-                   + opt_tensors_rank * overheads.optimizer_tensor_s)
+    c = _Context.of(s, profile, cluster)
+    stages, unit_fb = _stage_pass(c)
+    sim, free = _pipeline_pass(s, stages, compact=compact)
+    rank_dp, dp_bytes = _dp_pass(c, stages, unit_fb)
+    rank_end = [sim.finish_s.get(r, 0.0) + rank_dp[r] for r in range(s.pp)]
+    optimizer_s = _optimizer_pass(c, stages)
     total = max(rank_end) + optimizer_s
     critical = max(range(s.pp), key=lambda r: rank_end[r])
-
     breakdown = StepBreakdown(
         compute_s=sim.busy_s[critical], bubble_s=max(0.0, free.makespan_s - free.busy_s[critical]),
         p2p_s=max(0.0, sim.makespan_s - free.makespan_s), dp_comm_s=rank_dp[critical], optimizer_s=optimizer_s,
         total_s=total)
-
-    memory = _memory(s, profile, cluster, stage_info, sim, p_b, g_b, per_rank=per_rank)
-    per_sequence = profile.input.kind in ("tokens", "features")   # "custom": no sequence axis, count samples
-    tokens = s.global_batch_size * (profile.seq_len if per_sequence else 1)
-    model_flops = sum(u.fwd_flops + u.bwd_flops for u in profile.units) / profile.micro_batch_size * s.global_batch_size
-    peak = cluster.device.peak_flops.get(compute_dtype)
-    # MFU: model FLOPs (no recompute) / (step time x devices x dense peak) (Chowdhery et al. 2022, PaLM, appendix B)
-    mfu = model_flops / (total * world * peak) if peak and total > 0 and cluster.device.kind == "gpu" else None
-    p2p_bytes = sum(2 * info[6] for info in stage_info[:-1]) * s.microbatches
-    crossing = sum(_crosses_nodes(stage_to_rank(i, s.pp) * s.dp, stage_to_rank(i + 1, s.pp) * s.dp, cluster)
-                   for i in range(s.n_stages - 1))
-    p2p_link = f"{crossing} of {s.n_stages - 1} stage boundaries inter-node" if s.n_stages > 1 else "none"
-    dp_link = "inter-node" if s.dp > cluster.devices_per_node else "intra-node"
+    stages = tuple(dataclasses.replace(st, peak_in_flight=sim.peak_in_flight.get(st.stage, 0)) for st in stages)
+    memory = _memory(c, stages, sim, per_rank=per_rank)
+    tokens, unit, mfu = _throughput(c, total)
     return Estimate(
         step_time_s=total, breakdown=breakdown, bubble_ratio=free.bubble_ratio, bubble_share=free.bubble_share,
-        tokens_per_step=tokens, tokens_per_s=tokens / total if total > 0 else 0.0,
-        throughput_unit="tokens" if per_sequence else "samples", mfu=mfu,
-        stages=tuple(StageEstimate(stage=i, units=info[0], params=info[1], fwd_s=info[3], bwd_s=info[4],
-                                   activation_bytes=info[5], boundary_bytes=info[6],
-                                   peak_in_flight=sim.peak_in_flight.get(i, 0), send_fwd_s=stage_costs[i].send_fwd_s,
-                                   send_bwd_s=stage_costs[i].send_bwd_s) for i, info in enumerate(stage_info)),
-        memory_per_rank=memory, capacity_bytes=cluster.device.memory_bytes,
+        tokens_per_step=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, throughput_unit=unit, mfu=mfu,
+        stages=stages, memory_per_rank=memory, capacity_bytes=cluster.device.memory_bytes,
         fits=max(m.total_bytes for m in memory) <= cluster.device.memory_bytes,
-        comm=CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()),
-                        dp_collectives=dp_bytes, p2p_link=p2p_link, dp_link=dp_link),
+        comm=_comm_volume(c, stages, dp_bytes),
         compute_source="measured" if uses_measured_times(profile, cluster) else "flops",
-        pipeline_order=format_order(cached_order(schedule, s.pp, s.microbatches, s.v)) if per_rank else {})
+        pipeline_order=format_order(s.action_order()) if per_rank else {})
 
 
 DDP_BUCKET_BYTES = 25 * 2**20   # DistributedDataParallel's default bucket_cap_mb
@@ -269,16 +373,15 @@ def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int, g_b: in
     m, pipelined = s.microbatches, s.pp > 1
     total = sum(n for n, _ in units)
     tensors = [(n / max(1, t), max(1, t)) for n, t in units]   # (elements per tensor, tensors) per unit
-    per_tensor = [(size, count) for size, count in tensors]
     out: list[tuple[str, int, float]] = []
     if s.zero <= 1:
         if pipelined:   # all_reduce_grads: one all-reduce per parameter tensor
-            out += [("all_reduce", count, size * g_b) for size, count in per_tensor]
+            out += [("all_reduce", count, size * g_b) for size, count in tensors]
         else:           # DDP: one all-reduce per gradient bucket
             buckets = max(1, math.ceil(total * g_b / DDP_BUCKET_BYTES))
             out.append(("all_reduce", buckets, total * g_b / buckets))
         if s.zero == 1:  # ZeroRedundancyOptimizer broadcasts every updated parameter tensor from its owner
-            out += [("all_gather", count, size * p_b) for size, count in per_tensor]
+            out += [("all_gather", count, size * p_b) for size, count in tensors]
         return out
     gathers = 2 * m if s.zero == 3 else (1 if pipelined else m)
     reduces = 1 if pipelined else m
@@ -289,7 +392,7 @@ def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int, g_b: in
             + [("reduce_scatter", reduces, n * g_b) for n, _ in units])
 
 
-def _overlapped_dp_time(s: Strategy, profile: ModelProfile, unit_fb: list[tuple[float, float]], coll,
+def _overlapped_dp_time(s: Strategy, profile: ModelProfile, unit_fb: list[tuple[float, float]], coll: CollFn,
                         p_b: int, g_b: int) -> float:
     """Exposed data-parallel time without a pipeline on GPUs, where NCCL runs beside compute.
 
@@ -314,38 +417,40 @@ def _overlapped_dp_time(s: Strategy, profile: ModelProfile, unit_fb: list[tuple[
     return m * (fwd + bwd)
 
 
-def _memory(s: Strategy, profile: ModelProfile, cluster: ClusterProfile, stage_info, sim, p_b: int,
-            g_b: int, *, per_rank: bool = True) -> tuple[MemoryBreakdown, ...]:
-    per_pp_rank = []
-    for r in range(s.pp):
-        sids = tuple(range(r, s.n_stages, s.pp))
-        params = sum(stage_info[i][1] for i in sids)
-        largest = max(stage_info[i][2] for i in sids)
-        p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer)
-        buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
-                                    param_bytes=p_b, grad_bytes=g_b)
-        activations = sim.peak_activation_bytes.get(r, 0.0) + max(stage_info[i][7] for i in sids)
-        shares = None
-        numels = [n for i in sids for u in stage_info[i][0] for n in _unit_numels(profile, u, stage_info[i][0])]
-        if s.zero == 1 and s.dp > 1 and numels:
-            k_b = BYTES_PER_PARAM[(s.precision, s.optimizer)][2]
-            shares = [k_b * n for n in zero1_partition(numels, s.dp)]
-        per_pp_rank.append((sids, p, g, o, activations, buffers, shares))
-    overhead = OVERHEAD_BYTES[cluster.device.kind]
+def _memory(c: _Context, stages: tuple[StageEstimate, ...], sim: Simulation, *,
+            per_rank: bool = True) -> tuple[MemoryBreakdown, ...]:
+    """Per-rank memory: model states by ZeRO stage over the rank's stages, the simulated activation peak, buffers."""
+    s = c.s
+    per_pp_rank = [_pp_rank_memory(c, _rank_stages(s, stages, r), sim.peak_activation_bytes.get(r, 0.0))
+                   for r in range(s.pp)]
     out = []
     for rank in (range(s.world_size) if per_rank else range(0, s.world_size, s.dp)):
-        sids, p, g, o, a, b, shares = per_pp_rank[rank // s.dp]
+        base, shares = per_pp_rank[rank // s.dp]
+        o = base.optimizer_states
         if shares is not None:   # ZeroRedundancyOptimizer's uneven split (the compact form keeps the largest);
             d = rank % s.dp      # dp ranks past the tensor count own no tensor (zero1_partition)
             o = (shares[d] if d < len(shares) else 0) if per_rank else max(shares)
-        out.append(MemoryBreakdown(rank=rank, stages=sids, parameters=int(p), gradients=int(g), optimizer_states=int(o),
-                                   activations=int(a), buffers=int(b), overhead=overhead))
+        out.append(dataclasses.replace(base, rank=rank, optimizer_states=int(o)))
     return tuple(out)
 
 
-def _unit_numels(profile: ModelProfile, unit: str, stage_units) -> list[int]:
-    """Sizes of the parameter tensors a unit holds in its stage (tied copies included); [] for old profiles."""
-    u = profile.unit(unit)
-    extra = [sp.numel for alias in u.shared_params for sp in profile.shared
-             if alias in sp.aliases and sp.units[0] not in stage_units]
-    return list(u.param_numels) + extra if u.param_numels else []
+def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
+                    peak_activations: float) -> tuple[MemoryBreakdown, list[float] | None]:
+    """A pipeline rank's memory (optimizer states split evenly over dp), and with ZeRO-1 each dp rank's share of the
+    optimizer states as ZeroRedundancyOptimizer splits whole tensors (None otherwise)."""
+    s = c.s
+    params = sum(st.params for st in mine)
+    largest = max(st.largest_unit_params for st in mine)
+    p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer)
+    buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
+                                param_bytes=c.param_bytes, grad_bytes=c.grad_bytes)
+    activations = peak_activations + max(st.working_set_bytes for st in mine)
+    shares = None
+    numels = [n for st in mine for u in st.units for n in _unit_numels(c.profile, u, st.units)]
+    if s.zero == 1 and s.dp > 1 and numels:
+        k_b = BYTES_PER_PARAM[(s.precision, s.optimizer)][2]
+        shares = [k_b * n for n in zero1_partition(numels, s.dp)]
+    base = MemoryBreakdown(rank=0, stages=tuple(st.stage for st in mine), parameters=int(p), gradients=int(g),
+                           optimizer_states=int(o), activations=int(activations), buffers=int(buffers),
+                           overhead=OVERHEAD_BYTES[c.cluster.device.kind])
+    return base, shares
