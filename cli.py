@@ -5,13 +5,15 @@ PlannerError subclasses: one line, no traceback, exit code 2 (bad input) or 3 (n
 """
 from __future__ import annotations
 
-import functools
+import os
 import shlex
 import sys
+import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperGroup
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
@@ -19,9 +21,51 @@ from rich.table import Table
 
 from cost_models.errors import PlannerError
 from cost_models.fileio import dumps
+from cost_models.schedule import DEFAULT_SCHEDULE, SCHEDULES
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+class _ErrorBoundary(TyperGroup):
+    """The one error boundary of every command (main() and tests' CliRunner both go through it): a PlannerError is
+    one line on stderr and its exit code; Ctrl-C and SIGTERM are "interrupted", exit 130. ZEROPIPE_DEBUG=1 prints
+    the traceback before the line."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except PlannerError as exc:
+            _debug_traceback()
+            print(f"error: {exc}", file=sys.stderr)
+            raise typer.Exit(exc.exit_code) from None
+        except BaseException as exc:
+            if not _interrupted(exc):
+                raise
+            _debug_traceback()
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
+
+
+def _debug_traceback() -> None:
+    if os.environ.get("ZEROPIPE_DEBUG") == "1":
+        traceback.print_exc()
+
+
+app = typer.Typer(cls=_ErrorBoundary, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,
                   help="zeropipe: profile a model and a cluster, plan ZeRO / pipeline / hybrid training, run it.")
+# Options and arguments several commands share, declared once (typer's Annotated form; each command sets the default).
+Force = Annotated[bool, typer.Option("--force", "-f", help="overwrite the output file(s) if they exist")]
+AsJson = Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")]
+Output = Annotated[Path, typer.Option("--output", "-o", help="where to write the file ('-' for none)")]
+Nodes = Annotated[Optional[int], typer.Option("--nodes", help="scale the cluster (a preset or cluster file) to N nodes")]
+ClusterOverride = Annotated[Optional[str], typer.Option(
+    "--cluster", help="plan for a preset (see `planner presets`) or a cluster file instead of the profile's cluster")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16-mixed | fp32")]
+OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw | adam | sgd")]
+TopK = Annotated[int, typer.Option("--top-k", help="alternatives to keep, with why each lost")]
+TimeLimit = Annotated[float, typer.Option("--time-limit", help="seconds for the MILP partition check")]
+WithReport = Annotated[bool, typer.Option("--report/--no-report", help="write report.html and report.md beside the plan")]
+ProfileArg = Annotated[Path, typer.Argument(metavar="PROFILE", help="profile.json from `planner profile`")]
+PlanArg = Annotated[Path, typer.Argument(metavar="PLAN", help="plan.json from `planner plan`")]
+
 # A pipe gets a wide fixed width so tables are not truncated to 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
@@ -38,23 +82,6 @@ def _interrupted(exc: BaseException) -> bool:
         return True
     elastic = sys.modules.get("torch.distributed.elastic.multiprocessing.api")
     return elastic is not None and isinstance(exc, elastic.SignalException)
-
-
-def handles_errors(fn: Callable) -> Callable:
-    """Turn PlannerError into one line on stderr and its exit code; Ctrl-C and SIGTERM into exit 130."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except PlannerError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            raise typer.Exit(exc.exit_code) from None
-        except BaseException as exc:
-            if not _interrupted(exc):
-                raise
-            print("interrupted", file=sys.stderr)
-            raise typer.Exit(130) from None
-    return wrapper
 
 
 def _confirm_overwrite(path: Path, force: bool) -> bool:
@@ -81,13 +108,13 @@ def _prepare_output(output: Path, force: bool, *, also: tuple[Path, ...] = ()) -
     return write_to, overwrite
 
 
-def _emit(data: dict, write_to: Path | None, overwrite: bool, as_json: bool) -> bool:
-    """Write the file atomically; with --json print it. True when JSON was printed (the caller stops there)."""
-    from cost_models.fileio import write_atomic
+def _emit(record, write_to: Path | None, overwrite: bool, as_json: bool) -> bool:
+    """Save the file (a FileRecord) atomically; with --json print it. True when JSON was printed (the caller stops
+    there)."""
     if write_to:
-        write_atomic(write_to, dumps(data), overwrite=overwrite)
+        record.save(write_to, overwrite=overwrite)
     if as_json:
-        print(dumps(data), end="")
+        print(record.dumps(), end="")
     return as_json
 
 
@@ -103,11 +130,6 @@ def _progress(*, counts: bool = True) -> Progress:
 LONG_PROFILE_S = 30.0   # real-mode profiles whose timed runs will take longer than this say so when they start
 
 
-def _about(seconds: float) -> str:
-    return (f"about {seconds:.0f} s" if seconds < 90 else f"about {seconds / 60:.0f} min" if seconds < 5400
-            else f"about {seconds / 3600:.1f} h")
-
-
 def _table(columns: list[str], rows: list[list[str]], title: str | None = None) -> Table:
     table = Table(title=title, title_justify="left")
     for i, c in enumerate(columns):
@@ -118,7 +140,6 @@ def _table(columns: list[str], rows: list[list[str]], title: str | None = None) 
 
 
 @app.command()
-@handles_errors
 def profile(
     model: str = typer.Option(..., "--model", "-m", help="zoo name (see `planner models`), package.module:factory, or hf:TYPE[?k=v&...]"),
     micro_batch_size: int = typer.Option(..., "--micro-batch-size", "-b", help="sequences per micro-batch"),
@@ -128,20 +149,21 @@ def profile(
     units: Optional[str] = typer.Option(None, "--units", help="pipeline units as module names: 'a+b,c,d' ('+' joins modules of one unit)"),
     input_fn: Optional[str] = typer.Option(None, "--input", help="package.module:function(batch_size, seq_len) -> input, for module:factory models"),
     cluster: str = typer.Option("local", "--cluster", help="local (probe this machine) | a preset (see `planner presets`) | a cluster file | none"),
-    nodes: Optional[int] = typer.Option(None, "--nodes", help="scale a preset or cluster file to N nodes"),
+    nodes: Nodes = None,
     ranks: Optional[int] = typer.Option(None, "--ranks", help="local probe: ranks to start (default: GPUs, or 4 CPU ranks)"),
     probe_sizes: Optional[str] = typer.Option(None, "--probe-sizes", help="local probe: message sizes, e.g. 4K..64M or 64K,1M,16M"),
     threads: int = typer.Option(1, "--threads", help="torch threads while timing units (real mode); 1 = as each CPU rank runs"),
     repeats: int = typer.Option(5, "--repeats", help="timed repeats per unit (real mode) and per probe size"),
     warmup: int = typer.Option(2, "--warmup", help="untimed warm-up runs per unit (real mode)"),
-    output: Path = typer.Option(Path("profile.json"), "--output", "-o", help="where to write the profile ('-' for none)"),
-    force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
-    as_json: bool = typer.Option(False, "--json", help="print the profile as JSON on stdout"),
+    output: Output = Path("profile.json"),
+    force: Force = False,
+    as_json: AsJson = False,
 ) -> None:
     """Measure a model unit by unit (parameters, FLOPs, activation bytes, times) and write profile.json."""
     from cost_models.model_profiler import profile_model
     from cost_models.models.source import resolve
     from cost_models.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
+    from cost_models.formatting import about, size
     from cost_models.profile import ProfileFile
     from cost_models.summaries import UNIT_COLUMNS, unit_rows
 
@@ -157,7 +179,7 @@ def profile(
             bar.update(task, completed=done, total=total, description=f"profiling {source.name}: {name}")
         def on_estimate(seconds: float) -> None:
             if seconds >= LONG_PROFILE_S:
-                err.print(f"profiling {source.name} in real mode: timing the units takes {_about(seconds)} more (from "
+                err.print(f"profiling {source.name} in real mode: timing the units takes {about(seconds)} more (from "
                           f"one forward and backward of each, just run); --meta counts without timing in seconds",
                           highlight=False)
         prof = profile_model(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
@@ -165,12 +187,12 @@ def profile(
                              on_progress=on_progress, on_estimate=on_estimate)
     if cluster == "local":
         cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats)
-    if _emit(ProfileFile(model=prof, cluster=cluster_prof).to_dict(), write_to, overwrite, as_json):
+    if _emit(ProfileFile(model=prof, cluster=cluster_prof), write_to, overwrite, as_json):
         return
     out.print(_table(UNIT_COLUMNS, unit_rows(prof),
                      title=f"{prof.name} ({prof.mode}, {prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len})"))
     tied = "; ".join(f"{s.name} = {', '.join(s.aliases)}" for s in prof.shared)
-    out.print(f"parameters: {prof.total_params:,} ({prof.total_param_bytes / 2**30:.2f} GiB at {prof.dtype})"
+    out.print(f"parameters: {prof.total_params:,} ({size(prof.total_param_bytes)} at {prof.dtype})"
               + (f"; tied: {tied}" if tied else ""), highlight=False)
     if prof.unassigned_params:
         out.print(f"note: {prof.unassigned_params:,} parameters belong to no unit (counted in the total)", highlight=False)
@@ -196,17 +218,16 @@ def _print_cluster(cluster) -> None:
 
 
 @app.command("profile-cluster")
-@handles_errors
 def profile_cluster(
     cluster: str = typer.Option("local", "--cluster", help="local (probe this machine) | a preset | a cluster file"),
-    nodes: Optional[int] = typer.Option(None, "--nodes", help="scale a preset or cluster file to N nodes"),
+    nodes: Nodes = None,
     ranks: Optional[int] = typer.Option(None, "--ranks", help="local probe: ranks to start (default: GPUs, or 4 CPU ranks)"),
     probe_sizes: Optional[str] = typer.Option(None, "--probe-sizes", help="message sizes, e.g. 4K..64M or 64K,1M,16M"),
     repeats: int = typer.Option(5, "--repeats", help="timed repeats per probe size"),
     dtype: str = typer.Option("bf16", "--dtype", help="dtype of the compute probe"),
-    output: Path = typer.Option(Path("cluster.json"), "--output", "-o", help="where to write the cluster file ('-' for none)"),
-    force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
-    as_json: bool = typer.Option(False, "--json", help="print the cluster file as JSON on stdout"),
+    output: Output = Path("cluster.json"),
+    force: Force = False,
+    as_json: AsJson = False,
 ) -> None:
     """Describe a cluster (probe this machine, or expand a preset / file) and write cluster.json."""
     from cost_models.cluster import ClusterFile
@@ -221,7 +242,7 @@ def profile_cluster(
         prof = _probe(nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats)
     else:
         prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
-    if _emit(ClusterFile(cluster=prof).to_dict(), write_to, overwrite, as_json):
+    if _emit(ClusterFile(cluster=prof), write_to, overwrite, as_json):
         return
     _print_cluster(prof)
     if write_to:
@@ -229,22 +250,23 @@ def profile_cluster(
 
 
 @app.command()
-@handles_errors
-def presets(as_json: bool = typer.Option(False, "--json", help="print as JSON")) -> None:
+def presets(as_json: AsJson = False) -> None:
     """List the cluster presets (one node each; scale with --nodes)."""
+    from cost_models.formatting import fixed
     from cost_models.presets import PRESETS
     if as_json:
         print(dumps({k: v.to_dict() for k, v in PRESETS.items()}), end="")
         return
-    rows = [[p.name, f"{p.devices_per_node} x {p.device.name}", f"{p.device.peak_flops['bf16'] / 1e12:.0f}",
-             f"{p.intra_node.kind} {p.intra_node.bandwidth_Bps / 1e9:.0f}",
-             f"{p.inter_node.kind} {p.inter_node.bandwidth_Bps / 1e9:.2f}" if p.inter_node else "-"] for p in PRESETS.values()]
+    rows = [[p.name, f"{p.devices_per_node} x {p.device.name}",
+             fixed(p.device.peak_flops["bf16"], "TFLOP/s", 0, show_unit=False),
+             f"{p.intra_node.kind} {fixed(p.intra_node.bandwidth_Bps, 'GB/s', 0, show_unit=False)}",
+             f"{p.inter_node.kind} {fixed(p.inter_node.bandwidth_Bps, 'GB/s', show_unit=False)}" if p.inter_node
+             else "-"] for p in PRESETS.values()]
     out.print(_table(["preset", "node", "bf16 TFLOP/s", "intra GB/s (achievable)", "inter GB/s per GPU"], rows))
 
 
 @app.command()
-@handles_errors
-def models(as_json: bool = typer.Option(False, "--json", help="print as JSON")) -> None:
+def models(as_json: AsJson = False) -> None:
     """List the built-in model zoo."""
     from cost_models.models.zoo import ZOO
     rows = [[e.name, e.family, e.input_kind, str(e.max_seq_len or "-"), e.description] for e in ZOO.values()]
@@ -255,7 +277,6 @@ def models(as_json: bool = typer.Option(False, "--json", help="print as JSON")) 
 
 
 @app.command()
-@handles_errors
 def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="folder for the demo's files (its own, overwritten on rerun)")) -> None:
     """Run the main job on a built-in default model on this machine."""
     from cost_models.summaries import UNIT_COLUMNS, unit_rows
@@ -267,9 +288,8 @@ def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="
             bar.update(task, completed=done, total=total, description=f"demo: profiling {name}")
         result = run_demo(out_dir, command=_command_line(), on_progress=on_progress,
                           on_status=lambda line: bar.update(task, description=f"demo: {line}"))
-    prof_file = result.profile_path
-    from planner.manual import load_profile
-    pf = load_profile(prof_file)
+    from cost_models.profile import ProfileFile
+    pf = ProfileFile.load(result.profile_path)
     prof = pf.model
     out.print(_table(UNIT_COLUMNS, unit_rows(prof), title=f"{prof.name}: measured on this machine "
                      f"({prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len}, {prof.threads} thread(s))"))
@@ -278,88 +298,89 @@ def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="
     _print_run(result.run)
     out.print(f"wrote {result.profile_path}, {result.plan_path}, {result.run_path} and {result.report_path} "
               f"(+ .md)", highlight=False)
-    if result.not_yet_built:
-        out.print(f"not built yet: {', '.join(result.not_yet_built)}", highlight=False)
 
 
 @app.command()
-@handles_errors
 def estimate(
-    profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile.json from `planner profile`"),
+    profile_path: ProfileArg,
     dp: int = typer.Option(1, "--dp", help="data-parallel degree (the ZeRO group)"),
     pp: int = typer.Option(1, "--pp", help="pipeline degree"),
     zero: int = typer.Option(0, "--zero", help="ZeRO stage over dp: 0, 1, 2, 3"),
-    schedule: str = typer.Option("1f1b", "--schedule", help="gpipe | 1f1b | interleaved-1f1b | zb-interleaved"),
+    schedule: str = typer.Option(DEFAULT_SCHEDULE, "--schedule", help=" | ".join(SCHEDULES)),
     microbatches: int = typer.Option(1, "--microbatches", "-m", help="micro-batches per step"),
     micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", "-b", help="default: the profile's"),
-    v: int = typer.Option(1, "--v", help="stage chunks per rank (interleaved schedules)"),
+    v: int = typer.Option(1, "--v", help="stage chunks per rank (interleaved and V schedules)"),
     recompute: str = typer.Option("none", "--recompute", help="none | all | stage indices, e.g. 0,1"),
-    precision: str = typer.Option("bf16-mixed", "--precision", help="bf16-mixed | fp32"),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | adam | sgd"),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="override the profile's cluster: a preset or a cluster file"),
-    nodes: Optional[int] = typer.Option(None, "--nodes", help="scale the cluster to N nodes"),
-    as_json: bool = typer.Option(False, "--json", help="print the estimate as JSON on stdout"),
+    precision: PrecisionOpt = "bf16-mixed",
+    optimizer: OptimizerOpt = "adamw",
+    cluster: ClusterOverride = None,
+    nodes: Nodes = None,
+    as_json: AsJson = False,
 ) -> None:
     """Predict step time and per-rank memory of one strategy; exit 3 if it does not fit."""
-    from cost_models.errors import ConfigError, InfeasibleError
+    from cost_models.errors import InfeasibleError
     from cost_models.estimate import estimate as run_estimate
-    from cost_models.memory import BYTES_PER_PARAM
-    from planner.manual import build_strategy, load_profile_for
+    from cost_models.formatting import fixed
+    from cost_models.strategy import check_training
+    from planner.manual import StrategyRequest, build_strategy, load_profile_for
 
-    if (precision, optimizer) not in BYTES_PER_PARAM:
-        raise ConfigError("--precision must be bf16-mixed or fp32 and --optimizer adamw, adam or sgd")
+    check_training(precision, optimizer)   # before any file is read
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
-    strategy = build_strategy(pf.model, target, dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches,
-                              micro_batch_size=micro_batch_size, v=v, recompute=recompute, precision=precision,
-                              optimizer=optimizer)
+    strategy = build_strategy(pf.model, target, StrategyRequest(
+        dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
+        recompute=recompute, precision=precision, optimizer=optimizer))
     est = run_estimate(strategy, pf.model, target)
     if as_json:
         print(dumps({"strategy": strategy.to_dict(), **est.to_dict()}), end="")
     else:
         _print_estimate(strategy, est)
+        refused = strategy.unsafe_reason() or strategy.split_tie(sp.units for sp in pf.model.shared)
+        if refused:   # the estimate stands; the planner never offers it and `planner run` refuses it
+            err.print(f"note: planner run would refuse this strategy: {refused}", highlight=False, soft_wrap=True)
     if not est.fits:
         worst = max(est.memory_per_rank, key=lambda m: m.total_bytes)
-        raise InfeasibleError(f"does not fit: rank {worst.rank} needs {worst.total_bytes / 2**30:.2f} GiB, the device has "
-                              f"{est.capacity_bytes / 2**30:.2f} GiB; try more --zero, --recompute all, a smaller "
+        raise InfeasibleError(f"does not fit: rank {worst.rank} needs {fixed(worst.total_bytes, 'GiB')}, the device "
+                              f"has {fixed(est.capacity_bytes, 'GiB')}; try more --zero, --recompute all, a smaller "
                               f"--micro-batch-size, or more --pp")
 
 
 def _print_estimate(strategy, est) -> None:
+    from cost_models.formatting import fixed
     from cost_models.summaries import estimate_lines, memory_rows, MEMORY_COLUMNS
     for line in estimate_lines(strategy, est):
         out.print(line, highlight=False)
     out.print(_table(MEMORY_COLUMNS, memory_rows(est), title=f"memory per rank (GiB = 2^30 B), capacity "
-                     f"{est.capacity_bytes / 2**30:.2f} GiB"))
+                     f"{fixed(est.capacity_bytes, 'GiB')}"))
 
 
 @app.command()
-@handles_errors
 def plan(
-    profile_path: Path = typer.Argument(..., metavar="PROFILE", help="profile.json from `planner profile`"),
+    profile_path: ProfileArg,
     gpus: Optional[int] = typer.Option(None, "--gpus", "-g", help="devices to plan for (default: all of the cluster)"),
     global_batch_size: int = typer.Option(..., "--global-batch-size", "-B", help="sequences per optimizer step"),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="plan for a preset or cluster file instead of the profile's cluster"),
-    nodes: Optional[int] = typer.Option(None, "--nodes", help="scale the cluster to N nodes"),
-    top_k: int = typer.Option(5, "--top-k", help="alternatives to keep, with why each lost"),
-    time_limit: float = typer.Option(10.0, "--time-limit", help="seconds for the MILP partition check"),
-    precision: str = typer.Option("bf16-mixed", "--precision", help="bf16-mixed | fp32"),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | adam | sgd"),
-    output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="where to write the plan ('-' for none)"),
-    force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
-    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout"),
-    report: bool = typer.Option(True, "--report/--no-report", help="write report.html and report.md beside the plan"),
+    cluster: ClusterOverride = None,
+    nodes: Nodes = None,
+    top_k: TopK = 5,
+    time_limit: TimeLimit = 10.0,
+    precision: PrecisionOpt = "bf16-mixed",
+    optimizer: OptimizerOpt = "adamw",
+    output: Output = Path("plan.json"),
+    force: Force = False,
+    as_json: AsJson = False,
+    report: WithReport = True,
 ) -> None:
     """Search every strategy (ZeRO 0-3 x pipeline depth x schedule x micro-batching x recompute), pick the fastest
     that fits, and explain why; writes plan.json."""
     from planner.manual import load_profile_for
+    from planner.request import PlanRequest
     from planner.search import plan as run_plan
 
     outputs = _plan_outputs(output, force, report)
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
+    request = PlanRequest(gpus=gpus, global_batch_size=global_batch_size, top_k=top_k, time_limit_s=time_limit,
+                          precision=precision, optimizer=optimizer)
     result = _planning("planning", lambda on_progress: run_plan(
-        pf.model, target, gpus=target.world_size if gpus is None else gpus, global_batch_size=global_batch_size, top_k=top_k,
-        time_limit_s=time_limit, precision=precision, optimizer=optimizer, profile_path=str(profile_path),
-        command=_command_line(), on_progress=on_progress))
+        pf.model, target, request, profile_path=str(profile_path), command=_command_line(), on_progress=on_progress))
     write_to = outputs[0]
     if _emit_plan(result, outputs, as_json):
         return
@@ -386,7 +407,7 @@ def _planning(label: str, search):
 def _emit_plan(result, outputs: tuple[Path | None, bool, Path | None], as_json: bool) -> bool:
     """Write the plan (and its report); True when it went to stdout as JSON (print nothing else)."""
     write_to, overwrite, report_path = outputs
-    printed = _emit(result.to_dict(), write_to, overwrite, as_json)
+    printed = _emit(result, write_to, overwrite, as_json)
     if report_path:
         _write_report(result, None, report_path, overwrite)
     return printed
@@ -410,47 +431,45 @@ def _write_report(the_plan, the_run, html_path: Path, overwrite: bool) -> tuple[
 
 
 @app.command("report")
-@handles_errors
 def report_cmd(
-    plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan.json from `planner plan`"),
+    plan_path: PlanArg,
     run_path: Optional[Path] = typer.Option(None, "--run", help="run.json from `planner run`: adds predicted vs measured"),
     output: Path = typer.Option(Path("report.html"), "--output", "-o", help="the HTML file; the Markdown goes beside it"),
-    force: bool = typer.Option(False, "--force", "-f", help="overwrite existing report files"),
+    force: Force = False,
 ) -> None:
     """Write a plan report for review: report.html (self-contained, SVG pictures) and report.md."""
-    from executor.launch import load_run
-    from planner.plan import load_plan
+    from planner.plan import Plan
+    from planner.run_record import load_run
     _, overwrite = _prepare_output(output, force, also=(output.with_suffix(".md"),))
-    the_plan = load_plan(plan_path)
+    the_plan = Plan.load(plan_path)
     the_run = load_run(run_path, the_plan) if run_path else None
     _write_report(the_plan, the_run, output, overwrite)
 
 
 def _print_plan(p) -> None:
-    from cost_models.summaries import duration, strategy_name
+    from cost_models.formatting import duration, fixed
     r, pv = p.rationale, p.provenance
     out.print(f"{p.model.name} on {p.gpus} x {p.cluster.device.name} ({p.cluster.name}), global batch "
               f"{p.global_batch_size} x {p.model.seq_len}", highlight=False)
     for line in r.lines:
         out.print(line, highlight=False)
     _print_estimate(p.strategy, p.prediction)
-    rows = [[strategy_name(p.strategy), duration(p.prediction.step_time_s),
-             f"{p.prediction.peak_memory_bytes / 2**30:.2f}", "chosen"]]
-    rows += [[strategy_name(a.strategy), duration(a.step_time_s), f"{a.peak_memory_bytes / 2**30:.2f}",
-              a.lost_because] for a in p.alternatives]
+    gib = (lambda n: fixed(n, "GiB", show_unit=False))
+    rows = [[p.strategy.name, duration(p.prediction.step_time_s), gib(p.prediction.peak_memory_bytes), "chosen"]]
+    rows += [[a.strategy.name, duration(a.step_time_s), gib(a.peak_memory_bytes), a.lost_because]
+             for a in p.alternatives]
     out.print(_table(["strategy", "step time", "peak GiB", "why not"], rows, title="top candidates"))
     out.print(f"searched {pv.points_considered} points: {pv.points_pruned} pruned, {pv.points_costed} estimates, "
-              f"{pv.planning_time_s:.2f} s; partition {pv.partitioner}, MILP {pv.milp_status}", highlight=False)
+              f"{duration(pv.planning_time_s)}; partition {pv.partitioner}, MILP {pv.milp_status}", highlight=False)
 
 
 @app.command()
-@handles_errors
 def run(
-    plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan.json from `planner plan`"),
+    plan_path: PlanArg,
     steps: int = typer.Option(5, "--steps", help="training steps to run"),
     warmup: int = typer.Option(1, "--warmup", help="first steps left out of the timing"),
-    output: Path = typer.Option(Path("run.json"), "--output", "-o", help="where to write the measurements ('-' for none)"),
-    force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
+    output: Output = Path("run.json"),
+    force: Force = False,
     nnodes: int = typer.Option(1, "--nnodes", help="nodes (run the same command on each)"),
     node_rank: int = typer.Option(0, "--node-rank", help="this node's rank"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (default 127.0.0.1, any free port)"),
@@ -463,28 +482,28 @@ def run(
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue from a checkpoint: a step folder, or a --checkpoint-dir (its latest complete one); any plan of the same model and batch"),
     overwrite_checkpoints: bool = typer.Option(False, "--overwrite-checkpoints", help="replace checkpoints in --checkpoint-dir past the step this run starts at"),
     trust_checkpoint: bool = typer.Option(False, "--trust-checkpoint", help="--resume from a checkpoint this installation's key did not sign (see --checkpoint-dir; ZEROPIPE_CHECKPOINT_KEY names another key file): loading it runs code stored in it (torch DCP unpickles .metadata), so only for checkpoints you made or trust who made; sizes and sha256 are still checked"),
-    as_json: bool = typer.Option(False, "--json", help="print run.json on stdout"),
+    as_json: AsJson = False,
 ) -> None:
     """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction.
     --steps counts from the start of training: with --resume at step k, steps k .. STEPS-1 run."""
-    from executor.launch import launch
-    from planner.plan import load_plan
+    from executor.launch import RunConfig, launch
+    from planner.plan import Plan
 
+    config = RunConfig(steps=steps, warmup=warmup, seed=seed, lr=lr, nnodes=nnodes, node_rank=node_rank,
+                       rdzv_endpoint=rdzv_endpoint, timeout_s=timeout,
+                       checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                       checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
+                       resume=str(resume) if resume else None, overwrite_checkpoints=overwrite_checkpoints,
+                       trust_checkpoint=trust_checkpoint)
     write_to, overwrite = _prepare_output(output, force)
-    the_plan = load_plan(plan_path)
+    the_plan = Plan.load(plan_path)
     with err.status(f"running {the_plan.strategy.world_size} ranks up to step {steps}"):
-        result = launch(the_plan, steps=steps, warmup=warmup, seed=seed, lr=lr, nnodes=nnodes, node_rank=node_rank,
-                        rdzv_endpoint=rdzv_endpoint, timeout_s=timeout,
-                        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-                        checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
-                        resume=str(resume) if resume else None, overwrite_checkpoints=overwrite_checkpoints,
-                        trust_checkpoint=trust_checkpoint,
-                        on_resume=lambda d, meta, signed: _print_resume(d, meta, the_plan, signed=signed,
-                                                                        saving=checkpoint_dir is not None))
+        result = launch(the_plan, config, on_resume=lambda d, meta, signed: _print_resume(
+            d, meta, the_plan, signed=signed, saving=checkpoint_dir is not None))
     if result is None:
         err.print("this node's ranks finished; global rank 0's node writes run.json", highlight=False)
         return
-    if _emit(result.to_dict(), write_to, overwrite, as_json):
+    if _emit(result, write_to, overwrite, as_json):
         return
     _print_run(result)
     if write_to:
@@ -492,24 +511,22 @@ def run(
 
 
 @app.command()
-@handles_errors
 def replan(
     gpus: int = typer.Option(..., "--gpus", "-g", help="devices the job will have from now on"),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="a --checkpoint-dir (its latest complete checkpoint) or one step folder"),
     profile_path: Optional[Path] = typer.Option(None, "--profile", help="the profile to plan with (default: the one the checkpoint's plan was made from, if unchanged)"),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="plan for a preset or cluster file (default: the checkpoint plan's cluster)"),
-    nodes: Optional[int] = typer.Option(None, "--nodes", help="scale the cluster to N nodes"),
-    top_k: int = typer.Option(5, "--top-k", help="alternatives to keep, with why each lost"),
-    time_limit: float = typer.Option(10.0, "--time-limit", help="seconds for the MILP partition check"),
-    output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="where to write the new plan ('-' for none)"),
-    force: bool = typer.Option(False, "--force", "-f", help="overwrite --output if it exists"),
-    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON on stdout"),
-    report: bool = typer.Option(True, "--report/--no-report", help="write report.html and report.md beside the plan"),
+    nodes: Nodes = None,
+    top_k: TopK = 5,
+    time_limit: TimeLimit = 10.0,
+    output: Output = Path("plan.json"),
+    force: Force = False,
+    as_json: AsJson = False,
+    report: WithReport = True,
     trust_checkpoint: bool = typer.Option(False, "--trust-checkpoint", help="re-plan from a checkpoint this installation's key did not sign (see planner run --checkpoint-dir): the new plan takes its model, which `planner run` imports, from the checkpoint"),
 ) -> None:
     """Re-plan a checkpointed job for another GPU count (same model, batch, precision, optimizer); then
     `planner run PLAN --resume CHECKPOINT` carries its training state over."""
-    from cost_models.summaries import strategy_name
     from executor.checkpoint_layout import read_verified, resolve
     from planner.replan import replan as run_replan
 
@@ -525,7 +542,7 @@ def replan(
     if _emit_plan(result, outputs, as_json):
         return
     loss = f", loss {meta.loss:.4f}" if meta.loss is not None else ""
-    out.print(f"checkpoint {step_dir}: step {meta.step}{loss}, trained as {strategy_name(meta.plan.strategy)} on "
+    out.print(f"checkpoint {step_dir}: step {meta.step}{loss}, trained as {meta.plan.strategy.name} on "
               f"{meta.world_size} ranks", highlight=False)
     _print_plan(result)
     if write_to:
@@ -534,8 +551,7 @@ def replan(
 
 
 def _print_resume(step_dir, meta, the_plan, *, signed: bool, saving: bool) -> None:
-    from cost_models.summaries import strategy_name
-    was, now = strategy_name(meta.plan.strategy), strategy_name(the_plan.strategy)
+    was, now = meta.plan.strategy.name, the_plan.strategy.name
     how = "same plan" if meta.plan.strategy == the_plan.strategy else f"resharded from {was} on {meta.world_size} ranks to {now}"
     checked = "signature and checksums verified" if signed else "checksums verified (not signed: --trust-checkpoint)"
     err.print(f"resuming at step {meta.step} ({meta.samples_seen:,} sequences seen) from {step_dir}, {checked}; "
@@ -545,25 +561,20 @@ def _print_resume(step_dir, meta, the_plan, *, signed: bool, saving: bool) -> No
 
 
 def _print_run(r) -> None:
-    from cost_models.summaries import duration
+    from cost_models.formatting import duration
+    from planner.report import MEASURE_COLUMNS, measure_rows
     first = f"steps {r.start_step}-{r.steps - 1}" if r.start_step else f"{r.steps} steps"
     out.print(f"ran {r.strategy_summary} on {r.world_size} ranks ({r.backend}), {first}, "
               f"{r.warmup} warm-up", highlight=False)
     out.print(f"loss per step (from step {r.start_step}): " + ", ".join(f"{x:.4f}" for x in r.losses), highlight=False)
     if r.resumed_from:
-        out.print(f"resumed from {r.resumed_from}: loaded in {max(x.restore_s for x in r.ranks):.2f} s (slowest rank)",
-                  highlight=False)
+        out.print(f"resumed from {r.resumed_from}: loaded in {duration(max(x.restore_s for x in r.ranks))} (slowest "
+                  f"rank)", highlight=False)
     if r.checkpoints:
         save_s = max((s for x in r.ranks for s in x.checkpoint_s), default=0.0)
-        out.print(f"checkpoints: {len(r.checkpoints)} saved (slowest save {save_s:.2f} s), latest {r.checkpoints[-1]}",
-                  highlight=False)
-    rows = []
-    for c in r.comparisons:
-        unit_s = c.quantity.endswith("(s)")
-        fmt = duration if unit_s else (lambda v: f"{v / 2**20:,.3f} MiB")
-        rows.append([c.quantity.replace(" (s)", "").replace(" (B)", ""), fmt(c.predicted), fmt(c.measured),
-                     "-" if c.error_pct is None else f"{c.error_pct:+.1f}%"])
-    out.print(_table(["quantity", "predicted", "measured", "error"], rows, title="predicted vs measured"))
+        out.print(f"checkpoints: {len(r.checkpoints)} saved (slowest save {duration(save_s)}), latest "
+                  f"{r.checkpoints[-1]}", highlight=False)
+    out.print(_table(MEASURE_COLUMNS, measure_rows(r), title="predicted vs measured"))
     out.print(f"throughput: {r.tokens_per_s:,.0f} {r.throughput_unit}/s measured", highlight=False)
 
 
@@ -576,7 +587,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _sigterm)
     try:
         app()
-    except KeyboardInterrupt:   # before a command's own boundary (handles_errors) is entered: typer building it
+    except KeyboardInterrupt:   # before the commands' boundary (_ErrorBoundary) is entered: typer building it
         print("interrupted", file=sys.stderr)
         sys.exit(130)
 

@@ -63,14 +63,14 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
     from cost_models.estimate import estimate
     from cost_models.model_profiler import profile_model
     from cost_models.models.source import resolve
-    from cost_models.summaries import strategy_name
     from executor.launch import run_many
     from executor.train import TrainConfig
+    from planner.request import PlanRequest
     from planner.search import search
 
     prof = profile_model(resolve(model), micro_batch_size=PROFILE_BATCH, seq_len=SEQ_LEN, dtype="fp32", threads=1,
                          repeats=5, warmup=2)
-    found = search(prof, cluster, gpus=gpus, global_batch_size=batch, precision="fp32", prune=False, max_v=2)
+    found = search(prof, cluster, PlanRequest(gpus=gpus, global_batch_size=batch, precision="fp32", prune=False, max_v=2))
     candidates = [(c.strategy, estimate(c.strategy, prof, cluster)) for c in found.feasible]
     cfg = TrainConfig(model_source=model, seq_len=SEQ_LEN, input_kind=prof.input.kind, steps=steps, warmup=warmup,
                       count_comm=False)
@@ -92,7 +92,7 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
                 errs.append(abs(pred - meas) / meas if meas else (0.0 if pred == 0 else 1.0))
             mem[cat] = max(errs)
         b = est.breakdown
-        rows.append({"strategy": strategy_name(s), "dp": s.dp, "pp": s.pp, "zero": s.zero, "schedule": s.schedule,
+        rows.append({"strategy": s.name, "dp": s.dp, "pp": s.pp, "zero": s.zero, "schedule": s.schedule,
                      "v": s.v, "microbatches": s.microbatches, "micro_batch_size": s.micro_batch_size,
                      "predicted_s": est.step_time_s, "measured_s": step,
                      "predicted": {"compute": b.compute_s, "optimizer": b.optimizer_s,

@@ -21,6 +21,7 @@ def main() -> None:
     from cost_models.model_profiler import profile_model
     from cost_models.models.source import resolve
     from cost_models.presets import preset
+    from planner.request import PlanRequest
     from planner.search import plan
 
     t0 = time.perf_counter()
@@ -29,7 +30,7 @@ def main() -> None:
     rows = []
     for nodes in (128, 2048):
         t0 = time.perf_counter()
-        p = plan(prof, preset("dgx-h100", nodes=nodes), gpus=8 * nodes, global_batch_size=args.global_batch_size)
+        p = plan(prof, preset("dgx-h100", nodes=nodes), PlanRequest(gpus=8 * nodes, global_batch_size=args.global_batch_size))
         wall = time.perf_counter() - t0
         pv = p.provenance
         rows.append({"gpus": 8 * nodes, "wall_s": round(wall, 3), "considered": pv.points_considered,

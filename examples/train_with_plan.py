@@ -19,6 +19,7 @@ from cost_models.models.gpt import GPT, GPTConfig
 from cost_models.models.source import resolve
 from cost_models.presets import preset
 from executor.api import apply_plan
+from planner.request import PlanRequest
 from planner.search import plan as make_plan
 
 CONFIG = GPTConfig(vocab_size=512, max_seq_len=128, dim=64, n_layers=4, n_heads=4)   # "your" model: gpt-tiny
@@ -35,7 +36,8 @@ def main() -> None:
         the_plan = args.plan
     else:
         profile = profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=SEQ, meta=True, dtype="fp32")
-        the_plan = make_plan(profile, preset("dgx-a100"), gpus=world, global_batch_size=GLOBAL_BATCH, precision="fp32")
+        the_plan = make_plan(profile, preset("dgx-a100"),
+                             PlanRequest(gpus=world, global_batch_size=GLOBAL_BATCH, precision="fp32"))
     rt = apply_plan(the_plan, model_fn=lambda: GPT(CONFIG),
                     optimizer_fn=lambda params: torch.optim.AdamW(params, lr=1e-3),
                     loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))

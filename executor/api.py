@@ -29,7 +29,7 @@ from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
 from executor.runtime import LossFn, Runtime, build_runtime, stage_io_shapes
 from executor.stages import check_covers_model
-from planner.plan import Plan, check_plan, load_plan
+from planner.plan import Plan, check_plan
 
 
 def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Module],
@@ -42,12 +42,11 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
     micro-batch size and sequence length when the plan is a Plan whose model takes tokens).
     """
     if isinstance(plan, (str, Path)):
-        plan = load_plan(plan)
+        plan = Plan.load(plan)
     if isinstance(plan, Plan):
-        check_plan(plan)     # load_plan checked a file; a Plan built in code is checked here
+        check_plan(plan)     # Plan.load checked a file; a Plan built in code is checked here
     strategy = plan.strategy if isinstance(plan, Plan) else plan
     strategy.validate(tuple(u for stage in strategy.stages for u in stage))
-    order = plan.prediction.pipeline_order if isinstance(plan, Plan) else None
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
@@ -67,4 +66,4 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
         raise ConfigError("apply_plan needs example_input (one micro-batch) to set up a pipeline's static shapes")
     stage_io = stage_io_shapes(model, strategy.stages, example_input, device) if strategy.n_stages > 1 else []
     return build_runtime(strategy, model, loss_fn=loss_fn, optimizer_fn=optimizer_fn, stage_io=stage_io,
-                         plan_order=order, seed=seed, device=device)
+                         seed=seed, device=device)

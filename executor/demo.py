@@ -10,13 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cost_models.cluster_source import StatusFn, probe_local
-from cost_models.fileio import dumps, write_atomic
+from cost_models.fileio import write_atomic
 from cost_models.model_profiler import ProgressFn, profile_model
 from cost_models.models.source import resolve
 from cost_models.profile import ProfileFile
-from executor.launch import RunFile, launch
+from executor.launch import RunConfig, launch
 from planner.plan import Plan
+from planner.run_record import RunFile
 from planner.report import render_html, render_markdown
+from planner.request import PlanRequest
 from planner.search import plan
 
 DEMO_MODEL = "gpt-tiny"
@@ -25,7 +27,6 @@ DEMO_SEQ_LEN = 64
 DEMO_RANKS = 4
 DEMO_GLOBAL_BATCH = 64    # sequences per step
 DEMO_STEPS = 5
-NOT_YET_BUILT: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,6 @@ class DemoResult:
     run_path: Path
     run: RunFile
     report_path: Path
-    not_yet_built: tuple[str, ...]
 
 
 def run_demo(out_dir: Path, *, command: str = "", on_progress: ProgressFn | None = None,
@@ -47,18 +47,20 @@ def run_demo(out_dir: Path, *, command: str = "", on_progress: ProgressFn | None
     prof = profile_model(resolve(DEMO_MODEL), micro_batch_size=DEMO_MICRO_BATCH, seq_len=DEMO_SEQ_LEN, dtype="fp32",
                          threads=1, command=command, on_progress=on_progress)
     cluster = probe_local(ranks=DEMO_RANKS, dtype="fp32", sizes=None, on_status=on_status)
-    profile_path = write_atomic(out_dir / "profile.json", dumps(ProfileFile(model=prof, cluster=cluster).to_dict()),
-                                overwrite=True)
+    profile_path = out_dir / "profile.json"
+    ProfileFile(model=prof, cluster=cluster).save(profile_path, overwrite=True)
     if on_status:
         on_status("planning")
-    result = plan(prof, cluster, gpus=DEMO_RANKS, global_batch_size=DEMO_GLOBAL_BATCH, precision="fp32",
+    result = plan(prof, cluster, PlanRequest(gpus=DEMO_RANKS, global_batch_size=DEMO_GLOBAL_BATCH, precision="fp32"),
                   profile_path=str(profile_path), command=command)
-    plan_path = write_atomic(out_dir / "plan.json", dumps(result.to_dict()), overwrite=True)
+    plan_path = out_dir / "plan.json"
+    result.save(plan_path, overwrite=True)
     if on_status:
         on_status(f"running the plan on {DEMO_RANKS} ranks for {DEMO_STEPS} steps")
-    run = launch(result, steps=DEMO_STEPS, warmup=1)
-    run_path = write_atomic(out_dir / "run.json", dumps(run.to_dict()), overwrite=True)
+    run = launch(result, RunConfig(steps=DEMO_STEPS, warmup=1))
+    run_path = out_dir / "run.json"
+    run.save(run_path, overwrite=True)
     report_path = write_atomic(out_dir / "report.html", render_html(result, run), overwrite=True)
     write_atomic(out_dir / "report.md", render_markdown(result, run), overwrite=True)
     return DemoResult(profile_path=profile_path, plan_path=plan_path, plan=result, run_path=run_path, run=run,
-                      report_path=report_path, not_yet_built=NOT_YET_BUILT)
+                      report_path=report_path)

@@ -24,71 +24,21 @@ import torch
 import torch.distributed as dist
 
 from cost_models.elastic import elastic_job, init_process_group, is_consequence, root_failure
-from cost_models.errors import ConfigError, FileFormatError, PlannerError
-from cost_models.fileio import read_json
+from cost_models.errors import ConfigError, PlannerError
+from cost_models.formatting import fixed
 from cost_models.records import Record, record
 from executor import checkpoint_layout as layout
 from executor import trust
-from executor.train import RankResult, TrainConfig, run_on_rank, summarize_times
+from executor.train import TrainConfig, run_on_rank, summarize_times
 from executor.stages import check_covers_model
 from planner.plan import Plan, check_plan
-
-RUN_KIND = "zeropipe.run"
-RUN_SCHEMA_VERSION = 1
+from planner.run_record import Measure, RankResult, RunFile
 
 
 class RunFailed(PlannerError):
     """A rank failed during `planner run`; the message names it."""
 
     exit_code = 1
-
-
-@record
-class Comparison(Record):
-    quantity: str
-    predicted: float
-    measured: float
-    error_pct: float | None
-
-
-@record
-class RunFile(Record):
-    schema_version: int = RUN_SCHEMA_VERSION
-    kind: str = RUN_KIND
-    model: str
-    strategy_summary: str
-    world_size: int
-    steps: int
-    warmup: int
-    backend: str
-    losses: tuple[float, ...]
-    step_time_s: dict[str, Any]            # median / min / max over timed steps, slowest rank
-    tokens_per_s: float
-    predicted_step_time_s: float
-    ranks: tuple[RankResult, ...]
-    comparisons: tuple[Comparison, ...]
-    created_at: str
-    start_step: int = 0                    # losses[i] is step start_step + i
-    resumed_from: str | None = None        # the checkpoint folder the run started from
-    checkpoints: tuple[str, ...] = ()      # checkpoint folders this run committed
-    throughput_unit: str = "tokens"        # what tokens_per_s counts: "tokens" | "samples" (as the plan's estimate)
-
-
-def load_run(path, plan: Plan) -> RunFile:
-    """Read run.json and check it is a run of `plan` (the report sets its measurements beside the plan's
-    predictions): the same model, strategy, rank count and predicted step time, one result per rank."""
-    from planner.rationale import describe
-    run = RunFile.from_dict(read_json(path, kind=RUN_KIND, schema_version=RUN_SCHEMA_VERSION))
-    planned = (plan.model.name, describe(plan.strategy), plan.strategy.world_size, plan.prediction.step_time_s)
-    if (run.model, run.strategy_summary, run.world_size, run.predicted_step_time_s) != planned:
-        raise FileFormatError(f"{path} is a run of {run.strategy_summary} ({run.model}, {run.world_size} ranks, "
-                              f"predicted {run.predicted_step_time_s * 1e3:.6g} ms), not of this plan "
-                              f"({planned[1]}, {planned[0]}, {planned[2]} ranks, predicted {planned[3] * 1e3:.6g} ms); "
-                              f"pass the run.json that `planner run` wrote for this plan")
-    if sorted(r.rank for r in run.ranks) != list(range(run.world_size)):
-        raise FileFormatError(f"{path} has results for ranks {sorted(r.rank for r in run.ranks)} of a "
-                              f"{run.world_size}-rank run; re-run planner run")
-    return run
 
 
 def _note_failure(failure_dir: str, exc: BaseException) -> None:
@@ -166,7 +116,7 @@ def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | Non
         backend = "gloo"
     init_process_group(backend, timeout_s)
     try:
-        result = run_on_rank(plan.strategy, cfg, plan.prediction.pipeline_order, plan)
+        result = run_on_rank(plan.strategy, cfg, plan)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result.to_dict())
         return gathered if dist.get_rank() == 0 else None
@@ -174,71 +124,103 @@ def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | Non
         dist.destroy_process_group()
 
 
-def launch(plan: Plan, *, steps: int, warmup: int, seed: int | None = None, lr: float | None = None, nnodes: int = 1,
-           node_rank: int = 0, rdzv_endpoint: str | None = None, timeout_s: float = 60.0,
-           checkpoint_dir: str | None = None, checkpoint_every: int = 0, checkpoint_keep: int = 0,
-           resume: str | None = None, overwrite_checkpoints: bool = False, trust_checkpoint: bool = False,
-           on_resume=None) -> RunFile | None:
+@record
+class RunConfig(Record):
+    """How `planner run` runs a plan (its flags): how long, with what seed and learning rate, on which nodes, and
+    where checkpoints go and come from. `steps` counts from the start of training: resuming from a checkpoint at
+    step k runs steps k .. steps - 1, with the checkpoint's seed and learning rate unless given."""
+
+    steps: int
+    warmup: int                          # untimed steps at the start of this run
+    seed: int | None = None              # None: the checkpoint's when resuming, else 0
+    lr: float | None = None              # None: the checkpoint's when resuming, else 1e-3
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None     # host:port of a c10d rendezvous (multi-node); None: file stores, no port
+    timeout_s: float = 60.0              # collectives' timeout: a hung peer ends the job after this
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0            # steps between checkpoints (0: none during the run)
+    checkpoint_keep: int = 0             # newest checkpoints kept (0: all)
+    resume: str | None = None            # a checkpoint folder (step-N) or the folder holding them
+    overwrite_checkpoints: bool = False  # replace checkpoints past this run's start in checkpoint_dir
+    trust_checkpoint: bool = False       # resume from a checkpoint this installation's key did not sign
+
+    def check(self, world_size: int) -> None:
+        """The flags' own constraints, as one-line ConfigErrors, before anything is read or started."""
+        if self.steps < 1 or self.warmup < 0:
+            raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+        if world_size % self.nnodes:
+            raise ConfigError(f"the plan's {world_size} ranks do not divide into {self.nnodes} nodes")
+        if self.checkpoint_every < 0 or self.checkpoint_keep < 0:
+            raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 0")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to write them)")
+
+
+def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
     """Run the plan; returns the RunFile on the node holding global rank 0 (None on other nodes).
 
-    `steps` counts from the start of training: resuming from a checkpoint at step k runs steps k .. steps - 1, with
-    the checkpoint's seed and learning rate unless given. `on_resume(step_dir, meta, signed)` is told which
-    checkpoint was taken (after it was verified, before ranks start) and whether this installation's key signed it
-    (an unsigned one is refused unless `trust_checkpoint`: resuming runs code stored in it)."""
+    `on_resume(step_dir, meta, signed)` is told which checkpoint was taken (after it was verified, before ranks
+    start) and whether this installation's key signed it (an unsigned one is refused unless run.trust_checkpoint:
+    resuming runs code stored in it)."""
+    run.check(plan.strategy.world_size)
+    check_plan(plan)
+    _check_model(plan)
+    start, step_dir, seed, lr = 0, None, run.seed, run.lr
+    if run.resume:
+        step_dir, meta = _resume_point(run.resume, plan, run.steps, trusted=run.trust_checkpoint, on_resume=on_resume)
+        start, seed, lr = meta.step, meta.seed if seed is None else seed, meta.lr if lr is None else lr
+    if run.warmup >= run.steps - start:
+        raise ConfigError(f"--warmup {run.warmup} leaves no timed step of the {run.steps - start} this run makes; "
+                          f"use fewer warm-up steps")
+    per_node = plan.strategy.world_size // run.nnodes
+    check_fits_here(plan, per_node)
+    cfg = TrainConfig(model_source=plan.model.source, seq_len=plan.model.seq_len, input_kind=plan.model.input_kind,
+                      steps=run.steps, warmup=run.warmup, seed=0 if seed is None else seed,
+                      lr=1e-3 if lr is None else lr, start_step=start, resume_from=str(step_dir) if step_dir else None,
+                      trust_checkpoint=run.trust_checkpoint, checkpoint_dir=run.checkpoint_dir,
+                      checkpoint_every=run.checkpoint_every, checkpoint_keep=run.checkpoint_keep)
+    gathered = _start_ranks(plan, run, cfg, per_node)
+    if gathered is None:
+        return None
+    result = summarize(plan, [RankResult.from_dict(r) for r in gathered], steps=run.steps, warmup=run.warmup,
+                       backend="nccl" if torch.cuda.is_available() else "gloo")
+    written = tuple(str(Path(run.checkpoint_dir) / layout.step_dir_name(s)) for s in result.ranks[0].checkpoint_steps)
+    return dataclasses.replace(result, start_step=start, resumed_from=str(step_dir) if step_dir else None,
+                               checkpoints=written)
+
+
+def _start_ranks(plan: Plan, run: RunConfig, cfg: TrainConfig, per_node: int) -> list[dict] | None:
+    """This node's ranks, started and awaited (the checkpoint folder locked and checked right before they start,
+    until they end); every rank's result on the node holding global rank 0, None elsewhere."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    if steps < 1 or warmup < 0:
-        raise ConfigError("--steps must be >= 1 and --warmup >= 0")
-    if plan.strategy.world_size % nnodes:
-        raise ConfigError(f"the plan's {plan.strategy.world_size} ranks do not divide into {nnodes} nodes")
-    if checkpoint_every < 0 or checkpoint_keep < 0:
-        raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 0")
-    if checkpoint_every and not checkpoint_dir:
-        raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to write them)")
-    check_plan(plan)
-    _check_model(plan)
-    start, step_dir = 0, None
-    if resume:
-        step_dir = layout.resolve(resume)
-        meta, signed = layout.read_verified(step_dir, trusted=trust_checkpoint)   # before anything else is read
-        layout.check_resumable(meta, step_dir, plan, steps)
-        layout.verify(step_dir, meta)   # here, before any rank starts: ranks load with DCP, which unpickles
-        start = meta.step
-        seed = meta.seed if seed is None else seed
-        lr = meta.lr if lr is None else lr
-        if on_resume:
-            on_resume(step_dir, meta, signed)
-    if warmup >= steps - start:
-        raise ConfigError(f"--warmup {warmup} leaves no timed step of the {steps - start} this run makes; "
-                          f"use fewer warm-up steps")
-    # entered with the job below: the folder is locked and checked right before ranks start, until they end
-    folder = _checkpoint_folder(Path(checkpoint_dir), start, overwrite_checkpoints, lock=node_rank == 0) \
-        if checkpoint_dir else contextlib.nullcontext()
-    per_node = plan.strategy.world_size // nnodes
-    check_fits_here(plan, per_node)
-    cfg = TrainConfig(model_source=plan.model.source, seq_len=plan.model.seq_len, input_kind=plan.model.input_kind,
-                      steps=steps, warmup=warmup, seed=0 if seed is None else seed, lr=1e-3 if lr is None else lr,
-                      start_step=start, resume_from=str(step_dir) if step_dir else None,
-                      trust_checkpoint=trust_checkpoint, checkpoint_dir=checkpoint_dir,
-                      checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep)
-    local_ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
+    folder = _checkpoint_folder(Path(run.checkpoint_dir), cfg.start_step, run.overwrite_checkpoints,
+                                lock=run.node_rank == 0) if run.checkpoint_dir else contextlib.nullcontext()
+    local_ranks = range(run.node_rank * per_node, (run.node_rank + 1) * per_node)
     # Ctrl-C / SIGTERM: torch's agent stops every rank, then raises its SignalException (the CLI says "interrupted")
-    with folder, elastic_job("run", per_node, nnodes=nnodes, node_rank=node_rank,
-                             rdzv_endpoint=rdzv_endpoint) as (config, failure_dir):
+    with folder, elastic_job("run", per_node, nnodes=run.nnodes, node_rank=run.node_rank,
+                             rdzv_endpoint=run.rdzv_endpoint) as (config, failure_dir):
         try:
-            results = elastic_launch(config, worker)(plan.to_dict(), cfg.to_dict(), timeout_s, failure_dir)
+            results = elastic_launch(config, worker)(plan.to_dict(), cfg.to_dict(), run.timeout_s, failure_dir)
         except ChildFailedError as exc:
-            rank, line = _root_cause(failure_dir, exc, local_ranks, timeout_s)
+            rank, line = _root_cause(failure_dir, exc, local_ranks, run.timeout_s)
             raise RunFailed(f"rank {rank} failed: {line}") from None
-    gathered = results.get(0) if isinstance(results, dict) else None
-    if gathered is None:
-        return None
-    run = summarize(plan, [RankResult.from_dict(r) for r in gathered], steps=steps, warmup=warmup,
-                    backend="nccl" if torch.cuda.is_available() else "gloo")
-    written = tuple(str(Path(checkpoint_dir) / layout.step_dir_name(s)) for s in run.ranks[0].checkpoint_steps)
-    return dataclasses.replace(run, start_step=start, resumed_from=str(step_dir) if step_dir else None,
-                               checkpoints=written)
+    return results.get(0) if isinstance(results, dict) else None
+
+
+def _resume_point(resume: str, plan: Plan, steps: int, *, trusted: bool,
+                  on_resume) -> tuple[Path, layout.CheckpointMeta]:
+    """The checkpoint `resume` names, verified before any rank starts (ranks load with DCP, which unpickles), and
+    `on_resume` told about it."""
+    step_dir = layout.resolve(resume)
+    meta, signed = layout.read_verified(step_dir, trusted=trusted)   # before anything else is read
+    layout.check_resumable(meta, step_dir, plan, steps)
+    layout.verify(step_dir, meta)
+    if on_resume:
+        on_resume(step_dir, meta, signed)
+    return step_dir, meta
 
 
 @contextlib.contextmanager
@@ -319,44 +301,35 @@ def check_fits_here(plan: Plan, per_node: int) -> None:
     need = sum(m.total_bytes for m in plan.prediction.memory_per_rank[:per_node])
     avail = psutil.virtual_memory().available
     if need > avail:
-        raise ConfigError(f"the plan's {per_node} local ranks need about {need / 2**30:.1f} GiB, this machine has "
-                          f"{avail / 2**30:.1f} GiB free; run it where it was planned for, or plan a smaller model")
-
-
-def _err(predicted: float, measured: float) -> float | None:
-    return (measured - predicted) / predicted * 100.0 if predicted else None
+        raise ConfigError(f"the plan's {per_node} local ranks need about {fixed(need, 'GiB', 1)}, this machine has "
+                          f"{fixed(avail, 'GiB', 1)} free; run it where it was planned for, or plan a smaller model")
 
 
 def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, backend: str) -> RunFile:
     """Predicted against measured: step time (slowest rank's median), per-rank memory categories, traffic."""
-    from planner.rationale import describe
-
     per_rank = [summarize_times(r.step_times_s, warmup) for r in ranks]
     slowest = max(per_rank, key=lambda t: t["median_s"])
     est = plan.prediction
-    comps = [Comparison(quantity="step time (s)", predicted=est.step_time_s, measured=slowest["median_s"],
-                        error_pct=_err(est.step_time_s, slowest["median_s"]))]
+    rows = [Measure(quantity="step time", unit="s", predicted=est.step_time_s, measured=slowest["median_s"])]
     for r in ranks:
         m = est.memory_per_rank[r.rank]
         for label, pred, meas in (("parameters", m.parameters, r.parameter_bytes),
                                   ("gradients", m.gradients, r.gradient_bytes),
                                   ("optimizer states", m.optimizer_states, r.optimizer_state_bytes),
                                   ("peak total", m.total_bytes, r.peak_memory_bytes)):
-            comps.append(Comparison(quantity=f"rank {r.rank} {label} (B)", predicted=float(pred), measured=float(meas),
-                                    error_pct=_err(pred, meas)))
+            rows.append(Measure(quantity=f"rank {r.rank} {label}", unit="B", predicted=float(pred),
+                                measured=float(meas)))
     dp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if not k.startswith("p2p"))
-    comps.append(Comparison(quantity="rank 0 data-parallel bytes per step", predicted=est.comm.dp_bytes_per_rank,
-                            measured=float(dp_measured), error_pct=_err(est.comm.dp_bytes_per_rank, dp_measured)))
+    rows.append(Measure(quantity="rank 0 data-parallel bytes per step", unit="B",
+                        predicted=est.comm.dp_bytes_per_rank, measured=float(dp_measured)))
     p2p_measured = sum(r.comm_bytes.get("p2p_send", 0) for r in ranks) / max(1, plan.strategy.dp)
-    comps.append(Comparison(quantity="p2p bytes per step (one pipeline)", predicted=est.comm.p2p_bytes_per_step,
-                            measured=float(p2p_measured), error_pct=_err(est.comm.p2p_bytes_per_step, p2p_measured)))
-    return RunFile(model=plan.model.name, strategy_summary=describe(plan.strategy), world_size=len(ranks), steps=steps,
+    rows.append(Measure(quantity="p2p bytes per step (one pipeline)", unit="B",
+                        predicted=est.comm.p2p_bytes_per_step, measured=float(p2p_measured)))
+    return RunFile(model=plan.model.name, strategy_summary=plan.strategy.summary, world_size=len(ranks), steps=steps,
                    warmup=warmup, backend=backend, losses=ranks[0].losses, step_time_s=slowest,
                    tokens_per_s=est.tokens_per_step / slowest["median_s"], throughput_unit=est.throughput_unit,
-                   predicted_step_time_s=est.step_time_s, ranks=tuple(ranks), comparisons=tuple(comps),
+                   predicted_step_time_s=est.step_time_s, ranks=tuple(ranks), measures=tuple(rows),
                    created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-
-
 
 
 def _many_worker(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float, failure_dir: str) -> list | None:
@@ -365,9 +338,7 @@ def _many_worker(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float, f
 
 
 def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list | None:
-    from cost_models.schedule import format_order, generate
     from cost_models.strategy import Strategy
-    from cost_models.summaries import strategy_name
     torch.set_num_threads(1)
     init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout_s)
     try:
@@ -375,11 +346,10 @@ def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list 
         results = []
         for data in strategy_dicts:
             s = Strategy.from_dict(data)
-            order = format_order(generate(s.schedule, s.pp, s.microbatches, s.v)) if s.n_stages > 1 else None
             try:
-                results.append(run_on_rank(s, cfg, order).to_dict())
+                results.append(run_on_rank(s, cfg).to_dict())
             except Exception as exc:
-                raise RuntimeError(f"{strategy_name(s)}: {type(exc).__name__}: {exc}") from exc
+                raise RuntimeError(f"{s.name}: {type(exc).__name__}: {exc}") from exc
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, results)
         return gathered if dist.get_rank() == 0 else None

@@ -8,6 +8,7 @@ import os
 import signal
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,14 @@ from cost_models.errors import ConfigError
 from cost_models.models.losses import compute_loss
 from cost_models.models.source import DTYPES, resolve
 from cost_models.records import Record, record
+from cost_models.schedule import DEFAULT_SCHEDULE
 from cost_models.strategy import Strategy
 from executor import checkpoint, checkpoint_layout
 from executor.measure import CommCounter, peak_memory_bytes
 from executor.runtime import build_runtime, stage_io_shapes
 from executor.stages import build_stages, buffers_by_canonical, canonical_names, params_by_canonical
 from planner.plan import Plan
+from planner.run_record import RankResult
 
 # Test hook for failure handling: "RANK:STEP" makes that rank raise at the start of that step, "RANK:STEP:kill" makes it
 # SIGKILL itself there (what kill -9 or the OOM killer does: no exception, no cleanup, no note), "RANK:STEP:stop"
@@ -51,29 +54,6 @@ class TrainConfig(Record):
     checkpoint_dir: str | None = None      # where to save checkpoints
     checkpoint_every: int = 0              # save after every K steps (0: only after the last step)
     checkpoint_keep: int = 0               # keep the newest K complete checkpoints (0: all)
-
-
-@record
-class RankResult(Record):
-    rank: int
-    pp_rank: int
-    dp_rank: int
-    stages: tuple[int, ...]
-    step_times_s: tuple[float, ...]        # every step, warm-up included
-    losses: tuple[float, ...]              # global-batch loss per step (the same on every rank)
-    parameter_bytes: int                   # counted from the local tensors after the last step
-    gradient_bytes: int
-    optimizer_state_bytes: int
-    peak_memory_bytes: int
-    peak_memory_source: str
-    comm_bytes: dict[str, int]             # one extra step, counted: kind -> bytes (full buffers)
-    comm_calls: dict[str, int]
-    compute_s: tuple[float, ...] = ()      # per step: time inside stage forward/backward (FSDP/DDP comm included)
-    sync_s: tuple[float, ...] = ()         # per step: gradient syncs issued after backward (pipelined ZeRO-0/1, ties)
-    optimizer_s: tuple[float, ...] = ()    # per step: optimizer.step
-    restore_s: float = 0.0                 # loading the checkpoint resumed from (not in any step time)
-    checkpoint_steps: tuple[int, ...] = () # steps after which a checkpoint was committed
-    checkpoint_s: tuple[float, ...] = ()   # seconds each save took (not in any step time)
 
 
 def optimizer_for(strategy: Strategy, lr: float):
@@ -112,8 +92,19 @@ def _setup(cfg: TrainConfig, strategy: Strategy):
     return source, model, example, tuple(out.shape), loss
 
 
-def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list[str]] | None,
-                plan: Plan | None = None) -> RankResult:
+@dataclass
+class _Progress:
+    """What the loop of run_on_rank gathers, step by step, for the RankResult."""
+    times: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    parts: dict[str, list[float]] = field(default_factory=lambda: {"compute": [], "sync": [], "optimizer": []})
+    saved: list[int] = field(default_factory=list)
+    save_s: list[float] = field(default_factory=list)
+    param_grad: tuple[int, int] = (0, 0)
+    optim_bytes: int = 0
+
+
+def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) -> RankResult:
     """Train steps cfg.start_step .. cfg.steps - 1 of `strategy` on this rank of an initialised process group,
     resuming from and saving checkpoints as `cfg` says (saves need the `plan`, which goes into them), and measure
     the steps."""
@@ -122,15 +113,12 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
     with source.forward_context():
         stage_io = stage_io_shapes(model, strategy.stages, example, device)
     rt = build_runtime(strategy, model, loss_fn=lambda out, tgt: compute_loss(loss, out, tgt),
-                       optimizer_fn=optimizer_for(strategy, cfg.lr), stage_io=stage_io, plan_order=plan_order,
+                       optimizer_fn=optimizer_for(strategy, cfg.lr), stage_io=stage_io,
                        seed=cfg.seed, device=device)
     restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0
     fail_rank, fail_step, how = _injected_failure()
     per_replica = strategy.microbatches * strategy.micro_batch_size
-    times, losses, saved, save_s = [], [], [], []
-    parts: dict[str, list[float]] = {"compute": [], "sync": [], "optimizer": []}
-    param_grad = (0, 0)
-    optim_bytes = 0
+    progress, counter = _Progress(), None
     for step in range(cfg.start_step, cfg.steps + (1 if cfg.count_comm else 0)):
         counting = cfg.count_comm and step == cfg.steps
         inputs, targets = synthetic_batch(cfg, example, out_shape, strategy.global_batch_size, step, loss)
@@ -138,55 +126,81 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan_order: dict[str, list
         x, y = inputs[sl].to(device), targets[sl].to(device)
         injected = step == fail_step and dist.get_rank() == fail_rank
         if injected and how != "nan":
-            if how in ("kill", "stop"):
-                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-            raise RuntimeError(f"injected failure at step {step} ({INJECT_FAILURE_ENV})")
+            _fail_now(step, how)
         counter = CommCounter() if counting else None
-        rt.reset_timings()
-        t0 = time.perf_counter()
-        with counter or contextlib.nullcontext():
-            replica_loss = rt.forward_backward(x, y)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t_count = time.perf_counter()
-            param_grad = rt.local_bytes()[:2]   # while gradients exist; left out of the step time
-            t_count = time.perf_counter() - t_count
-            rt.optimizer_step()
-            if injected and how == "nan":   # an update that broke the weights while the loss was still finite
-                with torch.no_grad():
-                    next(iter(rt.params_by_name.values())).fill_(float("nan"))
-        rt.optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0 - t_count
-        optim_bytes = rt.local_bytes()[2]
+        replica_loss, elapsed = _timed_step(rt, x, y, device, counter, progress, poison=injected and how == "nan")
         if counting:
-            # DDP's reducer all-reduces its buckets from autograd's thread: on CPU that is this thread and the
-            # counter saw them; on GPUs it is a device thread the counter does not see, so count the buckets here
-            if rt.wrapped.ddp and "all_reduce" not in counter.calls:
-                counter.add("all_reduce", sum(p.numel() * p.element_size() for p in rt.wrapped.params))
+            _count_ddp_buckets(rt, counter)
             break
-        times.append(elapsed)
-        for key in parts:
-            parts[key].append(rt.timings[key])
-        losses.append(_global_loss(replica_loss, rt, device))
-        if not math.isfinite(losses[-1]):   # the same all-reduced value on every rank: they all stop here, before a save
-            raise ConfigError(f"training diverged: the loss is {losses[-1]} at step {step}; lower --lr (now "
-                              f"{cfg.lr:g}) or check the data")
-        done = step + 1
-        if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
-            t0 = time.perf_counter()
-            _save(rt, cfg, plan, done, losses[-1], device)
-            save_s.append(time.perf_counter() - t0)
-            saved.append(done)
+        _finish_step(rt, cfg, plan, step, device, progress, elapsed, replica_loss)
     peak, source_name = peak_memory_bytes()
     return RankResult(rank=dist.get_rank(), pp_rank=rt.pp_rank, dp_rank=rt.dp_rank, stages=tuple(rt.stage_ids),
-                      step_times_s=tuple(times), losses=tuple(losses), parameter_bytes=param_grad[0],
-                      gradient_bytes=param_grad[1], optimizer_state_bytes=optim_bytes, peak_memory_bytes=peak,
+                      step_times_s=tuple(progress.times), losses=tuple(progress.losses),
+                      parameter_bytes=progress.param_grad[0], gradient_bytes=progress.param_grad[1],
+                      optimizer_state_bytes=progress.optim_bytes, peak_memory_bytes=peak,
                       peak_memory_source=source_name, comm_bytes=dict(counter.bytes) if counter else {},
-                      comm_calls=dict(counter.calls) if counter else {}, compute_s=tuple(parts["compute"]),
-                      sync_s=tuple(parts["sync"]), optimizer_s=tuple(parts["optimizer"]), restore_s=restore_s,
-                       checkpoint_steps=tuple(saved), checkpoint_s=tuple(save_s))
+                      comm_calls=dict(counter.calls) if counter else {}, compute_s=tuple(progress.parts["compute"]),
+                      sync_s=tuple(progress.parts["sync"]), optimizer_s=tuple(progress.parts["optimizer"]),
+                      restore_s=restore_s, checkpoint_steps=tuple(progress.saved), checkpoint_s=tuple(progress.save_s))
+
+
+def _fail_now(step: int, how: str) -> None:
+    """The injected failure of INJECT_FAILURE_ENV at the start of `step` (all kinds but "nan")."""
+    if how in ("kill", "stop"):
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    raise RuntimeError(f"injected failure at step {step} ({INJECT_FAILURE_ENV})")
+
+
+def _timed_step(rt, x: torch.Tensor, y: torch.Tensor, device: torch.device, counter: CommCounter | None,
+                progress: _Progress, *, poison: bool) -> tuple[torch.Tensor | None, float]:
+    """Forward, backward and update of one step; (this replica's loss, seconds). The bytes of parameters and
+    gradients (counted while gradients exist) and of optimizer state go into `progress`, their counting left out
+    of the step time. `poison`: an update that broke the weights while the loss was still finite."""
+    rt.reset_timings()
+    t0 = time.perf_counter()
+    with counter or contextlib.nullcontext():
+        replica_loss = rt.forward_backward(x, y)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t_count = time.perf_counter()
+        progress.param_grad = rt.local_bytes()[:2]
+        t_count = time.perf_counter() - t_count
+        rt.optimizer_step()
+        if poison:
+            with torch.no_grad():
+                next(iter(rt.params_by_name.values())).fill_(float("nan"))
+    rt.optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0 - t_count
+    progress.optim_bytes = rt.local_bytes()[2]
+    return replica_loss, elapsed
+
+
+def _count_ddp_buckets(rt, counter: CommCounter) -> None:
+    # DDP's reducer all-reduces its buckets from autograd's thread: on CPU that is this thread and the counter saw
+    # them; on GPUs it is a device thread the counter does not see, so count the buckets here
+    if rt.wrapped.ddp and "all_reduce" not in counter.calls:
+        counter.add("all_reduce", sum(p.numel() * p.element_size() for p in rt.wrapped.params))
+
+
+def _finish_step(rt, cfg: TrainConfig, plan: Plan | None, step: int, device: torch.device, progress: _Progress,
+                 elapsed: float, replica_loss: torch.Tensor | None) -> None:
+    """Record a timed step's time, phase timings and global loss; stop on divergence; save a checkpoint when due."""
+    progress.times.append(elapsed)
+    for key in progress.parts:
+        progress.parts[key].append(rt.timings[key])
+    loss = _global_loss(replica_loss, rt, device)
+    progress.losses.append(loss)
+    if not math.isfinite(loss):   # the same all-reduced value on every rank: they all stop here, before a save
+        raise ConfigError(f"training diverged: the loss is {loss} at step {step}; lower --lr (now "
+                          f"{cfg.lr:g}) or check the data")
+    done = step + 1
+    if cfg.checkpoint_dir and (done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+        t0 = time.perf_counter()
+        _save(rt, cfg, plan, done, loss, device)
+        progress.save_s.append(time.perf_counter() - t0)
+        progress.saved.append(done)
 
 
 def _resume(rt, cfg: TrainConfig) -> float:
@@ -252,7 +266,7 @@ def _injected_failure() -> tuple[int, int, str]:
 def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:
     """The reference: the whole model in one process, same init, same global batches, same optimizer; steps
     cfg.start_step .. cfg.steps - 1, from cfg.resume_from's state when given (DCP loads without a process group)."""
-    whole = Strategy.from_dict({**strategy.to_dict(), "dp": 1, "pp": 1, "zero": 0, "v": 1, "schedule": "1f1b",
+    whole = Strategy.from_dict({**strategy.to_dict(), "dp": 1, "pp": 1, "zero": 0, "v": 1, "schedule": DEFAULT_SCHEDULE,
                                 "microbatches": 1, "micro_batch_size": strategy.global_batch_size,
                                 "stages": [[u for st in strategy.stages for u in st]], "recompute": []})
     source, model, example, out_shape, loss = _setup(cfg, whole)

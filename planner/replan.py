@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from cost_models.errors import ConfigError
-from planner.manual import load_profile
+from cost_models.profile import ProfileFile
 from cost_models.cluster_source import check_cluster_args
 from planner.plan import Plan, check_plan
+from planner.request import PlanRequest
 from planner.search import ProgressFn, plan, profile_digest
 
 
@@ -31,7 +32,7 @@ def replan(old: Plan, *, gpus: int, profile_path: str | None = None, cluster: st
     if not explicit and old.provenance.profile_digest and profile_digest(path) != old.provenance.profile_digest:
         raise ConfigError(f"{path} changed since the plan was made (its sha256 differs); pass --profile {path} to "
                           f"plan with it as it is now")
-    pf = load_profile(path)
+    pf = ProfileFile.load(path)
     if pf.model.source != old.model.source or pf.model.seq_len != old.model.seq_len:
         raise ConfigError(f"{path} profiles {pf.model.source} at sequence length {pf.model.seq_len}, the checkpoint "
                           f"trains {old.model.source} at {old.model.seq_len}; pass the profile of that model")
@@ -43,6 +44,6 @@ def replan(old: Plan, *, gpus: int, profile_path: str | None = None, cluster: st
     else:
         check_cluster_args("the plan's", nodes=nodes, ranks=None)   # --nodes 0 is an error, not "default"
         target = old.cluster.with_nodes(nodes) if nodes is not None else old.cluster
-    return plan(pf.model, target, gpus=gpus, global_batch_size=old.global_batch_size, top_k=top_k,
-                time_limit_s=time_limit_s, precision=old.strategy.precision, optimizer=old.strategy.optimizer,
-                profile_path=str(path), command=command, on_progress=on_progress)
+    request = PlanRequest(gpus=gpus, global_batch_size=old.global_batch_size, top_k=top_k, time_limit_s=time_limit_s,
+                          precision=old.strategy.precision, optimizer=old.strategy.optimizer)
+    return plan(pf.model, target, request, profile_path=str(path), command=command, on_progress=on_progress)

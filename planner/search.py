@@ -23,16 +23,19 @@ from typing import Callable
 from cost_models.cluster import ClusterProfile
 from cost_models.compute import unit_times
 from cost_models.errors import ConfigError, InfeasibleError
-from cost_models.estimate import DTYPE_BYTES, Estimate, estimate
-from cost_models.limits import MAX_MICROBATCHES, check_global_batch, check_gpus
-from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, executor_state_bytes, zero_model_state_bytes
+from cost_models.estimate import Estimate, activation_scale, estimate, tied_copies
+from cost_models.limits import MAX_MICROBATCHES
+from cost_models.memory import OVERHEAD_BYTES, executor_state_bytes, zero_model_state_bytes
 from cost_models.profile import ModelProfile
+from cost_models.schedule import get_spec
 from cost_models.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition, stages_from_ranges)
 from planner.plan import Alternative, Candidate, ModelRef, Plan, Provenance
-from planner.rationale import explain, family, why_lost
+from planner.rationale import explain, why_lost
+from planner.request import PlanRequest
 from planner.space import MAX_MICRO_BATCH, Point, enumerate_points
+from cost_models.formatting import fixed
 
 ProgressFn = Callable[[int, int], None]
 
@@ -73,12 +76,9 @@ class _Partitions:
 
 
 def runnable(schedule: str, zero: int, dp: int) -> bool:
-    """Combinations the executor cannot run correctly are never planned. Measured here (torch 2.13, gloo, found by
-    benchmarks/fidelity.py): zero-bubble with FSDP2 ZeRO-3 stages (reshard_after_forward=True) leaves the last
-    stage without gradients, so its weights never train, and deadlocks outright when a tied parameter lives on two
-    pipeline ranks. Zero-bubble with ZeRO-0/1/2 and ZeRO-3 with the other schedules train exactly like one process
-    (tests/test_executor.py)."""
-    return not (schedule == "zb-interleaved" and zero == 3 and dp > 1)
+    """Combinations the executor cannot run correctly are never planned: the schedule registry's guard
+    (cost_models.schedule.ScheduleSpec.unsafe says which, and why)."""
+    return get_spec(schedule).unsafe(zero, dp) is None
 
 
 def _strategy(point: Point, stages, *, precision: str, optimizer: str, recompute=()) -> Strategy:
@@ -92,13 +92,11 @@ def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterPr
     """The exact DP with per-stage memory (in-flight counts from the first estimate's schedule)."""
     # bytes per parameter at rest as the executor holds them (FSDP2 shards ZeRO-2's parameters too)
     per_param = sum(executor_state_bytes(1.0, point.dp, point.zero, precision, optimizer))
-    compute_dtype = "fp32" if precision == "fp32" else "bf16"
-    act_scale = (point.micro_batch_size / profile.micro_batch_size
-                 * DTYPE_BYTES[compute_dtype] / DTYPE_BYTES[profile.dtype])
+    act_scale = activation_scale(profile, micro_batch_size=point.micro_batch_size, precision=precision)
     problem = PartitionProblem(
         costs=tuple(unit_cost), n_stages=point.pp * point.v,
-        state_bytes=tuple((u.params + sum(s.numel for s in profile.shared if set(u.shared_params) & set(s.aliases)))
-                          * per_param for u in profile.units),
+        # every tied parameter a unit uses, wherever the cut puts its owner (an upper bound)
+        state_bytes=tuple((u.params + sum(tied_copies(profile, u.name, ()))) * per_param for u in profile.units),
         act_bytes=tuple(u.saved_bytes * act_scale for u in profile.units),
         in_flight=tuple(max(1, st.peak_in_flight) for st in est.stages),
         capacity=(cluster.device.memory_bytes - OVERHEAD_BYTES[cluster.device.kind]) / point.v)
@@ -127,6 +125,8 @@ def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, pa
     except PartitionInfeasible:
         return attempts, 2
     strategy = _strategy(point, stages, precision=precision, optimizer=optimizer)
+    if strategy.split_tie(sp.units for sp in profile.shared):   # the new cut put a tie's stages on one rank
+        return attempts, 2
     attempts.append(_Costed(point, strategy, estimate(strategy, profile, cluster, compact=True)))
     return attempts, 3
 
@@ -149,61 +149,72 @@ class SearchResult:
     pruned_bounds: dict[str, float]  # family -> least time bound among points P2 pruned
     min_state: float                 # the least model-state bytes any point needs (P1's bound)
     unit_cost: list[float]
+    gpus: int                        # the GPU count searched (the request's, or the cluster's)
 
 
-def search(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_batch_size: int, top_k: int = 5,
-           precision: str = "bf16-mixed", optimizer: str = "adamw", prune: bool = True,
-           schedules: tuple[str, ...] | None = None, micro_batch_sizes: tuple[int, ...] | None = None,
-           max_v: int | None = None, on_progress: ProgressFn | None = None) -> SearchResult:
-    """Enumerate, prune and cost (module doc). prune=False costs every point P1 lets through (the fidelity
-    benchmark runs them all); schedules / micro_batch_sizes / max_v narrow the space."""
-    check_gpus(gpus)                       # >= 1 and within cost_models/limits.py's MAX_GPUS
-    if gpus > cluster.world_size:
-        raise ConfigError(f"--gpus {gpus} but the cluster has {cluster.world_size} devices; add --nodes or lower --gpus")
-    check_global_batch(global_batch_size)   # >= 1 and within MAX_GLOBAL_BATCH
-    if top_k < 1:
-        raise ConfigError(f"--top-k must be >= 1, got {top_k}")
-    if (precision, optimizer) not in BYTES_PER_PARAM:
-        raise ConfigError("--precision must be bf16-mixed or fp32 and --optimizer adamw, adam or sgd")
-
+def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partitions") -> list[Point]:
+    """The space (planner.space) less what the executor cannot run and what the request narrows away."""
     n_units = len(profile.units)
-    unit_cost = [sum(unit_times(u, profile, cluster, micro_batch_size=profile.micro_batch_size, precision=precision,
-                                ranks_running=gpus)) for u in profile.units]
-    largest_unit = max(u.params for u in profile.units)
-    capacity = cluster.device.memory_bytes
-    overhead = OVERHEAD_BYTES[cluster.device.kind]
-    points = [pt for pt in enumerate_points(gpus=gpus, global_batch=global_batch_size, n_units=n_units)
+    ties = tuple(sp.units for sp in profile.shared)
+    points = [pt for pt in enumerate_points(gpus=gpus, global_batch=req.global_batch_size, n_units=n_units)
               if runnable(pt.schedule, pt.zero, pt.dp)
-              and (schedules is None or pt.pp == 1 or pt.schedule in schedules)
-              and (micro_batch_sizes is None or pt.micro_batch_size in micro_batch_sizes)
-              and (max_v is None or pt.v <= max_v)]
-    if not points:
-        if next(enumerate_points(gpus=gpus, global_batch=global_batch_size, n_units=n_units,
-                                 max_microbatches=global_batch_size), None) is not None:
-            raise ConfigError(f"every split of {gpus} devices needs more than {MAX_MICROBATCHES:,} micro-batches of "
-                              f"up to {MAX_MICRO_BATCH} sequences for the global batch {global_batch_size}, more than "
-                              f"this planner simulates; lower --global-batch-size or add --gpus")
-        raise ConfigError(f"no (dp, pp) split of {gpus} devices divides the global batch {global_batch_size}; "
-                          f"use a batch divisible by the data-parallel degree")
-    considered, pruned = len(points), 0
-    survivors, min_state = [], math.inf
-    parts = _Partitions(profile, unit_cost)
-    total_cost = sum(unit_cost)
+              and (req.schedules is None or pt.pp == 1 or pt.schedule in req.schedules)
+              and (req.micro_batch_sizes is None or pt.micro_batch_size in req.micro_batch_sizes)
+              and (req.max_v is None or pt.v <= req.max_v)
+              and not _splits_tie(pt, parts, ties, req)]
+    if points:
+        return points
+    if next(enumerate_points(gpus=gpus, global_batch=req.global_batch_size, n_units=n_units,
+                             max_microbatches=req.global_batch_size), None) is not None:
+        raise ConfigError(f"every split of {gpus} devices needs more than {MAX_MICROBATCHES:,} micro-batches of "
+                          f"up to {MAX_MICRO_BATCH} sequences for the global batch {req.global_batch_size}, more than "
+                          f"this planner simulates; lower --global-batch-size or add --gpus")
+    raise ConfigError(f"no (dp, pp) split of {gpus} devices divides the global batch {req.global_batch_size}; "
+                      f"use a batch divisible by the data-parallel degree")
+
+
+def _splits_tie(pt: Point, parts: "_Partitions", ties, req: PlanRequest) -> bool:
+    """The schedule cannot train a tied parameter whose stages share a rank (ScheduleSpec.same_rank_tie)."""
+    if pt.pp == 1 or not ties or not get_spec(pt.schedule).same_rank_tie:
+        return False
+    return _strategy(pt, parts.stages(pt.pp * pt.v), precision=req.precision, optimizer=req.optimizer).split_tie(ties) is not None
+
+
+def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile, parts: "_Partitions",
+             req: PlanRequest) -> tuple[list[tuple[float, Point]], int, float]:
+    """P1 (module doc) drops points whose model states cannot fit; the rest get P2's time bound, least first.
+    Returns (bound, point) pairs, how many P1 pruned, and the least model-state bytes any point needs."""
+    largest_unit = max(u.params for u in profile.units)
+    overhead = OVERHEAD_BYTES[cluster.device.kind]
+    total_cost = sum(parts.unit_cost)
+    survivors, pruned, min_state = [], 0, math.inf
     for pt in points:
         held = max(profile.total_params / pt.pp, largest_unit)
-        state = sum(zero_model_state_bytes(held, pt.dp, pt.zero, precision, optimizer)) + overhead
+        state = sum(zero_model_state_bytes(held, pt.dp, pt.zero, req.precision, req.optimizer)) + overhead
         min_state = min(min_state, state)
-        if state > capacity:                                   # P1
+        if state > cluster.device.memory_bytes:               # P1
             pruned += 1
             continue
         # P2's bound: the busiest rank does m micro-batches of at least its share (with one contiguous stage per
         # rank, at least the least possible bottleneck), and micro-batch 0 must pass every unit.
         scale = pt.micro_batch_size / profile.micro_batch_size
         rank_share = parts.min_bottleneck(pt.pp) if pt.v == 1 else total_cost / pt.pp
-        bound = max(pt.microbatches * rank_share, total_cost) * scale
-        survivors.append((bound, pt))
+        survivors.append((max(pt.microbatches * rank_share, total_cost) * scale, pt))
     survivors.sort(key=lambda x: x[0])
+    return survivors, pruned, min_state
 
+
+def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *,
+           on_progress: ProgressFn | None = None) -> SearchResult:
+    """Enumerate, prune and cost (module doc). request.prune=False costs every point P1 lets through (the fidelity
+    benchmark runs them all); request.schedules / micro_batch_sizes / max_v narrow the space."""
+    req = request
+    gpus = req.resolved_gpus(cluster)
+    unit_cost = [sum(unit_times(u, profile, cluster, micro_batch_size=profile.micro_batch_size, precision=req.precision,
+                                ranks_running=gpus)) for u in profile.units]
+    parts = _Partitions(profile, unit_cost)
+    points = _points(profile, gpus, req, parts)
+    survivors, pruned, min_state = _bounded(points, profile, cluster, parts, req)
     feasible: list[_Costed] = []
     infeasible: list[_Costed] = []
     pruned_bounds: dict[str, float] = {}   # family -> least time bound among points P2 pruned (sorted: first seen)
@@ -211,14 +222,15 @@ def search(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_
     for i, (bound, pt) in enumerate(survivors):
         if on_progress and i % 25 == 0:
             on_progress(i, len(survivors))
-        if prune and len(feasible) >= top_k:
-            kth = sorted(c.estimate.step_time_s for c in feasible)[top_k - 1]
+        if req.prune and len(feasible) >= req.top_k:
+            kth = sorted(c.estimate.step_time_s for c in feasible)[req.top_k - 1]
             if bound >= kth:                                   # P2
                 pruned += len(survivors) - i
                 for later_bound, later in survivors[i:]:
                     pruned_bounds.setdefault(later.family, later_bound)
                 break
-        attempts, n = _cost_point(pt, profile, cluster, parts, unit_cost, precision=precision, optimizer=optimizer)
+        attempts, n = _cost_point(pt, profile, cluster, parts, unit_cost, precision=req.precision,
+                                  optimizer=req.optimizer)
         costed += n
         best = attempts[-1]
         (feasible if best.estimate.fits else infeasible).append(best)
@@ -229,70 +241,76 @@ def search(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int, global_
     feasible.sort(key=lambda c: (c.estimate.step_time_s, c.estimate.peak_memory_bytes))
     # full estimates (bubble and p2p apart) for what a plan shows; only the winner's lists every rank (memory and
     # action order: the plan file's prediction), the alternatives keep one memory entry per pipeline rank
-    feasible[:top_k] = [replace(c, estimate=estimate(c.strategy, profile, cluster, per_rank=i == 0))
-                        for i, c in enumerate(feasible[:top_k])]
-    return SearchResult(feasible=feasible, infeasible=infeasible, considered=considered, pruned=pruned, costed=costed,
-                        pruned_bounds=pruned_bounds, min_state=min_state, unit_cost=unit_cost)
+    feasible[:req.top_k] = [replace(c, estimate=estimate(c.strategy, profile, cluster, per_rank=i == 0))
+                            for i, c in enumerate(feasible[:req.top_k])]
+    return SearchResult(feasible=feasible, infeasible=infeasible, considered=len(points), pruned=pruned, costed=costed,
+                        pruned_bounds=pruned_bounds, min_state=min_state, unit_cost=unit_cost, gpus=gpus)
 
 
-def plan(profile: ModelProfile, cluster: ClusterProfile, *, gpus: int | None = None, global_batch_size: int,
-         top_k: int = 5, time_limit_s: float = 10.0, precision: str = "bf16-mixed", optimizer: str = "adamw",
-         profile_path: str = "", command: str = "", on_progress: ProgressFn | None = None) -> Plan:
-    """Search every strategy for `gpus` devices of `cluster` (None: all of them) at `global_batch_size` sequences;
-    return the Plan. A gpus below 1 or above cost_models/limits.py's MAX_GPUS is refused, never read as "all"."""
+def _no_fit(found: SearchResult, capacity: int) -> InfeasibleError:
+    if found.infeasible:
+        least = min(c.estimate.peak_memory_bytes for c in found.infeasible)
+        need = f"the least memory any strategy needs is {fixed(least, 'GiB', 1)} per device"
+    else:  # every point failed the model-state bound P1 before costing
+        need = f"model states alone need at least {fixed(found.min_state, 'GiB', 1)} per device"
+    return InfeasibleError(
+        f"no strategy fits: {need}, the device has {fixed(capacity, 'GiB', 1)}; use more GPUs (--gpus/--nodes) "
+        f"or a device with more memory (ZeRO-3, full recompute, micro-batches down to 1 and every pipeline depth "
+        f"were tried)")
+
+
+def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *, profile_path: str = "",
+         command: str = "", on_progress: ProgressFn | None = None) -> Plan:
+    """Search every strategy the request allows on `cluster`; return the Plan with its rationale and provenance."""
     t0 = time.perf_counter()
-    if gpus is None:
-        gpus = cluster.world_size
-        check_gpus(gpus, "the cluster's device count (nodes x devices per node)")
-    found = search(profile, cluster, gpus=gpus, global_batch_size=global_batch_size, top_k=top_k,
-                   precision=precision, optimizer=optimizer, on_progress=on_progress)
-    feasible, infeasible, unit_cost = found.feasible, found.infeasible, found.unit_cost
-    capacity = cluster.device.memory_bytes
-    min_state, pruned_bounds = found.min_state, found.pruned_bounds
-    considered, pruned, costed = found.considered, found.pruned, found.costed
+    found = search(profile, cluster, request, on_progress=on_progress)
+    feasible, infeasible = found.feasible, found.infeasible
     if not feasible:
-        if infeasible:
-            least = min(c.estimate.peak_memory_bytes for c in infeasible)
-            need = f"the least memory any strategy needs is {least / 2**30:.1f} GiB per device"
-        else:  # every point failed the model-state bound P1 before costing
-            need = f"model states alone need at least {min_state / 2**30:.1f} GiB per device"
-        raise InfeasibleError(
-            f"no strategy fits: {need}, the device has {capacity / 2**30:.1f} GiB; use more GPUs (--gpus/--nodes) "
-            f"or a device with more memory (ZeRO-3, full recompute, micro-batches down to 1 and every pipeline depth "
-            f"were tried)")
-
+        raise _no_fit(found, cluster.device.memory_bytes)
     winner = feasible[0]
     alternatives = tuple(
         Alternative(strategy=c.strategy, step_time_s=c.estimate.step_time_s, peak_memory_bytes=c.estimate.peak_memory_bytes,
                     fits=True, lost_because=why_lost(c.strategy, c.estimate, winner.strategy, winner.estimate))
-        for c in feasible[1:top_k])
+        for c in feasible[1:request.top_k])
     fastest_unfit = min(infeasible, key=lambda c: c.estimate.step_time_s, default=None)
-    rationale = explain(winner.strategy, winner.estimate, feasible, fastest_unfit, cluster, pruned_bounds)
-    partitioner, milp_status, milp_b, dp_b = _partition_provenance(winner, profile, unit_cost, time_limit_s)
+    rationale = explain(winner.strategy, winner.estimate, feasible, fastest_unfit, cluster, found.pruned_bounds)
+    provenance = _provenance(found, winner, profile, cluster, request, profile_path=profile_path, command=command,
+                             t0=t0)
     s = winner.strategy
+    return Plan(model=ModelRef(name=profile.name, source=profile.source, seq_len=profile.seq_len,
+                               input_kind=profile.input.kind, units=tuple(u.name for u in profile.units)),
+                cluster=cluster, gpus=found.gpus, global_batch_size=request.global_batch_size, strategy=s,
+                stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=winner.estimate,
+                alternatives=alternatives, candidates=_candidates(feasible + infeasible), rationale=rationale,
+                provenance=provenance)
+
+
+def _candidates(costed: list[_Costed]) -> tuple[Candidate, ...]:
+    """One scatter-plot point per distinct strategy name and fit (the report's candidates chart)."""
+    seen, out = set(), []
+    for c in costed:
+        key = (c.strategy.name, c.estimate.fits)
+        if key not in seen:
+            seen.add(key)
+            out.append(Candidate(label=key[0], family=c.strategy.family, step_time_s=c.estimate.step_time_s,
+                                 peak_memory_bytes=c.estimate.peak_memory_bytes, fits=c.estimate.fits))
+    return tuple(out)
+
+
+def _provenance(found: SearchResult, winner: _Costed, profile: ModelProfile, cluster: ClusterProfile,
+                request: PlanRequest, *, profile_path: str, command: str, t0: float) -> Provenance:
     import pulp
     import torch
-    provenance = Provenance(
-        profile_path=profile_path, profile_digest=profile_digest(profile_path) if profile_path else "", cluster=cluster.name,
-        partitioner=partitioner, milp_status=milp_status, milp_bottleneck_s=milp_b, dp_bottleneck_s=dp_b,
-        points_considered=considered, points_pruned=pruned, points_costed=costed,
-        planning_time_s=time.perf_counter() - t0,
+    partitioner, milp_status, milp_b, dp_b = _partition_provenance(winner, profile, found.unit_cost,
+                                                                   request.time_limit_s)
+    return Provenance(
+        profile_path=profile_path, profile_digest=profile_digest(profile_path) if profile_path else "",
+        cluster=cluster.name, partitioner=partitioner, milp_status=milp_status, milp_bottleneck_s=milp_b,
+        dp_bottleneck_s=dp_b, points_considered=found.considered, points_pruned=found.pruned,
+        points_costed=found.costed, planning_time_s=time.perf_counter() - t0,
         versions={"zeropipe": _version(), "torch": torch.__version__, "pulp": pulp.__version__,
                   "python": platform.python_version()},
         command=command, created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-    from cost_models.summaries import strategy_name
-    seen, candidates = set(), []
-    for c in feasible + infeasible:
-        key = (strategy_name(c.strategy), c.estimate.fits)
-        if key not in seen:
-            seen.add(key)
-            candidates.append(Candidate(label=key[0], family=family(c.strategy), step_time_s=c.estimate.step_time_s,
-                                        peak_memory_bytes=c.estimate.peak_memory_bytes, fits=c.estimate.fits))
-    return Plan(model=ModelRef(name=profile.name, source=profile.source, seq_len=profile.seq_len,
-                               input_kind=profile.input.kind, units=tuple(u.name for u in profile.units)),
-                cluster=cluster, gpus=gpus, global_batch_size=global_batch_size, strategy=s,
-                stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=winner.estimate,
-                alternatives=alternatives, candidates=tuple(candidates), rationale=rationale, provenance=provenance)
 
 
 def _partition_provenance(winner: _Costed, profile: ModelProfile, unit_cost: list[float],

@@ -97,8 +97,8 @@ def test_a_plan_whose_model_units_were_edited_too_is_refused_for_leaving_paramet
 
 
 def test_a_valid_plan_still_loads(plan_json, tmp_path):
-    from planner.plan import load_plan
-    plan = load_plan(_write(tmp_path, plan_json))
+    from planner.plan import Plan
+    plan = Plan.load(_write(tmp_path, plan_json))
     assert plan.strategy.global_batch_size == plan.global_batch_size == 8 and plan.gpus == 2
 
 
@@ -162,20 +162,26 @@ def test_a_write_that_fails_at_the_end_is_one_line_and_leaves_no_partial_file(tm
 
 
 def test_a_run_json_of_another_plan_is_refused_by_report(profile, tmp_path):
-    from executor.launch import RunFile
-    from planner.rationale import describe
+    from planner.run_record import RunFile
     plan_a = plan_for(_strategy(), profile)
     plan_b = plan_for(_strategy(zero=1), profile)
-    run_of_b = RunFile(model=plan_b.model.name, strategy_summary=describe(plan_b.strategy), world_size=2, steps=2,
+    run_of_b = RunFile(model=plan_b.model.name, strategy_summary=plan_b.strategy.summary, world_size=2, steps=2,
                        warmup=1, backend="gloo", losses=(6.2, 6.1), step_time_s={"median_s": 0.05}, tokens_per_s=1.0,
-                       predicted_step_time_s=plan_b.prediction.step_time_s, ranks=(), comparisons=(), created_at="")
+                       predicted_step_time_s=plan_b.prediction.step_time_s, ranks=(), measures=(), created_at="")
     a = _write(tmp_path, plan_a.to_dict(), "a.json")
     run = _write(tmp_path, run_of_b.to_dict(), "run.json")
     res = runner.invoke(app, ["report", a, "--run", run])
     assert res.exit_code == 2
     line = _one_error_line(res)
-    assert f"is a run of {describe(plan_b.strategy)}" in line and describe(plan_a.strategy) in line
+    assert f"is a run of {plan_b.strategy.summary}" in line and plan_a.strategy.summary in line
     assert not (tmp_path / "report.html").exists()
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -215,7 +221,11 @@ def test_a_local_run_listens_on_no_network_port_and_sigterm_is_interrupted_exit_
     assert all(a.ip.startswith("127.") or a.ip == "::1" for a in listening), listening
     assert proc.returncode == 130, stderr[-2000:]
     assert stderr.strip().splitlines() == ["interrupted"], stderr[-2000:]
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree[1:])   # no orphan ranks
+    # no orphan ranks: a rank still tearing down when the launcher returns (its command line already gone) ends
+    # within a few seconds; an orphan would go on training its 100,000 steps
+    _, alive = psutil.wait_procs(tree[1:], timeout=10)
+    left = [p.pid for p in alive if _alive(p)]
+    assert not left, left
     assert not (tmp_path / "run.json").exists()
 
 

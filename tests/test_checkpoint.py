@@ -16,7 +16,7 @@ from cost_models.profile import ProfileFile
 from cost_models.strategy import Strategy
 from executor import checkpoint_layout as layout
 from executor.checkpoint import DUMP_STATE_ENV
-from executor.launch import launch
+from executor.launch import RunConfig, launch
 from executor.train import TrainConfig, single_process_losses
 from tests.plans import plan_file, plan_for
 from tests.test_executor import CFG, S
@@ -142,8 +142,8 @@ def zero3_checkpoint(tmp_path_factory, profile):
     root = tmp_path_factory.mktemp("zero3")
     os.environ[DUMP_STATE_ENV] = str(root)
     try:
-        run = launch(plan_for(S(4, 1, 3), profile), steps=3, warmup=0, seed=CFG.seed, lr=CFG.lr,
-                     checkpoint_dir=str(root / "ck"))
+        run = launch(plan_for(S(4, 1, 3), profile), RunConfig(steps=3, warmup=0, seed=CFG.seed, lr=CFG.lr,
+                                                              checkpoint_dir=str(root / "ck")))
     finally:
         del os.environ[DUMP_STATE_ENV]
     return root, run
@@ -155,7 +155,7 @@ def test_zero3_on_4_ranks_resumes_as_a_2_stage_1f1b_pipeline(zero3_checkpoint, p
     ck = root / "ck" / "step-00000003"
     assert run_a.checkpoints == (str(ck),)
     monkeypatch.setenv(DUMP_STATE_ENV, str(tmp_path))
-    run_b = launch(plan_for(S(1, 2, m=4), profile), steps=5, warmup=0, resume=str(root / "ck"))
+    run_b = launch(plan_for(S(1, 2, m=4), profile), RunConfig(steps=5, warmup=0, resume=str(root / "ck")))
     assert run_b.start_step == 3 and run_b.resumed_from == str(ck)
 
     at_save, loaded = _merged(root, "saved-step3"), _merged(tmp_path, "loaded")

@@ -21,7 +21,7 @@ from cost_models.errors import ConfigError
 from cost_models.fileio import dumps, write_atomic
 from executor import checkpoint, trust
 from executor import checkpoint_layout as layout
-from executor.launch import launch
+from executor.launch import RunConfig, launch
 from executor.train import SAVE_FILE_LIMIT_ENV
 from tests.plans import plan_file, plan_for
 from tests.test_checkpoint import _fake_checkpoint
@@ -105,7 +105,7 @@ def test_a_checkpoint_with_rewritten_files_and_digests_is_refused_before_anythin
 
     refusal = f"checkpoint {step} is not signed by this installation's key ({own_checkpoint_key}): {UNTRUSTED}"
     with pytest.raises(layout.CheckpointError) as exc:
-        launch(plan, steps=5, warmup=0, resume=str(ck))
+        launch(plan, RunConfig(steps=5, warmup=0, resume=str(ck)))
     assert str(exc.value) == refusal
     res = runner.invoke(app, ["run", str(plan_path), "--steps", "5", "--resume", str(ck), "-o", "-"])
     assert res.exit_code == 2 and res.stderr.strip().splitlines() == [f"error: {refusal}"]
@@ -114,15 +114,15 @@ def test_a_checkpoint_with_rewritten_files_and_digests_is_refused_before_anythin
     # without a signature, or with one made by another key
     (step / layout.SIG_NAME).unlink()
     with pytest.raises(layout.CheckpointError) as exc:
-        launch(plan, steps=5, warmup=0, resume=str(ck))
+        launch(plan, RunConfig(steps=5, warmup=0, resume=str(ck)))
     assert str(exc.value) == f"checkpoint {step} is not signed (it has no {layout.SIG_NAME}): {UNTRUSTED}"
     (step / layout.SIG_NAME).write_text(trust.sign((step / layout.META_NAME).read_bytes(), bytes(range(32))))
     with pytest.raises(layout.CheckpointError, match="is not signed by this installation's key"):
-        launch(plan, steps=5, warmup=0, resume=str(ck))
+        launch(plan, RunConfig(steps=5, warmup=0, resume=str(ck)))
     # a signed checkpoint, and no key here to check it with
     monkeypatch.setenv(trust.KEY_ENV, str(tmp_path / "absent.key"))
     with pytest.raises(layout.CheckpointError, match=r"is signed, but this installation has no key to check it \("):
-        launch(plan, steps=5, warmup=0, resume=str(ck))
+        launch(plan, RunConfig(steps=5, warmup=0, resume=str(ck)))
     assert not (tmp_path / "absent.key").exists()                # resuming never makes a key
     monkeypatch.delenv(trust.KEY_ENV)
 
@@ -130,7 +130,7 @@ def test_a_checkpoint_with_rewritten_files_and_digests_is_refused_before_anythin
     shard = step / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-1] + b"X")
     with pytest.raises(layout.CheckpointError, match="is damaged: __0_0.distcp does not match its sha256"):
-        launch(plan, steps=5, warmup=0, resume=str(ck), trust_checkpoint=True)
+        launch(plan, RunConfig(steps=5, warmup=0, resume=str(ck), trust_checkpoint=True))
     assert not marker.exists()
 
     # the payload is live: DCP's reader runs it, which is what the refusal keeps from happening

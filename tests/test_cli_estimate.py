@@ -7,6 +7,7 @@ from cli import app
 from cost_models.fileio import dumps, write_atomic
 from cost_models.presets import preset
 from cost_models.profile import ProfileFile
+from cost_models.schedule import SCHEDULES
 
 runner = CliRunner()
 
@@ -52,3 +53,18 @@ def test_estimate_input_errors(tmp_path, tiny_profiles):
                           ("--precision", "fp8"): "--precision must be"}.items():
         res = runner.invoke(app, ["estimate", path, *args])
         assert res.exit_code == 2 and message in res.stderr, (args, res.output)
+
+
+def test_estimate_of_a_strategy_the_executor_refuses_says_so(tmp_path, tiny_profiles):
+    # zbv puts gpt-tiny's first and last stage (tied embedding and head) on rank 0: estimated, with a note
+    args = ["--dp", "1", "--pp", "2", "--v", "2", "--schedule", "zbv", "-m", "4", "--precision", "fp32"]
+    res = runner.invoke(app, ["estimate", _profile_file(tmp_path, tiny_profiles["gpt-tiny", True],
+                                                       preset("dgx-a100")), *args])
+    assert res.exit_code == 0, res.output
+    assert "step time:" in res.stdout
+    assert res.stderr.strip() == ("note: planner run would refuse this strategy: zbv puts stages [0, 3], which share a "
+                                  "tied parameter, on one rank: " + SCHEDULES["zbv"].same_rank_tie)
+    (tmp_path / "llama").mkdir()
+    untied = runner.invoke(app, ["estimate", _profile_file(tmp_path / "llama", tiny_profiles["llama-tiny", True],
+                                                          preset("dgx-a100")), *args])
+    assert untied.exit_code == 0 and "refuse" not in untied.stderr

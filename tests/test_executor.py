@@ -98,8 +98,8 @@ def test_planner_run_writes_run_json(tmp_path, profile, reference):
     assert run["kind"] == "zeropipe.run" and run["world_size"] == 2 and len(run["ranks"]) == 2
     assert run["losses"] == pytest.approx(reference, rel=1e-4)
     assert run["step_time_s"]["steps"] == 4 and run["step_time_s"]["median_s"] > 0
-    quantities = {c["quantity"] for c in run["comparisons"]}
-    assert "step time (s)" in quantities and "rank 1 parameters (B)" in quantities
+    quantities = {(c["quantity"], c["unit"]) for c in run["measures"]}
+    assert ("step time", "s") in quantities and ("rank 1 parameters", "B") in quantities
 
 
 @pytest.mark.slow
@@ -128,16 +128,17 @@ def test_torchrun_example_runs():
 def test_run_refuses_a_plan_this_machine_cannot_host(tmp_path):
     from typer.testing import CliRunner
     from cli import app
+    from planner.request import PlanRequest
     from planner.search import plan as make_plan
     prof = profile_model(resolve("llama2-7b"), micro_batch_size=1, seq_len=64, meta=True, dtype="bf16")
-    big = make_plan(prof, preset("dgx-h100", nodes=8), gpus=64, global_batch_size=64)
+    big = make_plan(prof, preset("dgx-h100", nodes=8), PlanRequest(gpus=64, global_batch_size=64))
     path = tmp_path / "plan.json"
     from cost_models.fileio import dumps, write_atomic
     write_atomic(path, dumps(big.to_dict()))
     res = CliRunner().invoke(app, ["run", str(path), "-o", "-"])
     assert res.exit_code == 2
     assert res.stderr.strip().startswith("error: the plan puts 64 ranks on this node")
-    small = make_plan(prof, preset("dgx-h100"), gpus=2, global_batch_size=8)
+    small = make_plan(prof, preset("dgx-h100"), PlanRequest(gpus=2, global_batch_size=8))
     write_atomic(path, dumps(small.to_dict()), overwrite=True)
     res = CliRunner().invoke(app, ["run", str(path), "-o", "-"])
     assert res.exit_code == 2 and "GiB, this machine has" in res.stderr   # 7B of model states on CPU ranks

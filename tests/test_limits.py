@@ -14,6 +14,7 @@ from cost_models.memory import zero1_partition
 from cost_models.presets import preset
 from cost_models.profile import ProfileFile
 from cost_models.strategy import Strategy
+from planner.request import PlanRequest
 from planner.search import plan
 
 runner = CliRunner()
@@ -61,20 +62,20 @@ def test_plan_refuses_gpus_below_one_and_none_means_the_whole_cluster(tiny_profi
     prof, cluster = tiny_profiles["gpt-tiny", True], preset("dgx-h100")
     for gpus in (0, -2):
         with pytest.raises(ConfigError, match=rf"^--gpus must be >= 1, got {gpus}$"):
-            plan(prof, cluster, gpus=gpus, global_batch_size=64)
-    assert plan(prof, cluster, gpus=None, global_batch_size=64).gpus == 8
+            plan(prof, cluster, PlanRequest(gpus=gpus, global_batch_size=64))
+    assert plan(prof, cluster, PlanRequest(gpus=None, global_batch_size=64)).gpus == 8
 
 
 def test_a_batch_needing_more_micro_batches_than_simulated_is_refused(tiny_profiles):
     # 8 devices x 64 sequences per micro-batch x MAX_MICROBATCHES micro-batches is far below 4M sequences
     with pytest.raises(ConfigError, match=rf"more than {MAX_MICROBATCHES:,} micro-batches of up to 64 sequences"):
-        plan(tiny_profiles["gpt-tiny", True], preset("dgx-h100"), gpus=8, global_batch_size=MAX_GLOBAL_BATCH)
+        plan(tiny_profiles["gpt-tiny", True], preset("dgx-h100"), PlanRequest(gpus=8, global_batch_size=MAX_GLOBAL_BATCH))
 
 
 def test_the_largest_allowed_plan_completes(tiny_profiles):
     # every device the planner supports (16,384 DGX H100 nodes) at the largest global batch
-    p = plan(tiny_profiles["gpt-tiny", True], preset("dgx-h100", nodes=MAX_GPUS // 8), gpus=MAX_GPUS,
-             global_batch_size=MAX_GLOBAL_BATCH)
+    p = plan(tiny_profiles["gpt-tiny", True], preset("dgx-h100", nodes=MAX_GPUS // 8),
+             PlanRequest(gpus=MAX_GPUS, global_batch_size=MAX_GLOBAL_BATCH))
     assert p.gpus == MAX_GPUS and p.strategy.world_size == MAX_GPUS
     assert p.strategy.global_batch_size == MAX_GLOBAL_BATCH
     assert len(p.prediction.memory_per_rank) == MAX_GPUS            # the winner still lists every rank
@@ -82,7 +83,7 @@ def test_the_largest_allowed_plan_completes(tiny_profiles):
 
 
 def test_a_large_plan_on_128_nodes_completes(tiny_profiles):
-    p = plan(tiny_profiles["gpt-tiny", True], preset("dgx-h100", nodes=128), gpus=1024, global_batch_size=2**16)
+    p = plan(tiny_profiles["gpt-tiny", True], preset("dgx-h100", nodes=128), PlanRequest(gpus=1024, global_batch_size=2**16))
     assert p.gpus == 1024 and p.strategy.world_size == 1024 and p.strategy.global_batch_size == 2**16
 
 

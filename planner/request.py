@@ -1,0 +1,43 @@
+"""What `planner plan` is asked: the devices, the batch, the training setup and the part of the space to search."""
+from __future__ import annotations
+
+from cost_models.cluster import ClusterProfile
+from cost_models.errors import ConfigError
+from cost_models.limits import check_global_batch, check_gpus
+from cost_models.records import Record, record
+from cost_models.schedule import get_spec
+from cost_models.strategy import Optimizer, Precision, check_training
+
+
+@record
+class PlanRequest(Record):
+    global_batch_size: int                         # sequences per optimizer step, over all replicas
+    gpus: int | None = None                        # None: every device of the cluster
+    top_k: int = 5                                 # alternatives costed in full and kept in the plan
+    precision: Precision = "bf16-mixed"
+    optimizer: Optimizer = "adamw"
+    time_limit_s: float = 10.0                     # the MILP partitioner's, for the winner's provenance
+    prune: bool = True                             # False: cost every point the memory bound lets through
+    schedules: tuple[str, ...] | None = None       # narrow the pipeline schedules searched (None: all)
+    micro_batch_sizes: tuple[int, ...] | None = None
+    max_v: int | None = None
+
+    def resolved_gpus(self, cluster: ClusterProfile) -> int:
+        """The GPU count to plan for, checked against the cluster (one-line ConfigErrors); the request's other
+        fields are checked too. A gpus below 1 or above cost_models/limits.py's MAX_GPUS is refused, never read as
+        "all"."""
+        if self.gpus is None:
+            gpus = cluster.world_size
+            check_gpus(gpus, "the cluster's device count (nodes x devices per node)")
+        else:
+            gpus = self.gpus
+            check_gpus(gpus)                       # >= 1 and within MAX_GPUS
+        if gpus > cluster.world_size:
+            raise ConfigError(f"--gpus {gpus} but the cluster has {cluster.world_size} devices; add --nodes or lower --gpus")
+        check_global_batch(self.global_batch_size)   # >= 1 and within MAX_GLOBAL_BATCH
+        if self.top_k < 1:
+            raise ConfigError(f"--top-k must be >= 1, got {self.top_k}")
+        check_training(self.precision, self.optimizer)
+        for name in self.schedules or ():
+            get_spec(name)
+        return gpus
