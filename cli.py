@@ -316,15 +316,19 @@ def estimate(
     cluster: ClusterOverride = None,
     nodes: Nodes = None,
     as_json: AsJson = False,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", help="also write plan.json of exactly this strategy, for `planner run`")] = None,
+    force: Force = False,
 ) -> None:
-    """Predict step time and per-rank memory of one strategy; exit 3 if it does not fit."""
-    from cost_models.errors import InfeasibleError
+    """Predict step time and per-rank memory of one strategy; exit 3 if it does not fit. With -o, write it as a plan
+    (the same format as `planner plan`'s, chosen by hand) that `planner run` runs."""
     from cost_models.estimate import estimate as run_estimate
-    from cost_models.formatting import fixed
     from cost_models.strategy import check_training
-    from planner.manual import StrategyRequest, build_strategy, load_profile_for
+    from planner.manual import (StrategyRequest, build_strategy, check_fits, executor_refuses, load_profile_for,
+                                manual_plan)
 
     check_training(precision, optimizer)   # before any file is read
+    write_to, overwrite = _prepare_output(output, force) if output else (None, False)
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
@@ -334,14 +338,14 @@ def estimate(
         print(dumps({"strategy": strategy.to_dict(), **est.to_dict()}), end="")
     else:
         _print_estimate(strategy, est)
-        refused = strategy.unsafe_reason() or strategy.split_tie(sp.units for sp in pf.model.shared)
+        refused = executor_refuses(strategy, pf.model)
         if refused:   # the estimate stands; the planner never offers it and `planner run` refuses it
             err.print(f"note: planner run would refuse this strategy: {refused}", highlight=False, soft_wrap=True)
-    if not est.fits:
-        worst = max(est.memory_per_rank, key=lambda m: m.total_bytes)
-        raise InfeasibleError(f"does not fit: rank {worst.rank} needs {fixed(worst.total_bytes, 'GiB')}, the device "
-                              f"has {fixed(est.capacity_bytes, 'GiB')}; try more --zero, --recompute all, a smaller "
-                              f"--micro-batch-size, or more --pp")
+    check_fits(est)
+    if write_to:   # refused (one line, exit 2) where planner run would refuse it
+        manual_plan(strategy, pf.model, target, profile_path=str(profile_path),
+                    command=_command_line()).save(write_to, overwrite=overwrite)
+        err.print(f"wrote {write_to}", highlight=False)
 
 
 def _print_estimate(strategy, est) -> None:

@@ -1,17 +1,22 @@
 """Build one Strategy from flags (what `planner estimate` evaluates): stages balanced by the exact chain DP."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from cost_models.cluster import ClusterProfile
 from cost_models.compute import unit_times
-from cost_models.errors import ConfigError
+from cost_models.errors import ConfigError, InfeasibleError
+from cost_models.estimate import estimate
+from cost_models.formatting import fixed
 from cost_models.limits import check_global_batch, check_gpus, check_microbatches
 from cost_models.profile import ModelProfile, ProfileFile
 from cost_models.records import Record, record
 from cost_models.schedule import DEFAULT_SCHEDULE
 from cost_models.strategy import Optimizer, Precision, Strategy
 from cost_models.validate import validate_cluster
+from planner.plan import ModelRef, Plan, Provenance, installed_versions, now_utc, profile_digest
+from planner.rationale import by_hand
 from planner.partition import balanced_partition, stages_from_ranges
 
 
@@ -87,3 +92,42 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
     return Strategy(dp=dp, pp=pp, zero=r.zero, schedule=r.schedule, microbatches=microbatches, micro_batch_size=mbs,
                     v=v, stages=stages_from_ranges([u.name for u in profile.units], ranges),
                     recompute=parse_recompute(r.recompute, n_stages), precision=precision, optimizer=r.optimizer)
+
+
+def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
+    """Why `planner run` would refuse the strategy on this model (the schedule registry's guards), or None."""
+    return strategy.unsafe_reason() or strategy.split_tie(sp.units for sp in profile.shared)
+
+
+def check_fits(est) -> None:
+    """InfeasibleError (exit 3) naming the fullest rank, unless the estimate fits."""
+    if not est.fits:
+        worst = max(est.memory_per_rank, key=lambda m: m.total_bytes)
+        raise InfeasibleError(f"does not fit: rank {worst.rank} needs {fixed(worst.total_bytes, 'GiB')}, the device "
+                              f"has {fixed(est.capacity_bytes, 'GiB')}; try more --zero, --recompute all, a smaller "
+                              f"--micro-batch-size, or more --pp")
+
+
+def manual_plan(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *, profile_path: str = "",
+                command: str = "") -> Plan:
+    """A plan of exactly `strategy` (`planner estimate -o`; tests that need a given shape): the same format as
+    `planner plan`'s, its rationale and provenance saying it was chosen by hand. Refuses (InfeasibleError) a
+    strategy that does not fit."""
+    t0 = time.perf_counter()
+    s = strategy
+    refused = executor_refuses(s, profile)
+    if refused:
+        raise ConfigError(f"planner run would refuse this strategy: {refused}")
+    est = estimate(s, profile, cluster)
+    check_fits(est)
+    provenance = Provenance(
+        profile_path=profile_path, profile_digest=profile_digest(profile_path) if profile_path else "",
+        cluster=cluster.name, partitioner="chain-dp (balanced, chosen by hand)" if s.n_stages > 1 else "none (one stage)",
+        milp_status="not run (chosen by hand)", milp_bottleneck_s=None, dp_bottleneck_s=None, points_considered=1,
+        points_pruned=0, points_costed=1, planning_time_s=time.perf_counter() - t0, versions=installed_versions(),
+        command=command, created_at=now_utc())
+    return Plan(model=ModelRef(name=profile.name, source=profile.source, seq_len=profile.seq_len,
+                               input_kind=profile.input.kind, units=tuple(u.name for u in profile.units)),
+                cluster=cluster, gpus=s.world_size, global_batch_size=s.global_batch_size, strategy=s,
+                stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=est, alternatives=(),
+                rationale=by_hand(s, est, cluster), provenance=provenance)

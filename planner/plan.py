@@ -1,6 +1,9 @@
 """The plan file: the chosen strategy, its prediction, the alternatives and why they lost, and provenance."""
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
+from pathlib import Path
 from typing import Literal
 
 from cost_models.cluster import ClusterProfile
@@ -52,6 +55,32 @@ class Provenance(Record):
     versions: dict[str, str]
     command: str
     created_at: str
+
+
+def installed_versions() -> dict[str, str]:
+    """What made a plan: zeropipe, torch, pulp and Python versions (a plan's provenance)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+    import pulp
+    import torch
+    try:
+        zeropipe = version("zeropipe")
+    except PackageNotFoundError:
+        zeropipe = "unknown"
+    return {"zeropipe": zeropipe, "torch": torch.__version__, "pulp": pulp.__version__,
+            "python": platform.python_version()}
+
+
+def profile_digest(path: str) -> str:
+    """sha256 of the profile file a plan was made from ("" if it cannot be read): replan checks it is unchanged."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def now_utc() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 @record

@@ -14,6 +14,36 @@ _COMPONENTS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("p2p_
                ("dp_comm_s", "data-parallel collectives"), ("optimizer_s", "optimizer step"))
 
 
+def _own_binding(est: Estimate, cluster: ClusterProfile) -> tuple[str, str]:
+    """What binds a strategy judged on its own breakdown: exposed communication past COMM_BINDS of the step, else
+    computation."""
+    b = est.breakdown
+    comm_share = (b.dp_comm_s + b.p2p_s) / est.step_time_s if est.step_time_s else 0.0
+    link = cluster.inter_node if est.comm.dp_link == "inter-node" and cluster.inter_node else cluster.intra_node
+    if comm_share >= COMM_BINDS:
+        return "bandwidth", (f"bandwidth binds: {comm_share:.0%} of the step is exposed communication "
+                             f"({duration(b.dp_comm_s)} data-parallel over {link.kind}, {duration(b.p2p_s)} p2p)")
+    return "compute", (f"compute binds: {b.compute_s / est.step_time_s:.0%} of the step is computation; bubble "
+                       f"{duration(b.bubble_s)}, exposed communication {duration(b.dp_comm_s + b.p2p_s)}")
+
+
+def _chosen_line(s: Strategy, est: Estimate) -> str:
+    return (f"chosen: {s.summary}: {duration(est.step_time_s)} per step, {est.tokens_per_s:,.0f} "
+            f"{est.throughput_unit}/s, peak {fixed(est.peak_memory_bytes, 'GiB', show_unit=False)} of "
+            f"{fixed(est.capacity_bytes, 'GiB')}")
+
+
+def by_hand(s: Strategy, est: Estimate, cluster: ClusterProfile) -> Rationale:
+    """The rationale of a strategy chosen by hand (`planner estimate -o`): what binds it, with its numbers; no other
+    strategy was compared."""
+    binding, why = _own_binding(est, cluster)
+    lines = (_chosen_line(s, est).replace("chosen:", "chosen by hand:", 1), why,
+             "not compared with other strategies: `planner plan` searches them all")
+    return Rationale(binding=binding, winner_family=s.family,
+                     summary=f"chosen by hand: {s.summary} at {duration(est.step_time_s)} per step; {why}",
+                     lines=lines, best_by_family={s.family: est.step_time_s})
+
+
 def why_lost(s: Strategy, est: Estimate, ws: Strategy, west: Estimate) -> str:
     """The component that grew most against the winner, with both numbers."""
     if not est.fits:
@@ -41,7 +71,6 @@ def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: Clus
         if fam not in best or c.estimate.step_time_s < best[fam][1].step_time_s:
             best[fam] = (c.strategy, c.estimate)
     b = west.breakdown
-    comm_share = (b.dp_comm_s + b.p2p_s) / west.step_time_s if west.step_time_s else 0.0
     wf = ws.family
     others = [(e.step_time_s, s_, e) for fam, (s_, e) in best.items() if fam != wf]
     runner = min(others, key=lambda x: x[0], default=None)
@@ -51,7 +80,6 @@ def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: Clus
         deltas = {f: getattr(re_.breakdown, f) - getattr(b, f) for f, _ in _COMPONENTS}
         if max(deltas, key=deltas.get) in ("dp_comm_s", "p2p_s"):
             runner_comm = (rs, re_)
-    link = cluster.inter_node if west.comm.dp_link == "inter-node" and cluster.inter_node else cluster.intra_node
     if runner_comm is not None:
         # The question "ZeRO or pipeline?" was decided by the links: the best other family lost to communication.
         rs, re_ = runner_comm
@@ -66,18 +94,10 @@ def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: Clus
         why = (f"memory binds: the fastest strategy, {fastest_unfit.strategy.summary}, would take "
                f"{duration(fast.step_time_s)} but needs {fixed(fast.peak_memory_bytes, 'GiB', 1)} "
                f"per device against {fixed(cluster.device.memory_bytes, 'GiB', 1)}")
-    elif comm_share >= COMM_BINDS:
-        binding = "bandwidth"
-        why = (f"bandwidth binds: {comm_share:.0%} of the step is exposed communication "
-               f"({duration(b.dp_comm_s)} data-parallel over {link.kind}, {duration(b.p2p_s)} p2p)")
     else:
-        binding = "compute"
-        why = (f"compute binds: {b.compute_s / west.step_time_s:.0%} of the step is computation; bubble "
-               f"{duration(b.bubble_s)}, exposed communication {duration(b.dp_comm_s + b.p2p_s)}")
+        binding, why = _own_binding(west, cluster)
     names = {"zero": "ZeRO (data parallel)", "pipeline": "pipeline", "hybrid": "pipeline x ZeRO hybrid"}
-    lines = [f"chosen: {ws.summary}: {duration(west.step_time_s)} per step, {west.tokens_per_s:,.0f} "
-             f"{west.throughput_unit}/s, peak {fixed(west.peak_memory_bytes, 'GiB', show_unit=False)} of "
-             f"{fixed(west.capacity_bytes, 'GiB')}", why]
+    lines = [_chosen_line(ws, west), why]
     for fam in ("zero", "pipeline", "hybrid"):
         if fam == wf:
             continue

@@ -8,9 +8,9 @@ from pathlib import Path
 from cost_models.errors import ConfigError
 from cost_models.profile import ProfileFile
 from cost_models.cluster_source import check_cluster_args
-from planner.plan import Plan, check_plan
+from planner.plan import Plan, check_plan, profile_digest
 from planner.request import PlanRequest
-from planner.search import ProgressFn, plan, profile_digest
+from planner.search import ProgressFn, plan
 
 
 def replan(old: Plan, *, gpus: int, profile_path: str | None = None, cluster: str | None = None,

@@ -11,19 +11,16 @@ with the memory-aware exact DP partition.
 """
 from __future__ import annotations
 
-import datetime as dt
-import hashlib
 import math
-import platform
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable
 
 from cost_models.cluster import ClusterProfile
 from cost_models.compute import unit_times
 from cost_models.errors import ConfigError, InfeasibleError
 from cost_models.estimate import Estimate, activation_scale, estimate, tied_copies
+from cost_models.formatting import fixed
 from cost_models.limits import MAX_MICROBATCHES
 from cost_models.memory import OVERHEAD_BYTES, executor_state_bytes, zero_model_state_bytes
 from cost_models.profile import ModelProfile
@@ -31,11 +28,11 @@ from cost_models.schedule import get_spec
 from cost_models.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition, stages_from_ranges)
-from planner.plan import Alternative, Candidate, ModelRef, Plan, Provenance
+from planner.plan import (Alternative, Candidate, ModelRef, Plan, Provenance, installed_versions, now_utc,
+                          profile_digest)
 from planner.rationale import explain, why_lost
 from planner.request import PlanRequest
 from planner.space import MAX_MICRO_BATCH, Point, enumerate_points
-from cost_models.formatting import fixed
 
 ProgressFn = Callable[[int, int], None]
 
@@ -129,13 +126,6 @@ def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, pa
         return attempts, 2
     attempts.append(_Costed(point, strategy, estimate(strategy, profile, cluster, compact=True)))
     return attempts, 3
-
-
-def profile_digest(path: str) -> str:
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
-        return ""
 
 
 @dataclass
@@ -299,8 +289,6 @@ def _candidates(costed: list[_Costed]) -> tuple[Candidate, ...]:
 
 def _provenance(found: SearchResult, winner: _Costed, profile: ModelProfile, cluster: ClusterProfile,
                 request: PlanRequest, *, profile_path: str, command: str, t0: float) -> Provenance:
-    import pulp
-    import torch
     partitioner, milp_status, milp_b, dp_b = _partition_provenance(winner, profile, found.unit_cost,
                                                                    request.time_limit_s)
     return Provenance(
@@ -308,9 +296,7 @@ def _provenance(found: SearchResult, winner: _Costed, profile: ModelProfile, clu
         cluster=cluster.name, partitioner=partitioner, milp_status=milp_status, milp_bottleneck_s=milp_b,
         dp_bottleneck_s=dp_b, points_considered=found.considered, points_pruned=found.pruned,
         points_costed=found.costed, planning_time_s=time.perf_counter() - t0,
-        versions={"zeropipe": _version(), "torch": torch.__version__, "pulp": pulp.__version__,
-                  "python": platform.python_version()},
-        command=command, created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+        versions=installed_versions(), command=command, created_at=now_utc())
 
 
 def _partition_provenance(winner: _Costed, profile: ModelProfile, unit_cost: list[float],
@@ -329,11 +315,3 @@ def _partition_provenance(winner: _Costed, profile: ModelProfile, unit_cost: lis
     except InfeasibleError as exc:
         return ("chain-dp", f"failed: {exc}", None, problem.bottleneck(dp_ranges))
     return ("chain-dp", status, objective, problem.bottleneck(dp_ranges))
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("zeropipe")
-    except Exception:
-        return "unknown"

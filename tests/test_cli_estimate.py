@@ -68,3 +68,30 @@ def test_estimate_of_a_strategy_the_executor_refuses_says_so(tmp_path, tiny_prof
     untied = runner.invoke(app, ["estimate", _profile_file(tmp_path / "llama", tiny_profiles["llama-tiny", True],
                                                           preset("dgx-a100")), *args])
     assert untied.exit_code == 0 and "refuse" not in untied.stderr
+
+
+def test_estimate_o_writes_a_plan_of_exactly_that_strategy(tmp_path, tiny_profiles):
+    from planner.plan import Plan
+    path = _profile_file(tmp_path, tiny_profiles["llama-tiny", True], preset("dgx-a100"))
+    args = ["estimate", path, "--dp", "2", "--pp", "2", "--zero", "1", "--schedule", "gpipe", "-m", "4",
+            "--precision", "fp32", "-o", str(tmp_path / "plan.json")]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    p = Plan.load(tmp_path / "plan.json")   # loads and passes check_plan
+    s = p.strategy
+    assert (s.dp, s.pp, s.zero, s.schedule, s.microbatches, s.precision) == (2, 2, 1, "gpipe", 4, "fp32")
+    assert p.gpus == 4 and p.global_batch_size == 2 * 4 * s.micro_batch_size and p.alternatives == ()
+    assert p.provenance.milp_status == "not run (chosen by hand)" and p.provenance.points_costed == 1
+    assert p.rationale.summary.startswith("chosen by hand: ") and p.rationale.winner_family == "hybrid"
+    assert p.prediction.step_time_s > 0 and "step time:" in res.stdout
+    again = runner.invoke(app, args)   # nothing a user made is overwritten without asking
+    assert again.exit_code == 2 and "already exists" in again.stderr
+
+
+def test_estimate_o_refuses_what_planner_run_would_refuse(tmp_path, tiny_profiles):
+    path = _profile_file(tmp_path, tiny_profiles["gpt-tiny", True], preset("dgx-a100"))
+    res = runner.invoke(app, ["estimate", path, "--pp", "2", "--v", "2", "--schedule", "zbv", "-m", "4",
+                              "--precision", "fp32", "-o", str(tmp_path / "plan.json")])
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines()[-1].startswith("error: planner run would refuse this strategy: zbv puts")
+    assert not (tmp_path / "plan.json").exists()
