@@ -486,6 +486,7 @@ def run(
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue from a checkpoint: a step folder, or a --checkpoint-dir (its latest complete one); any plan of the same model and batch"),
     overwrite_checkpoints: bool = typer.Option(False, "--overwrite-checkpoints", help="replace checkpoints in --checkpoint-dir past the step this run starts at"),
     trust_checkpoint: bool = typer.Option(False, "--trust-checkpoint", help="--resume from a checkpoint this installation's key did not sign (see --checkpoint-dir; ZEROPIPE_CHECKPOINT_KEY names another key file): loading it runs code stored in it (torch DCP unpickles .metadata), so only for checkpoints you made or trust who made; sizes and sha256 are still checked"),
+    data: Optional[Path] = typer.Option(None, "--data", help="train on a token file: nanoGPT's uint16 .bin or a 1-d .npy (uint16/uint32/int32/int64), memory-mapped; step k reads windows k*B .. k*B+B-1 of seq_len+1 tokens (default: synthetic tokens)"),
     as_json: AsJson = False,
 ) -> None:
     """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction.
@@ -498,7 +499,7 @@ def run(
                        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                        checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
                        resume=str(resume) if resume else None, overwrite_checkpoints=overwrite_checkpoints,
-                       trust_checkpoint=trust_checkpoint)
+                       trust_checkpoint=trust_checkpoint, data=str(data) if data else None)
     write_to, overwrite = _prepare_output(output, force)
     the_plan = Plan.load(plan_path)
     with err.status(f"running {the_plan.strategy.world_size} ranks up to step {steps}"):

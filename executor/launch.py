@@ -29,6 +29,7 @@ from cost_models.formatting import fixed
 from cost_models.records import Record, record
 from executor import checkpoint_layout as layout
 from executor import trust
+from executor.data import TokenFile
 from executor.train import TrainConfig, run_on_rank, summarize_times
 from executor.stages import check_covers_model
 from planner.plan import Plan, check_plan
@@ -144,6 +145,7 @@ class RunConfig(Record):
     resume: str | None = None            # a checkpoint folder (step-N) or the folder holding them
     overwrite_checkpoints: bool = False  # replace checkpoints past this run's start in checkpoint_dir
     trust_checkpoint: bool = False       # resume from a checkpoint this installation's key did not sign
+    data: str | None = None              # a token file (executor.data); None: synthetic batches
 
     def check(self, world_size: int) -> None:
         """The flags' own constraints, as one-line ConfigErrors, before anything is read or started."""
@@ -166,6 +168,8 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
     run.check(plan.strategy.world_size)
     check_plan(plan)
     _check_model(plan)
+    if run.data:
+        _check_data(plan, run.data)
     start, step_dir, seed, lr = 0, None, run.seed, run.lr
     if run.resume:
         step_dir, meta = _resume_point(run.resume, plan, run.steps, trusted=run.trust_checkpoint, on_resume=on_resume)
@@ -179,7 +183,7 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
                       steps=run.steps, warmup=run.warmup, seed=0 if seed is None else seed,
                       lr=1e-3 if lr is None else lr, start_step=start, resume_from=str(step_dir) if step_dir else None,
                       trust_checkpoint=run.trust_checkpoint, checkpoint_dir=run.checkpoint_dir,
-                      checkpoint_every=run.checkpoint_every, checkpoint_keep=run.checkpoint_keep)
+                      checkpoint_every=run.checkpoint_every, checkpoint_keep=run.checkpoint_keep, data=run.data)
     gathered = _start_ranks(plan, run, cfg, per_node)
     if gathered is None:
         return None
@@ -242,6 +246,19 @@ def _check_model(plan: Plan) -> None:
     from cost_models.models.source import DTYPES, resolve
     model = resolve(plan.model.source).build(device="meta", dtype=DTYPES["fp32"])
     check_covers_model(model, plan.strategy.stages)
+
+
+def _check_data(plan: Plan, path: str) -> None:
+    """Before any rank starts: the token file opens, holds a window, and every id is in the model's vocabulary."""
+    from cost_models.models.source import DTYPES, resolve
+    if plan.model.input_kind != "tokens":
+        raise ConfigError(f"--data feeds token ids; {plan.model.name} takes {plan.model.input_kind} inputs")
+    tokens = TokenFile(path, plan.model.seq_len)
+    source = resolve(plan.model.source)
+    model = source.build(device="meta", dtype=DTYPES["fp32"])
+    example = source.example_input(model, 1, plan.model.seq_len, "cpu")[0]
+    with source.forward_context(), torch.no_grad():
+        tokens.check_ids(vocab=model(example.to("meta")).shape[-1])
 
 
 def _check_checkpoint_dir(root: Path, start: int, overwrite: bool) -> None:

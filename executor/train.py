@@ -10,7 +10,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from cost_models.records import Record, record
 from cost_models.schedule import DEFAULT_SCHEDULE
 from cost_models.strategy import Strategy
 from executor import checkpoint, checkpoint_layout
+from executor.data import TokenFile
 from executor.measure import CommCounter, peak_memory_bytes
 from executor.runtime import build_runtime, stage_io_shapes
 from executor.stages import build_stages, buffers_by_canonical, canonical_names, params_by_canonical
@@ -54,6 +55,7 @@ class TrainConfig(Record):
     checkpoint_dir: str | None = None      # where to save checkpoints
     checkpoint_every: int = 0              # save after every K steps (0: only after the last step)
     checkpoint_keep: int = 0               # keep the newest K complete checkpoints (0: all)
+    data: str | None = None                # a token file (executor.data); None: synthetic batches
 
 
 def optimizer_for(strategy: Strategy, lr: float):
@@ -77,6 +79,16 @@ def synthetic_batch(cfg: TrainConfig, example: torch.Tensor, out_shape: tuple[in
     else:
         targets = torch.randn((global_batch, *out_shape[1:]), generator=gen)
     return inputs, targets
+
+
+def batch_source(cfg: TrainConfig, example: torch.Tensor, out_shape: tuple[int, ...], global_batch: int,
+                 loss: str) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """step -> the whole global batch of that step, identical on every rank (each takes its replica's slice): the
+    token file's windows (executor.data) with --data, else synthetic_batch."""
+    if cfg.data:
+        tokens = TokenFile(cfg.data, cfg.seq_len)
+        return lambda step: tokens.batch(step, global_batch)
+    return lambda step: synthetic_batch(cfg, example, out_shape, global_batch, step, loss)
 
 
 def _setup(cfg: TrainConfig, strategy: Strategy):
@@ -119,9 +131,10 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
     fail_rank, fail_step, how = _injected_failure()
     per_replica = strategy.microbatches * strategy.micro_batch_size
     progress, counter = _Progress(), None
+    batches = batch_source(cfg, example, out_shape, strategy.global_batch_size, loss)
     for step in range(cfg.start_step, cfg.steps + (1 if cfg.count_comm else 0)):
         counting = cfg.count_comm and step == cfg.steps
-        inputs, targets = synthetic_batch(cfg, example, out_shape, strategy.global_batch_size, step, loss)
+        inputs, targets = batches(step)
         sl = slice(rt.dp_rank * per_replica, (rt.dp_rank + 1) * per_replica)
         x, y = inputs[sl].to(device), targets[sl].to(device)
         injected = step == fail_step and dist.get_rank() == fail_rank
@@ -279,8 +292,9 @@ def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:
         checkpoint.load(checkpoint.state_dict(params, buffers_by_canonical([stage]), opt, rng_rank=None),
                         Path(cfg.resume_from))
     out = []
+    batches = batch_source(cfg, example, out_shape, strategy.global_batch_size, loss)
     for step in range(cfg.start_step, cfg.steps):
-        x, y = synthetic_batch(cfg, example, out_shape, strategy.global_batch_size, step, loss)
+        x, y = batches(step)
         value = compute_loss(loss, stage(x), y)
         value.backward()
         value = value.detach()
