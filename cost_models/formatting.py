@@ -8,6 +8,7 @@ conventions say.
 """
 from __future__ import annotations
 
+import datetime as dt
 import math
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
@@ -95,3 +96,8 @@ def measured(value: float, unit: str) -> str:
     if unit == "B":
         return fixed(value, "MiB", 3)
     raise ValueError(f"no format for unit {unit!r}")
+
+
+def now_utc() -> str:
+    """The timestamp every zeropipe file records (created_at): UTC, ISO 8601, whole seconds."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

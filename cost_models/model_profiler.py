@@ -20,7 +20,6 @@ profiler substitutes torch's fused CPU flash kernel (which has meta support) so 
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import statistics
 import time
 from collections import OrderedDict
@@ -34,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from cost_models.errors import ConfigError, ProfileError
-from cost_models.formatting import fixed
+from cost_models.formatting import fixed, now_utc
 from cost_models.models.losses import compute_loss, loss_kind, synthetic_target
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.profile import ModelProfile, SharedParam, Timing, UnitEdge, UnitProfile
@@ -505,7 +504,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         unassigned_params=total_params - assigned, shared=tuple(shared),
         model_fwd_flops=model_fwd_flops, attention_kernels=tuple(sorted(attention)), edges=edges,
         largest_unit=largest.name, device=device, threads=torch.get_num_threads(), torch_version=torch.__version__,
-        command=command, created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        command=command, created_at=now_utc(),
     )
 
 

@@ -20,7 +20,6 @@ lists has its size and sha256: the signature vouches for the digests, the digest
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import fcntl
 import hashlib
 import os
@@ -32,6 +31,7 @@ from typing import Iterator
 from cost_models.errors import ConfigError, FileFormatError
 from cost_models.file_record import FileRecord
 from cost_models.fileio import write_atomic
+from cost_models.formatting import now_utc
 from cost_models.records import Record, record
 from executor import trust
 from planner.plan import Plan
@@ -235,7 +235,7 @@ def commit(root: Path, step: int, meta_fields: dict, files: list[FileDigest]) ->
     listed = {f.name for f in files}
     files = files + [digest(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name not in listed]
     meta = CheckpointMeta(step=step, files=tuple(sorted(files, key=lambda f: f.name)),
-                          created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **meta_fields)
+                          created_at=now_utc(), **meta_fields)
     meta.save(tmp / META_NAME)
     signature = trust.sign((tmp / META_NAME).read_bytes(), trust.load_or_create_key(trust.key_path()))
     write_atomic(tmp / SIG_NAME, signature + "\n")

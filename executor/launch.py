@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
 import os
 import shlex
 import shutil
@@ -25,7 +24,7 @@ import torch.distributed as dist
 
 from cost_models.elastic import elastic_job, init_process_group, is_consequence, root_failure
 from cost_models.errors import ConfigError, PlannerError
-from cost_models.formatting import fixed
+from cost_models.formatting import fixed, now_utc
 from cost_models.records import Record, record
 from executor import checkpoint_layout as layout
 from executor import trust
@@ -167,9 +166,9 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
     resuming runs code stored in it)."""
     run.check(plan.strategy.world_size)
     check_plan(plan)
-    _check_model(plan)
+    model = _check_model(plan)
     if run.data:
-        _check_data(plan, run.data)
+        _check_data(plan, run.data, model)
     start, step_dir, seed, lr = 0, None, run.seed, run.lr
     if run.resume:
         step_dir, meta = _resume_point(run.resume, plan, run.steps, trusted=run.trust_checkpoint, on_resume=on_resume)
@@ -240,22 +239,23 @@ def _checkpoint_folder(root: Path, start: int, overwrite: bool, *, lock: bool) -
         yield
 
 
-def _check_model(plan: Plan) -> None:
+def _check_model(plan: Plan):
     """Before any rank starts: the plan's model builds (on the meta device: no memory) and its stages hold all of
-    it (executor.stages.check_covers_model)."""
+    it (executor.stages.check_covers_model). Returns the meta model."""
     from cost_models.models.source import DTYPES, resolve
     model = resolve(plan.model.source).build(device="meta", dtype=DTYPES["fp32"])
     check_covers_model(model, plan.strategy.stages)
+    return model
 
 
-def _check_data(plan: Plan, path: str) -> None:
-    """Before any rank starts: the token file opens, holds a window, and every id is in the model's vocabulary."""
-    from cost_models.models.source import DTYPES, resolve
+def _check_data(plan: Plan, path: str, model) -> None:
+    """Before any rank starts: the token file opens, holds a window, and every id is in the (meta) model's
+    vocabulary."""
+    from cost_models.models.source import resolve
     if plan.model.input_kind != "tokens":
         raise ConfigError(f"--data feeds token ids; {plan.model.name} takes {plan.model.input_kind} inputs")
     tokens = TokenFile(path, plan.model.seq_len)
     source = resolve(plan.model.source)
-    model = source.build(device="meta", dtype=DTYPES["fp32"])
     example = source.example_input(model, 1, plan.model.seq_len, "cpu")[0]
     with source.forward_context(), torch.no_grad():
         tokens.check_ids(vocab=model(example.to("meta")).shape[-1])
@@ -346,7 +346,7 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
                    warmup=warmup, backend=backend, losses=ranks[0].losses, step_time_s=slowest,
                    tokens_per_s=est.tokens_per_step / slowest["median_s"], throughput_unit=est.throughput_unit,
                    predicted_step_time_s=est.step_time_s, ranks=tuple(ranks), measures=tuple(rows),
-                   created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+                   created_at=now_utc())
 
 
 def _many_worker(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float, failure_dir: str) -> list | None:

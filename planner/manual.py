@@ -8,14 +8,14 @@ from cost_models.cluster import ClusterProfile
 from cost_models.compute import unit_times
 from cost_models.errors import ConfigError, InfeasibleError
 from cost_models.estimate import estimate
-from cost_models.formatting import fixed
+from cost_models.formatting import fixed, now_utc
 from cost_models.limits import check_global_batch, check_gpus, check_microbatches
 from cost_models.profile import ModelProfile, ProfileFile
 from cost_models.records import Record, record
 from cost_models.schedule import DEFAULT_SCHEDULE
 from cost_models.strategy import Optimizer, Precision, Strategy
 from cost_models.validate import validate_cluster
-from planner.plan import ModelRef, Plan, Provenance, installed_versions, now_utc, profile_digest
+from planner.plan import ModelRef, Plan, Provenance, installed_versions, profile_digest
 from planner.rationale import by_hand
 from planner.partition import balanced_partition, stages_from_ranges
 

@@ -1,7 +1,6 @@
 """The plan file: the chosen strategy, its prediction, the alternatives and why they lost, and provenance."""
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 from pathlib import Path
 from typing import Literal
@@ -77,10 +76,6 @@ def profile_digest(path: str) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return ""
-
-
-def now_utc() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 @record

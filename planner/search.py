@@ -20,7 +20,7 @@ from cost_models.cluster import ClusterProfile
 from cost_models.compute import unit_times
 from cost_models.errors import ConfigError, InfeasibleError
 from cost_models.estimate import Estimate, activation_scale, estimate, tied_copies
-from cost_models.formatting import fixed
+from cost_models.formatting import fixed, now_utc
 from cost_models.limits import MAX_MICROBATCHES
 from cost_models.memory import OVERHEAD_BYTES, executor_state_bytes, zero_model_state_bytes
 from cost_models.profile import ModelProfile
@@ -28,8 +28,7 @@ from cost_models.schedule import get_spec
 from cost_models.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition, stages_from_ranges)
-from planner.plan import (Alternative, Candidate, ModelRef, Plan, Provenance, installed_versions, now_utc,
-                          profile_digest)
+from planner.plan import Alternative, Candidate, ModelRef, Plan, Provenance, installed_versions, profile_digest
 from planner.rationale import explain, why_lost
 from planner.request import PlanRequest
 from planner.space import MAX_MICRO_BATCH, Point, enumerate_points
