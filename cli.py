@@ -77,11 +77,18 @@ def _command_line() -> str:
 
 def _interrupted(exc: BaseException) -> bool:
     """Ctrl-C or SIGTERM: KeyboardInterrupt here (main installs the SIGTERM handler), or torch elastic's
-    SignalException while ranks run (its agent installs its own handlers, stops every rank, then raises it)."""
-    if isinstance(exc, KeyboardInterrupt):
-        return True
+    SignalException while ranks run (its agent installs its own handlers, stops every rank, then raises it).
+    The signal can land inside torch's metrics wrapper before it records its start time; the wrapper's `finally`
+    then raises UnboundLocalError with the signal as its context, so the whole chain is searched."""
     elastic = sys.modules.get("torch.distributed.elastic.multiprocessing.api")
-    return elastic is not None and isinstance(exc, elastic.SignalException)
+    signals = (KeyboardInterrupt,) + ((elastic.SignalException,) if elastic is not None else ())
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, signals):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _confirm_overwrite(path: Path, force: bool) -> bool:
