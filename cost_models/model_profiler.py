@@ -36,6 +36,7 @@ from cost_models.errors import ConfigError, ProfileError
 from cost_models.formatting import fixed, now_utc
 from cost_models.models.losses import compute_loss, loss_kind, synthetic_target
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
+from cost_models.pipelining import pipeline_support
 from cost_models.profile import ModelProfile, SharedParam, Timing, UnitEdge, UnitProfile
 from cost_models.torch_private import (CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD, storage_id, tree_leaves,
                                       tree_map)
@@ -493,6 +494,8 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
             repeats=repeats, on_progress=on_progress, on_estimate=on_estimate)
     unit_profiles, shared = _account_params(model, unit_results)
+    # whether the executor can cut stages that compute what this forward computes (planner: else pp = 1 only)
+    pipelining = pipeline_support(model, [(name, mods) for name, mods, _ in unit_results])
     total_params = sum(p.numel() for p in model.parameters())
     assigned = sum(u.params for u in unit_profiles)
     largest = max(unit_profiles, key=lambda u: (u.params, u.fwd_flops))
@@ -502,7 +505,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         input=input_spec(inputs, kind=in_kind, vocab_size=vocab), loss=loss, units=tuple(unit_profiles),
         total_params=total_params, total_param_bytes=sum(_nbytes(p) for p in model.parameters()),
         unassigned_params=total_params - assigned, shared=tuple(shared),
-        model_fwd_flops=model_fwd_flops, attention_kernels=tuple(sorted(attention)), edges=edges,
+        model_fwd_flops=model_fwd_flops, attention_kernels=tuple(sorted(attention)), edges=edges, pipelining=pipelining,
         largest_unit=largest.name, device=device, threads=torch.get_num_threads(), torch_version=torch.__version__,
         command=command, created_at=now_utc(),
     )

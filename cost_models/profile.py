@@ -14,6 +14,16 @@ from cost_models.records import Record, record
 
 SCHEMA_VERSION = 1
 PROFILE_KIND = "zeropipe.profile"
+# What ModelProfile.pipelining may say besides "no: <why>" (cost_models.pipelining decides which)
+PIPELINE_KINDS = ("chain", "hf-llama", "hf-gpt2")
+
+
+def pipeline_refusal(pipelining: str) -> str | None:
+    """The reason in a recorded `pipelining` value that refuses pipelines ("no: <why>"), or None: a kind the
+    executor can cut, or "" (not recorded: pipelines offered as before, the executor checks at run time)."""
+    if not pipelining.startswith("no"):
+        return None
+    return pipelining.removeprefix("no").lstrip(":").strip() or "it cannot be pipelined"
 
 
 @record
@@ -96,6 +106,8 @@ class ModelProfile(Record):
     attention_kernels: tuple[str, ...]   # SDPA kernels seen (meta mode substitutes the fused CPU kernel)
     largest_unit: str
     edges: tuple[UnitEdge, ...] = ()     # data flow between units; empty in files written before edges were recorded
+    pipelining: str = ""                 # cost_models.pipelining: "chain" | "hf-llama" | "hf-gpt2" | "no: <why>";
+                                         # "" in files written before it was recorded (pipelines offered as before)
     device: str
     threads: int
     torch_version: str
@@ -108,6 +120,11 @@ class ModelProfile(Record):
     @functools.cached_property
     def _by_name(self) -> dict[str, UnitProfile]:
         return {u.name: u for u in self.units}
+
+    @property
+    def pipeline_refusal(self) -> str | None:
+        """Why the executor cannot pipeline this model (then only pp = 1 is planned), or None."""
+        return pipeline_refusal(self.pipelining)
 
     @property
     def is_chain(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Iterator, NoReturn
 from cost_models.cluster import ClusterProfile
 from cost_models.errors import FileFormatError
 from cost_models.limits import MAX_GPUS
-from cost_models.profile import ModelProfile, ProfileFile, Timing
+from cost_models.profile import PIPELINE_KINDS, ModelProfile, ProfileFile, Timing
 from cost_models.records import Record
 
 PROFILE_FIX = "re-run planner profile"
@@ -165,6 +165,9 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
         if not 0 <= e.src < e.dst < len(p.units):
             _fail(where, f"{path}.edges[{i}]", f"{e.src} -> {e.dst}",
                   f"unit indices with src < dst < {len(p.units)}", fix)
+    if p.pipelining and p.pipelining not in PIPELINE_KINDS and not p.pipelining.startswith("no: "):
+        _fail(where, f"{path}.pipelining", p.pipelining,
+              f"one of {', '.join(PIPELINE_KINDS)}, 'no: <reason>', or empty (not recorded)", fix)
     if p.largest_unit not in names:
         _fail(where, f"{path}.largest_unit", p.largest_unit, "the name of one of the units", fix)
     for i, s in enumerate(p.shared):

@@ -15,7 +15,7 @@ from cost_models.records import Record, record
 from cost_models.schedule import DEFAULT_SCHEDULE
 from cost_models.strategy import Optimizer, Precision, Strategy
 from cost_models.validate import validate_cluster
-from planner.plan import ModelRef, Plan, Provenance, installed_versions, profile_digest
+from planner.plan import Plan, Provenance, installed_versions, model_ref, profile_digest
 from planner.rationale import by_hand
 from planner.partition import balanced_partition, stages_from_ranges
 
@@ -83,6 +83,9 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
     if dp * pp > cluster.world_size:
         raise ConfigError(f"dp x pp = {dp * pp} ranks, but the cluster has {cluster.world_size}; "
                           f"lower --dp/--pp or add --nodes")
+    refusal = profile.pipeline_refusal
+    if pp > 1 and refusal:
+        raise ConfigError(f"--pp {pp}: {profile.name} cannot be pipelined: {refusal}; use --pp 1")
     n_stages = pp * v
     if n_stages > len(profile.units):
         raise ConfigError(f"pp x v = {n_stages} stages, but the model has only {len(profile.units)} units")
@@ -95,7 +98,10 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
 
 
 def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
-    """Why `planner run` would refuse the strategy on this model (the schedule registry's guards), or None."""
+    """Why `planner run` would refuse the strategy on this model (a model it cannot cut into stages, the schedule
+    registry's guards), or None."""
+    if strategy.pp > 1 and profile.pipeline_refusal:
+        return f"{profile.name} cannot be pipelined: {profile.pipeline_refusal}"
     return strategy.unsafe_reason() or strategy.split_tie(sp.units for sp in profile.shared)
 
 
@@ -126,8 +132,6 @@ def manual_plan(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfi
         milp_status="not run (chosen by hand)", milp_bottleneck_s=None, dp_bottleneck_s=None, points_considered=1,
         points_pruned=0, points_costed=1, planning_time_s=time.perf_counter() - t0, versions=installed_versions(),
         command=command, created_at=now_utc())
-    return Plan(model=ModelRef(name=profile.name, source=profile.source, seq_len=profile.seq_len,
-                               input_kind=profile.input.kind, units=tuple(u.name for u in profile.units)),
-                cluster=cluster, gpus=s.world_size, global_batch_size=s.global_batch_size, strategy=s,
-                stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=est, alternatives=(),
+    return Plan(model=model_ref(profile), cluster=cluster, gpus=s.world_size, global_batch_size=s.global_batch_size,
+                strategy=s, stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=est, alternatives=(),
                 rationale=by_hand(s, est, cluster), provenance=provenance)

@@ -9,6 +9,7 @@ from cost_models.cluster import ClusterProfile
 from cost_models.errors import ConfigError, FileFormatError
 from cost_models.estimate import Estimate
 from cost_models.file_record import FileRecord
+from cost_models.profile import ModelProfile, pipeline_refusal
 from cost_models.records import Record, record
 from cost_models.schedule import format_order
 from cost_models.strategy import Strategy
@@ -94,6 +95,16 @@ class ModelRef(Record):
     seq_len: int
     input_kind: str
     units: tuple[str, ...]
+    unit_modules: tuple[tuple[str, ...], ...] = ()   # each unit's module names; () in older plans: each unit is
+                                                     # the one module of its name
+    pipelining: str = ""                             # the profile's (cost_models.pipelining); "" = not recorded
+
+
+def model_ref(profile: ModelProfile) -> ModelRef:
+    """What a plan keeps of the profile's model: enough for the executor to rebuild it and cut its stages."""
+    return ModelRef(name=profile.name, source=profile.source, seq_len=profile.seq_len, input_kind=profile.input.kind,
+                    units=tuple(u.name for u in profile.units), unit_modules=tuple(u.modules for u in profile.units),
+                    pipelining=profile.pipelining)
 
 
 @record
@@ -133,6 +144,12 @@ def check_plan(plan: Plan) -> None:
     validate_cluster(plan.cluster, "plan", fix="re-create the plan")
     s.validate(plan.model.units)
     fix = "re-create the plan with planner plan"
+    if plan.model.unit_modules and len(plan.model.unit_modules) != len(plan.model.units):
+        raise ConfigError(f"model.unit_modules lists {len(plan.model.unit_modules)} units but model.units "
+                          f"{len(plan.model.units)}; {fix}")
+    refusal = pipeline_refusal(plan.model.pipelining)
+    if s.pp > 1 and refusal:
+        raise ConfigError(f"strategy pp = {s.pp} but the model cannot be pipelined ({refusal}); {fix}")
     if s.global_batch_size != plan.global_batch_size:
         raise ConfigError(f"strategy dp x microbatches x micro_batch_size = {s.dp} x {s.microbatches} x "
                           f"{s.micro_batch_size} = {s.global_batch_size} sequences but global_batch_size is "

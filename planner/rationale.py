@@ -7,6 +7,8 @@ from cost_models.strategy import Strategy
 from cost_models.formatting import duration, fixed, size
 from planner.plan import Rationale
 
+# the rationale line of a model the executor cannot cut into stages (ModelProfile.pipeline_refusal says why)
+NO_PIPELINES = "no pipeline strategies searched: the model cannot be pipelined"
 COMM_BINDS = 0.15  # exposed communication above this share of the step makes bandwidth the binding resource
 
 
@@ -63,8 +65,10 @@ def why_lost(s: Strategy, est: Estimate, ws: Strategy, west: Estimate) -> str:
 
 
 def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: ClusterProfile,
-            pruned_bounds: dict[str, float] | None = None) -> Rationale:
-    """Binding resource and the family comparison. `feasible` are costed candidates that fit (winner first)."""
+            pruned_bounds: dict[str, float] | None = None, *, no_pipelines: str | None = None) -> Rationale:
+    """Binding resource and the family comparison. `feasible` are costed candidates that fit (winner first).
+    `no_pipelines`: why the model cannot be pipelined (only pp = 1 was searched), one line in place of the
+    pipeline and hybrid families'."""
     best: dict[str, tuple[Strategy, Estimate]] = {}
     for c in feasible:
         fam = c.strategy.family
@@ -98,8 +102,10 @@ def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: Clus
         binding, why = _own_binding(west, cluster)
     names = {"zero": "ZeRO (data parallel)", "pipeline": "pipeline", "hybrid": "pipeline x ZeRO hybrid"}
     lines = [_chosen_line(ws, west), why]
+    if no_pipelines:
+        lines.append(f"{NO_PIPELINES}: {no_pipelines}")
     for fam in ("zero", "pipeline", "hybrid"):
-        if fam == wf:
+        if fam == wf or (no_pipelines and fam != "zero"):
             continue
         if fam in best:
             s, e = best[fam]

@@ -28,7 +28,7 @@ from cost_models.schedule import get_spec
 from cost_models.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition, stages_from_ranges)
-from planner.plan import Alternative, Candidate, ModelRef, Plan, Provenance, installed_versions, profile_digest
+from planner.plan import Alternative, Candidate, Plan, Provenance, installed_versions, model_ref, profile_digest
 from planner.rationale import explain, why_lost
 from planner.request import PlanRequest
 from planner.space import MAX_MICRO_BATCH, Point, enumerate_points
@@ -145,7 +145,9 @@ def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partiti
     """The space (planner.space) less what the executor cannot run and what the request narrows away."""
     n_units = len(profile.units)
     ties = tuple(sp.units for sp in profile.shared)
-    points = [pt for pt in enumerate_points(gpus=gpus, global_batch=req.global_batch_size, n_units=n_units)
+    pipelines = profile.pipeline_refusal is None
+    points = [pt for pt in enumerate_points(gpus=gpus, global_batch=req.global_batch_size, n_units=n_units,
+                                            pipelines=pipelines)
               if runnable(pt.schedule, pt.zero, pt.dp)
               and (req.schedules is None or pt.pp == 1 or pt.schedule in req.schedules)
               and (req.micro_batch_sizes is None or pt.micro_batch_size in req.micro_batch_sizes)
@@ -154,10 +156,14 @@ def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partiti
     if points:
         return points
     if next(enumerate_points(gpus=gpus, global_batch=req.global_batch_size, n_units=n_units,
-                             max_microbatches=req.global_batch_size), None) is not None:
+                             max_microbatches=req.global_batch_size, pipelines=pipelines), None) is not None:
         raise ConfigError(f"every split of {gpus} devices needs more than {MAX_MICROBATCHES:,} micro-batches of "
                           f"up to {MAX_MICRO_BATCH} sequences for the global batch {req.global_batch_size}, more than "
                           f"this planner simulates; lower --global-batch-size or add --gpus")
+    if not pipelines:
+        raise ConfigError(f"dp = {gpus} does not divide the global batch {req.global_batch_size}, and pp > 1 is not "
+                          f"offered ({profile.name} cannot be pipelined: {profile.pipeline_refusal}); use a batch "
+                          f"divisible by {gpus}")
     raise ConfigError(f"no (dp, pp) split of {gpus} devices divides the global batch {req.global_batch_size}; "
                       f"use a batch divisible by the data-parallel degree")
 
@@ -236,16 +242,18 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
                         pruned_bounds=pruned_bounds, min_state=min_state, unit_cost=unit_cost, gpus=gpus)
 
 
-def _no_fit(found: SearchResult, capacity: int) -> InfeasibleError:
+def _no_fit(found: SearchResult, capacity: int, no_pipelines: str | None) -> InfeasibleError:
     if found.infeasible:
         least = min(c.estimate.peak_memory_bytes for c in found.infeasible)
         need = f"the least memory any strategy needs is {fixed(least, 'GiB', 1)} per device"
     else:  # every point failed the model-state bound P1 before costing
         need = f"model states alone need at least {fixed(found.min_state, 'GiB', 1)} per device"
+    tried = (f"ZeRO-3, full recompute and micro-batches down to 1 were tried; pipelines were not, the model cannot "
+             f"be pipelined: {no_pipelines}" if no_pipelines else
+             "ZeRO-3, full recompute, micro-batches down to 1 and every pipeline depth were tried")
     return InfeasibleError(
         f"no strategy fits: {need}, the device has {fixed(capacity, 'GiB', 1)}; use more GPUs (--gpus/--nodes) "
-        f"or a device with more memory (ZeRO-3, full recompute, micro-batches down to 1 and every pipeline depth "
-        f"were tried)")
+        f"or a device with more memory ({tried})")
 
 
 def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *, profile_path: str = "",
@@ -255,21 +263,20 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *
     found = search(profile, cluster, request, on_progress=on_progress)
     feasible, infeasible = found.feasible, found.infeasible
     if not feasible:
-        raise _no_fit(found, cluster.device.memory_bytes)
+        raise _no_fit(found, cluster.device.memory_bytes, profile.pipeline_refusal)
     winner = feasible[0]
     alternatives = tuple(
         Alternative(strategy=c.strategy, step_time_s=c.estimate.step_time_s, peak_memory_bytes=c.estimate.peak_memory_bytes,
                     fits=True, lost_because=why_lost(c.strategy, c.estimate, winner.strategy, winner.estimate))
         for c in feasible[1:request.top_k])
     fastest_unfit = min(infeasible, key=lambda c: c.estimate.step_time_s, default=None)
-    rationale = explain(winner.strategy, winner.estimate, feasible, fastest_unfit, cluster, found.pruned_bounds)
+    rationale = explain(winner.strategy, winner.estimate, feasible, fastest_unfit, cluster, found.pruned_bounds,
+                        no_pipelines=profile.pipeline_refusal)
     provenance = _provenance(found, winner, profile, cluster, request, profile_path=profile_path, command=command,
                              t0=t0)
     s = winner.strategy
-    return Plan(model=ModelRef(name=profile.name, source=profile.source, seq_len=profile.seq_len,
-                               input_kind=profile.input.kind, units=tuple(u.name for u in profile.units)),
-                cluster=cluster, gpus=found.gpus, global_batch_size=request.global_batch_size, strategy=s,
-                stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=winner.estimate,
+    return Plan(model=model_ref(profile), cluster=cluster, gpus=found.gpus, global_batch_size=request.global_batch_size,
+                strategy=s, stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=winner.estimate,
                 alternatives=alternatives, candidates=_candidates(feasible + infeasible), rationale=rationale,
                 provenance=provenance)
 

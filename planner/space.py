@@ -50,12 +50,13 @@ def schedules_for(pp: int, m: int, n_units: int) -> list[tuple[str, int]]:
 
 
 def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_batch: int = MAX_MICRO_BATCH,
-                     max_microbatches: int = MAX_MICROBATCHES) -> Iterator[Point]:
+                     max_microbatches: int = MAX_MICROBATCHES, pipelines: bool = True) -> Iterator[Point]:
     """Every (dp, pp) with dp * pp = gpus, ZeRO 0-3 on dp, every schedule and chunking the units allow, and every
     micro-batch size with dp * m * mbs = B (up to max_micro_batch sequences, and m up to max_microbatches, the
     simulator's cap). Only pp <= n_units and mbs <= max_micro_batch are ever tried, so the work is bounded by
-    n_units x max_micro_batch whatever gpus and B are."""
-    for pp in divisors(gpus, at_most=n_units):
+    n_units x max_micro_batch whatever gpus and B are. pipelines=False: pp = 1 only (a model the executor cannot
+    cut into stages, ModelProfile.pipeline_refusal)."""
+    for pp in divisors(gpus, at_most=n_units if pipelines else 1):
         dp = gpus // pp
         if global_batch % dp:
             continue

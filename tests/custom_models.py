@@ -1,4 +1,6 @@
 """Models defined outside the zoo, for `--model tests.custom_models:FACTORY` tests."""
+import math
+
 import torch
 from torch import nn
 
@@ -119,3 +121,54 @@ class Pooled(nn.Module):
 
 def make_pooled() -> nn.Module:
     return Pooled()
+
+
+class ScaledLM(TinyLM):
+    """TinyLM whose forward multiplies the embedding output by sqrt(d) (as Gemma and T5 do): work between units."""
+
+    def forward(self, ids):
+        x = self.emb(ids) * math.sqrt(self.emb.embedding_dim)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_scaled() -> nn.Module:
+    return ScaledLM()
+
+
+class PosNet(TinyLM):
+    """TinyLM plus a learned position table (a root parameter, in no unit) added between the embedding and block 0."""
+
+    def __init__(self, vocab: int = 50, d: int = 16, max_len: int = 128) -> None:
+        super().__init__(vocab, d)
+        self.pos = nn.Parameter(torch.randn(max_len, d) * 0.02)
+
+    def forward(self, ids):
+        x = self.emb(ids) + self.pos[: ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_posnet() -> nn.Module:
+    return PosNet()
+
+
+class Residual2(TinyLM):
+    """Four blocks; block 0's output is added again after block 2 (a residual kept across two units)."""
+
+    def __init__(self, vocab: int = 50, d: int = 16) -> None:
+        super().__init__(vocab, d)
+        self.blocks = nn.ModuleList(Gated(d) for _ in range(4))
+
+    def forward(self, ids):
+        x = self.blocks[0](self.emb(ids))
+        kept = x
+        x = self.blocks[2](self.blocks[1](x)) + kept
+        x = self.blocks[3](x)
+        return self.head(x)
+
+
+def make_residual2() -> nn.Module:
+    return Residual2()

@@ -89,6 +89,7 @@ def test_a_plan_whose_model_units_were_edited_too_is_refused_for_leaving_paramet
     # both the stages and the recorded unit list drop blocks.2: consistent as data, yet not the model's function
     kept = [u for u in U if u != "blocks.2"]
     plan_json["model"]["units"] = kept
+    plan_json["model"]["unit_modules"] = [[u] for u in kept]
     plan_json["strategy"]["stages"] = [kept]
     res = runner.invoke(app, ["run", _write(tmp_path, plan_json), "--steps", "2", "-o", "run.json"])
     assert res.exit_code == 2

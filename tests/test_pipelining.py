@@ -1,0 +1,279 @@
+"""Which models can be pipelined (cost_models.pipelining), recorded in the profile, respected by the planner."""
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from cli import app
+from cost_models.errors import ConfigError, FileFormatError
+from cost_models.fileio import dumps, write_atomic
+from cost_models.model_profiler import profile_model
+from cost_models.models.source import resolve
+from cost_models.pipelining import pipeline_support
+from cost_models.presets import preset
+from cost_models.profile import ModelProfile, ProfileFile
+from cost_models.strategy import Strategy
+from planner.manual import StrategyRequest, build_strategy, manual_plan
+from planner.plan import Plan, check_plan
+from planner.rationale import NO_PIPELINES
+from planner.request import PlanRequest
+from planner.search import plan, search
+from tests.custom_models import Gated
+
+runner = CliRunner()
+SKIP = "no: unit blocks.4 also takes the output of unit blocks.1 (a skip connection across units)"
+
+
+def _support(ref: str, input_ref: str | None = None, units=None) -> tuple[str, ModelProfile]:
+    """pipeline_support on the meta model with the profiler's units, and the profile, which records the same."""
+    src = resolve(ref, input_ref=input_ref)
+    prof = profile_model(src, micro_batch_size=2, seq_len=8, meta=True, units=units)
+    model = src.build(device="meta", dtype=torch.float32)
+    return pipeline_support(model, [(u.name, u.modules) for u in prof.units]), prof
+
+
+def _units(model: nn.Module):
+    return [(n, (n,)) for n, _ in model.named_children() if not isinstance(_, nn.ModuleList)]
+
+
+# --- which models ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ref", ["gpt-tiny", "llama-tiny", "mlp-deep", "tests.custom_models:make_tiny_lm"])
+def test_unit_chains_are_chains(ref):
+    verdict, prof = _support(ref)
+    assert verdict == "chain" and prof.pipelining == "chain" and prof.pipeline_refusal is None
+
+
+def test_large_zoo_models_are_checked_on_meta_without_running_anything():
+    src = resolve("llama3-70b")
+    model = src.build(device="meta", dtype=torch.bfloat16)
+    units = [("embed", ("embed",))] + [(f"blocks.{i}", (f"blocks.{i}",)) for i in range(80)] + [("head", ("head",))]
+    assert pipeline_support(model, units) == "chain"
+
+
+def test_a_factory_whose_forward_is_unit_after_unit_is_a_chain():
+    verdict, prof = _support("tests.custom_models:make_model", "tests.custom_models:make_input")   # ConvStack
+    assert [u.name for u in prof.units] == ["stem", "layers.0", "layers.1", "layers.2", "out"]
+    assert verdict == "chain"
+
+
+@pytest.mark.parametrize("ref, expected", [
+    ("make_skipnet", SKIP),
+    ("make_scaled", "no: its forward does `mul` between units emb and blocks.0"),
+    ("make_posnet", "no: its forward does `add` between units emb and blocks.0"),
+    ("make_residual2", "no: its forward does `add` between units blocks.2 and blocks.3"),
+    ("make_pooled", "no: its forward does `relu` between units layers.0 and layers.1"),
+])
+def test_forwards_that_do_more_than_chain_their_units_are_refused_naming_the_op(ref, expected):
+    verdict, prof = _support(f"tests.custom_models:{ref}")
+    assert verdict == expected and prof.pipelining == expected
+    assert prof.pipeline_refusal == expected.removeprefix("no: ")
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(self.a(x)))
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        if x.sum() > 0:          # data-dependent: fx cannot trace it
+            x = -x
+        return self.b(x)
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        return self.b(y), y
+
+
+class _Flagged(nn.Module):
+    """Unit b is called with a constant: fine when it is b's own default, refused otherwise."""
+
+    def __init__(self, flag) -> None:
+        super().__init__()
+        self.a, self.b, self.flag = nn.Linear(4, 4), _FlagBlock(), flag
+
+    def forward(self, x):
+        return self.b(self.a(x), scale=self.flag)
+
+
+class _FlagBlock(nn.Module):
+    def forward(self, x, scale=None):
+        return x if scale is None else x * scale
+
+
+class _Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(4, 4), nn.Dropout(0.1), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.drop(self.a(x)))
+
+
+def test_other_shapes_that_are_not_chains():
+    ab = [("a", ("a",)), ("b", ("b",))]
+    assert pipeline_support(_Twice(), ab) == "no: unit a runs 2 times in its forward, not once"
+    assert pipeline_support(_Twice(), [("b", ("b",)), ("a", ("a",))]).startswith("no: unit a runs 2 times")
+    branchy = pipeline_support(_Branchy(), ab)
+    assert branchy.startswith("no: torch.fx cannot trace its forward (TraceError:") and "\n" not in branchy
+    assert pipeline_support(_Pair(), ab) == "no: its forward returns a tuple, not the output of unit b alone"
+    assert pipeline_support(_Flagged(None), ab) == "chain"
+    assert pipeline_support(_Flagged(2.0), ab) == "no: unit b is called with scale=2.0, not its default"
+    assert pipeline_support(_Dropped(), ab) == ("no: its forward does `self.drop` (a module outside every unit) "
+                                                "between units a and b")
+    assert pipeline_support(_Dropped(), _units(_Dropped())) == "chain"
+    two = pipeline_support(_Dropped(), [("a+drop", ("a", "drop")), ("b", ("b",))])
+    assert two == "no: unit a+drop is several modules (a+drop); a chain stage runs one module per unit"
+    order = pipeline_support(nn.Sequential(Gated(4), Gated(4)), [("1", ("1",)), ("0", ("0",))])
+    assert order == "no: its forward runs the units in the order 0, 1"
+
+
+# --- transformers ----------------------------------------------------------------------------------------------
+
+LLAMA_CFG = ("num_hidden_layers=2&hidden_size=64&num_attention_heads=4&num_key_value_heads=2&intermediate_size=128"
+             "&vocab_size=256&max_position_embeddings=64")
+
+
+@pytest.mark.parametrize("ref, expected", [
+    (f"hf:llama?{LLAMA_CFG}", "hf-llama"), (f"hf:mistral?{LLAMA_CFG}", "hf-llama"),
+    (f"hf:qwen2?{LLAMA_CFG}", "hf-llama"),
+    ("hf:gpt2?n_layer=2&n_embd=64&n_head=2&vocab_size=256&n_positions=64&bos_token_id=0&eos_token_id=0", "hf-gpt2"),
+])
+def test_hf_families_with_a_stage_adapter(ref, expected):
+    pytest.importorskip("transformers")
+    verdict, prof = _support(ref)
+    assert verdict == expected and prof.pipelining == expected
+
+
+def test_hf_models_without_an_adapter_or_with_other_units_are_refused():
+    pytest.importorskip("transformers")
+    verdict, _ = _support("hf:gpt_neox?num_hidden_layers=2&hidden_size=64&num_attention_heads=4"
+                          "&intermediate_size=128&vocab_size=256")
+    assert verdict == ("no: transformers model type 'gpt_neox' has no pipeline stage adapter "
+                       "(these do: gpt2, llama, mistral, qwen2)")
+    units = "model.embed_tokens+model.rotary_emb,model.layers.0+model.layers.1,model.norm+lm_head"
+    verdict, prof = _support(f"hf:llama?{LLAMA_CFG}", units=units)
+    assert verdict == prof.pipelining == (
+        "no: it has 3 units, not 4 (2 layers, embedding and head); its stage adapter cuts llama at an embedding unit "
+        "(model.embed_tokens[+model.rotary_emb]), one unit per model.layers.i, and a head unit (model.norm+lm_head)")
+
+
+# --- the profile records it ------------------------------------------------------------------------------------
+
+def _skip_profile() -> ModelProfile:
+    return profile_model(resolve("tests.custom_models:make_skipnet"), micro_batch_size=2, seq_len=4, meta=True)
+
+
+def test_profile_field_round_trips_and_old_files_offer_pipelines(tmp_path):
+    prof = _skip_profile()
+    path = write_atomic(tmp_path / "p.json", dumps(ProfileFile(model=prof, cluster=None).to_dict()))
+    assert ProfileFile.load(path).model.pipelining == SKIP
+    data = json.loads(path.read_text())
+    del data["model"]["pipelining"]                      # a file written before it was recorded
+    old = ProfileFile.from_dict(data).model
+    assert old.pipelining == "" and old.pipeline_refusal is None
+    data["model"]["pipelining"] = "maybe"
+    write_atomic(path, json.dumps(data), overwrite=True)
+    with pytest.raises(FileFormatError, match=r"model.pipelining is 'maybe'; need one of chain, hf-llama, hf-gpt2"):
+        ProfileFile.load(path)
+
+
+# --- the planner respects it -----------------------------------------------------------------------------------
+
+def test_plan_offers_only_pp1_for_a_model_that_cannot_be_pipelined():
+    prof, cluster = _skip_profile(), preset("dgx-a100")
+    found = search(prof, cluster, PlanRequest(gpus=4, global_batch_size=16))
+    assert found.feasible and all(c.strategy.pp == 1 for c in found.feasible + found.infeasible)
+    p = plan(prof, cluster, PlanRequest(gpus=4, global_batch_size=16))
+    assert p.strategy.pp == 1 and all(a.strategy.pp == 1 for a in p.alternatives)
+    assert all(c.family == "zero" for c in p.candidates)
+    reason = SKIP.removeprefix("no: ")
+    assert [ln for ln in p.rationale.lines if ln.startswith(NO_PIPELINES)] == [f"{NO_PIPELINES}: {reason}"]
+    assert not any(ln.startswith(("best pipeline", "best pipeline x ZeRO", "no pipeline strategy fits"))
+                   for ln in p.rationale.lines)
+    assert p.model.pipelining == SKIP and p.model.unit_modules == tuple((u.name,) for u in prof.units)
+    # the same model under an old profile (not recorded) is planned as before: pipelines in the space
+    old = ModelProfile.from_dict({**prof.to_dict(), "pipelining": ""})
+    assert any(c.strategy.pp > 1 for c in search(old, cluster, PlanRequest(gpus=4, global_batch_size=16)).feasible)
+
+
+def test_a_chain_model_still_gets_pipelines_and_its_unit_modules_in_the_plan(tiny_profiles):
+    prof = tiny_profiles["gpt-tiny", True]
+    found = search(prof, preset("dgx-a100"), PlanRequest(gpus=4, global_batch_size=16))
+    assert any(c.strategy.pp > 1 for c in found.feasible)
+    p = plan(prof, preset("dgx-a100"), PlanRequest(gpus=4, global_batch_size=16))
+    assert p.model.pipelining == "chain" and p.model.unit_modules == tuple((u,) for u in p.model.units)
+    assert not any(ln.startswith(NO_PIPELINES) for ln in p.rationale.lines)
+
+
+def _cli_profile(tmp_path) -> str:
+    prof = _skip_profile()
+    return str(write_atomic(tmp_path / "profile.json",
+                            dumps(ProfileFile(model=prof, cluster=preset("dgx-a100")).to_dict())))
+
+
+def test_planner_plan_cli_on_a_skip_model(tmp_path):
+    path = _cli_profile(tmp_path)
+    res = runner.invoke(app, ["plan", path, "--gpus", "4", "-B", "16", "-o", str(tmp_path / "plan.json")])
+    assert res.exit_code == 0, res.output
+    p = Plan.load(tmp_path / "plan.json")
+    assert p.strategy.pp == 1 and all(a.strategy.pp == 1 for a in p.alternatives)
+    assert f"{NO_PIPELINES}: {SKIP.removeprefix('no: ')}" in p.rationale.lines
+    res = runner.invoke(app, ["plan", path, "--gpus", "4", "-B", "18", "-o", "-"])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
+        f"error: dp = 4 does not divide the global batch 18, and pp > 1 is not offered (make_skipnet cannot be "
+        f"pipelined: {SKIP.removeprefix('no: ')}); use a batch divisible by 4"]
+
+
+def test_planner_estimate_pp2_on_a_skip_model_exits_2_in_one_line(tmp_path):
+    path = _cli_profile(tmp_path)
+    res = runner.invoke(app, ["estimate", path, "--dp", "2", "--pp", "2", "--microbatches", "4"])
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == [
+        f"error: --pp 2: make_skipnet cannot be pipelined: {SKIP.removeprefix('no: ')}; use --pp 1"], res.output
+    res = runner.invoke(app, ["estimate", path, "--dp", "4", "--pp", "1", "--microbatches", "4",
+                              "-o", str(tmp_path / "p1.json")])
+    assert res.exit_code == 0, res.output
+    assert Plan.load(tmp_path / "p1.json").model.pipelining == SKIP
+
+
+def test_manual_plans_and_plan_files_refuse_pipelines_of_such_a_model():
+    prof, cluster = _skip_profile(), preset("dgx-a100")
+    with pytest.raises(ConfigError, match="cannot be pipelined"):
+        build_strategy(prof, cluster, StrategyRequest(dp=1, pp=2, microbatches=2))
+    names = [u.name for u in prof.units]
+    s2 = Strategy(dp=1, pp=2, zero=0, schedule="1f1b", microbatches=2, micro_batch_size=2,
+                  stages=(tuple(names[:4]), tuple(names[4:])))
+    with pytest.raises(ConfigError, match="planner run would refuse this strategy: .* cannot be pipelined"):
+        manual_plan(s2, prof, cluster)
+    chain = ModelProfile.from_dict({**prof.to_dict(), "pipelining": "chain"})
+    edited = Plan.from_dict({**manual_plan(s2, chain, cluster).to_dict()})
+    bad = Plan.from_dict({**edited.to_dict(), "model": {**edited.model.to_dict(), "pipelining": SKIP}})
+    with pytest.raises(ConfigError, match="strategy pp = 2 but the model cannot be pipelined"):
+        check_plan(bad)
+    short = Plan.from_dict({**edited.to_dict(), "model": {**edited.model.to_dict(), "unit_modules": [["stem"]]}})
+    with pytest.raises(ConfigError, match="model.unit_modules lists 1 units but model.units 8"):
+        check_plan(short)
+    old = {**edited.to_dict(), "model": {k: v for k, v in edited.model.to_dict().items()
+                                          if k not in ("unit_modules", "pipelining")}}
+    loaded = Plan.from_dict(old)                      # a plan written before: each unit is its own module
+    check_plan(loaded)
+    assert loaded.model.unit_modules == () and loaded.model.pipelining == ""
