@@ -31,6 +31,11 @@ class OutputError(ConfigError):
     """An output file cannot be written (read-only or missing folder, a folder in its place, a full disk)."""
 
 
+class WeightsError(ConfigError):
+    """Pretrained weights (--init-from) that cannot be loaded into the model: not a folder of a format we read, or
+    saved from another model (a parameter missing, another shape)."""
+
+
 class ProfileError(PlannerError):
     """Profiling failed for a reason the user can fix (e.g. a model too big for real mode)."""
 

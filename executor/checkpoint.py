@@ -238,6 +238,12 @@ def _verified_reader(step_dir: Path, trusted: bool) -> _VerifiedReader:
     return _VerifiedReader(str(step_dir), data)
 
 
+def verified_reader(step_dir: Path, *, trusted: bool = False) -> dcp.FileSystemReader:
+    """The reader `load` uses, for loaders of another set of keys (executor.weights, --init-from: the model's only):
+    the same checks, on the bytes DCP then unpickles (_verified_reader)."""
+    return _verified_reader(step_dir, trusted)
+
+
 def load(sd: dict[str, Any], step_dir: Path, *, trusted: bool = False) -> dict[str, torch.Tensor]:
     """Load `sd` in place from `step_dir` (keys absent from the checkpoint, such as RNG states of ranks it did not
     have, are left out and returned untouched); works with or without a process group. The checkpoint must be

@@ -1,0 +1,199 @@
+"""Pretrained weights into this rank's share of the model (`planner run --init-from DIR`, apply_plan(init_from=)).
+
+`load_weights` fills, in place, the tensors a rank holds, keyed by canonical name (executor.stages: a parameter's
+first name in the full model), from one of:
+    an HF folder        config.json + model.safetensors, or model.safetensors.index.json + its shards (any folder of
+                        .safetensors files: `planner export` writes model.safetensors for models that are not HF's)
+    a planner checkpoint  a --checkpoint-dir folder (its latest step) or one step-NNNNNNNN folder; only its
+                        "model.<name>" keys are read: it starts a training, it does not resume one (no optimizer
+                        state, RNG or step)
+Both go through torch.distributed.checkpoint (DCP): its load planner asks each tensor for the slice this rank holds
+(an FSDP2 DTensor shard: the rows of its placement, uneven ones included; a plain tensor: all of it) and the storage
+reader fills it with copy_, which casts (a bf16 file loads into fp32 parameters). Checked on torch 2.13:
+- DCP's HuggingFaceStorageReader reads each slice with safetensors' get_slice, so a rank reads only its shard's
+  bytes of each tensor (tests/test_weights.py counts them: each of 2 FSDP2 ranks reads half); it indexes every
+  *.safetensors file in the folder (headers only) and does not read the index, so the index is only checked here.
+- the checkpoint reader is executor.checkpoint's verified one (the signed listing, unless trusted, vouches for the
+  `.metadata` pickle DCP loads); DCP's file reader reads each saved chunk whole and narrows it, so a rank reads
+  every chunk its slice overlaps.
+Ranks load independently (DCP's no_dist): the files are only read, so nothing needs agreeing on, and a rank whose
+tensors do not fit fails alone, with one line, instead of waiting in a collective its peers left.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from cost_models.errors import WeightsError
+from cost_models.records import Record, record
+from executor import checkpoint
+from executor import checkpoint_layout as layout
+
+SAFETENSORS = "safetensors"
+DCP = "dcp"
+HF_INDEX = "model.safetensors.index.json"
+_WHAT_IT_NEEDS = (f"an HF folder (config.json with model.safetensors, or {HF_INDEX} and its shards) or a planner run "
+                  f"checkpoint (a --checkpoint-dir folder or one of its step-NNNNNNNN folders)")
+
+
+@record
+class WeightsLoaded(Record):
+    format: str        # SAFETENSORS or DCP
+    source: str        # the folder read (for a --checkpoint-dir folder: its latest step)
+    tensors: int       # parameters and buffers filled (buffers the file lacks keep their values)
+    bytes_read: int    # bytes this rank read for them, in the file's dtype (see the module's note per format)
+
+
+def load_weights(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], source: Path, *,
+                 trusted: bool = False) -> WeightsLoaded:
+    """Fill this rank's `params` (every one must be in `source`) and those of its `buffers` that `source` has, in
+    place, from `source`. `trusted` accepts a checkpoint this installation did not sign (executor.checkpoint)."""
+    fmt, folder = weights_format(Path(source))
+    reader, prefix = _reader(fmt, folder, trusted)
+    saved = _saved_tensors(reader, folder)
+    wanted = _wanted(params, buffers, saved, prefix, folder)
+    planner = _RecordingPlanner()
+    try:
+        with warnings.catch_warnings():   # no_dist: DCP warns that it loads in one process, which is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(wanted, storage_reader=reader, planner=planner, no_dist=True)
+    except dcp.CheckpointException as exc:
+        raise WeightsError(f"loading weights from {folder} failed: {checkpoint.failure_text(exc)}") from None
+    return WeightsLoaded(format=fmt, source=str(folder), tensors=len(wanted),
+                         bytes_read=_bytes_read(planner, sliced=fmt == SAFETENSORS))
+
+
+def weights_format(source: Path) -> tuple[str, Path]:
+    """(format, folder to read) of `source`, or one line saying what it must contain."""
+    if not source.is_dir():
+        what = "is a file, not a folder" if source.exists() else "does not exist"
+        raise WeightsError(f"--init-from {source} {what}; it must be {_WHAT_IT_NEEDS}")
+    if (source / layout.META_NAME).is_file() or layout.complete_steps(source) or (source / ".metadata").is_file():
+        return DCP, layout.resolve(source)
+    if any(source.glob("*.safetensors")):
+        _check_index(source)
+        return SAFETENSORS, source
+    if any(source.glob("pytorch_model*.bin")):
+        raise WeightsError(f"--init-from {source} holds only PyTorch .bin weights (pickles, which are not loaded); "
+                           f"save them as safetensors (save_pretrained(..., safe_serialization=True))")
+    raise WeightsError(f"--init-from {source} holds no weights; it must be {_WHAT_IT_NEEDS}")
+
+
+def _check_index(folder: Path) -> None:
+    """Every shard a sharded HF folder's index names is there (DCP's reader indexes the files it finds)."""
+    index = folder / HF_INDEX
+    if not index.is_file():
+        return
+    try:
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise WeightsError(f"--init-from {folder}: {HF_INDEX} is not an HF index (a JSON object with a "
+                           f"weight_map); save the model again with save_pretrained") from None
+    absent = [s for s in shards if not (folder / s).is_file()]
+    if absent:
+        raise WeightsError(f"--init-from {folder}: {HF_INDEX} names {absent[0]} (and {len(absent) - 1} more shards) "
+                           f"that the folder does not hold; copy the whole folder")
+
+
+def _reader(fmt: str, folder: Path, trusted: bool) -> tuple[dcp.StorageReader, str]:
+    """DCP storage reader for `folder` and the prefix its keys carry."""
+    if fmt == DCP:
+        return checkpoint.verified_reader(folder, trusted=trusted), "model."
+    try:
+        import safetensors  # noqa: F401   DCP's HF reader imports it only when it reads
+    except ImportError:
+        raise WeightsError(f"--init-from {folder}: reading safetensors needs the safetensors package (pip install "
+                           f"safetensors; transformers installs it)") from None
+    return dcp.HuggingFaceStorageReader(str(folder)), ""
+
+
+def _saved_tensors(reader: dcp.StorageReader, folder: Path) -> dict:
+    """{key: DCP's metadata of that tensor} in `folder`; a safetensors file whose header cannot be read is named in
+    one line (safetensors says only what is wrong, not in which file)."""
+    try:
+        return reader.read_metadata().state_dict_metadata
+    except Exception as exc:
+        if not isinstance(reader, dcp.HuggingFaceStorageReader):
+            raise
+        import safetensors
+        for path in sorted(folder.glob("*.safetensors")):
+            try:
+                with safetensors.safe_open(str(path), framework="pt"):
+                    pass
+            except (safetensors.SafetensorError, OSError) as bad:
+                raise WeightsError(f"--init-from {folder}: {path.name} is not a readable safetensors file ({bad}); "
+                                   f"copy it again") from None
+        raise
+
+
+def _wanted(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], saved: dict, prefix: str,
+            folder: Path) -> dict[str, torch.Tensor]:
+    """The state dict DCP loads: this rank's tensors (detached aliases: DCP copies into them) under their keys in
+    the file, after checking every parameter is there with its shape."""
+    key_of = _file_keys(list(params) + list(buffers), saved, prefix)
+    missing = [n for n in params if n not in key_of]
+    if missing:
+        raise WeightsError(f"--init-from {folder} has no weights for {missing[0]} (nor for {len(missing) - 1} more "
+                           f"of the {len(params)} parameters this model has here); was it saved from another model?")
+    tensors = {**params, **{n: b for n, b in buffers.items() if n in key_of}}
+    for name, t in tensors.items():
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device: materialise the model (to_empty) before loading weights")
+        stored = saved[key_of[name]]
+        shape = getattr(stored, "size", None)   # DCP keeps non-tensor entries as bytes, without a size
+        if shape is None or tuple(shape) != tuple(t.shape):
+            raise WeightsError(f"--init-from {folder}: {name} has shape {_shape(shape)} there, the model's is "
+                               f"{_shape(t.shape)}; was it saved from another configuration of the model?")
+    return {key_of[n]: t.detach() for n, t in tensors.items()}
+
+
+def _file_keys(names: list[str], saved: dict, prefix: str = "") -> dict[str, str]:
+    """{canonical name: its key in the file} for the names the file has. An HF folder saved from the base model
+    (the hub's GPT-2: "h.0.attn.c_attn.weight" for GPT2LMHeadModel's "transformer.h.0.attn.c_attn.weight") lacks
+    the first component of every name: that key is taken when the file has no key under that component at all."""
+    heads = {k.split(".", 1)[0] for k in saved}
+    out = {}
+    for name in names:
+        head, _, tail = name.partition(".")
+        if prefix + name in saved:
+            out[name] = prefix + name
+        elif not prefix and tail in saved and head not in heads:
+            out[name] = tail
+    return out
+
+
+def _shape(shape) -> str:
+    return "(not a tensor)" if shape is None else f"({', '.join(map(str, shape))})"
+
+
+class _RecordingPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, keeping this rank's read items so that the bytes they read can be counted."""
+
+    items: tuple = ()
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self.items = tuple(plan.items)
+        return plan
+
+
+def _bytes_read(planner: _RecordingPlanner, *, sliced: bool) -> int:
+    """Bytes the reader read for `planner`'s items: the requested slice (safetensors get_slice) or, for DCP's file
+    reader, the whole saved chunk each slice lies in."""
+    saved = planner.metadata.state_dict_metadata
+    total = 0
+    for item in planner.items:
+        entry = saved[item.storage_index.fqn]
+        if sliced:
+            numel = math.prod(item.lengths)
+        else:
+            chunk = next(c for c in entry.chunks if tuple(c.offsets) == tuple(item.storage_index.offset))
+            numel = math.prod(chunk.sizes)
+        total += numel * entry.properties.dtype.itemsize
+    return total

@@ -1,0 +1,313 @@
+"""executor.weights: pretrained weights (an HF folder, a planner run checkpoint) loaded into a rank's share of the
+model, in place. Tests that need transformers (or safetensors) skip without it; the 2-rank FSDP2 test is slow."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from cost_models.errors import WeightsError
+from cost_models.strategy import Strategy
+from executor import checkpoint
+from executor import checkpoint_layout as layout
+from executor.weights import DCP, HF_INDEX, SAFETENSORS, WeightsLoaded, load_weights
+from tests.plans import GPT_TINY_UNITS, plan_for
+
+
+def _gpt2(seed: int) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    # 63 positions: the position table splits unevenly over 2 FSDP2 ranks (32 + 31 rows)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=63, bos_token_id=0, eos_token_id=0))
+
+
+def _llama(seed: int) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama}
+
+
+def _save_hf(model: nn.Module, folder: Path, sharded: bool) -> Path:
+    model.save_pretrained(folder, **({"max_shard_size": "20KB"} if sharded else {}))
+    assert (folder / HF_INDEX).is_file() == sharded
+    return folder
+
+
+def _file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded-index"])
+@pytest.mark.parametrize("family", MODELS)
+def test_an_hf_folder_fills_a_differently_seeded_copy(tmp_path, family, sharded):
+    saved = MODELS[family](seed=0)
+    folder = _save_hf(saved, tmp_path / "hf", sharded)
+    model = MODELS[family](seed=1)
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    before = {n: b.clone() for n, b in buffers.items()}
+    assert not any(torch.equal(params[n], p) for n, p in saved.named_parameters() if p.dim() == 2)
+    loaded = load_weights(params, buffers, folder)
+    # GPT-2's file has no lm_head.weight (tied to transformer.wte.weight, the canonical name): nothing missing
+    assert loaded == WeightsLoaded(format=SAFETENSORS, source=str(folder), tensors=len(params),
+                                   bytes_read=_nbytes(params.values()))
+    for name, p in saved.named_parameters():
+        assert torch.equal(params[name], p), name
+    assert all(torch.equal(buffers[n], before[n]) for n in buffers)   # Llama's rotary tables: not in the file, kept
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():   # eval: GPT-2's dropout
+        assert torch.equal(model.eval()(ids).logits, saved.eval()(ids).logits)
+
+
+def test_a_bf16_file_loads_into_fp32_parameters_and_reads_half_the_bytes(tmp_path):
+    saved = _gpt2(seed=0).to(torch.bfloat16)
+    folder = _save_hf(saved, tmp_path / "hf", sharded=True)
+    model = _gpt2(seed=1)
+    params = dict(model.named_parameters())
+    loaded = load_weights(params, {}, folder)
+    assert loaded.bytes_read == _nbytes(params.values()) // 2
+    for name, p in saved.named_parameters():
+        assert params[name].dtype == torch.float32 and torch.equal(params[name], p.float()), name
+
+
+def test_a_folder_saved_from_the_base_model_loads_without_its_prefix(tmp_path):
+    """The hub's GPT-2 was saved from GPT2Model: "h.0.attn.c_attn.weight" for "transformer.h.0.attn.c_attn.weight"."""
+    saved = _gpt2(seed=0)
+    saved.transformer.save_pretrained(tmp_path / "base")
+    assert "h.0.attn.c_attn.weight" in _file_tensors(tmp_path / "base")
+    model = _gpt2(seed=1)
+    params = dict(model.named_parameters())
+    assert load_weights(params, {}, tmp_path / "base").tensors == len(params)
+    assert all(torch.equal(params[n], p) for n, p in saved.named_parameters())
+
+
+class _Net(nn.Module):
+    def __init__(self, hidden: int = 6, layers: int = 1) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Linear(4 if i == 0 else hidden, hidden) for i in range(layers)])
+        self.norm = nn.BatchNorm1d(hidden)           # persistent buffers: running_mean, running_var, num_batches
+        self.register_buffer("scratch", torch.full((3,), 7.0), persistent=False)
+
+
+def _save_net(net: nn.Module, folder: Path, drop: tuple[str, ...] = ()) -> Path:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    folder.mkdir()
+    safetensors_torch.save_file({k: v for k, v in net.state_dict().items() if k not in drop},
+                                str(folder / "model.safetensors"))
+    return folder
+
+
+def test_persistent_buffers_load_when_the_file_has_them_and_keep_their_values_otherwise(tmp_path):
+    torch.manual_seed(0)
+    saved = _Net()
+    saved.norm.running_mean.fill_(0.5)
+    saved.norm.num_batches_tracked.fill_(9)
+    folder = _save_net(saved, tmp_path / "w", drop=("norm.running_var",))
+    torch.manual_seed(1)
+    net = _Net()
+    buffers = dict(net.named_buffers())
+    loaded = load_weights(dict(net.named_parameters()), buffers, folder)
+    assert loaded.tensors == 4 + 2       # 2 Linear + 2 BatchNorm parameters, running_mean and num_batches_tracked
+    assert torch.equal(net.norm.running_mean, torch.full((6,), 0.5)) and int(net.norm.num_batches_tracked) == 9
+    assert torch.equal(net.norm.running_var, torch.ones(6)) and torch.equal(net.scratch, torch.full((3,), 7.0))
+    assert all(torch.equal(p, dict(saved.named_parameters())[n]) for n, p in net.named_parameters())
+
+
+def _error(params, buffers, folder) -> str:
+    with pytest.raises(WeightsError) as exc:
+        load_weights(params, buffers, folder)
+    message = str(exc.value)
+    assert "\n" not in message
+    return message
+
+
+NEEDS = ("an HF folder (config.json with model.safetensors, or model.safetensors.index.json and its shards) or a "
+         "planner run checkpoint (a --checkpoint-dir folder or one of its step-NNNNNNNN folders)")
+
+
+def test_what_does_not_fit_is_refused_in_one_line(tmp_path):
+    small = _save_net(_Net(), tmp_path / "small", drop=("body.0.bias",))
+    deep = _Net(layers=3)
+    assert _error(dict(deep.named_parameters()), {}, small) == (
+        f"--init-from {small} has no weights for body.0.bias (nor for 4 more of the 8 parameters this model has "
+        f"here); was it saved from another model?")
+    wide = _Net(hidden=8)
+    assert _error(dict(wide.named_parameters()), {}, _save_net(_Net(), tmp_path / "narrow")) == (
+        f"--init-from {tmp_path / 'narrow'}: body.0.weight has shape (6, 4) there, the model's is (8, 4); was it "
+        f"saved from another configuration of the model?")
+    params = dict(_Net().named_parameters())
+    (tmp_path / "empty").mkdir()
+    assert _error(params, {}, tmp_path / "empty") == f"--init-from {tmp_path / 'empty'} holds no weights; it must be " \
+                                                     f"{NEEDS}"
+    assert _error(params, {}, tmp_path / "nowhere") == f"--init-from {tmp_path / 'nowhere'} does not exist; it must " \
+                                                       f"be {NEEDS}"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"pickle")
+    assert "holds only PyTorch .bin weights" in _error(params, {}, tmp_path / "bin")
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "model.safetensors").write_bytes((small / "model.safetensors").read_bytes()[:-40])
+    assert _error(params, {}, tmp_path / "cut").startswith(
+        f"--init-from {tmp_path / 'cut'}: model.safetensors is not a readable safetensors file (")
+    (tmp_path / "small" / HF_INDEX).write_text('{"weight_map": {"a": "model.safetensors", "b": "model-2.safetensors"}}')
+    assert _error(params, {}, small) == (f"--init-from {small}: {HF_INDEX} names model-2.safetensors (and 0 more "
+                                         f"shards) that the folder does not hold; copy the whole folder")
+
+
+@pytest.fixture(scope="module")
+def plan():
+    """A plan to list in checkpoints' meta (load_weights reads only the model's tensors of a checkpoint)."""
+    from cost_models.model_profiler import profile_model
+    from cost_models.models.source import resolve
+    profile = profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
+    return plan_for(Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=1,
+                             stages=(GPT_TINY_UNITS,)), profile)
+
+
+def _meta_fields(plan, world_size: int) -> dict:
+    return {"samples_seen": 8, "seed": 0, "lr": 1e-3, "loss": 1.0, "world_size": world_size, "plan": plan,
+            "torch_version": torch.__version__}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_planner_checkpoint_gives_its_model_tensors_only_and_must_be_signed(tmp_path, plan):
+    """A checkpoint as planner run writes it (model, optimizer and RNG keys; signed listing), made in one process."""
+    torch.manual_seed(0)
+    saved = _Net()
+    opt = torch.optim.AdamW(saved.parameters())
+    checkpoint.init_optimizer_state(opt, list(saved.parameters()))
+    persistent = {n: b for n, b in saved.named_buffers() if n in saved.state_dict()}
+    sd = checkpoint.state_dict(dict(saved.named_parameters()), persistent, opt, rng_rank=0)
+    assert any(k.startswith("optim.") for k in sd) and any(k.startswith("rng.") for k in sd)
+    tmp = layout.incomplete_dir(tmp_path / "ck", 3)
+    tmp.mkdir(parents=True)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+    step = layout.commit(tmp_path / "ck", 3, _meta_fields(plan, 1), [])
+    torch.manual_seed(1)
+    net = _Net()
+    params = dict(net.named_parameters())
+    loaded = load_weights(params, dict(net.named_buffers()), tmp_path / "ck")   # the folder: its latest step
+    assert loaded == WeightsLoaded(format=DCP, source=str(step), tensors=7,
+                                   bytes_read=_nbytes(saved.state_dict().values()))
+    assert all(torch.equal(v, saved.state_dict()[k]) for k, v in net.state_dict().items())
+    deeper = dict(_Net(layers=2).named_parameters())
+    assert _error(deeper, {}, step) == (f"--init-from {step} has no weights for body.1.weight (nor for 1 more of the "
+                                        f"6 parameters this model has here); was it saved from another model?")
+    (step / layout.SIG_NAME).unlink()
+    with pytest.raises(layout.CheckpointError, match="is not signed .* pass --trust-checkpoint"):
+        load_weights(params, {}, step)
+    assert load_weights(params, {}, step, trusted=True).tensors == 4
+
+
+# ---- 2 ranks, FSDP2 --------------------------------------------------------------------------------------------
+
+class _CountingSafeOpen:
+    """safetensors.safe_open, counting the bytes of the slices read through it (DCP's HF reader imports safe_open
+    when it reads, so patching the module's attribute reaches it)."""
+
+    original = None    # safetensors.safe_open itself
+    read: list[int] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._file = _CountingSafeOpen.original(*args, **kwargs)
+
+    def __enter__(self):
+        self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._file.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+    def get_slice(self, key):
+        return _CountingSlice(self._file.get_slice(key))
+
+
+class _CountingSlice:
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def __getitem__(self, index):
+        t = self._inner[index]
+        _CountingSafeOpen.read.append(t.numel() * t.element_size())
+        return t
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _sharded(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _rank_loads_its_shard(rank: int, tmp: Path, meta_fields: dict) -> None:
+    import safetensors
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        _CountingSafeOpen.original, safetensors.safe_open = safetensors.safe_open, _CountingSafeOpen
+        for family in MODELS:
+            _check_hf_shard(rank, _sharded(MODELS[family](seed=1), mesh), tmp / family)
+        safetensors.safe_open = _CountingSafeOpen.original
+        model = _sharded(_gpt2(seed=1), mesh)
+        params = dict(model.named_parameters())
+        load_weights(params, {}, tmp / "gpt2")
+        sd = checkpoint.state_dict(params, {}, torch.optim.SGD(model.parameters()), rng_rank=rank)
+        checkpoint.save(sd, tmp / "ck", 1, meta_fields)
+        again = _sharded(_gpt2(seed=2), mesh)
+        params = dict(again.named_parameters())
+        loaded = load_weights(params, {}, tmp / "ck")
+        assert loaded.bytes_read == _nbytes(p.to_local() for p in params.values())   # its own chunks, written by it
+        for name, p in model.named_parameters():
+            assert torch.equal(params[name].to_local(), p.to_local()), name
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_hf_shard(rank: int, model: nn.Module, folder: Path) -> None:
+    params = dict(model.named_parameters())
+    _CountingSafeOpen.read.clear()
+    loaded = load_weights(params, {}, folder)
+    files = _file_tensors(folder)
+    for name, p in params.items():
+        assert torch.equal(p.to_local(), torch.chunk(files[name], 2, dim=0)[rank]), name   # FSDP2: Shard(0)
+    mine = _nbytes(p.to_local() for p in params.values())
+    assert loaded.bytes_read == sum(_CountingSafeOpen.read) == mine
+    assert mine < 0.55 * _nbytes(files[n] for n in params), (mine, folder.name)
+    print(f"rank {rank} {folder.name}: read {mine} of {_nbytes(files[n] for n in params)} bytes", flush=True)
+
+
+@pytest.mark.slow
+def test_each_fsdp2_rank_reads_only_its_shard(tmp_path, plan):
+    """2 ranks on gloo, FSDP2 per layer then root: from an HF folder (GPT-2 single file, Llama sharded) each rank's
+    local shard equals its rows of the file, and the bytes it reads are its shard's (counted at safetensors'
+    get_slice); a checkpoint those ranks save loads back into the same layout and, in one process, whole."""
+    import torch.multiprocessing as mp
+    _save_hf(_gpt2(seed=0), tmp_path / "gpt2", sharded=False)
+    _save_hf(_llama(seed=0), tmp_path / "llama", sharded=True)
+    mp.spawn(_rank_loads_its_shard, args=(tmp_path, _meta_fields(plan, 2)), nprocs=2)
+    model = _gpt2(seed=3)
+    params = dict(model.named_parameters())
+    loaded = load_weights(params, {}, tmp_path / "ck")
+    assert loaded.format == DCP and loaded.bytes_read == _nbytes(params.values())
+    files = _file_tensors(tmp_path / "gpt2")
+    assert all(torch.equal(p, files[n]) for n, p in params.items())
