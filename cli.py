@@ -494,6 +494,7 @@ def run(
     overwrite_checkpoints: bool = typer.Option(False, "--overwrite-checkpoints", help="replace checkpoints in --checkpoint-dir past the step this run starts at"),
     trust_checkpoint: bool = typer.Option(False, "--trust-checkpoint", help="--resume from a checkpoint this installation's key did not sign (see --checkpoint-dir; ZEROPIPE_CHECKPOINT_KEY names another key file): loading it runs code stored in it (torch DCP unpickles .metadata), so only for checkpoints you made or trust who made; sizes and sha256 are still checked"),
     data: Optional[Path] = typer.Option(None, "--data", help="train on a token file: nanoGPT's uint16 .bin or a 1-d .npy (uint16/uint32/int32/int64), memory-mapped; step k reads windows k*B .. k*B+B-1 of seq_len+1 tokens (default: synthetic tokens)"),
+    init_from: Optional[Path] = typer.Option(None, "--init-from", help="start from pretrained weights instead of the model's own initialisation: an HF folder (config.json + model.safetensors or a sharded index) or a planner run checkpoint; each rank reads only what it holds"),
     as_json: AsJson = False,
 ) -> None:
     """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction.
@@ -506,7 +507,8 @@ def run(
                        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                        checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
                        resume=str(resume) if resume else None, overwrite_checkpoints=overwrite_checkpoints,
-                       trust_checkpoint=trust_checkpoint, data=str(data) if data else None)
+                       trust_checkpoint=trust_checkpoint, data=str(data) if data else None,
+                       init_from=str(init_from) if init_from else None)
     write_to, overwrite = _prepare_output(output, force)
     the_plan = Plan.load(plan_path)
     with err.status(f"running {the_plan.strategy.world_size} ranks up to step {steps}"):
@@ -588,6 +590,29 @@ def _print_run(r) -> None:
                   f"{r.checkpoints[-1]}", highlight=False)
     out.print(_table(MEASURE_COLUMNS, measure_rows(r), title="predicted vs measured"))
     out.print(f"throughput: {r.tokens_per_s:,.0f} {r.throughput_unit}/s measured", highlight=False)
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="a step folder written by planner run --checkpoint-dir (or that folder: its latest complete checkpoint)")],
+    hf: Optional[Path] = typer.Option(None, "--hf", help="write a transformers folder (config.json + safetensors) that AutoModelForCausalLM.from_pretrained(DIR) loads; hf: models only"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="write one safetensors file of the full state dict under the model's own parameter names, any model (default: model.safetensors, when --hf is not given)"),
+    force: Force = False,
+    trust_checkpoint: bool = typer.Option(False, "--trust-checkpoint", help="export a checkpoint this installation's key did not sign (see planner run --checkpoint-dir): reading it runs code stored in it (torch DCP unpickles .metadata), so only for checkpoints you made or trust who made; sizes and sha256 are still checked"),
+    as_json: AsJson = False,
+) -> None:
+    """Write a checkpoint's model weights for other tools: a transformers folder (--hf DIR) or one safetensors
+    file (-o FILE). Optimizer and RNG states are not read."""
+    from executor import export as exporting
+
+    target, _ = exporting.target_of(hf, output)
+    overwrite = force or (exporting.occupied(target) and _confirm_overwrite(target, force))
+    with err.status(f"exporting {checkpoint}"):
+        result = exporting.export(checkpoint, hf_dir=hf, output=output, overwrite=overwrite, trusted=trust_checkpoint)
+    if as_json:
+        print(dumps(result.to_dict()), end="")
+        return
+    out.print(exporting.summary_line(result), highlight=False)
 
 
 def _sigterm(signum, frame) -> None:

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["tree_leaves", "tree_map", "TorchDispatchMode", "storage_id", "CPU_FLASH_ATTENTION",
            "CPU_FLASH_ATTENTION_BACKWARD", "persistent_buffers", "default_group_timeout", "set_group_timeout",
-           "schedule_stages", "compute_action_strings"]
+           "schedule_stages", "compute_action_strings", "own_parameters", "hf_init_weights", "module_view"]
 
 # The fused CPU flash-attention kernels (aten ops with private names; torch.nn.functional.scaled_dot_product_attention
 # picks them on CPU). The profiler runs them on meta and gives FlopCounterMode a formula for them.
@@ -79,3 +79,31 @@ def compute_action_strings(pipeline_order, rank: int) -> list[str]:
     compute = (S._ComputationType.FORWARD, S._ComputationType.FULL_BACKWARD, S._ComputationType.BACKWARD_INPUT,
                S._ComputationType.BACKWARD_WEIGHT)
     return [str(a) for a in pipeline_order[rank] if a is not None and a.computation_type in compute]
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The module's own parameter slots, writable: nn.Module keeps them in `_parameters`. Replacing an entry
+    there (not setattr) swaps a parameter without running __setattr__'s checks, and keeps its place in
+    named_parameters() order; no public API gives the slots of one module (named_parameters(recurse=False)
+    reads them, cannot set them)."""
+    return module._parameters
+
+
+def hf_init_weights(model: nn.Module):
+    """transformers' per-module initialisation of a PreTrainedModel (`_init_weights(module)`: what
+    `post_init` applies to every module), or None for other models. It has no public per-module form."""
+    fn = getattr(model, "_init_weights", None)
+    return fn if callable(fn) else None
+
+
+def module_view(module: nn.Module, **replace: nn.Module | None) -> nn.Module:
+    """A shallow copy of `module` that shares its attributes and child modules but has its own child table, with
+    the children named in `replace` swapped (a pipeline stage's view of a decoder holding only its layers).
+    copy.copy shares the child table (`_modules`) itself, and setattr on the copy would write into the original's,
+    so the copy is given its own before anything is replaced."""
+    import copy
+    view = copy.copy(module)
+    view._modules = dict(module._modules)
+    for name, child in replace.items():
+        view._modules[name] = child
+    return view

@@ -8,9 +8,13 @@
         loss = rt.step(inputs, targets)      # forward + backward over its micro-batches, gradient sync, optimizer step
         if loss is not None: print(loss.item())   # ranks holding the last stage see their replica's loss
 
-`model_fn` is called on the meta device: it must build the model the plan was made for (the same unit names);
-this rank materialises only its stages, initialised by parameter name (executor.stages), so every layout starts
-from the same weights. The runtime exposes what a custom loop needs: `rt.wrapped.modules` (the wrapped stage
+`model_fn` builds the model the plan was made for (the same unit names), in whatever device context it is called:
+on meta first (names, shapes), then for real after torch.manual_seed(seed), so the model's own initialisation is
+what trains (executor.materialize: a model too large for every local rank to build once is drawn module by module
+instead), identical under every layout; `init_from=` loads pretrained weights over it. With pp = 1 the model itself
+is wrapped (its own forward and parameter names); with pp > 1 each rank builds its stages from it
+(executor.stages). The loss is taken on the model's output, or on its `.logits` (HF models). The runtime exposes
+what a custom loop needs: `rt.model` (your model object), `rt.wrapped.modules` (the wrapped model or stage
 modules), `rt.optimizer`, `rt.schedule` (torch.distributed.pipelining's, when pp > 1), `rt.pp_rank`, `rt.dp_rank`,
 `rt.is_first`, `rt.is_last`.
 """
@@ -27,19 +31,23 @@ from torch import nn
 
 from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
-from executor.runtime import LossFn, Runtime, build_runtime, stage_io_shapes
-from executor.stages import check_covers_model
+from executor.runtime import LossFn, ModelSpec, Runtime, build_runtime
+from executor.stages import UnitMap
+from executor.weights import load_weights, weights_format
 from planner.plan import Plan, check_plan
 
 
 def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Module],
                optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer], loss_fn: LossFn, *,
-               example_input: torch.Tensor | None = None, seed: int = 0, timeout_s: float = 300.0) -> Runtime:
+               init_from: str | Path | None = None, example_input: torch.Tensor | None = None, seed: int = 0,
+               timeout_s: float = 300.0) -> Runtime:
     """Set up this rank for `plan` (a Plan, its Strategy, or a plan.json path) and return its Runtime.
 
-    Initialises the default process group from torchrun's environment if the script has not. `example_input`
-    is one micro-batch of model input; pipelines need it for their static shapes (default: token ids of the plan's
-    micro-batch size and sequence length when the plan is a Plan whose model takes tokens).
+    Initialises the default process group from torchrun's environment if the script has not. `init_from`: an HF
+    folder (config.json + safetensors) or a `planner run` checkpoint whose weights replace the model's own
+    initialisation (each rank reads only what it holds). `example_input` is one micro-batch of model input;
+    pipelines need it for their static shapes (default: token ids of the plan's micro-batch size and sequence
+    length when the plan is a Plan whose model takes tokens).
     """
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
@@ -47,6 +55,24 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
         check_plan(plan)     # Plan.load checked a file; a Plan built in code is checked here
     strategy = plan.strategy if isinstance(plan, Plan) else plan
     strategy.validate(tuple(u for stage in strategy.stages for u in stage))
+    _init_process_group(strategy, timeout_s)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    units = UnitMap.of(plan.model.units, plan.model.unit_modules) if isinstance(plan, Plan) else UnitMap()
+    if example_input is None and isinstance(plan, Plan) and plan.model.input_kind == "tokens":
+        example_input = torch.zeros(strategy.micro_batch_size, plan.model.seq_len, dtype=torch.long)
+    if example_input is None and strategy.n_stages > 1:
+        raise ConfigError("apply_plan needs example_input (one micro-batch) to set up a pipeline's static shapes")
+    if init_from is not None:
+        weights_format(Path(init_from))   # one line before any work if the folder holds no weights
+    rt = build_runtime(strategy, ModelSpec(build=model_fn, units=units), loss_fn=loss_fn, optimizer_fn=optimizer_fn,
+                       example=example_input, seed=seed, device=device,
+                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), loading=init_from is not None)
+    if init_from is not None:
+        load_weights(rt.params_by_name, rt.buffers_by_name, Path(init_from))
+    return rt
+
+
+def _init_process_group(strategy: Strategy, timeout_s: float) -> None:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
@@ -56,14 +82,3 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
         raise ConfigError(f"the plan runs on {strategy.world_size} ranks (dp {strategy.dp} x pp {strategy.pp}), this job "
                           f"has {dist.get_world_size()}; start it with torchrun --nproc-per-node {strategy.world_size} "
                           f"(per node) or re-plan for {dist.get_world_size()} GPUs")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    with torch.device("meta"):
-        model = model_fn()
-    check_covers_model(model, strategy.stages)
-    if example_input is None and isinstance(plan, Plan) and plan.model.input_kind == "tokens":
-        example_input = torch.zeros(strategy.micro_batch_size, plan.model.seq_len, dtype=torch.long)
-    if example_input is None and strategy.n_stages > 1:
-        raise ConfigError("apply_plan needs example_input (one micro-batch) to set up a pipeline's static shapes")
-    stage_io = stage_io_shapes(model, strategy.stages, example_input, device) if strategy.n_stages > 1 else []
-    return build_runtime(strategy, model, loss_fn=loss_fn, optimizer_fn=optimizer_fn, stage_io=stage_io,
-                         seed=seed, device=device)

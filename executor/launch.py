@@ -30,7 +30,9 @@ from executor import checkpoint_layout as layout
 from executor import trust
 from executor.data import TokenFile
 from executor.train import TrainConfig, run_on_rank, summarize_times
-from executor.stages import check_covers_model
+from executor.runtime import logits_of
+from executor.stages import UnitMap, check_covers_model
+from executor.weights import weights_format
 from planner.plan import Plan, check_plan
 from planner.run_record import Measure, RankResult, RunFile
 
@@ -145,6 +147,7 @@ class RunConfig(Record):
     overwrite_checkpoints: bool = False  # replace checkpoints past this run's start in checkpoint_dir
     trust_checkpoint: bool = False       # resume from a checkpoint this installation's key did not sign
     data: str | None = None              # a token file (executor.data); None: synthetic batches
+    init_from: str | None = None         # pretrained weights: an HF folder or a checkpoint (executor.weights)
 
     def check(self, world_size: int) -> None:
         """The flags' own constraints, as one-line ConfigErrors, before anything is read or started."""
@@ -156,6 +159,9 @@ class RunConfig(Record):
             raise ConfigError("--checkpoint-every and --checkpoint-keep must be >= 0")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to write them)")
+        if self.init_from and self.resume:
+            raise ConfigError("--init-from starts training from given weights and --resume continues a run; "
+                              "give one of them")
 
 
 def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
@@ -169,6 +175,8 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
     model = _check_model(plan)
     if run.data:
         _check_data(plan, run.data, model)
+    if run.init_from:
+        weights_format(Path(run.init_from))   # one line if the folder is neither an HF folder nor a checkpoint
     start, step_dir, seed, lr = 0, None, run.seed, run.lr
     if run.resume:
         step_dir, meta = _resume_point(run.resume, plan, run.steps, trusted=run.trust_checkpoint, on_resume=on_resume)
@@ -182,7 +190,8 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
                       steps=run.steps, warmup=run.warmup, seed=0 if seed is None else seed,
                       lr=1e-3 if lr is None else lr, start_step=start, resume_from=str(step_dir) if step_dir else None,
                       trust_checkpoint=run.trust_checkpoint, checkpoint_dir=run.checkpoint_dir,
-                      checkpoint_every=run.checkpoint_every, checkpoint_keep=run.checkpoint_keep, data=run.data)
+                      checkpoint_every=run.checkpoint_every, checkpoint_keep=run.checkpoint_keep, data=run.data,
+                      unit_modules=plan.model.unit_modules, init_from=run.init_from)
     gathered = _start_ranks(plan, run, cfg, per_node)
     if gathered is None:
         return None
@@ -240,25 +249,33 @@ def _checkpoint_folder(root: Path, start: int, overwrite: bool, *, lock: bool) -
 
 
 def _check_model(plan: Plan):
-    """Before any rank starts: the plan's model builds (on the meta device: no memory) and its stages hold all of
-    it (executor.stages.check_covers_model). Returns the meta model."""
+    """Before any rank starts: the plan's model builds (on the meta device: no memory), its stages hold all of it
+    (executor.stages.check_covers_model), and a pipeline plan's model can be pipelined
+    (cost_models.pipelining). Returns the meta model."""
     from cost_models.models.source import DTYPES, resolve
+    from cost_models.pipelining import pipeline_support
     model = resolve(plan.model.source).build(device="meta", dtype=DTYPES["fp32"])
-    check_covers_model(model, plan.strategy.stages)
+    units = UnitMap.of(plan.model.units, plan.model.unit_modules)
+    check_covers_model(model, plan.strategy.stages, units, pipelined=plan.strategy.pp > 1)
+    if plan.strategy.pp > 1:
+        support = pipeline_support(model, [(u, units.names(u)) for u in plan.model.units])
+        if support.startswith("no"):
+            raise ConfigError(f"{plan.model.name} cannot be pipelined: {support.removeprefix('no: ')}; plan it "
+                              f"with pp=1 (planner plan does not offer pipelines for it)")
     return model
 
 
 def _check_data(plan: Plan, path: str, model) -> None:
     """Before any rank starts: the token file opens, holds a window, and every id is in the (meta) model's
     vocabulary."""
-    from cost_models.models.source import resolve
+    from cost_models.models.source import meta_forward_context, resolve
     if plan.model.input_kind != "tokens":
         raise ConfigError(f"--data feeds token ids; {plan.model.name} takes {plan.model.input_kind} inputs")
     tokens = TokenFile(path, plan.model.seq_len)
     source = resolve(plan.model.source)
     example = source.example_input(model, 1, plan.model.seq_len, "cpu")[0]
-    with source.forward_context(), torch.no_grad():
-        tokens.check_ids(vocab=model(example.to("meta")).shape[-1])
+    with meta_forward_context(), torch.no_grad():
+        tokens.check_ids(vocab=logits_of(model(example.to("meta"))).shape[-1])
 
 
 def _check_checkpoint_dir(root: Path, start: int, overwrite: bool) -> None:

@@ -19,8 +19,10 @@ from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
 from cost_models.torch_private import default_group_timeout, schedule_stages, set_group_timeout
 from executor import checkpoint, pipeline
-from executor.stages import (build_stages, buffers_by_canonical, canonical_names, params_by_canonical, tied_params,
-                             tied_units)
+from cost_models.pipelining import pipeline_support
+from executor.materialize import allocate, init_held, init_mode, parameters_on_meta, release_unheld
+from executor.stages import (UnitMap, build_stages, canonical_names, check_covers_model, recomputed, state_maps,
+                             tied_params, tied_units)
 from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -42,6 +44,8 @@ class Runtime:
     tie_groups: list[tuple[str, object]] = field(default_factory=list)   # (canonical param name, group)
     params_by_name: dict[str, nn.Parameter] = field(default_factory=dict)
     buffers_by_name: dict[str, torch.Tensor] = field(default_factory=dict)
+    model: nn.Module | None = None       # the user's model object: with pp = 1 the one trained, else the stages' source
+    init: str = ""                       # how the weights were drawn (executor.materialize): factory | per-module
     # Seconds spent this step in stage forward/backward ("compute": it includes the communication FSDP and DDP
     # issue inside them), in the gradient syncs issued after them ("sync"), and in optimizer.step ("optimizer").
     timings: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "sync": 0.0, "optimizer": 0.0})
@@ -114,7 +118,7 @@ class Runtime:
                 sync = module.no_sync()  # DDP all-reduces once, on the last micro-batch
             t0 = time.perf_counter()
             with sync:
-                loss = self.loss_fn(module(x), y) / m
+                loss = self.loss_fn(logits_of(module(x)), y) / m
                 loss.backward()
             self.timings["compute"] += time.perf_counter() - t0
             total += loss.detach().cpu()
@@ -136,20 +140,64 @@ class Runtime:
         return local_bytes(self.wrapped.params, self.wrapped.optimizer)
 
 
-def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, optimizer_fn, stage_io,
-                  seed: int = 0,
-                  device: torch.device | None = None) -> Runtime:
-    """Apply `strategy` to `model` (built on the meta device) on this rank of an initialised process group.
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the runtime needs to build the plan's model: `build()` makes it in the caller's device context (the
+    model's own constructor: a zoo entry, a factory, an HF config), and its units' modules."""
 
-    stage_io[sid] = (example input, example output) of one micro-batch for stage sid (pipelines need static
-    shapes)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    build: Callable[[], nn.Module]
+    units: UnitMap
 
+
+def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optimizer_fn, example: torch.Tensor | None,
+                  seed: int = 0, device: torch.device | None = None, local_ranks: int = 1,
+                  loading: bool = False) -> Runtime:
+    """Apply `strategy` to the model of `spec` on this rank of an initialised process group.
+
+    The model is built on meta first (names, ties, the stages' static shapes from `example`, one micro-batch of
+    input; pipelines need it), then for real with its own initialisation (executor.materialize), keeping only this
+    rank's share. `loading`: pretrained weights will be loaded into it (executor.weights), so nothing is drawn and,
+    under FSDP2, no rank ever holds more than its shards."""
     s = strategy
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != s.world_size:
         raise ConfigError(f"the plan needs {s.world_size} ranks (dp={s.dp} x pp={s.pp}), this job has {world}")
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    with torch.device("meta"):
+        meta = spec.build()
+    check_covers_model(meta, s.stages, spec.units, pipelined=s.pp > 1)
+    support = pipeline_support(meta, [(u, spec.units.names(u)) for st in s.stages for u in st]) if s.pp > 1 else ""
+    stage_io = stage_io_shapes(meta, s, spec.units, support, example) if s.n_stages > 1 else []
+    ties = tied_params(meta, s.stages, s.stage_rank, spec.units)
+    # the schedule registry's guards; the planner never plans these
+    unsafe = s.unsafe_reason() or s.split_tie(tied_units(meta, s.stages, spec.units))
+    if unsafe:
+        raise ConfigError(unsafe)
+    canon = canonical_names(meta)
+    mode = "loaded" if loading else init_mode(meta, local_ranks)
+    del meta
+    mesh, pp_rank, dp_rank = _mesh(s, device)
+    stage_ids = list(s.rank_stages(pp_rank))
+    model, held = _materialized(s, spec, mode, stage_ids, support, seed, device)
+    wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
+                   unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None)
+    if _shards_later(s, mode):
+        _allocate_shards(wrapped, optimizer_fn, device)
+    schedule = None
+    if s.n_stages > 1:
+        schedule = pipeline.build_schedule(wrapped.modules, stage_ids, strategy=s, pp_group=mesh["pp"].get_group(),
+                                           device=device, loss_fn=lambda out, y: loss_fn(logits_of(out), y),
+                                           stage_io=stage_io, pp_rank=pp_rank)
+    params, buffers = state_maps(model, held, canon)
+    return Runtime(strategy=s, pp_rank=pp_rank, dp_rank=dp_rank, stage_ids=stage_ids, wrapped=wrapped,
+                   loss_fn=loss_fn, schedule=schedule, dp_group=mesh["dp"].get_group() if s.dp > 1 else None,
+                   tie_groups=_tie_groups(s, ties, rank), params_by_name=params, buffers_by_name=buffers,
+                   model=model, init=mode)
+
+
+def _mesh(s: Strategy, device: torch.device):
+    """The (pp, dp) device mesh, its groups given the world's timeout, and this rank's (pp, dp) coordinates."""
+    from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (s.pp, s.dp), mesh_dim_names=("pp", "dp"))
     # init_process_group's timeout (`planner run --timeout`). Subgroups do not inherit it: new_group and DeviceMesh's
     # per-dimension groups take torch's default (30 min for gloo, 10 for NCCL), so a stopped pipeline peer left the
@@ -158,58 +206,103 @@ def build_runtime(strategy: Strategy, model: nn.Module, *, loss_fn: LossFn, opti
     timeout = default_group_timeout(device)
     for dim in ("pp", "dp"):
         set_group_timeout(mesh[dim].get_group(), timeout)
-    pp_rank, dp_rank = rank // s.dp, rank % s.dp
-    stage_ids = list(s.rank_stages(pp_rank))
-    ties = tied_params(model, s.stages, s.stage_rank)
-    # the schedule registry's guards; the planner never plans these
-    unsafe = s.unsafe_reason() or s.split_tie(tied_units(model, s.stages))
-    if unsafe:
-        raise ConfigError(unsafe)
-    canon = canonical_names(model)
-    stages = build_stages(model, s.stages, stage_ids, recompute=s.recompute, seed=seed, device=device)
-    dp_mesh = mesh["dp"]
-    wrapped = wrap(stages, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=dp_mesh, optimizer_fn=optimizer_fn)
-    schedule = None
-    if s.n_stages > 1:
-        schedule = pipeline.build_schedule(wrapped.modules, stage_ids, strategy=s, pp_group=mesh["pp"].get_group(),
-                                           device=device, loss_fn=loss_fn, stage_io=stage_io, pp_rank=pp_rank)
-    # Tied parameters on several pipeline ranks: one group per (tied parameter, dp index), created in the same
-    # order on every rank (new_group is collective).
-    tie_groups = []
+    rank = dist.get_rank()
+    return mesh, rank // s.dp, rank % s.dp
+
+
+def _materialized(s: Strategy, spec: ModelSpec, mode: str, stage_ids: list[int], support: str, seed: int,
+                  device: torch.device) -> tuple[nn.Module, list[nn.Module]]:
+    """The model built for real (executor.materialize's modes; "loaded": parameters allocated, not drawn, since
+    pretrained weights replace them), and the modules this rank trains: the model itself when pp = 1, else its
+    stages (parameters of other ranks' stages released to meta). Under FSDP2 with "loaded" the parameters stay on
+    meta here: _allocate_shards gives each rank only its shards after wrapping."""
+    if mode == "factory":
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            model = spec.build()
+    else:
+        with torch.device("cpu"), parameters_on_meta():
+            model = spec.build()
+    if s.pp == 1:
+        held: list[nn.Module] = [model]
+        if s.recompute and s.recompute[0]:
+            for u in s.stages[0]:
+                for _, m in spec.units.parts(model, u):
+                    recomputed(m)
+    else:
+        held = list(build_stages(model, s.stages, stage_ids, units=spec.units, support=support,
+                                 recompute=s.recompute))
+    if mode == "factory":
+        release_unheld(model, held)
+    elif _shards_later(s, mode):
+        return model, held
+    else:
+        allocate(model, held, device)
+        if mode == "per-module":
+            init_held(model, held, seed)
+    for m in held:
+        m.to(device)
+    return model, held
+
+
+def _shards_later(s: Strategy, mode: str) -> bool:
+    return mode == "loaded" and s.zero >= 2 and s.dp > 1
+
+
+def _allocate_shards(wrapped: Wrapped, optimizer_fn, device: torch.device) -> None:
+    """FSDP2 over meta parameters (torchtitan's order): allocate each rank's shards only, never the whole model,
+    keeping the buffers the constructor computed (to_empty would leave them uninitialised), then build the
+    optimizer over the real shards."""
+    for module in wrapped.modules:
+        buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+        module.to_empty(device=device)
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+    wrapped.params = [p for m in wrapped.modules for p in m.parameters()]
+    wrapped.optimizer = optimizer_fn(wrapped.params)
+
+
+def _tie_groups(s: Strategy, ties, rank: int) -> list[tuple[str, object]]:
+    """Tied parameters on several pipeline ranks: one group per (tied parameter, dp index), created in the same
+    order on every rank (new_group is collective)."""
+    timeout = default_group_timeout(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    out = []
     for tied in ties:
         for d in range(s.dp):
             members = [r * s.dp + d for r in tied.pp_ranks]
             group = dist.new_group(ranks=members, timeout=timeout)
             if rank in members:
-                tie_groups.append((tied.canonical, group))
-    return Runtime(strategy=s, pp_rank=pp_rank, dp_rank=dp_rank, stage_ids=stage_ids, wrapped=wrapped,
-                   loss_fn=loss_fn, schedule=schedule, dp_group=dp_mesh.get_group() if s.dp > 1 else None,
-                   tie_groups=tie_groups, params_by_name=params_by_canonical(stages, canon),
-                   buffers_by_name=buffers_by_canonical(stages))
+                out.append((tied.canonical, group))
+    return out
 
 
-def stage_io_shapes(model: nn.Module, stages: tuple[tuple[str, ...], ...], example: torch.Tensor,
-                    device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Example (input, output) tensors of one micro-batch per stage, from one forward of the model on meta."""
-    outputs: dict[str, torch.Tensor] = {}
-    hooks = []
-    for names in stages:
-        for name in names:
-            hooks.append(model.get_submodule(name).register_forward_hook(
-                lambda mod, args, out, name=name: outputs.__setitem__(name, out)))
-    try:
-        with torch.no_grad():
-            model(example.to("meta"))
-    finally:
-        for h in hooks:
-            h.remove()
+def logits_of(output) -> torch.Tensor:
+    """The tensor a loss is taken on: the output itself, or an output object's `.logits` (transformers' causal LMs
+    return CausalLMOutputWithPast; their `labels=` loss is never used: it shifts the targets a second time)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise ConfigError(f"the model returned {type(output).__name__}, which is neither a tensor nor has .logits; "
+                      "pass apply_plan(loss_fn=...) a loss that takes it")
+
+
+def stage_io_shapes(meta: nn.Module, s: Strategy, units: UnitMap, support: str,
+                    example: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Example (input, output) tensors of one micro-batch per stage (the float ones with requires_grad, as torch's
+    PipelineStage needs), from running every stage in turn on the meta model."""
+    from cost_models.models.source import meta_forward_context
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    stages = build_stages(meta, s.stages, list(range(s.n_stages)), units=units, support=support, recompute=())
     io = []
-    prev = example
-    for names in stages:
-        out = outputs[names[-1]]
-        example_in = torch.empty(prev.shape, dtype=prev.dtype, device=device,
-                                 requires_grad=prev.is_floating_point())
-        example_out = torch.empty(out.shape, dtype=out.dtype, device=device, requires_grad=True)
-        io.append((example_in, example_out))
-        prev = out
+    x = example.to("meta")
+    with meta_forward_context(), torch.no_grad():
+        for stage in stages:
+            out = stage(x)
+            io.append((torch.empty(x.shape, dtype=x.dtype, device=device, requires_grad=x.is_floating_point()),
+                       torch.empty(out.shape, dtype=out.dtype, device=device, requires_grad=True)))
+            x = out
     return io

@@ -1,19 +1,26 @@
-"""Cut a model into the plan's stages and materialise them exactly as a single-process run would.
+"""The model's units and the pipeline stages cut from them, running the model's own code.
 
-The model is built once on the meta device (no memory), each rank keeps the unit modules of its own stages, and
-only those are materialised. Initial values depend only on the seed and each parameter's canonical name (the
-first name it has in the full model), never on which rank materialises it or in what order, so every layout of
-the same plan (and the single-process reference) starts from identical weights:
-    biases and norm shifts 0, norm scales 1, everything else N(0, 0.02) (GPT-2 / nanoGPT initialisation),
-    from a generator seeded with (seed, crc32 of the canonical name).
-A tied parameter (GPT-2's embedding and LM head) used by stages on different ranks is materialised on each with
-the same values; its gradients are summed across those ranks every step (as Megatron-LM's embedding group does).
+A plan names units (profile units: `blocks.0`, or a group such as HF's `embed` = `model.embed_tokens` +
+`model.rotary_emb`); `UnitMap` turns them into the model's modules. With pp = 1 there are no stages: the executor
+trains the model itself (executor.runtime). With pp > 1 each rank builds the Stage modules of its stages, in one of
+two ways, chosen by cost_models.pipelining.pipeline_support (the profiler and planner use the same check):
+  "chain"             the model's forward is exactly its units called one after another on one tensor (checked by
+                      tracing it, not assumed): a stage calls its units in that order.
+  "hf-llama"/"hf-gpt2" an HF causal LM: a stage runs the model's own forward over the decoder layers it holds
+                      (executor.hf_stages), so positions, rotary embeddings and masks are computed as the model
+                      computes them.
+Anything else is refused before ranks start; never a chain that skips code in the model's forward.
+
+A Stage registers the model's own module objects (not copies), so a parameter keeps its identity and its name in
+the full model; parameters are keyed everywhere by their canonical name, the first name they have in the full
+model (`canonical_names`), which is what a DCP checkpoint stores: the same keys under every layout.
+A tied parameter (GPT-2's embedding and LM head) used by stages on different ranks is held by each of them; its
+gradients are summed across those ranks every step (as Megatron-LM's embedding group does).
 """
 from __future__ import annotations
 
-import zlib
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,29 +29,30 @@ from torch.utils.checkpoint import checkpoint
 from cost_models.errors import ConfigError
 from cost_models.torch_private import persistent_buffers
 
-_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
 
+@dataclass(frozen=True)
+class UnitMap:
+    """unit name -> the names of the model modules it is made of (ModelRef.unit_modules); a unit not listed is
+    the module of that name (every zoo unit, and plans made before units were recorded)."""
 
-class Stage(nn.Module):
-    """The units of one pipeline stage, run in order; one tensor flows between them.
+    modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-    Units are registered under their model names with '.' spelled '__' (module names cannot contain dots);
-    `unit_names` keeps the real names. `recompute` runs each unit under activation checkpointing
-    (torch.utils.checkpoint, non-reentrant), keeping only the unit inputs for backward.
-    """
+    @classmethod
+    def of(cls, units: Sequence[str], unit_modules: Sequence[Sequence[str]] = ()) -> "UnitMap":
+        return cls(modules={u: tuple(m) for u, m in zip(units, unit_modules)} if unit_modules else {})
 
-    def __init__(self, units: list[tuple[str, nn.Module]], *, recompute: bool = False) -> None:
-        super().__init__()
-        self.unit_names = [name for name, _ in units]
-        for name, module in units:
-            self.add_module(name.replace(".", "__"), module)
-        self.recompute = recompute
+    def names(self, unit: str) -> tuple[str, ...]:
+        return self.modules.get(unit, (unit,))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for name in self.unit_names:
-            unit = getattr(self, name.replace(".", "__"))
-            x = checkpoint(unit, x, use_reentrant=False) if self.recompute and torch.is_grad_enabled() else unit(x)
-        return x
+    def parts(self, model: nn.Module, unit: str) -> list[tuple[str, nn.Module]]:
+        out = []
+        for name in self.names(unit):
+            try:
+                out.append((name, model.get_submodule(name)))
+            except AttributeError:
+                raise ConfigError(f"the plan's unit '{unit}' names '{name}', which is not a module of this model; "
+                                  "was the plan made for another model?") from None
+        return out
 
 
 def canonical_names(model: nn.Module) -> dict[str, str]:
@@ -56,39 +64,84 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def _init_value(name: str, shape: torch.Size, dtype: torch.dtype, owner: nn.Module, seed: int) -> torch.Tensor:
-    if name.endswith("bias") or (isinstance(owner, _NORMS) and not name.endswith("weight")):
-        return torch.zeros(shape, dtype=dtype)
-    if isinstance(owner, _NORMS):
-        return torch.ones(shape, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen).to(dtype)
+def check_covers_model(model: nn.Module, stages: tuple[tuple[str, ...], ...], units: UnitMap, *,
+                       pipelined: bool) -> None:
+    """Refuse (ConfigError, one line) stages that name a module the model lacks, or that leave some of the model's
+    parameters out: a plan edited to drop a block would otherwise train a different function without a word.
+    Parameters of the model's own level (of the root or of a module that holds units: a learned position table the
+    forward adds) belong to no unit; the model itself runs them when pp = 1, no stage holds them when pp > 1."""
+    unit_modules = [name for stage in stages for u in stage for name, _ in units.parts(model, u)]
+    held = {id(p) for name in unit_modules for p in model.get_submodule(name).parameters()}
+    above = {""} | {name.rsplit(".", k)[0] for name in unit_modules for k in range(1, name.count(".") + 1)}
+    left_out = [n for n, p in model.named_parameters() if id(p) not in held
+                and (pipelined or (n.rpartition(".")[0] not in above))]
+    if left_out:
+        raise ConfigError(f"the plan's stages leave out {len(left_out)} parameter tensor(s) of the model (first: "
+                          f"{left_out[0]}); re-create the plan from a profile of this model")
 
 
-def materialize(units: list[tuple[str, nn.Module]], model: nn.Module, *, seed: int, device: torch.device) -> None:
-    """Allocate the meta parameters and buffers of the named unit modules of `model` on `device`, initialised by
-    canonical name (the module doc's rule)."""
-    canon = canonical_names(model)
-    for _, m in units:
-        m.to_empty(device=device)
-    # to_empty gives every module its own new tensor, so a parameter shared by two units (a tied embedding) is
-    # untied; point every alias back at one tensor per canonical name.
-    first: dict[str, nn.Parameter] = {}
-    for unit_name, m in units:
-        for name, p in list(m.named_parameters(prefix=unit_name, remove_duplicate=False)):
-            keep = first.setdefault(canon[name], p)
-            if keep is not p:
-                owner_path, _, attr = name[len(unit_name) + 1:].rpartition(".")
-                setattr(m.get_submodule(owner_path) if owner_path else m, attr, keep)
-    with torch.no_grad():
-        for unit_name, m in units:
-            for name, p in m.named_parameters(prefix=unit_name, remove_duplicate=False):
-                c = canon[name]
-                owner = model.get_submodule(c.rsplit(".", 1)[0]) if "." in c else model
-                p.copy_(_init_value(c, p.shape, p.dtype, owner, seed).to(device))
-            for _, b in m.named_buffers():
-                if b.is_floating_point():
-                    b.zero_()
+def recomputed(module: nn.Module) -> None:
+    """Run `module` under activation checkpointing (torch.utils.checkpoint, non-reentrant: it keeps only the
+    module's inputs for backward and runs its forward again there), whatever arguments it takes."""
+    forward = module.forward
+
+    def forward_recomputed(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    module.forward = forward_recomputed
+
+
+class Stage(nn.Module):
+    """One pipeline stage: the model's modules it holds, registered under their model names with '.' spelled '__'
+    (module names cannot hold dots; `module_names` keeps the real ones), and `run(x)`, the stage's forward (a
+    chain of units or an HF adapter, see the module doc)."""
+
+    def __init__(self, parts: list[tuple[str, nn.Module]], run: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.module_names = [name for name, _ in parts]
+        for name, module in parts:
+            self.add_module(name.replace(".", "__"), module)
+        object.__setattr__(self, "run", run)   # a plain attribute: the modules it calls are registered above
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x)
+
+
+def _chain_stage(model: nn.Module, unit_names: Sequence[str], units: UnitMap) -> Stage:
+    parts = [part for u in unit_names for part in units.parts(model, u)]
+    if len(parts) != len(unit_names):
+        raise ConfigError("a chain stage needs one module per unit; this plan's units are groups (re-profile)")
+    modules = [m for _, m in parts]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for module in modules:
+            x = module(x)
+        return x
+    return Stage(parts, run)
+
+
+def build_stages(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_ids: list[int], *, units: UnitMap,
+                 support: str, recompute: tuple[bool, ...]) -> list[Stage]:
+    """The Stage modules for `stage_ids`, over `model`'s own module objects (meta or real: nothing is allocated
+    here). `support` is cost_models.pipelining.pipeline_support's answer for the model."""
+    from executor import hf_stages
+    built = []
+    for sid in stage_ids:
+        names = stages[sid]
+        if support == "chain":
+            stage = _chain_stage(model, names, units)
+        elif support in hf_stages.ADAPTERS:
+            stage = hf_stages.ADAPTERS[support](model, names, units, first=sid == 0, last=sid == len(stages) - 1)
+        else:
+            raise ConfigError(f"this model cannot be pipelined: {support.removeprefix('no: ')}; use a plan with pp=1")
+        if recompute and recompute[sid]:
+            for u in names:
+                for _, m in units.parts(model, u):
+                    if any(True for _ in m.parameters()):
+                        recomputed(m)
+        built.append(stage)
+    return built
 
 
 @dataclass(frozen=True)
@@ -99,79 +152,50 @@ class TiedParam:
     pp_ranks: tuple[int, ...]
 
 
-def _unit(model: nn.Module, name: str) -> nn.Module:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        raise ConfigError(f"the plan's unit '{name}' is not a module of this model; was the plan made for another "
-                          "model?") from None
+def _unit_param_names(model: nn.Module, unit: str, units: UnitMap) -> list[str]:
+    return [pname for name, m in units.parts(model, unit) for pname, _ in m.named_parameters(prefix=name, remove_duplicate=False)]
 
 
-def check_covers_model(model: nn.Module, stages: tuple[tuple[str, ...], ...]) -> None:
-    """Refuse (ConfigError, one line) stages that name a module the model lacks, or that leave some of the model's
-    parameters out: a plan edited to drop a block would otherwise train a different function without a word."""
-    held = {id(p) for name in (u for stage in stages for u in stage) for p in _unit(model, name).parameters()}
-    left_out = [n for n, p in model.named_parameters() if id(p) not in held]
-    if left_out:
-        raise ConfigError(f"the plan's stages leave out {len(left_out)} parameter tensor(s) of the model (first: "
-                          f"{left_out[0]}); re-create the plan from a profile of this model")
-
-
-def build_stages(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_ids: list[int], *,
-                 recompute: tuple[bool, ...], seed: int, device: torch.device) -> list[Stage]:
-    """The Stage modules for `stage_ids` (this rank's), materialised and initialised."""
-    built = []
-    for sid in stage_ids:
-        units = [(name, _unit(model, name)) for name in stages[sid]]
-        built.append(Stage(units, recompute=bool(recompute) and recompute[sid]))
-    materialize([u for st in built for u in zip(st.unit_names, st.children())], model, seed=seed, device=device)
-    return built
-
-
-def tied_params(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_rank: Callable[[int], int]) -> list[TiedParam]:
-    """Parameters reachable from units of stages that live on different pipeline ranks (call before materialising);
-    stage_rank maps a stage to its pipeline rank (Strategy.stage_rank: the schedule's placement)."""
+def tied_params(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_rank: Callable[[int], int],
+                units: UnitMap) -> list[TiedParam]:
+    """Parameters reachable from units of stages that live on different pipeline ranks; stage_rank maps a stage
+    to its pipeline rank (Strategy.stage_rank: the schedule's placement)."""
     canon = canonical_names(model)
     ranks_of: dict[str, set[int]] = {}
     for sid, names in enumerate(stages):
         for name in names:
-            for pname, _ in model.get_submodule(name).named_parameters(prefix=name, remove_duplicate=False):
+            for pname in _unit_param_names(model, name, units):
                 ranks_of.setdefault(canon[pname], set()).add(stage_rank(sid))
     return sorted((TiedParam(canonical=c, pp_ranks=tuple(sorted(r))) for c, r in ranks_of.items() if len(r) > 1),
                   key=lambda t: t.canonical)
 
 
-def tied_units(model: nn.Module, stages: tuple[tuple[str, ...], ...]) -> list[tuple[str, ...]]:
+def tied_units(model: nn.Module, stages: tuple[tuple[str, ...], ...], units: UnitMap) -> list[tuple[str, ...]]:
     """For each parameter used by more than one unit, the units using it (the executor's view of
     ModelProfile.shared[i].units)."""
     canon = canonical_names(model)
     units_of: dict[str, list[str]] = {}
     for name in (u for stage in stages for u in stage):
-        for pname, _ in model.get_submodule(name).named_parameters(prefix=name, remove_duplicate=False):
+        for pname in _unit_param_names(model, name, units):
             users = units_of.setdefault(canon[pname], [])
             if name not in users:
                 users.append(name)
     return [tuple(users) for users in units_of.values() if len(users) > 1]
 
 
-def params_by_canonical(stage_modules: list[Stage], canon: dict[str, str]) -> dict[str, nn.Parameter]:
-    """This rank's parameters keyed by canonical name (one entry per tensor, aliases folded). `canon` must come
-    from canonical_names() on the model before materialising: afterwards a tie across ranks is no longer visible."""
-    out: dict[str, nn.Parameter] = {}
-    for st in stage_modules:
-        for unit_name, module in zip(st.unit_names, st.children()):
-            for name, p in module.named_parameters(prefix=unit_name, remove_duplicate=False):
-                out.setdefault(canon[name], p)
-    return out
-
-
-def buffers_by_canonical(stage_modules: list[Stage]) -> dict[str, torch.Tensor]:
-    """This rank's persistent buffers (what a state_dict holds) keyed by their names in the full model."""
-    out: dict[str, torch.Tensor] = {}
-    for st in stage_modules:
-        for unit_name, unit in zip(st.unit_names, st.children()):
-            for mod_name, mod in unit.named_modules(prefix=unit_name):
-                for name, b in persistent_buffers(mod):
-                    out.setdefault(f"{mod_name}.{name}", b)
-    return out
-
+def state_maps(model: nn.Module, held: Sequence[nn.Module],
+               canon: dict[str, str]) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
+    """This rank's parameters by canonical name (aliases folded) and persistent buffers by their names in the full
+    model, restricted to what the `held` modules (after wrapping: FSDP2's DTensors) hold. `canon` comes from
+    canonical_names() before anything was wrapped or allocated: afterwards a tie whose other end is on another
+    rank is no longer visible in the model."""
+    held_params = {id(p) for m in held for p in m.parameters()}
+    held_modules = {id(sub) for m in held for sub in m.modules()}
+    params: dict[str, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in held_params:
+            params.setdefault(canon[name], p)
+    buffers = {f"{mod_name}.{name}" if mod_name else name: b
+               for mod_name, mod in model.named_modules() if id(mod) in held_modules
+               for name, b in persistent_buffers(mod)}
+    return params, buffers

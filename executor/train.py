@@ -17,15 +17,16 @@ import torch.distributed as dist
 
 from cost_models.errors import ConfigError
 from cost_models.models.losses import compute_loss
-from cost_models.models.source import DTYPES, resolve
+from cost_models.models.source import DTYPES, meta_forward_context, resolve
 from cost_models.records import Record, record
 from cost_models.schedule import DEFAULT_SCHEDULE
 from cost_models.strategy import Strategy
 from executor import checkpoint, checkpoint_layout
 from executor.data import TokenFile
 from executor.measure import CommCounter, peak_memory_bytes
-from executor.runtime import build_runtime, stage_io_shapes
-from executor.stages import build_stages, buffers_by_canonical, canonical_names, params_by_canonical
+from executor.runtime import ModelSpec, build_runtime, logits_of
+from executor.stages import UnitMap, canonical_names, state_maps
+from executor.weights import load_weights
 from planner.plan import Plan
 from planner.run_record import RankResult
 
@@ -56,6 +57,8 @@ class TrainConfig(Record):
     checkpoint_every: int = 0              # save after every K steps (0: only after the last step)
     checkpoint_keep: int = 0               # keep the newest K complete checkpoints (0: all)
     data: str | None = None                # a token file (executor.data); None: synthetic batches
+    unit_modules: tuple[tuple[str, ...], ...] = ()   # the modules of each unit (ModelRef.unit_modules)
+    init_from: str | None = None           # pretrained weights (executor.weights): an HF folder or a checkpoint
 
 
 def optimizer_for(strategy: Strategy, lr: float):
@@ -92,16 +95,20 @@ def batch_source(cfg: TrainConfig, example: torch.Tensor, out_shape: tuple[int, 
 
 
 def _setup(cfg: TrainConfig, strategy: Strategy):
+    """(model spec, one micro-batch of example input, the output's shape, the loss kind) for the plan's model."""
     source = resolve(cfg.model_source)
     dtype = DTYPES["fp32" if strategy.precision == "fp32" else "bf16"]
     if strategy.precision != "fp32" and not torch.cuda.is_available():
         dtype = torch.float32  # bf16-mixed on CPU ranks runs in fp32 (the planner plans CPU demos in fp32)
-    model = source.build(device="meta", dtype=dtype)   # build_stages names any plan unit the model lacks
+    spec = ModelSpec(build=lambda: source.build(device=None, dtype=dtype, seed=cfg.seed),
+                     units=UnitMap.of([u for st in strategy.stages for u in st], cfg.unit_modules))
+    with torch.device("meta"):
+        model = spec.build()
     example = source.example_input(model, strategy.micro_batch_size, cfg.seq_len, "cpu")[0]
     loss = "cross_entropy" if cfg.input_kind == "tokens" else "mse"
-    with source.forward_context(), torch.no_grad():
-        out = model(example.to("meta"))
-    return source, model, example, tuple(out.shape), loss
+    with meta_forward_context(), torch.no_grad():
+        out = logits_of(model(example.to("meta")))
+    return spec, example, tuple(out.shape), loss
 
 
 @dataclass
@@ -120,13 +127,14 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
     """Train steps cfg.start_step .. cfg.steps - 1 of `strategy` on this rank of an initialised process group,
     resuming from and saving checkpoints as `cfg` says (saves need the `plan`, which goes into them), and measure
     the steps."""
-    source, model, example, out_shape, loss = _setup(cfg, strategy)
+    spec, example, out_shape, loss = _setup(cfg, strategy)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    with source.forward_context():
-        stage_io = stage_io_shapes(model, strategy.stages, example, device)
-    rt = build_runtime(strategy, model, loss_fn=lambda out, tgt: compute_loss(loss, out, tgt),
-                       optimizer_fn=optimizer_for(strategy, cfg.lr), stage_io=stage_io,
-                       seed=cfg.seed, device=device)
+    rt = build_runtime(strategy, spec, loss_fn=lambda out, tgt: compute_loss(loss, out, tgt),
+                       optimizer_fn=optimizer_for(strategy, cfg.lr), example=example, seed=cfg.seed, device=device,
+                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                       loading=bool(cfg.init_from and not cfg.resume_from))
+    if cfg.init_from and not cfg.resume_from:
+        load_weights(rt.params_by_name, rt.buffers_by_name, Path(cfg.init_from), trusted=cfg.trust_checkpoint)
     restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0
     fail_rank, fail_step, how = _injected_failure()
     per_replica = strategy.microbatches * strategy.micro_batch_size
@@ -277,25 +285,26 @@ def _injected_failure() -> tuple[int, int, str]:
 
 
 def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:
-    """The reference: the whole model in one process, same init, same global batches, same optimizer; steps
-    cfg.start_step .. cfg.steps - 1, from cfg.resume_from's state when given (DCP loads without a process group)."""
-    whole = Strategy.from_dict({**strategy.to_dict(), "dp": 1, "pp": 1, "zero": 0, "v": 1, "schedule": DEFAULT_SCHEDULE,
-                                "microbatches": 1, "micro_batch_size": strategy.global_batch_size,
-                                "stages": [[u for st in strategy.stages for u in st]], "recompute": []})
-    source, model, example, out_shape, loss = _setup(cfg, whole)
-    canon = canonical_names(model)   # before materialising (executor.stages.params_by_canonical)
-    (stage,) = build_stages(model, whole.stages, [0], recompute=(), seed=cfg.seed, device=torch.device("cpu"))
-    opt = optimizer_for(strategy, cfg.lr)(list(stage.parameters()))
+    """The reference: the model itself in one process (`torch.manual_seed(seed)`, then its constructor: its own
+    init; or cfg.init_from's weights), the same global batches, the same optimizer; steps cfg.start_step ..
+    cfg.steps - 1, from cfg.resume_from's state when given (DCP loads without a process group)."""
+    spec, example, out_shape, loss = _setup(cfg, strategy)
+    torch.manual_seed(cfg.seed)
+    with torch.device("cpu"):
+        model = spec.build()
+    canon = canonical_names(model)
+    params, buffers = state_maps(model, [model], canon)
+    opt = optimizer_for(strategy, cfg.lr)(list(model.parameters()))
+    if cfg.init_from and not cfg.resume_from:
+        load_weights(params, buffers, Path(cfg.init_from), trusted=cfg.trust_checkpoint)
     if cfg.resume_from:
-        params = params_by_canonical([stage], canon)
         checkpoint.init_optimizer_state(opt, list(params.values()))
-        checkpoint.load(checkpoint.state_dict(params, buffers_by_canonical([stage]), opt, rng_rank=None),
-                        Path(cfg.resume_from))
+        checkpoint.load(checkpoint.state_dict(params, buffers, opt, rng_rank=None), Path(cfg.resume_from))
     out = []
     batches = batch_source(cfg, example, out_shape, strategy.global_batch_size, loss)
     for step in range(cfg.start_step, cfg.steps):
         x, y = batches(step)
-        value = compute_loss(loss, stage(x), y)
+        value = compute_loss(loss, logits_of(model(x)), y)
         value.backward()
         value = value.detach()
         opt.step()

@@ -39,35 +39,38 @@ class Wrapped:
     params: list[nn.Parameter] = field(default_factory=list)
 
 
-def wrap(stages: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn) -> Wrapped:
-    """Apply the mapping to this rank's stage modules and build the optimizer over its (local) parameters."""
+def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn,
+         unit_groups: list[list[nn.Module]] | None = None) -> Wrapped:
+    """Apply the mapping to this rank's modules (pp = 1: the model itself; else its stages) and build the optimizer
+    over its (local) parameters. `unit_groups` (pp = 1): the modules of each unit, sharded one FSDP2 group each."""
     dp = dp_mesh.size() if dp_mesh is not None else 1
     if dp == 1:
-        params = [p for st in stages for p in st.parameters()]
-        return Wrapped(modules=list(stages), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params)
+        params = [p for st in modules for p in st.parameters()]
+        return Wrapped(modules=list(modules), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params)
     group = dp_mesh.get_group()
     if zero >= 2:
         from torch.distributed.fsdp import fully_shard
         raf = zero == 3
-        for st in stages:
-            if pp == 1:
-                # One FSDP unit per pipeline unit: gather one at a time, prefetch the next. A unit holding a
-                # parameter shared with another unit (a tied embedding) is left to the root's group: FSDP2 would
-                # otherwise shard the shared tensor twice and untie it.
-                shared = _shared_param_ids(list(st.children()))
-                for unit in st.children():
-                    if not any(id(p) in shared for p in unit.parameters()):
-                        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=raf)
+        if pp == 1:
+            # One FSDP group per pipeline unit: gather one at a time, prefetch the next. A unit holding a parameter
+            # shared with another unit (a tied embedding) is left to the root's group: FSDP2 would otherwise shard
+            # the shared tensor twice and untie it.
+            groups = [[m for m in g if any(True for _ in m.parameters())] for g in unit_groups or []]
+            shared = _shared_param_ids(groups)
+            for g in groups:
+                if g and not any(id(p) in shared for m in g for p in m.parameters()):
+                    fully_shard(g if len(g) > 1 else g[0], mesh=dp_mesh, reshard_after_forward=raf)
+        for st in modules:
             fully_shard(st, mesh=dp_mesh, reshard_after_forward=raf)
-        params = [p for st in stages for p in st.parameters()]
-        return Wrapped(modules=list(stages), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params)
-    params = [p for st in stages for p in st.parameters()]
+        params = [p for st in modules for p in st.parameters()]
+        return Wrapped(modules=list(modules), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params)
+    params = [p for st in modules for p in st.parameters()]
     if pp == 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        modules: list[nn.Module] = [DDP(st, process_group=group, gradient_as_bucket_view=True) for st in stages]
+        wrapped: list[nn.Module] = [DDP(st, process_group=group, gradient_as_bucket_view=True) for st in modules]
         manual = False
     else:
-        modules, manual = list(stages), True
+        wrapped, manual = list(modules), True
     if zero == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         template = optimizer_fn([nn.Parameter(torch.zeros(1))])
@@ -78,18 +81,15 @@ def wrap(stages: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: 
         optimizer = ZeroRedundancyOptimizer(params, optimizer_class=type(template), process_group=group, **kwargs)
     else:
         optimizer = optimizer_fn(params)
-    return Wrapped(modules=modules, optimizer=optimizer, manual_grad_sync=manual, ddp=pp == 1, params=params)
+    return Wrapped(modules=wrapped, optimizer=optimizer, manual_grad_sync=manual, ddp=pp == 1, params=params)
 
 
-def _shared_param_ids(units: list[nn.Module]) -> set[int]:
+def _shared_param_ids(groups: list[list[nn.Module]]) -> set[int]:
     seen: dict[int, int] = {}
-    for i, unit in enumerate(units):
-        for p in unit.parameters():
-            seen.setdefault(id(p), i)
     shared = set()
-    for i, unit in enumerate(units):
-        for p in unit.parameters():
-            if seen[id(p)] != i:
+    for i, g in enumerate(groups):
+        for p in (p for m in g for p in m.parameters()):
+            if seen.setdefault(id(p), i) != i:
                 shared.add(id(p))
     return shared
 

@@ -46,11 +46,12 @@ class ModelSource:
         """Context to run the model's forward in (hf: models need one on the meta device, see _hf_source)."""
         return self._forward_context()
 
-    def build(self, *, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-        """Build the model on `device` ("meta" allocates nothing) in `dtype`, seeded for reproducible init."""
+    def build(self, *, device: str | torch.device | None, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+        """Build the model on `device` ("meta" allocates nothing; None: wherever the caller's context puts new
+        tensors) in `dtype`, after torch.manual_seed(seed): the model's own initialisation, reproducible."""
         torch.manual_seed(seed)
         try:
-            with torch.device(device):
+            with torch.device(device) if device is not None else contextlib.nullcontext():
                 model = self._build()
         except ModelSourceError:
             raise
@@ -78,6 +79,17 @@ class ModelSource:
         if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
             raise ModelSourceError(f"the example input for '{self.ref}' must be a tensor or a tuple of tensors")
         return tuple(t.to(device) for t in inputs)
+
+
+def meta_forward_context() -> contextlib.AbstractContextManager:
+    """Context to run a forward on meta tensors. transformers (5.x) probes position_ids for packed sequences with a
+    data-dependent branch, which cannot run on meta tensors; one sequence per row (synthetic batches, token-file
+    windows) is never packed, so the probe's answer is known. A no-op without transformers."""
+    from unittest import mock
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        return contextlib.nullcontext()
+    return mock.patch.object(masking, "find_packed_sequence_indices", lambda *a, **k: None)
 
 
 def input_spec(inputs: tuple[torch.Tensor, ...], *, kind: str, vocab_size: int | None) -> InputSpec:
@@ -235,15 +247,6 @@ def _hf_source(ref: str) -> ModelSource:
     def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
         return (torch.randint(0, int(config.vocab_size), (b, s)),)
 
-    def forward_context() -> contextlib.AbstractContextManager:
-        # transformers (5.x) probes position_ids for packed sequences with a data-dependent branch, which cannot run
-        # on meta tensors. Synthetic batches hold one sequence per row, so the probe's answer is known: not packed.
-        from unittest import mock
-        masking = sys.modules.get("transformers.masking_utils")
-        if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
-            return contextlib.nullcontext()
-        return mock.patch.object(masking, "find_packed_sequence_indices", lambda *a, **k: None)
-
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     return ModelSource(ref=ref, kind="hf", name=getattr(config, "model_type", target), _build=build,
-                       _input=make_input, max_seq_len=max_pos, _forward_context=forward_context)
+                       _input=make_input, max_seq_len=max_pos, _forward_context=meta_forward_context)

@@ -1,0 +1,92 @@
+"""HF causal LMs trained by the executor with their own code (issue 16): LlamaForCausalLM (grouped-query attention,
+rotary embeddings) and GPT2LMHeadModel (tied head, learned positions), saved with save_pretrained and loaded with
+--init-from, under every plan family, against the same HF model trained in one process."""
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from cost_models.model_profiler import profile_model  # noqa: E402
+from cost_models.models.source import resolve  # noqa: E402
+from cost_models.strategy import Strategy  # noqa: E402
+from executor.launch import run_many  # noqa: E402
+from executor.train import TrainConfig, batch_source, single_process_losses  # noqa: E402
+
+# dropout off: with it on, no two layouts (or one process) draw the same masks
+MODELS = {
+    "llama": ("hf:llama?num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+              "&num_key_value_heads=2&vocab_size=128&max_position_embeddings=64"),
+    "gpt2": "hf:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=128&n_positions=64&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0",
+}
+GLOBAL, SEQ = 8, 16
+
+
+def _saved(ref: str, folder) -> str:
+    """The model with its own init (seed 11, unlike the run's seed) saved by save_pretrained: what --init-from
+    loads; sharded into several files so the index is read too."""
+    torch.manual_seed(11)
+    model = resolve(ref).build(device="cpu", dtype=torch.float32, seed=11)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    return str(folder)
+
+
+def _strategy(units, dp, pp, zero=0, schedule="1f1b", v=1, m=None) -> Strategy:
+    m = m or GLOBAL // dp
+    k = pp * v
+    cuts = [round(len(units) * (i + 1) / k) for i in range(k)]
+    stages = tuple(tuple(units[a:b]) for a, b in zip([0] + cuts[:-1], cuts))
+    return Strategy(dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=m, micro_batch_size=GLOBAL // (dp * m),
+                    v=v, stages=stages, precision="fp32", optimizer="adamw")
+
+
+def _setup(name, tmp_path):
+    ref = MODELS[name]
+    prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=SEQ, meta=True)
+    units = tuple(u.name for u in prof.units)
+    cfg = TrainConfig(model_source=ref, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=1e-2,
+                      unit_modules=tuple(u.modules for u in prof.units), init_from=_saved(ref, tmp_path / name))
+    return units, cfg
+
+
+def _own_step0_loss(cfg: TrainConfig) -> float:
+    """The saved model's own loss on step 0's global batch, from `model(input_ids).logits` (from_pretrained)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(cfg.init_from, attn_implementation="sdpa")
+    example = torch.zeros(1, SEQ, dtype=torch.long)
+    x, y = batch_source(cfg, example, (1, SEQ, 128), GLOBAL, "cross_entropy")(0)
+    with torch.no_grad():
+        return F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item()
+
+
+def _check(strategies, results, reference, own_step0):
+    for s, ranks in zip(strategies, results):
+        seen = [r.losses for r in ranks if r.losses]
+        assert seen, s.name
+        for losses in seen:
+            assert losses[0] == pytest.approx(own_step0, rel=1e-5), s.name
+            assert list(losses) == pytest.approx(reference, rel=1e-4), s.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hf_model_trains_like_itself_under_every_plan_family_on_2_ranks(name, tmp_path):
+    units, cfg = _setup(name, tmp_path)
+    reference = single_process_losses(_strategy(units, 1, 1), cfg)
+    own = _own_step0_loss(cfg)
+    assert reference[0] == pytest.approx(own, rel=1e-5)
+    assert len({round(x, 6) for x in reference}) == 5      # it really trains: every step differs
+    strategies = [_strategy(units, 2, 1, z) for z in range(4)] + [
+        _strategy(units, 1, 2, schedule="gpipe", m=4), _strategy(units, 1, 2, m=4),
+        _strategy(units, 1, 2, schedule="interleaved-1f1b", v=2, m=4), _strategy(units, 1, 2, schedule="zb-interleaved", m=4)]
+    _check(strategies, run_many(2, strategies, cfg), reference, own)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hf_model_trains_like_itself_on_4_ranks(name, tmp_path):
+    units, cfg = _setup(name, tmp_path)
+    reference = single_process_losses(_strategy(units, 1, 1), cfg)
+    strategies = [_strategy(units, 4, 1, z) for z in range(4)] + [
+        _strategy(units, 1, 4, m=4), _strategy(units, 2, 2, 1, m=2), _strategy(units, 2, 2, 2, m=2)]
+    _check(strategies, run_many(4, strategies, cfg), reference, _own_step0_loss(cfg))
