@@ -104,7 +104,7 @@ def export(path: Path, *, hf_dir: Path | None, output: Path | None, overwrite: b
 def read_model_tensors(step_dir: Path, *, trusted: bool = False) -> dict[str, torch.Tensor]:
     """Every "model.*" entry of the checkpoint as one full tensor, keyed without the prefix (sizes and types from
     DCP's metadata, which is unpickled only from the bytes the signed listing vouches for)."""
-    saved = checkpoint._verified_reader(step_dir, trusted).read_metadata().state_dict_metadata
+    saved = checkpoint.verified_reader(step_dir, trusted=trusted).read_metadata().state_dict_metadata
     sd = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in saved.items()
           if key.startswith(MODEL_PREFIX) and hasattr(entry, "properties")}   # tensors only (never a pickled object)
     if not sd:

@@ -2,11 +2,11 @@
 states, then gradients, then parameters: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 Trillion Parameter Models", SC20, sections 5.1-5.3).
 
-                 no pipeline (pp = 1)                          pipeline (pp > 1)
-    ZeRO-0       DDP                                           plain stage + gradient all-reduce (AVG) over dp
-    ZeRO-1       DDP + ZeroRedundancyOptimizer                 plain stage + all-reduce + ZeroRedundancyOptimizer
-    ZeRO-2       FSDP2 fully_shard per unit + root,            FSDP2 fully_shard(stage), reshard_after_forward=False
-                 reshard_after_forward=False
+                 no pipeline (pp = 1): the model itself         pipeline (pp > 1)
+    ZeRO-0       DDP(model)                                    plain stage + gradient all-reduce (AVG) over dp
+    ZeRO-1       DDP(model) + ZeroRedundancyOptimizer          plain stage + all-reduce + ZeroRedundancyOptimizer
+    ZeRO-2       FSDP2 fully_shard on each unit's modules,     FSDP2 fully_shard(stage), reshard_after_forward=False
+                 then the model, reshard_after_forward=False
     ZeRO-3       the same, reshard_after_forward=True          FSDP2 fully_shard(stage), reshard_after_forward=True
 Why the pipeline column differs: torch's pipelining drives a DDP-wrapped stage by reaching into DDP's reducer
 (torch 2.13, torch/distributed/pipelining/stage.py, backward_maybe_with_nosync: no_sync on every backward but the

@@ -90,3 +90,18 @@ def test_hf_model_trains_like_itself_on_4_ranks(name, tmp_path):
     strategies = [_strategy(units, 4, 1, z) for z in range(4)] + [
         _strategy(units, 1, 4, m=4), _strategy(units, 2, 2, 1, m=2), _strategy(units, 2, 2, 2, m=2)]
     _check(strategies, run_many(4, strategies, cfg), reference, _own_step0_loss(cfg))
+
+
+@pytest.mark.slow
+def test_the_hf_example_trains_under_torchrun():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(root / "examples/train_hf_with_plan.py"), "--steps", "3"], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines() if "loss" in line]
+    # a 512-token vocabulary from its own init (N(0, 0.02)): about ln(512) = 6.24 at the start
+    assert len(losses) == 3 and all(5.5 < x < 7.0 for x in losses)

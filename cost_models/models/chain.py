@@ -6,11 +6,26 @@ from torch import nn
 
 
 class UnitChain(nn.Module):
-    """Subclasses set `embed`, `blocks` (an nn.ModuleList) and `head`; forward runs them in order."""
+    """Subclasses set `embed`, `blocks` (an nn.ModuleList) and `head`, then call init_weights(); forward runs them
+    in order."""
 
     embed: nn.Module
     blocks: nn.ModuleList
     head: nn.Module
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialisation (Radford et al. 2019; nanoGPT's `_init_weights`): Linear and Embedding weights
+        N(0, 0.02), biases 0; norms (LayerNorm, RMSNorm) their own reset: scale 1, shift 0. Applied to every module
+        by the constructor (init_weights), and per module by executor.materialize for models built on meta."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+
+    def init_weights(self) -> None:
+        self.apply(self._init_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)

@@ -98,3 +98,4 @@ class GPT(UnitChain):
         if cfg.tie_embeddings:
             # GPT-2 ties the output projection to the token embedding (one tensor, counted once).
             self.head.lm_head.weight = self.embed.wte.weight
+        self.init_weights()

@@ -119,3 +119,4 @@ class Llama(UnitChain):
         self.embed = LlamaEmbedding(cfg)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.head = LlamaHead(cfg)
+        self.init_weights()

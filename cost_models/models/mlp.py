@@ -37,3 +37,4 @@ class DeepMLP(UnitChain):
         self.embed = nn.Linear(cfg.in_dim, cfg.dim)
         self.blocks = nn.ModuleList(MLPBlock(cfg) for _ in range(cfg.n_layers))
         self.head = nn.Sequential(nn.LayerNorm(cfg.dim), nn.Linear(cfg.dim, cfg.out_dim))
+        self.init_weights()

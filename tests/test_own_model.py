@@ -1,0 +1,115 @@
+"""The executor runs the user's model as written (issue 16): its own forward (work between units included), its
+own initialisation, under every plan family offered for it; what cannot be offered is refused in one line."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from typer.testing import CliRunner
+
+from cli import app
+from cost_models.elastic import elastic_job, init_process_group
+from cost_models.model_profiler import profile_model
+from cost_models.models.source import resolve
+from cost_models.strategy import Strategy
+from executor.launch import run_many
+from executor.materialize import INIT_ENV
+from executor.train import TrainConfig, single_process_losses
+from tests.plans import plan_for
+
+WORK_BETWEEN_UNITS = ("tests.custom_models:make_scaled", "tests.custom_models:make_posnet",
+                      "tests.custom_models:make_residual2")
+
+
+def _zero(units, dp: int, zero: int, m: int = 2) -> Strategy:
+    return Strategy(dp=dp, pp=1, zero=zero, schedule="1f1b", microbatches=m, micro_batch_size=8 // (dp * m), v=1,
+                    stages=(tuple(units),), precision="fp32", optimizer="adamw")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ref", WORK_BETWEEN_UNITS)
+def test_a_model_doing_work_between_units_trains_like_its_own_forward_under_every_zero_stage(ref):
+    prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=8, meta=True)
+    assert prof.pipelining.startswith("no")
+    units = [u.name for u in prof.units]
+    cfg = TrainConfig(model_source=ref, seq_len=8, input_kind="tokens", steps=4, warmup=1, seed=2, lr=1e-2,
+                      unit_modules=tuple(u.modules for u in prof.units))
+    reference = single_process_losses(_zero(units, 1, 0, m=1), cfg)
+    strategies = [_zero(units, 2, z) for z in range(4)]
+    for s, ranks in zip(strategies, run_many(2, strategies, cfg)):
+        for r in ranks:
+            assert list(r.losses) == pytest.approx(reference, rel=1e-5), (ref, s.name, r.rank)
+
+
+def test_a_pipeline_plan_for_a_model_that_cannot_be_pipelined_is_refused_in_one_line(tmp_path):
+    ref = "tests.custom_models:make_scaled"
+    prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=8, meta=True)
+    units = tuple(u.name for u in prof.units)
+    chain_prof = type(prof).from_dict({**prof.to_dict(), "pipelining": "chain"})   # a plan made as if it could
+    s = Strategy(dp=1, pp=2, zero=0, schedule="1f1b", microbatches=2, micro_batch_size=4, v=1,
+                 stages=(units[:2], units[2:]), precision="fp32", optimizer="adamw")
+    path = plan_for(s, chain_prof).save(tmp_path / "plan.json")
+    res = CliRunner().invoke(app, ["run", str(path), "--steps", "2", "-o", str(tmp_path / "run.json")])
+    assert res.exit_code == 2
+    line = res.stderr.strip()
+    assert line.count("\n") == 0 and "cannot be pipelined" in line and "`mul` between units emb and blocks.0" in line
+    assert not (tmp_path / "run.json").exists()
+
+
+def _initial_state(strategies: list[dict], mode: str) -> list[dict]:
+    """A rank's step-0 parameters (full tensors) under each strategy, by canonical name (runs on every rank)."""
+    from executor.api import apply_plan
+    from tests.custom_models import make_tiny_lm
+    torch.set_num_threads(1)
+    os.environ[INIT_ENV] = mode
+    init_process_group("gloo", 60)
+    out = []
+    for data in strategies:
+        rt = apply_plan(Strategy.from_dict(data), make_tiny_lm, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                        lambda out, y: out.sum(), example_input=torch.zeros(2, 8, dtype=torch.long), seed=5)
+        state = {}
+        for name in sorted(rt.params_by_name):
+            p = rt.params_by_name[name]
+            state[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        out.append(state)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return gathered if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_every_layout_starts_from_the_models_own_init():
+    """factory mode: every layout's step-0 parameters are factory()'s after torch.manual_seed(seed); per-module
+    mode (for models too large to build on every rank): drawn by each module's own reset_parameters, identical
+    under every layout."""
+    from torch.distributed.launcher.api import elastic_launch
+    from tests.custom_models import make_tiny_lm
+    units = ("emb", "blocks.0", "blocks.1", "head")
+    layouts = [_zero(units, 2, 0), _zero(units, 2, 3),
+               Strategy(dp=1, pp=2, zero=0, schedule="1f1b", microbatches=2, micro_batch_size=4, v=1,
+                        stages=(units[:2], units[2:]), precision="fp32", optimizer="adamw")]
+    torch.manual_seed(5)
+    expected = {n: p.detach() for n, p in make_tiny_lm().named_parameters()}
+    by_mode = {}
+    for mode in ("factory", "per-module"):
+        with elastic_job("init", 2) as (config, _):
+            per_rank = elastic_launch(config, _initial_state)([s.to_dict() for s in layouts], mode)[0]
+        merged = []
+        for i in range(len(layouts)):
+            state = {}
+            for rank_states in per_rank:
+                state.update(rank_states[i])
+            assert sorted(state) == sorted(expected), (mode, i)
+            merged.append(state)
+        by_mode[mode] = merged
+    for state in by_mode["factory"]:
+        for name, value in expected.items():
+            assert torch.equal(state[name], value), name
+    first = by_mode["per-module"][0]
+    assert any(not torch.equal(first[n], expected[n]) for n in expected)   # its own draw, not factory()'s
+    assert first["head.bias"].abs().max() <= 1 / 16 ** 0.5                 # nn.Linear.reset_parameters' bound
+    for state in by_mode["per-module"][1:]:
+        for name in expected:
+            assert torch.equal(state[name], first[name]), name
