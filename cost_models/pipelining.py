@@ -9,6 +9,10 @@ known to hold:
     cannot trace means not a chain;
   * "hf-llama" / "hf-gpt2": a transformers causal LM of a family the executor has a stage adapter for
     (executor/hf_stages.py), with the units the profiler derives for it;
+  * "traced": not a chain, but its fx graph (units as leaves) runs every unit once, in order, reads one input and
+    returns one value: executor/traced_stages.py cuts that graph at the stage boundaries, each stage running the
+    model's own operations between its units and passing on every value a later stage needs (what
+    torch.distributed.pipelining's tracer does with split points, on the graph this check already has);
   * otherwise "no: <reason>": the planner offers only pp = 1 and says why (planner/search.py, planner/manual.py).
 """
 from __future__ import annotations
@@ -23,7 +27,7 @@ from cost_models.profile import PIPELINE_KINDS
 
 Units = Sequence[tuple[str, tuple[str, ...]]]
 
-CHAIN, HF_LLAMA, HF_GPT2 = PIPELINE_KINDS
+CHAIN, HF_LLAMA, HF_GPT2, TRACED = PIPELINE_KINDS
 
 
 @dataclass(frozen=True)
@@ -124,8 +128,37 @@ def _chain_support(model: nn.Module, units: Units) -> str:
         graph = _UnitLeaves(set(module_unit)).trace(model)
     except Exception as exc:
         return f"no: torch.fx cannot trace its forward ({_one_line(exc)})"
-    verdict = _chain_verdict(model, graph, [name for name, _ in units], module_unit)
-    return f"no: {verdict}" if verdict else CHAIN
+    order = [name for name, _ in units]
+    verdict = _chain_verdict(model, graph, order, module_unit)
+    if verdict is None:
+        return CHAIN
+    return TRACED if _traced_blocker(model, graph, order, module_unit) is None else f"no: {verdict}"
+
+
+def trace_units(model: nn.Module, unit_modules: Sequence[str]) -> fx.Graph:
+    """The model's forward as an fx graph with every unit module one call_module node (executor.traced_stages cuts
+    it into stages)."""
+    return _UnitLeaves(set(unit_modules)).trace(model)
+
+
+def _traced_blocker(model: nn.Module, graph: fx.Graph, order: list[str], module_unit: dict[str, str]) -> str | None:
+    """Why the traced graph cannot be cut into stages at unit boundaries (executor.traced_stages), or None: every
+    unit runs once, in order; the forward returns one value and reads one input; modules it calls outside the
+    units hold no parameters (a stage could not say whose they are)."""
+    nodes = list(graph.nodes)
+    ran = [module_unit[str(n.target)] for n in nodes if n.op == "call_module" and str(n.target) in module_unit]
+    if ran != order:
+        return "its units do not each run once, in order"
+    output = next(n for n in nodes if n.op == "output")
+    if not isinstance(output.args[0], fx.Node):
+        return "its forward returns several values"
+    if len([n for n in nodes if n.op == "placeholder" and n.users]) != 1:
+        return "its forward reads more than one input"
+    for n in nodes:
+        if n.op == "call_module" and str(n.target) not in module_unit:
+            if any(True for _ in model.get_submodule(str(n.target)).parameters()):
+                return f"its forward calls `self.{n.target}`, which holds parameters, outside every unit"
+    return None
 
 
 def _chain_verdict(model: nn.Module, graph: fx.Graph, order: list[str], module_unit: dict[str, str]) -> str | None:

@@ -15,7 +15,7 @@ from cost_models.records import Record, record
 SCHEMA_VERSION = 1
 PROFILE_KIND = "zeropipe.profile"
 # What ModelProfile.pipelining may say besides "no: <why>" (cost_models.pipelining decides which)
-PIPELINE_KINDS = ("chain", "hf-llama", "hf-gpt2")
+PIPELINE_KINDS = ("chain", "hf-llama", "hf-gpt2", "traced")
 
 
 def pipeline_refusal(pipelining: str) -> str | None:

@@ -256,12 +256,13 @@ def _check_model(plan: Plan):
     from cost_models.pipelining import pipeline_support
     model = resolve(plan.model.source).build(device="meta", dtype=DTYPES["fp32"])
     units = UnitMap.of(plan.model.units, plan.model.unit_modules)
-    check_covers_model(model, plan.strategy.stages, units, pipelined=plan.strategy.pp > 1)
+    support = ""
     if plan.strategy.pp > 1:
         support = pipeline_support(model, [(u, units.names(u)) for u in plan.model.units])
         if support.startswith("no"):
             raise ConfigError(f"{plan.model.name} cannot be pipelined: {support.removeprefix('no: ')}; plan it "
                               f"with pp=1 (planner plan does not offer pipelines for it)")
+    check_covers_model(model, plan.strategy.stages, units, model_level=plan.strategy.pp == 1 or support == "traced")
     return model
 
 

@@ -63,10 +63,16 @@ def parameters_on_meta() -> Iterator[None]:
 def allocate(model: nn.Module, held: Iterable[nn.Module], device: torch.device) -> None:
     """Give the meta parameters of the `held` modules real (uninitialised) storage on `device`, keeping ties: a
     parameter shared by several modules (a tied embedding) becomes one new tensor set on every module of `model`
-    that holds it."""
-    wanted = {id(p) for m in held for p in m.parameters() if p.device.type == "meta"}
+    (and of `held`) that holds it."""
+    held = list(held)
+    # the meta originals stay referenced until the end: a freed one's id could be given to a new parameter, which
+    # the walk below would then take for the original
+    originals = [p for m in held for p in m.parameters() if p.device.type == "meta"]
+    wanted = {id(p) for p in originals}
     new: dict[int, nn.Parameter] = {}
-    for module in model.modules():
+    # the held modules too: a traced stage (executor.traced_stages) holds a parameter read outside the units
+    # (a position table) in a slot of its own
+    for module in [*model.modules(), *(sub for m in held for sub in m.modules())]:
         slots = own_parameters(module)
         for name, p in list(slots.items()):
             if p is not None and id(p) in wanted:

@@ -22,10 +22,11 @@ from cost_models.torch_private import compute_action_strings, schedule_stages
 
 
 def build_schedule(modules: list[nn.Module], stage_ids: list[int], *, strategy: Strategy, pp_group,
-                   device: torch.device, loss_fn: Callable, stage_io: list[tuple[torch.Tensor, torch.Tensor]],
+                   device: torch.device, loss_fn: Callable,
+                   stage_io: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]],
                    pp_rank: int):
-    """PipelineStages for this rank's stages (static shapes: example input and output of one micro-batch, the
-    float ones with requires_grad as torch needs) and the schedule object, its actions logged (ActionLog)."""
+    """PipelineStages for this rank's stages (static shapes: example inputs and outputs of one micro-batch, tuples
+    of tensors, the float ones with requires_grad as torch needs) and the schedule object, its actions logged (ActionLog)."""
     s = strategy
     cls = getattr(S, s.spec.torch_class, None)
     if cls is None:
@@ -33,8 +34,8 @@ def build_schedule(modules: list[nn.Module], stage_ids: list[int], *, strategy: 
     stages = []
     for module, sid in zip(modules, stage_ids):
         example_in, example_out = stage_io[sid]
-        stages.append(PipelineStage(module, sid, s.n_stages, device, input_args=(example_in,),
-                                    output_args=(example_out,), group=pp_group))
+        stages.append(PipelineStage(module, sid, s.n_stages, device, input_args=example_in,
+                                    output_args=example_out, group=pp_group))
     order = s.action_order()
     if issubclass(cls, S.PipelineScheduleSingle):
         sched = cls(stages[0], n_microbatches=s.microbatches, loss_fn=loss_fn)

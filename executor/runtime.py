@@ -21,6 +21,7 @@ from cost_models.torch_private import default_group_timeout, schedule_stages, se
 from executor import checkpoint, pipeline
 from cost_models.pipelining import pipeline_support
 from executor.materialize import allocate, init_held, init_mode, parameters_on_meta, release_unheld
+from executor.traced_stages import as_tuple
 from executor.stages import (UnitMap, build_stages, canonical_names, check_covers_model, recomputed, state_maps,
                              tied_params, tied_units)
 from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
@@ -165,8 +166,8 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     with torch.device("meta"):
         meta = spec.build()
-    check_covers_model(meta, s.stages, spec.units, pipelined=s.pp > 1)
     support = pipeline_support(meta, [(u, spec.units.names(u)) for st in s.stages for u in st]) if s.pp > 1 else ""
+    check_covers_model(meta, s.stages, spec.units, model_level=s.pp == 1 or support == "traced")
     stage_io = stage_io_shapes(meta, s, spec.units, support, example) if s.n_stages > 1 else []
     ties = tied_params(meta, s.stages, s.stage_rank, spec.units)
     # the schedule registry's guards; the planner never plans these
@@ -291,18 +292,20 @@ def logits_of(output) -> torch.Tensor:
 
 
 def stage_io_shapes(meta: nn.Module, s: Strategy, units: UnitMap, support: str,
-                    example: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                    example_input: torch.Tensor) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
     """Example (input, output) tensors of one micro-batch per stage (the float ones with requires_grad, as torch's
     PipelineStage needs), from running every stage in turn on the meta model."""
     from cost_models.models.source import meta_forward_context
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     stages = build_stages(meta, s.stages, list(range(s.n_stages)), units=units, support=support, recompute=())
     io = []
-    x = example.to("meta")
+    def example(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.is_floating_point())
+
+    xs: tuple[torch.Tensor, ...] = (example_input.to("meta"),)
     with meta_forward_context(), torch.no_grad():
         for stage in stages:
-            out = stage(x)
-            io.append((torch.empty(x.shape, dtype=x.dtype, device=device, requires_grad=x.is_floating_point()),
-                       torch.empty(out.shape, dtype=out.dtype, device=device, requires_grad=True)))
-            x = out
+            outs = as_tuple(stage(*xs))
+            io.append((tuple(example(t) for t in xs), tuple(example(t) for t in outs)))
+            xs = outs
     return io

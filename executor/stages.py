@@ -9,6 +9,9 @@ two ways, chosen by cost_models.pipelining.pipeline_support (the profiler and pl
   "hf-llama"/"hf-gpt2" an HF causal LM: a stage runs the model's own forward over the decoder layers it holds
                       (executor.hf_stages), so positions, rotary embeddings and masks are computed as the model
                       computes them.
+  "traced"            any other forward fx can trace that runs each unit once, in order: the traced graph is cut
+                      at the stage boundaries, each stage running the model's own operations between its units
+                      (executor.traced_stages).
 Anything else is refused before ranks start; never a chain that skips code in the model's forward.
 
 A Stage registers the model's own module objects (not copies), so a parameter keeps its identity and its name in
@@ -65,16 +68,17 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
 
 
 def check_covers_model(model: nn.Module, stages: tuple[tuple[str, ...], ...], units: UnitMap, *,
-                       pipelined: bool) -> None:
+                       model_level: bool) -> None:
     """Refuse (ConfigError, one line) stages that name a module the model lacks, or that leave some of the model's
     parameters out: a plan edited to drop a block would otherwise train a different function without a word.
     Parameters of the model's own level (of the root or of a module that holds units: a learned position table the
-    forward adds) belong to no unit; the model itself runs them when pp = 1, no stage holds them when pp > 1."""
+    forward adds) belong to no unit: `model_level` says whether they run (pp = 1: the model itself; traced stages:
+    the stage that reads them) or no stage holds them (chains and HF adapters run only the units)."""
     unit_modules = [name for stage in stages for u in stage for name, _ in units.parts(model, u)]
     held = {id(p) for name in unit_modules for p in model.get_submodule(name).parameters()}
     above = {""} | {name.rsplit(".", k)[0] for name in unit_modules for k in range(1, name.count(".") + 1)}
     left_out = [n for n, p in model.named_parameters() if id(p) not in held
-                and (pipelined or (n.rpartition(".")[0] not in above))]
+                and (not model_level or (n.rpartition(".")[0] not in above))]
     if left_out:
         raise ConfigError(f"the plan's stages leave out {len(left_out)} parameter tensor(s) of the model (first: "
                           f"{left_out[0]}); re-create the plan from a profile of this model")
@@ -122,10 +126,14 @@ def _chain_stage(model: nn.Module, unit_names: Sequence[str], units: UnitMap) ->
 
 
 def build_stages(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_ids: list[int], *, units: UnitMap,
-                 support: str, recompute: tuple[bool, ...]) -> list[Stage]:
+                 support: str, recompute: tuple[bool, ...]) -> list[nn.Module]:
     """The Stage modules for `stage_ids`, over `model`'s own module objects (meta or real: nothing is allocated
     here). `support` is cost_models.pipelining.pipeline_support's answer for the model."""
-    from executor import hf_stages
+    from executor import hf_stages, traced_stages
+    if support == "traced":
+        built: list[nn.Module] = traced_stages.traced_stages(model, stages, stage_ids, units)
+        _recompute(model, stages, stage_ids, units, recompute)
+        return built
     built = []
     for sid in stage_ids:
         names = stages[sid]
@@ -135,13 +143,20 @@ def build_stages(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_id
             stage = hf_stages.ADAPTERS[support](model, names, units, first=sid == 0, last=sid == len(stages) - 1)
         else:
             raise ConfigError(f"this model cannot be pipelined: {support.removeprefix('no: ')}; use a plan with pp=1")
+        built.append(stage)
+    _recompute(model, stages, stage_ids, units, recompute)
+    return built
+
+
+def _recompute(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_ids: list[int], units: UnitMap,
+               recompute: tuple[bool, ...]) -> None:
+    """Activation checkpointing on the units (with parameters) of the stages the plan recomputes."""
+    for sid in stage_ids:
         if recompute and recompute[sid]:
-            for u in names:
+            for u in stages[sid]:
                 for _, m in units.parts(model, u):
                     if any(True for _ in m.parameters()):
                         recomputed(m)
-        built.append(stage)
-    return built
 
 
 @dataclass(frozen=True)

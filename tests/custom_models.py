@@ -172,3 +172,17 @@ class Residual2(TinyLM):
 
 def make_residual2() -> nn.Module:
     return Residual2()
+
+
+class Looped(TinyLM):
+    """ALBERT-style weight sharing across depth: block 0 runs again after block 1 (one unit, two depths). No stage
+    can hold a unit that runs at two depths of a pipeline, so it is offered pp = 1 only."""
+
+    def forward(self, ids):
+        x = self.blocks[0](self.emb(ids))
+        x = self.blocks[0](self.blocks[1](x))
+        return self.head(x)
+
+
+def make_looped() -> nn.Module:
+    return Looped()
