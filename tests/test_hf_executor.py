@@ -105,3 +105,30 @@ def test_the_hf_example_trains_under_torchrun():
     losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines() if "loss" in line]
     # a 512-token vocabulary from its own init (N(0, 0.02)): about ln(512) = 6.24 at the start
     assert len(losses) == 3 and all(5.5 < x < 7.0 for x in losses)
+
+
+@pytest.mark.slow
+def test_export_after_a_pipelined_run_loads_with_from_pretrained_and_continues_its_training(tmp_path):
+    """GPT-2 trained 3 steps as PP2 1F1B (its tied head on the other rank), checkpointed, exported with
+    `planner export --hf`: from_pretrained on the folder gives, on step 3's batch, the loss the one-process
+    training of the same model has at step 3 (its parameters after 3 steps)."""
+    from typer.testing import CliRunner
+
+    from cli import app
+    from executor.launch import RunConfig, launch
+    from tests.plans import plan_for
+    units, cfg = _setup("gpt2", tmp_path)
+    prof = profile_model(resolve(MODELS["gpt2"]), micro_batch_size=2, seq_len=SEQ, meta=True)
+    run = launch(plan_for(_strategy(units, 1, 2, m=4), prof),
+                 RunConfig(steps=3, warmup=0, seed=cfg.seed, lr=cfg.lr, init_from=cfg.init_from,
+                           checkpoint_dir=str(tmp_path / "ck")))
+    assert run.checkpoints == (str(tmp_path / "ck" / "step-00000003"),)
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "ck"), "--hf", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="sdpa")
+    x, y = batch_source(cfg, torch.zeros(1, SEQ, dtype=torch.long), (1, SEQ, 128), GLOBAL, "cross_entropy")(3)
+    with torch.no_grad():
+        exported = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item()
+    continued = single_process_losses(_strategy(units, 1, 1), TrainConfig(**{**cfg.to_dict(), "steps": 4}))
+    assert exported == pytest.approx(continued[3], rel=1e-5)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()   # still tied

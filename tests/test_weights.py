@@ -212,41 +212,34 @@ def test_a_planner_checkpoint_gives_its_model_tensors_only_and_must_be_signed(tm
 
 # ---- 2 ranks, FSDP2 --------------------------------------------------------------------------------------------
 
-class _CountingSafeOpen:
-    """safetensors.safe_open, counting the bytes of the slices read through it (DCP's HF reader imports safe_open
-    when it reads, so patching the module's attribute reaches it)."""
+class _CountingReads:
+    """executor.weights' two file readers (_read_into: whole rows straight into the tensor; _read_rows: through a
+    buffer), counting the bytes every positioned read returns (the reader looks them up in its module when it
+    reads, so patching the module's attributes reaches it)."""
 
-    original = None    # safetensors.safe_open itself
+    originals: dict = {}
     read: list[int] = []
 
-    def __init__(self, *args, **kwargs) -> None:
-        self._file = _CountingSafeOpen.original(*args, **kwargs)
+    @staticmethod
+    def into(*args):
+        nbytes = _CountingReads.originals["_read_into"](*args)
+        _CountingReads.read.append(nbytes)
+        return nbytes
 
-    def __enter__(self):
-        self._file.__enter__()
-        return self
+    @staticmethod
+    def rows(*args):
+        tensor, nbytes = _CountingReads.originals["_read_rows"](*args)
+        _CountingReads.read.append(nbytes)
+        return tensor, nbytes
 
-    def __exit__(self, *exc):
-        return self._file.__exit__(*exc)
+    @classmethod
+    def patch(cls, module) -> None:
+        cls.originals = {"_read_into": module._read_into, "_read_rows": module._read_rows}
+        module._read_into, module._read_rows = cls.into, cls.rows
 
-    def __getattr__(self, name):
-        return getattr(self._file, name)
-
-    def get_slice(self, key):
-        return _CountingSlice(self._file.get_slice(key))
-
-
-class _CountingSlice:
-    def __init__(self, inner) -> None:
-        self._inner = inner
-
-    def __getitem__(self, index):
-        t = self._inner[index]
-        _CountingSafeOpen.read.append(t.numel() * t.element_size())
-        return t
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+    @classmethod
+    def unpatch(cls, module) -> None:
+        module._read_into, module._read_rows = cls.originals["_read_into"], cls.originals["_read_rows"]
 
 
 def _sharded(model: nn.Module, mesh) -> nn.Module:
@@ -258,16 +251,16 @@ def _sharded(model: nn.Module, mesh) -> nn.Module:
 
 
 def _rank_loads_its_shard(rank: int, tmp: Path, meta_fields: dict) -> None:
-    import safetensors
+    from executor import weights
     from torch.distributed.device_mesh import init_device_mesh
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
-        _CountingSafeOpen.original, safetensors.safe_open = safetensors.safe_open, _CountingSafeOpen
+        _CountingReads.patch(weights)
         for family in MODELS:
             _check_hf_shard(rank, _sharded(MODELS[family](seed=1), mesh), tmp / family)
-        safetensors.safe_open = _CountingSafeOpen.original
+        _CountingReads.unpatch(weights)
         model = _sharded(_gpt2(seed=1), mesh)
         params = dict(model.named_parameters())
         load_weights(params, {}, tmp / "gpt2")
@@ -285,13 +278,13 @@ def _rank_loads_its_shard(rank: int, tmp: Path, meta_fields: dict) -> None:
 
 def _check_hf_shard(rank: int, model: nn.Module, folder: Path) -> None:
     params = dict(model.named_parameters())
-    _CountingSafeOpen.read.clear()
+    _CountingReads.read.clear()
     loaded = load_weights(params, {}, folder)
     files = _file_tensors(folder)
     for name, p in params.items():
         assert torch.equal(p.to_local(), torch.chunk(files[name], 2, dim=0)[rank]), name   # FSDP2: Shard(0)
     mine = _nbytes(p.to_local() for p in params.values())
-    assert loaded.bytes_read == sum(_CountingSafeOpen.read) == mine
+    assert loaded.bytes_read == sum(_CountingReads.read) == mine
     assert mine < 0.55 * _nbytes(files[n] for n in params), (mine, folder.name)
     print(f"rank {rank} {folder.name}: read {mine} of {_nbytes(files[n] for n in params)} bytes", flush=True)
 
