@@ -111,9 +111,14 @@ def _init_function(model: nn.Module, module: nn.Module) -> Callable[[], None] | 
     return reset if callable(reset) else None
 
 
-def init_held(model: nn.Module, held: Iterable[nn.Module], seed: int) -> None:
+def init_held(model: nn.Module, held: Iterable[nn.Module], seed: int, *,
+              shard: tuple[int, int] | None = None) -> None:
     """Draw the allocated parameters of the `held` modules by their owning modules' own init functions, each
-    module from a generator seeded by (seed, its name); the module doc's fallback where a module has none."""
+    module from a generator seeded by (seed, its name); the module doc's fallback where a module has none.
+    `shard` = (dp rank, dp size) when the parameters are already FSDP2 shards (DTensors, dimension 0 split as
+    torch.chunk splits it): each owner module is drawn whole into temporary full tensors, one module at a time,
+    and each rank keeps its chunk, so the values are the unsharded draw's and no rank holds more than one
+    module's full parameters at once."""
     owners = _owners(model)
     todo: dict[str, nn.Module] = {}
     for m in held:
@@ -125,7 +130,7 @@ def init_held(model: nn.Module, held: Iterable[nn.Module], seed: int) -> None:
         for name in sorted(todo):
             owner = todo[name]
             module_seed = seed * 1_000_003 + zlib.crc32(name.encode())
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), _whole(owner, shard):
                 torch.manual_seed(module_seed)
                 init = _init_function(model, owner)
                 if init is not None:
@@ -134,6 +139,22 @@ def init_held(model: nn.Module, held: Iterable[nn.Module], seed: int) -> None:
                     _fallback_init(owner, torch.Generator().manual_seed(module_seed))
 
 
+@contextlib.contextmanager
+def _whole(module: nn.Module, shard: tuple[int, int] | None) -> Iterator[None]:
+    """While inside: the module's sharded parameters replaced by full-size temporary tensors; on leaving, each
+    rank's chunk of them copied into its shard and the shards put back."""
+    slots = own_parameters(module)
+    sharded = {n: p for n, p in slots.items() if shard is not None and p is not None and hasattr(p, "to_local")}
+    for n, p in sharded.items():
+        slots[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device))
+    try:
+        yield
+    finally:
+        for n, p in sharded.items():
+            local, chunks = p.to_local(), slots[n].chunk(shard[1], dim=0)
+            if shard[0] < len(chunks) and local.numel():
+                local.copy_(chunks[shard[0]][: local.shape[0]])
+            slots[n] = p
 def release_unheld(model: nn.Module, held: Iterable[nn.Module]) -> None:
     """Swap every parameter no `held` module uses for a meta placeholder, so that a rank that built the whole
     model ("factory") keeps only its share; names and ties stay for the canonical-name maps."""

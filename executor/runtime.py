@@ -183,7 +183,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None)
     if _shards_later(s, mode):
-        _allocate_shards(wrapped, optimizer_fn, device)
+        _allocate_shards(wrapped, optimizer_fn, device, model=model, mode=mode, seed=seed, dp_rank=dp_rank, dp=s.dp)
     schedule = None
     if s.n_stages > 1:
         schedule = pipeline.build_schedule(wrapped.modules, stage_ids, strategy=s, pp_group=mesh["pp"].get_group(),
@@ -215,8 +215,8 @@ def _materialized(s: Strategy, spec: ModelSpec, mode: str, stage_ids: list[int],
                   device: torch.device) -> tuple[nn.Module, list[nn.Module]]:
     """The model built for real (executor.materialize's modes; "loaded": parameters allocated, not drawn, since
     pretrained weights replace them), and the modules this rank trains: the model itself when pp = 1, else its
-    stages (parameters of other ranks' stages released to meta). Under FSDP2 with "loaded" the parameters stay on
-    meta here: _allocate_shards gives each rank only its shards after wrapping."""
+    stages (parameters of other ranks' stages released to meta). Under FSDP2 with "loaded" or "per-module" the
+    parameters stay on meta here: _allocate_shards gives each rank only its shards after wrapping."""
     if mode == "factory":
         torch.manual_seed(seed)
         with torch.device("cpu"):
@@ -247,13 +247,14 @@ def _materialized(s: Strategy, spec: ModelSpec, mode: str, stage_ids: list[int],
 
 
 def _shards_later(s: Strategy, mode: str) -> bool:
-    return mode == "loaded" and s.zero >= 2 and s.dp > 1
+    return mode in ("loaded", "per-module") and s.zero >= 2 and s.dp > 1
 
 
-def _allocate_shards(wrapped: Wrapped, optimizer_fn, device: torch.device) -> None:
+def _allocate_shards(wrapped: Wrapped, optimizer_fn, device: torch.device, *, model: nn.Module, mode: str,
+                     seed: int, dp_rank: int, dp: int) -> None:
     """FSDP2 over meta parameters (torchtitan's order): allocate each rank's shards only, never the whole model,
-    keeping the buffers the constructor computed (to_empty would leave them uninitialised), then build the
-    optimizer over the real shards."""
+    keeping the buffers the constructor computed (to_empty would leave them uninitialised), draw them ("per-module":
+    module by module, executor.materialize.init_held), then build the optimizer over the real shards."""
     for module in wrapped.modules:
         buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
         module.to_empty(device=device)
@@ -261,6 +262,8 @@ def _allocate_shards(wrapped: Wrapped, optimizer_fn, device: torch.device) -> No
             for name, b in module.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
+    if mode == "per-module":
+        init_held(model, wrapped.modules, seed, shard=(dp_rank, dp))
     wrapped.params = [p for m in wrapped.modules for p in m.parameters()]
     wrapped.optimizer = optimizer_fn(wrapped.params)
 
