@@ -19,6 +19,11 @@ MODELS = {
     "llama": ("hf:llama?num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4"
               "&num_key_value_heads=2&vocab_size=128&max_position_embeddings=64"),
     "gpt2": "hf:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=128&n_positions=64&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0",
+    # the other families the Llama adapter takes (Qwen2: biased q/k/v projections)
+    "mistral": ("hf:mistral?num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+                "&num_key_value_heads=2&vocab_size=128&max_position_embeddings=64"),
+    "qwen2": ("hf:qwen2?num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+              "&num_key_value_heads=2&vocab_size=128&max_position_embeddings=64"),
 }
 GLOBAL, SEQ = 8, 16
 
@@ -69,7 +74,7 @@ def _check(strategies, results, reference, own_step0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mistral", "qwen2"])
 def test_hf_model_trains_like_itself_under_every_plan_family_on_2_ranks(name, tmp_path):
     units, cfg = _setup(name, tmp_path)
     reference = single_process_losses(_strategy(units, 1, 1), cfg)
