@@ -22,7 +22,7 @@ from executor import checkpoint, pipeline
 from cost_models.pipelining import pipeline_support
 from executor.materialize import allocate, init_held, init_mode, parameters_on_meta, release_unheld
 from executor.traced_stages import as_tuple
-from executor.stages import (UnitMap, build_stages, canonical_names, check_covers_model, recomputed, state_maps,
+from executor.stages import (UnitMap, build_stages, canonical_names, check_covers_model, recompute_units, state_maps,
                              tied_params, tied_units)
 from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
 
@@ -226,10 +226,7 @@ def _materialized(s: Strategy, spec: ModelSpec, mode: str, stage_ids: list[int],
             model = spec.build()
     if s.pp == 1:
         held: list[nn.Module] = [model]
-        if s.recompute and s.recompute[0]:
-            for u in s.stages[0]:
-                for _, m in spec.units.parts(model, u):
-                    recomputed(m)
+        recompute_units(model, s.stages, [0], spec.units, s.recompute)
     else:
         held = list(build_stages(model, s.stages, stage_ids, units=spec.units, support=support,
                                  recompute=s.recompute))
@@ -247,7 +244,9 @@ def _materialized(s: Strategy, spec: ModelSpec, mode: str, stage_ids: list[int],
 
 
 def _shards_later(s: Strategy, mode: str) -> bool:
-    return mode in ("loaded", "per-module") and s.zero >= 2 and s.dp > 1
+    """FSDP2 over meta parameters, allocated as shards after wrapping: to load weights into, or (pp = 1, where
+    the model is the root and each parameter's owner is the same on every rank) to draw module by module."""
+    return s.zero >= 2 and s.dp > 1 and (mode == "loaded" or (mode == "per-module" and s.pp == 1))
 
 
 def _allocate_shards(wrapped: Wrapped, optimizer_fn, device: torch.device, *, model: nn.Module, mode: str,

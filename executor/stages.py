@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from cost_models.errors import ConfigError
@@ -132,7 +132,7 @@ def build_stages(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_id
     from executor import hf_stages, traced_stages
     if support == "traced":
         built: list[nn.Module] = traced_stages.traced_stages(model, stages, stage_ids, units)
-        _recompute(model, stages, stage_ids, units, recompute)
+        recompute_units(model, stages, stage_ids, units, recompute)
         return built
     built = []
     for sid in stage_ids:
@@ -144,11 +144,11 @@ def build_stages(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_id
         else:
             raise ConfigError(f"this model cannot be pipelined: {support.removeprefix('no: ')}; use a plan with pp=1")
         built.append(stage)
-    _recompute(model, stages, stage_ids, units, recompute)
+    recompute_units(model, stages, stage_ids, units, recompute)
     return built
 
 
-def _recompute(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_ids: list[int], units: UnitMap,
+def recompute_units(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_ids: list[int], units: UnitMap,
                recompute: tuple[bool, ...]) -> None:
     """Activation checkpointing on the units (with parameters) of the stages the plan recomputes."""
     for sid in stage_ids:
@@ -210,6 +210,13 @@ def state_maps(model: nn.Module, held: Sequence[nn.Module],
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in held_params:
             params.setdefault(canon[name], p)
+    # a traced stage (executor.traced_stages) holds a parameter read outside the units (a position table) in a slot
+    # of its own, under the model's name; FSDP2 replaces it there, not in the model
+    found = {id(p) for p in params.values()}
+    for m in held:
+        for name, p in m.named_parameters(remove_duplicate=False):
+            if id(p) not in found and isinstance(m, fx.GraphModule) and name in canon:
+                params.setdefault(canon[name], p)
     buffers = {f"{mod_name}.{name}" if mod_name else name: b
                for mod_name, mod in model.named_modules() if id(mod) in held_modules
                for name, b in persistent_buffers(mod)}
