@@ -73,7 +73,8 @@ def test_profile_embeds_a_preset_cluster(tmp_path):
 @pytest.mark.slow
 def test_profile_probes_this_machine_by_default(tmp_path):
     res = run("profile", "--model", "mlp-deep", "-b", "2", "-s", "4", "--dtype", "fp32", "--repeats", "1",
-              "--ranks", "2", "--probe-sizes", "64K..4M", "-o", "-", "--json")
+              "--ranks", "2", "--probe-sizes", "64K..16M", "-o", "-", "--json")
+    # sizes up to 16M: on 2 shared cores the send/recv times of 64K..4M alone once fitted a non-positive slope
     assert res.exit_code == 0, res.output
     cluster = json.loads(res.stdout)["cluster"]
     assert cluster["source"] == "probe" and cluster["devices_per_node"] == 2
