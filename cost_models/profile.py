@@ -11,6 +11,7 @@ from typing import Literal
 from cost_models.cluster import ClusterProfile
 from cost_models.file_record import FileRecord
 from cost_models.records import Record, record
+from cost_models.tensor_parallel import TPShape
 
 SCHEMA_VERSION = 1
 PROFILE_KIND = "zeropipe.profile"
@@ -108,6 +109,8 @@ class ModelProfile(Record):
     edges: tuple[UnitEdge, ...] = ()     # data flow between units; empty in files written before edges were recorded
     pipelining: str = ""                 # cost_models.pipelining: "chain" | "hf-llama" | "hf-gpt2" | "no: <why>";
                                          # "" in files written before it was recorded (pipelines offered as before)
+    tensor_parallel: TPShape | None = None  # cost_models.tensor_parallel: the model's TP plan and dimensions; None in
+                                         # files written before it was recorded (no TP offered: re-profile)
     device: str
     threads: int
     torch_version: str

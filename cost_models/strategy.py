@@ -19,9 +19,13 @@ def check_training(precision: str, optimizer: str) -> None:
         raise ConfigError("--precision must be bf16-mixed or fp32 and --optimizer adamw, adam or sgd")
 
 
-def family_of(*, dp: int, pp: int) -> str:
-    """'zero' (no pipeline), 'pipeline' (no data parallelism) or 'hybrid': the ZeRO-or-pipeline question's terms."""
-    return "zero" if pp == 1 else ("pipeline" if dp == 1 else "hybrid")
+def family_of(*, dp: int, pp: int, tp: int = 1) -> str:
+    """'zero' (no pipeline), 'pipeline' (no data parallelism) or 'hybrid': the ZeRO-or-pipeline question's terms;
+    with tensor parallelism '+tp' is added ('tensor' alone when it is the only split)."""
+    base = "zero" if pp == 1 else ("pipeline" if dp == 1 else "hybrid")
+    if tp == 1:
+        return base
+    return "tensor" if dp == 1 and pp == 1 else base + "+tp"
 
 
 @record
@@ -35,38 +39,57 @@ class Strategy(Record):
     v: int = 1                           # stage chunks per rank (interleaved schedules)
     stages: tuple[tuple[str, ...], ...]  # stage -> unit names, pp * v stages in pipeline order
     recompute: tuple[bool, ...] = ()     # per stage: full activation recompute (empty: none)
+    tp: int = 1                          # tensor-parallel degree (Megatron column/row splits; mesh (pp, dp, tp))
+    sp: bool = False                     # sequence parallelism over the tp group (Korthikanti et al. 2022)
+    selective: bool = False              # selective recompute: the attention core of stages not fully recomputed
     precision: Precision = "bf16-mixed"
     optimizer: Optimizer = "adamw"
 
     @property
     def family(self) -> str:
-        return family_of(dp=self.dp, pp=self.pp)
+        return family_of(dp=self.dp, pp=self.pp, tp=self.tp)
+
+    @property
+    def tp_label(self) -> str:
+        """'TP2', 'TP2+SP' or '' (no tensor parallelism)."""
+        return "" if self.tp == 1 else f"TP{self.tp}" + ("+SP" if self.sp else "")
 
     @property
     def name(self) -> str:
-        """Short label for tables: 'ZeRO-3 dp=8, 4x2' or 'PP4 1f1b x DP2 ZeRO-1, 16x1 +recompute 2/4' (m x mbs)."""
-        shape = (f"ZeRO-{self.zero} dp={self.dp}" if self.pp == 1 else
-                 f"PP{self.pp} {self.schedule}" + (f" v={self.v}" if self.v > 1 else "")
-                 + (f" x DP{self.dp} ZeRO-{self.zero}" if self.dp > 1 else ""))
+        """Short label for tables: 'ZeRO-3 dp=8, 4x2', 'TP2+SP x ZeRO-1 dp=4, 4x2' or
+        'PP4 1f1b x DP2 ZeRO-1, 16x1 +recompute 2/4' (m x mbs)."""
+        if self.pp == 1:
+            shape = (f"{self.tp_label} x " if self.tp > 1 and self.dp > 1 else self.tp_label if self.tp > 1 else "")
+            shape += f"ZeRO-{self.zero} dp={self.dp}" if self.dp > 1 or self.tp == 1 else ""
+        else:
+            shape = (f"PP{self.pp} {self.schedule}" + (f" v={self.v}" if self.v > 1 else "")
+                     + (f" x {self.tp_label}" if self.tp > 1 else "")
+                     + (f" x DP{self.dp} ZeRO-{self.zero}" if self.dp > 1 else ""))
         rec = sum(self.recompute) if self.recompute else 0
-        return f"{shape}, {self.microbatches}x{self.micro_batch_size}" + (f" +recompute {rec}/{self.n_stages}" if rec else "")
+        return (f"{shape}, {self.microbatches}x{self.micro_batch_size}" + (f" +recompute {rec}/{self.n_stages}" if rec else "")
+                + (" +selective" if self.selective and rec < self.n_stages else ""))
 
     @property
     def summary(self) -> str:
         """The same strategy in words, for rationales and run records: '4-stage 1f1b x 2-way ZeRO-1, 8 micro-batch(es) of 2'."""
+        tensor = "" if self.tp == 1 else f"{self.tp}-way tensor parallel" + (" with sequence parallelism" if self.sp else "")
         if self.pp == 1:
-            shape = f"ZeRO-{self.zero} over {self.dp} ranks" if self.dp > 1 else "one device"
+            shape = (f"ZeRO-{self.zero} over {self.dp} ranks" if self.dp > 1 else "") or tensor or "one device"
+            shape = f"{tensor} x {shape}" if tensor and self.dp > 1 else shape
         else:
             shape = f"{self.pp}-stage {self.schedule}" + (f" (v={self.v})" if self.v > 1 else "")
+            shape += f" x {tensor}" if tensor else ""
             shape += f" x {self.dp}-way ZeRO-{self.zero}" if self.dp > 1 else ""
         rec = sum(self.recompute) if self.recompute else 0
         recompute = "" if not rec else (", full recompute" if rec == self.n_stages
                                         else f", recompute on {rec} of {self.n_stages} stages")
+        if self.selective and rec < self.n_stages:
+            recompute += ", selective recompute (attention core)"
         return shape + f", {self.microbatches} micro-batch(es) of {self.micro_batch_size}" + recompute
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.tp * self.pp
 
     @property
     def n_stages(self) -> int:
@@ -102,9 +125,15 @@ class Strategy(Record):
         return self.spec.rank_stages(pp_rank, self.pp, self.v)
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        """Global ranks holding `stage`: mesh (pp, dp) with dp innermost, so a dp group is contiguous ranks."""
+        """Global ranks holding `stage`: mesh (pp, dp, tp) with tp innermost (torchtitan's order), so a tp group is
+        adjacent ranks inside a node and, without tp, a dp group is contiguous ranks."""
         pp_rank = self.stage_rank(stage)
-        return tuple(pp_rank * self.dp + d for d in range(self.dp))
+        per_stage = self.dp * self.tp
+        return tuple(pp_rank * per_stage + i for i in range(per_stage))
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank on the (pp, dp, tp) mesh."""
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
 
     def split_tie(self, tied_units: Iterable[Sequence[str]]) -> str | None:
         """Why this schedule cannot run a parameter shared by units in two stages on one pipeline rank, or None.
@@ -126,12 +155,12 @@ class Strategy(Record):
 
     def validate(self, unit_names: tuple[str, ...]) -> None:
         """Raise ConfigError (one line, what to change) unless this strategy can run on a model with these units."""
-        for name, value in (("dp", self.dp), ("pp", self.pp), ("microbatches", self.microbatches),
+        for name, value in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp), ("microbatches", self.microbatches),
                             ("micro_batch_size", self.micro_batch_size), ("v", self.v)):
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         # caps that keep the estimate's work bounded (cost_models/limits.py); a plan file can hold any number
-        check_gpus(self.world_size, "dp x pp =")
+        check_gpus(self.world_size, "dp x tp x pp =")
         check_microbatches(self.microbatches, "microbatches")
         check_global_batch(self.global_batch_size, "dp x microbatches x micro_batch_size =")
         check_training(self.precision, self.optimizer)
@@ -151,3 +180,7 @@ class Strategy(Record):
             raise ConfigError(f"a stage has no units: the model's {len(unit_names)} units cannot fill {self.n_stages} stages")
         if self.recompute and len(self.recompute) != self.n_stages:
             raise ConfigError(f"recompute has {len(self.recompute)} entries for {self.n_stages} stages")
+        if self.tp & (self.tp - 1):
+            raise ConfigError(f"--tp must be a power of two, got {self.tp}")
+        if self.sp and self.tp == 1:
+            raise ConfigError("--sp splits the sequence over the tensor-parallel group; it needs --tp 2 or more")

@@ -41,16 +41,19 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
         self.c_attn = nn.Linear(cfg.dim, 3 * cfg.dim)
         self.c_proj = nn.Linear(cfg.dim, cfg.dim)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.c_attn(x).split(d, dim=2)
-        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        # Heads are counted from the projection's output, not the config: under tensor parallelism this rank's
+        # c_attn holds its share of the q, k and v heads (cost_models/tensor_parallel.py, as Megatron splits it).
+        b, s, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.c_proj(y.transpose(1, 2).reshape(b, s, d))
+        return self.c_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class GPTMLP(nn.Module):

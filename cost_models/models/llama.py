@@ -64,15 +64,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Heads are counted from the projections' outputs, not the config: under tensor parallelism this rank holds
+        # its share of them (torchtitan's attention does the same with view(bs, seqlen, -1, head_dim)).
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device, q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if self.n_kv_heads != self.n_heads:  # grouped-query attention: repeat K/V as Meta's reference does
-            rep = self.n_heads // self.n_kv_heads
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat K/V as Meta's reference does
+            rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
