@@ -1,0 +1,113 @@
+"""The tensor-parallel plans as data: every rule names real modules of the right kind, the dimensions that decide
+which tp a model admits, and the (pp, dp, tp) mesh's rank arithmetic."""
+import fnmatch
+
+import pytest
+import torch
+from torch import nn
+
+from cost_models.errors import ConfigError
+from cost_models.models.source import resolve
+from cost_models.strategy import Strategy
+from cost_models.tensor_parallel import PLANS, rules_for, style_of, tp_shape, vocab_divides
+
+HF_LLAMA = ("hf:{kind}?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&num_key_value_heads=2"
+            "&intermediate_size=128&vocab_size=256&max_position_embeddings=64")
+# the module type each style applies to (None: any module)
+KIND = {"colwise": nn.Linear, "rowwise": nn.Linear, "head": nn.Linear, "embedding": nn.Embedding,
+        "norm": None, "region": None, "sp_entry": None}   # norms: torch's or a model's own (LlamaRMSNorm)
+
+
+def _meta(ref: str) -> nn.Module:
+    return resolve(ref).build(device="meta", dtype=torch.float32)
+
+
+def _models():
+    yield "gpt-tiny", "zoo-gpt"
+    yield "llama-tiny", "zoo-llama"
+    if pytest.importorskip("transformers"):
+        for kind in ("llama", "mistral", "qwen2"):
+            yield HF_LLAMA.format(kind=kind), "hf-llama"
+
+
+@pytest.mark.parametrize("ref, plan", list(_models()))
+def test_every_rule_names_modules_of_its_kind(ref, plan):
+    model = _meta(ref)
+    shape = tp_shape(model)
+    assert shape.plan == plan
+    names = dict(model.named_modules())
+    for rule in PLANS[plan].rules:
+        matched = [n for n in names if fnmatch.fnmatchcase(n, rule.pattern)]
+        assert matched, f"{rule.pattern} matches no module of {ref}"
+        kind = KIND[rule.style]
+        assert kind is None or all(isinstance(names[n], kind) for n in matched), rule
+        assert rule.style != "norm" or all(type(names[n]).__name__.endswith("Norm") for n in matched), rule
+    # every Linear inside a block is split one way or the other: a block left whole would compute twice
+    block_linears = [n for n, m in names.items() if isinstance(m, nn.Linear) and (".blocks." in f".{n}" or ".layers." in n)]
+    assert block_linears and all(style_of(n, PLANS[plan].rules).style in ("colwise", "rowwise") for n in block_linears)
+
+
+def test_dimensions_decide_the_tp_a_model_admits():
+    gpt, llama = tp_shape(_meta("gpt-tiny")), tp_shape(_meta("llama-tiny"))
+    assert (gpt.heads, gpt.kv_heads, gpt.ffn, gpt.hidden, gpt.vocab_split) == (4, 4, 256, 64, False)
+    assert (llama.heads, llama.kv_heads, llama.ffn, llama.hidden, llama.vocab_split) == (4, 2, 176, 64, True)
+    assert gpt.tp_refusal(4) is None and gpt.tp_refusal(8) == "tp=8 does not divide the 4 attention heads"
+    assert llama.tp_refusal(2) is None and llama.tp_refusal(4) == "tp=4 does not divide the 2 key/value heads"
+    assert llama.tp_refusal(2, sp=True, seq_len=31) == "sequence parallelism needs tp=2 to divide the sequence length 31"
+    # GPT-2 ties its head to the embedding: both stay whole, so no rule splits a vocabulary there
+    assert not vocab_divides(gpt, 2) and vocab_divides(llama, 2)
+    assert {r.style for r in rules_for(PLANS["zoo-gpt"], vocab_split=False)}.isdisjoint({"embedding", "head"})
+    llama_rules = rules_for(PLANS["zoo-llama"], vocab_split=False)
+    assert style_of("embed.tok_embeddings", llama_rules).style == "sp_entry"
+    assert style_of("head.output", llama_rules).style == "region"
+
+
+def test_models_without_a_plan_say_why():
+    shape = tp_shape(_meta("mlp-deep"))
+    assert shape.refusal == ("no tensor-parallel plan for DeepMLP (the zoo's GPT and Llama and transformers' Llama, "
+                             "Mistral and Qwen2 have one)")
+    assert shape.tp_refusal(2) == shape.refusal and shape.tp_refusal(1) is None
+
+
+def test_sequence_parallelism_is_refused_for_transformers_models():
+    pytest.importorskip("transformers")
+    shape = tp_shape(_meta(HF_LLAMA.format(kind="llama")))
+    assert shape.tp_refusal(2) is None
+    assert shape.tp_refusal(2, sp=True, seq_len=64).startswith("sequence parallelism is not offered for transformers")
+
+
+def _strategy(**kw) -> Strategy:
+    base = dict(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=2, micro_batch_size=1, stages=(("u0", "u1"),))
+    return Strategy(**{**base, **kw})
+
+
+def test_mesh_puts_tp_innermost():
+    s = _strategy(dp=2, tp=2, pp=2, stages=(("u0",), ("u1",)), microbatches=4)
+    assert s.world_size == 8
+    assert [s.coords(r) for r in range(8)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
+                                               (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert s.stage_ranks(1) == (4, 5, 6, 7)
+    assert s.family == "hybrid+tp" and _strategy(tp=4).family == "tensor" and _strategy(dp=2, tp=2).family == "zero+tp"
+    assert s.name == "PP2 1f1b x TP2 x DP2 ZeRO-0, 4x1"
+    assert _strategy(dp=2, zero=3, tp=2, sp=True).name == "TP2+SP x ZeRO-3 dp=2, 2x1"
+    assert _strategy(tp=2, selective=True).summary == ("2-way tensor parallel, 2 micro-batch(es) of 1, selective "
+                                                       "recompute (attention core)")
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(tp=3), "--tp must be a power of two, got 3"),
+    (dict(sp=True), "--sp splits the sequence over the tensor-parallel group; it needs --tp 2 or more"),
+    (dict(tp=0), "--tp must be >= 1, got 0"),
+])
+def test_bad_tensor_parallel_settings_are_one_line_errors(kw, message):
+    with pytest.raises(ConfigError) as err:
+        _strategy(**kw).validate(("u0", "u1"))
+    assert str(err.value) == message
+
+
+def test_old_plans_without_tp_load_as_tp1():
+    d = _strategy(dp=2).to_dict()
+    for key in ("tp", "sp", "selective"):
+        d.pop(key)
+    s = Strategy.from_dict(d)
+    assert (s.tp, s.sp, s.selective, s.world_size) == (1, False, False, 2)
