@@ -12,10 +12,34 @@ hierarchically, as NCCL's rings over NVLink and per-GPU NICs behave: for all-gat
 S/g among the k nodes on each of the g rails, then an intra-node all-gather of S among g ranks (reduce-scatter in
 the opposite order; all-reduce = reduce-scatter + all-gather). Where the cluster profile holds a probed fit for
 exactly this collective and group size, the fit is used instead of the link formula.
+
+Tensor-parallel traffic (tp_unit_traffic): Megatron-LM's f and g operators (Shoeybi et al. 2019, section 3) put
+one all-reduce of the b x s x h activations in forward after each row-split linear and one in backward before each
+column-split one; sequence parallelism (Korthikanti et al. 2022, section 4.2.2) turns each into an all-gather plus a
+reduce-scatter of the same full buffer. Counted as executor/tensor_parallel.py places torch's ParallelStyles:
+                                  no SP                         SP
+    rowwise output                fwd all-reduce                fwd reduce-scatter, bwd all-gather
+    region with split linears     bwd all-reduce (its input)    fwd all-gather, bwd reduce-scatter
+    replicated region input       -                             fwd all-gather
+    sp_entry output               -                             bwd all-gather (the slice's gradient)
+    vocab-split embedding output  fwd all-reduce                fwd reduce-scatter, bwd all-gather
+    vocab-split head              input: bwd all-reduce;        input: fwd all-gather, bwd reduce-scatter;
+                                  logits: fwd all-gather        logits: fwd all-gather
+    norm weights (SP)             -                             bwd all-reduce of their gradients
+A vocabulary that does not split leaves the embedding as an sp_entry and the head as a replicated region.
+Without SP the executor makes a region's input one replicated DTensor for all its split linears, so their input
+gradients are summed locally and all-reduced once per region, as Megatron's f operator does (torch's ColwiseParallel
+alone would all-reduce per linear: Llama's wq, wk, wv three times).
 """
 from __future__ import annotations
 
+import functools
+
 from cost_models.cluster import ClusterProfile, LinkSpec
+from cost_models.profile import TPUnit
+
+TP_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+Traffic = tuple[float, float, float, float, float, float]   # (calls, bytes) of each op in TP_OPS
 
 
 def ring_phase(link: LinkSpec, size_bytes: float, n: int) -> float:
@@ -66,3 +90,54 @@ def collective_time(cluster: ClusterProfile, op: str, size_bytes: float, n: int,
         return _phase(cluster, op, size_bytes, g, "intra")
     # Hierarchical: each of the g rails moves S/g across k nodes; inside a node g ranks move S.
     return _phase(cluster, op, size_bytes / g, k, "inter") + _phase(cluster, op, size_bytes, g, "intra")
+
+
+def _traffic(**ops: tuple[float, float]) -> Traffic:
+    out = [0.0] * 6
+    for op, (calls, size) in ops.items():
+        i = 2 * TP_OPS.index(op)
+        out[i], out[i + 1] = calls, size
+    return tuple(out)  # type: ignore[return-value]
+
+
+def _plus(*parts: tuple[float, float]) -> tuple[float, float]:
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+@functools.lru_cache(maxsize=4096)
+def tp_unit_traffic(tu: TPUnit, *, sp: bool, vocab: bool) -> tuple[Traffic, Traffic]:
+    """(forward, backward) tensor-parallel collectives of one unit per micro-batch at the profile's dtype: calls and
+    full-buffer bytes of each op in TP_OPS (the module doc's table). `vocab`: the vocabulary splits at this tp."""
+    row = (tu.row_calls, tu.row_bytes)
+    embed, logits = (tu.embed_calls, tu.embed_bytes), (tu.head_calls, tu.logit_bytes)
+    head_in = (tu.head_calls, tu.head_in_bytes)
+    region, repl, entry = (tu.region_calls, tu.region_bytes), (tu.repl_region_calls, tu.repl_region_bytes), \
+        (tu.entry_calls, tu.entry_bytes)
+    if not sp:
+        if not vocab:
+            return _traffic(all_reduce=row), _traffic(all_reduce=region)
+        return (_traffic(all_reduce=_plus(row, embed), all_gather=logits),
+                _traffic(all_reduce=_plus(region, head_in)))
+    if vocab:
+        return (_traffic(all_gather=_plus(region, repl, head_in, logits), reduce_scatter=_plus(row, embed)),
+                _traffic(all_gather=_plus(row, embed, entry), reduce_scatter=_plus(region, head_in)))
+    return (_traffic(all_gather=_plus(region, repl, head_in), reduce_scatter=row),
+            _traffic(all_gather=_plus(row, entry, embed), reduce_scatter=region))
+
+
+def sp_norm_grad_traffic(tu: TPUnit, grad_bytes: int) -> Traffic:
+    """Under SP, each micro-batch's backward all-reduces the norms' weight gradients over tp: each rank's are
+    partial sums over its sequence shard (Korthikanti et al. 2022, section 4.2.2; measured here: torch's
+    SequenceParallel issues one all-reduce per norm parameter tensor). Parameter-sized: it does not scale with
+    the micro-batch."""
+    return _traffic(all_reduce=(tu.norm_tensors, tu.norm_params * grad_bytes))
+
+
+def linearized(cluster: ClusterProfile, op: str, n: int, ref_bytes: float) -> tuple[float, float]:
+    """(seconds per call, seconds per byte) of `op` over n ranks (a TP group: adjacent ranks, inside a node when n
+    divides the node), as the secant through ref_bytes and 2 ref_bytes: exact for the alpha-beta formulas above,
+    so a unit's collectives cost calls x alpha + bytes x beta without a call per collective."""
+    t1 = collective_time(cluster, op, ref_bytes, n)
+    t2 = collective_time(cluster, op, 2 * ref_bytes, n)
+    beta = (t2 - t1) / ref_bytes
+    return max(0.0, t1 - beta * ref_bytes), beta

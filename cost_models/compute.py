@@ -12,11 +12,22 @@ Two sources, in order of trust:
      an approximation that overstates small kernels' slowdown).
   2. FLOPs / (device peak x matmul efficiency) for any other target (a GPU preset from a CPU or meta profile).
      This is the roofline's compute side; memory-bound ops (norms, activations) make it optimistic.
+
+Tensor parallelism over t ranks (tp_unit_times): the share f of a unit's FLOPs inside split modules (profile.TPUnit;
+backward assumed split in the same share) runs on 1/t of the weights. Measured: the affine fit's fixed part (the
+per-call cost at zero samples) stays whole and only the per-sample work of the split share is divided, which is
+the measured loss of narrower GEMMs on this device. FLOPs: the split share runs at the efficiency of GEMMs 1/t as
+wide, from Hockney's half-performance model r(n) = r_max n / (n + n_half) (Hockney & Jesshope 1988, "Parallel
+Computers 2", section 1.3.3) over the narrowed dimension (hidden / t), with n_half = GEMM_N_HALF: 128, the width of
+a tensor-core GEMM tile (NVIDIA, "Matrix Multiplication Background User's Guide": tile quantization), a stated
+assumption, not a measurement (hidden 8192 at t = 8: 90% of the full width's rate).
 """
 from __future__ import annotations
 
 from cost_models.cluster import ClusterProfile
 from cost_models.profile import ModelProfile, UnitProfile
+
+GEMM_N_HALF = 128   # columns per rank at which a GEMM runs at half its large-size rate (module doc)
 
 COMPUTE_DTYPE = {"bf16-mixed": "bf16", "fp32": "fp32"}
 
@@ -48,6 +59,47 @@ def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
     rate = peak * cluster.device.matmul_efficiency
     return unit.fwd_flops * scale / rate, unit.bwd_flops * scale / rate
+
+
+def gemm_width_efficiency(width: int, tp: int) -> float:
+    """Rate of a GEMM 1/tp as wide relative to the full width (Hockney's n_half model, module doc); 1 where unknown."""
+    if tp == 1 or width <= 0:
+        return 1.0
+    narrow = width / tp
+    return (narrow / (narrow + GEMM_N_HALF)) / (width / (width + GEMM_N_HALF))
+
+
+def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, *, micro_batch_size: int,
+                  precision: str, ranks_running: int, tp: int, vocab: bool) -> tuple[float, float, float]:
+    """(forward, backward, attention-core forward) seconds of one micro-batch through `unit` on one of tp ranks
+    (module doc), without the collectives; the core's forward is what selective recompute adds to the backward."""
+    tu = unit.tp
+    flops = max(1, unit.fwd_flops)
+    split = min(1.0, (tu.split_flops + (tu.vocab_flops if vocab else 0)) / flops) if tu and tp > 1 else 0.0
+    core = (tu.core_flops / flops) if tu else 0.0
+    if uses_measured_times(profile, cluster):
+        threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1)
+        factor = contention(cluster, ranks_running) * max(1.0, threads)
+        share = 1 - split + split / tp
+        out = []
+        for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)):
+            fixed, work = _affine(at, one, profile.micro_batch_size, micro_batch_size)
+            out.append(max(0.0, fixed + work * share) * factor)
+        fwd_work = _affine(unit.fwd_time, unit.fwd_time_one, profile.micro_batch_size, micro_batch_size)[1]
+        return out[0], out[1], fwd_work * core / tp * factor
+    fwd, bwd = unit_times(unit, profile, cluster, micro_batch_size=micro_batch_size, precision=precision,
+                          ranks_running=ranks_running)
+    width = profile.tensor_parallel.hidden if profile.tensor_parallel else 0
+    share = 1 - split + split / (tp * gemm_width_efficiency(width, tp))
+    return fwd * share, bwd * share, fwd * core / (tp * gemm_width_efficiency(width, tp))
+
+
+def _affine(at_profile, at_one, profile_batch: int, batch: int) -> tuple[float, float]:
+    """A measured time at another micro-batch as (fixed part, per-sample work x batch): _at_batch's line."""
+    if at_one is None or profile_batch <= 1:
+        return 0.0, at_profile.median_s * batch / profile_batch
+    per_sample = max(0.0, (at_profile.median_s - at_one.median_s) / (profile_batch - 1))
+    return at_one.median_s - per_sample, per_sample * batch
 
 
 def _at_batch(at_profile, at_one, profile_batch: int, batch: int) -> float:

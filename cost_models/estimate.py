@@ -14,6 +14,16 @@ Overlap: without a pipeline on GPUs, FSDP2's one-unit-ahead prefetch and DDP's b
 communication behind compute unit by unit (see _overlapped_dp_time); what does not fit is exposed. With a
 pipeline, each stage is one FSDP unit and torch's stage runs its gathers and the final reduction outside the
 compute, so they are exposed. CPU ranks share their cores with gloo's threads: nothing is assumed hidden there.
+
+Tensor parallelism (tp > 1; mesh (pp, dp, tp), tp innermost as torchtitan orders it, so a TP group is tp adjacent
+ranks inside a node and a dp group's ranks are tp apart): each unit's compute is its TP rank's share
+(compute.tp_unit_times), plus its TP collectives (comm.tp_unit_traffic: Megatron's two all-reduces per layer in
+forward and two in backward, Shoeybi et al. 2019 section 3; all-gather + reduce-scatter under SP, Korthikanti et al.
+2022 section 4.2.2) on the TP group's link, exposed: they sit between dependent GEMMs (Megatron-LM runs them
+synchronously; overlapping them needs async TP, which the executor does not run). Parameters, gradients and
+optimizer states of the split modules are divided by tp before ZeRO divides the rank's share by dp; activations
+are split by role (memory.tp_saved_bytes, Korthikanti et al. 2022 Table 2). Selective recompute drops the attention
+core's saved tensors and adds its forward to the backward (Korthikanti et al. 2022, section 5).
 """
 from __future__ import annotations
 
@@ -22,14 +32,16 @@ import math
 from typing import Callable, Sequence
 
 from cost_models.cluster import ClusterProfile, ComputeProbe
-from cost_models.comm import collective_time, p2p_time
-from cost_models.compute import optimizer_step_time, unit_times, uses_measured_times
+from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
+                               tp_unit_traffic)
+from cost_models.compute import optimizer_step_time, tp_unit_times, unit_times, uses_measured_times
 from cost_models.memory import (BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, comm_buffer_bytes,
-                                 executor_state_bytes, zero1_partition)
-from cost_models.profile import ModelProfile
+                                 executor_state_bytes, tp_param_share, tp_saved_bytes, zero1_partition)
+from cost_models.profile import ModelProfile, UnitProfile
 from cost_models.records import Record, record
 from cost_models.schedule import Simulation, StageCost, format_order, simulate_schedule
 from cost_models.strategy import Strategy
+from cost_models.tensor_parallel import vocab_divides
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # presets carry no probe: no per-call overheads are assumed there (GPU launches mostly hide behind kernels)
@@ -45,13 +57,15 @@ class StepBreakdown(Record):
     dp_comm_s: float        # exposed data-parallel collectives
     optimizer_s: float
     total_s: float
+    tp_comm_s: float = 0.0  # tensor-parallel collectives on that rank (exposed; inside compute_s)
 
 
 @record
 class StageEstimate(Record):
     stage: int
     units: tuple[str, ...]
-    params: int             # parameters the stage holds (a tied parameter counts in every stage that uses it)
+    params: int             # parameters the stage holds (a tied parameter counts in every stage that uses it);
+                            # with tp > 1 one TP rank's share
     fwd_s: float            # per micro-batch
     bwd_s: float            # per micro-batch, incl. recompute
     activation_bytes: float # kept per micro-batch in flight
@@ -62,6 +76,9 @@ class StageEstimate(Record):
     pp_rank: int = 0               # the pipeline rank that runs it (the schedule's placement)
     largest_unit_params: int = 0   # its largest unit's parameters (FSDP2 gathers one unit at a time)
     working_set_bytes: float = 0.0 # with recompute: one unit's saved activations, live while it is recomputed
+    tp_comm_s: float = 0.0         # per micro-batch: its TP collectives (forward + backward, in fwd_s / bwd_s)
+    tp_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # per micro-batch: op -> full-buffer
+                                   # bytes of its TP collectives (forward, recomputed forward, backward)
 
     def cost(self) -> StageCost:
         """The simulator's view of this stage (reports re-simulate the plan's timeline from it)."""
@@ -76,6 +93,9 @@ class CommVolume(Record):
     dp_collectives: dict[str, float] # op -> bytes per rank per step
     p2p_link: str
     dp_link: str
+    tp_bytes_per_rank: float = 0.0   # bytes each rank moves in tensor-parallel collectives per step (full buffers)
+    tp_collectives: dict[str, float] = dataclasses.field(default_factory=dict)  # op -> bytes per rank per step
+    tp_link: str = "none"            # the TP group's link: "intra-node" (or "inter-node" where tp > a node)
 
 
 @record
@@ -116,10 +136,26 @@ def _held_params(profile: ModelProfile, unit: str, stage_units: Sequence[str]) -
     return profile.unit(unit).params + sum(tied_copies(profile, unit, stage_units))
 
 
-def _unit_numels(profile: ModelProfile, unit: str, stage_units: Sequence[str]) -> list[int]:
-    """Sizes of the parameter tensors a unit holds in its stage (tied copies included); [] for old profiles."""
+def _rank_params(c: "_Context", unit: str, stage_units: Sequence[str]) -> int:
+    """Parameters one rank holds of `unit` in its stage: with tp > 1 the split modules' share (tied copies whole:
+    only a tied or indivisible vocabulary is tied, and that stays whole)."""
+    held = _held_params(c.profile, unit, stage_units)
+    if c.s.tp == 1:
+        return held
+    return round(tp_param_share(held, c.profile.unit(unit).tp, c.s.tp, c.tp_vocab))
+
+
+def _unit_numels(profile: ModelProfile, unit: str, stage_units: Sequence[str], *, tp: int = 1,
+                 vocab: bool = False) -> list[int]:
+    """Sizes of the parameter tensors a unit holds in its stage (tied copies included; a TP rank's shares of the
+    split ones); [] for old profiles."""
     u = profile.unit(unit)
-    return list(u.param_numels) + tied_copies(profile, unit, stage_units) if u.param_numels else []
+    if not u.param_numels:
+        return []
+    numels = list(u.param_numels)
+    if tp > 1 and u.tp is not None and u.tp.param_split:
+        numels = [n // tp if f == 1 or (f == 2 and vocab) else n for n, f in zip(numels, u.tp.param_split)]
+    return numels + tied_copies(profile, unit, stage_units)
 
 
 # --- pass 1: stage costs ------------------------------------------------------------------------------------------
@@ -135,14 +171,26 @@ class _Context:
     act_scale: float          # profile's saved bytes -> this micro-batch size and compute dtype
     overheads: ComputeProbe
     unit_index: dict[str, int]  # unit name -> position in the model's chain
+    tp_on: bool = False         # tensor parallelism or selective recompute: units are costed by TP role
+    tp_vocab: bool = False      # the embedding and head split on the vocabulary at this tp
+    tp_cost: tuple[tuple[float, float], ...] = ()  # per op in TP_OPS: (s per call, s per profile byte) over tp
 
     @staticmethod
     def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> "_Context":
         p_b, g_b, _ = BYTES_PER_PARAM[(s.precision, s.optimizer)]
-        return _Context(s=s, profile=profile, cluster=cluster, param_bytes=p_b, grad_bytes=g_b,
-                        act_scale=activation_scale(profile, micro_batch_size=s.micro_batch_size, precision=s.precision),
+        scale = activation_scale(profile, micro_batch_size=s.micro_batch_size, precision=s.precision)
+        shape = profile.tensor_parallel
+        tp_cost: tuple[tuple[float, float], ...] = ()
+        if s.tp > 1:
+            # one TP buffer (b x s x h in the compute dtype) as the secant's reference size
+            ref = max(1.0, profile.micro_batch_size * profile.seq_len * (shape.hidden if shape else 1) * scale
+                      * DTYPE_BYTES[profile.dtype])
+            tp_cost = tuple((a, b * scale) for a, b in (linearized(cluster, op, s.tp, ref) for op in TP_OPS))
+        return _Context(s=s, profile=profile, cluster=cluster, param_bytes=p_b, grad_bytes=g_b, act_scale=scale,
                         overheads=cluster.compute or _NO_OVERHEADS,
-                        unit_index={u.name: i for i, u in enumerate(profile.units)})
+                        unit_index={u.name: i for i, u in enumerate(profile.units)},
+                        tp_on=s.tp > 1 or s.selective, tp_vocab=bool(shape) and vocab_divides(shape, s.tp),
+                        tp_cost=tp_cost)
 
 
 def compute_dtype(precision: str) -> str:
@@ -178,18 +226,53 @@ def _stage_input_bytes(c: _Context, first: int) -> float:
     return profile.units[first - 1].output_bytes * c.act_scale
 
 
+def _tp_seconds(c: _Context, traffic: Traffic) -> float:
+    """Seconds of one unit's TP collectives in one pass: calls x alpha + bytes x beta per op (comm.linearized)."""
+    return sum(traffic[2 * i] * a + traffic[2 * i + 1] * b for i, (a, b) in enumerate(c.tp_cost))
+
+
+def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> tuple[float, float, float]:
+    """(forward, backward, saved bytes at the profile's scale) of one micro-batch through `u` on one TP rank: its
+    compute share, its TP collectives (exposed), selective recompute's core forward in the backward (module doc).
+    Adds the unit's TP bytes (per op in TP_OPS, forward again when recomputed) and collective seconds to acc."""
+    s = c.s
+    selective = s.selective and not recompute
+    f, b, core = tp_unit_times(u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
+                               ranks_running=s.world_size, tp=s.tp, vocab=c.tp_vocab)
+    saved = tp_saved_bytes(u.saved_bytes, u.tp, tp=s.tp, sp=s.sp, selective=selective)
+    if selective:
+        b += core
+    if s.tp > 1 and u.tp is not None:
+        fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=c.tp_vocab)
+        norms = sp_norm_grad_traffic(u.tp, c.grad_bytes) if s.sp else None
+        tf, tb = _tp_seconds(c, fwd_t), _tp_seconds(c, bwd_t) + (_tp_seconds(c, norms) if norms else 0.0)
+        f, b = f + tf, b + tb
+        passes = 2 if recompute else 1
+        for i in range(len(TP_OPS)):
+            acc[i] += (passes * fwd_t[2 * i + 1] + bwd_t[2 * i + 1]) * c.act_scale + (norms[2 * i + 1] if norms else 0.0)
+        acc[-1] += passes * tf + tb
+    return f, b, saved
+
+
 def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEstimate:
     """One stage's per-micro-batch times, activation and p2p bytes; appends its units' (fwd, bwd) to unit_fb."""
     s, profile, units = c.s, c.profile, c.s.stages[sid]
     recompute = s.stage_recompute(sid)
     index = c.unit_index
     fwd = bwd = 0.0
+    saved: list[float] = []
+    acc = [0.0] * (len(TP_OPS) + 1)   # TP bytes per op, TP seconds
     for name in units:
-        f, b = unit_times(profile.unit(name), profile, c.cluster, micro_batch_size=s.micro_batch_size,
-                          precision=s.precision, ranks_running=s.world_size)
+        u = profile.unit(name)
+        if c.tp_on:
+            f, b, kept = _tp_unit(c, u, recompute, acc)
+        else:
+            f, b = unit_times(u, profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
+                              ranks_running=s.world_size)
+            kept = u.saved_bytes
         fwd, bwd = fwd + f, bwd + b
+        saved.append(kept)
         unit_fb.append((f, b + (f if recompute else 0.0)))
-    members = [profile.unit(n) for n in units]
     stage_input = _stage_input_bytes(c, index[units[0]])
     if recompute:
         # Full recompute keeps each unit's input per micro-batch and one unit's working set at a time
@@ -197,9 +280,9 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
         act = stage_input + sum(profile.units[index[n] - 1].output_bytes * c.act_scale for n in units[1:])
         bwd += fwd
     else:
-        act = sum(u.saved_bytes for u in members) * c.act_scale
+        act = sum(saved) * c.act_scale
     boundary = _boundary_bytes(profile, index[units[-1]]) * c.act_scale
-    held = [_held_params(profile, n, units) for n in units]
+    held = [_rank_params(c, n, units) for n in units]
     send_f, send_b = _p2p_times(c, sid, boundary, stage_input)
     if s.n_stages > 1:
         # torch's schedule runtime costs a fixed amount per action (probed); a split backward runs as I and W
@@ -208,7 +291,8 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     return StageEstimate(stage=sid, units=units, params=sum(held), fwd_s=fwd, bwd_s=bwd, activation_bytes=act,
                          boundary_bytes=boundary, peak_in_flight=0, send_fwd_s=send_f, send_bwd_s=send_b,
                          pp_rank=s.stage_rank(sid), largest_unit_params=max(held),
-                         working_set_bytes=max(u.saved_bytes for u in members) * c.act_scale if recompute else 0.0)
+                         working_set_bytes=max(saved) * c.act_scale if recompute else 0.0, tp_comm_s=acc[-1],
+                         tp_bytes=dict(zip(TP_OPS, acc)) if s.tp > 1 else {})
 
 
 def _p2p_times(c: _Context, sid: int, boundary: float, stage_input: float) -> tuple[float, float]:
@@ -216,13 +300,13 @@ def _p2p_times(c: _Context, sid: int, boundary: float, stage_input: float) -> tu
     A neighbour on the same rank (the turn of a V) is handed the tensor in memory: no p2p (torch's stage skips the
     send there)."""
     s, cluster = c.s, c.cluster
-    here = s.stage_rank(sid)
+    here, per = s.stage_rank(sid), s.dp * s.tp   # a pipeline rank's first global rank is pp_rank x dp x tp
     send_f = send_b = 0.0
     if sid < s.n_stages - 1 and s.stage_rank(sid + 1) != here:
-        send_f = p2p_time(cluster, boundary, crosses_nodes=_crosses_nodes(here * s.dp, s.stage_rank(sid + 1) * s.dp,
+        send_f = p2p_time(cluster, boundary, crosses_nodes=_crosses_nodes(here * per, s.stage_rank(sid + 1) * per,
                                                                           cluster))
     if sid > 0 and s.stage_rank(sid - 1) != here:
-        send_b = p2p_time(cluster, stage_input, crosses_nodes=_crosses_nodes(here * s.dp, s.stage_rank(sid - 1) * s.dp,
+        send_b = p2p_time(cluster, stage_input, crosses_nodes=_crosses_nodes(here * per, s.stage_rank(sid - 1) * per,
                                                                              cluster))
     return send_f, send_b
 
@@ -254,7 +338,9 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
              ) -> tuple[list[float], dict[str, float]]:
     """Each pipeline rank's exposed data-parallel time per step, and pipeline rank 0's bytes per collective op."""
     s, cluster = c.s, c.cluster
-    dp_rpn = math.gcd(s.dp, cluster.devices_per_node) if s.dp > cluster.devices_per_node else None
+    # a dp group's ranks are tp apart (mesh (pp, dp, tp)): a node holds devices_per_node / tp of them
+    per_node = max(1, cluster.devices_per_node // s.tp)
+    dp_rpn = math.gcd(s.dp, per_node) if s.dp > per_node else None
 
     def coll(op: str, size: float) -> float:   # a CollFn
         return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn)
@@ -263,7 +349,7 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
     rank_dp: list[float] = []
     for r in range(s.pp):
         mine = _rank_stages(s, stages, r)
-        units = [(_held_params(c.profile, n, st.units), c.profile.unit(n).param_tensors) for st in mine for n in st.units]
+        units = [(_rank_params(c, n, st.units), c.profile.unit(n).param_tensors) for st in mine for n in st.units]
         exposed = 0.0
         for op, count, size in _dp_collectives(s, units, c.param_bytes, c.grad_bytes):
             exposed += count * coll(op, size)
@@ -275,7 +361,9 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
             fsdp_units = len(units) if s.pp == 1 else len(mine)
             exposed += s.microbatches * fsdp_units * c.overheads.fsdp_unit_s
         if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1:
-            exposed = _overlapped_dp_time(s, c.profile, unit_fb, coll, c.param_bytes, c.grad_bytes)
+            params = [u.params if s.tp == 1 else tp_param_share(u.params, u.tp, s.tp, c.tp_vocab)
+                      for u in c.profile.units]
+            exposed = _overlapped_dp_time(s, params, unit_fb, coll, c.param_bytes, c.grad_bytes)
         rank_dp.append(exposed)
     return rank_dp, dp_bytes
 
@@ -315,11 +403,23 @@ def _comm_volume(c: _Context, stages: tuple[StageEstimate, ...], dp_bytes: dict[
     # boundaries between ranks: the same-rank turn of a V moves nothing
     between = [i for i in range(s.n_stages - 1) if s.stage_rank(i) != s.stage_rank(i + 1)]
     p2p_bytes = sum(2 * stages[i].boundary_bytes for i in between) * s.microbatches
-    crossing = sum(_crosses_nodes(s.stage_rank(i) * s.dp, s.stage_rank(i + 1) * s.dp, cluster) for i in between)
+    per = s.dp * s.tp
+    crossing = sum(_crosses_nodes(s.stage_rank(i) * per, s.stage_rank(i + 1) * per, cluster) for i in between)
     p2p_link = f"{crossing} of {len(between)} stage boundaries inter-node" if s.n_stages > 1 else "none"
-    dp_link = "inter-node" if s.dp > cluster.devices_per_node else "intra-node"
+    dp_link = "inter-node" if s.dp * s.tp > cluster.devices_per_node else "intra-node"
+    tp_bytes = _tp_step_bytes(s, stages, 0)
+    tp_link = "none" if s.tp == 1 else "intra-node" if s.tp <= cluster.devices_per_node else "inter-node"
     return CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()), dp_collectives=dp_bytes,
-                      p2p_link=p2p_link, dp_link=dp_link)
+                      p2p_link=p2p_link, dp_link=dp_link, tp_bytes_per_rank=sum(tp_bytes.values()),
+                      tp_collectives=tp_bytes, tp_link=tp_link)
+
+
+def _tp_step_bytes(s: Strategy, stages: tuple[StageEstimate, ...], pp_rank: int) -> dict[str, float]:
+    """Full-buffer bytes per TP collective op one rank of pipeline rank `pp_rank` moves per step."""
+    if s.tp == 1:
+        return {}
+    mine = _rank_stages(s, stages, pp_rank)
+    return {op: s.microbatches * sum(st.tp_bytes.get(op, 0.0) for st in mine) for op in TP_OPS}
 
 
 # --- the estimate -------------------------------------------------------------------------------------------------
@@ -347,7 +447,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     breakdown = StepBreakdown(
         compute_s=sim.busy_s[critical], bubble_s=max(0.0, free.makespan_s - free.busy_s[critical]),
         p2p_s=max(0.0, sim.makespan_s - free.makespan_s), dp_comm_s=rank_dp[critical], optimizer_s=optimizer_s,
-        total_s=total)
+        total_s=total, tp_comm_s=s.microbatches * sum(st.tp_comm_s for st in _rank_stages(s, stages, critical)))
     stages = tuple(dataclasses.replace(st, peak_in_flight=sim.peak_in_flight.get(st.stage, 0)) for st in stages)
     memory = _memory(c, stages, sim, per_rank=per_rank)
     tokens, unit, mfu = _throughput(c, total)
@@ -359,6 +459,34 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         comm=_comm_volume(c, stages, dp_bytes),
         compute_source="measured" if uses_measured_times(profile, cluster) else "flops",
         pipeline_order=format_order(s.action_order()) if per_rank else {})
+
+
+def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int = 0) -> dict[str, float]:
+    """Bytes one rank of pipeline rank `pp_rank` moves per step in tensor-parallel collectives, keyed as the
+    executor's CommCounter counts DTensor's collectives ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"), in
+    the full-buffer convention of CommVolume.dp_bytes_per_rank: an all-reduce's tensor, an all-gather's output, a
+    reduce-scatter's input. Forward collectives run again in a fully recomputed stage's backward; selective
+    recompute repeats none (the executor saves the collectives' outputs). {} without tensor parallelism."""
+    s = strategy
+    if s.tp == 1:
+        return {}
+    shape = profile.tensor_parallel
+    vocab = bool(shape) and vocab_divides(shape, s.tp)
+    scale = activation_scale(profile, micro_batch_size=s.micro_batch_size, precision=s.precision)
+    grad_bytes = BYTES_PER_PARAM[(s.precision, s.optimizer)][1]
+    out = dict.fromkeys(TP_OPS, 0.0)
+    for sid in s.rank_stages(pp_rank):
+        passes = 2 if s.stage_recompute(sid) else 1
+        for name in s.stages[sid]:
+            tu = profile.unit(name).tp
+            if tu is None:
+                continue
+            fwd, bwd = tp_unit_traffic(tu, sp=s.sp, vocab=vocab)
+            norms = sp_norm_grad_traffic(tu, grad_bytes) if s.sp else None
+            for i, op in enumerate(TP_OPS):
+                out[op] += ((passes * fwd[2 * i + 1] + bwd[2 * i + 1]) * scale
+                            + (norms[2 * i + 1] if norms else 0.0)) * s.microbatches
+    return {f"tp_{op}": v for op, v in out.items()}
 
 
 DDP_BUCKET_BYTES = 25 * 2**20   # DistributedDataParallel's default bucket_cap_mb
@@ -392,7 +520,7 @@ def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int, g_b: in
             + [("reduce_scatter", reduces, n * g_b) for n, _ in units])
 
 
-def _overlapped_dp_time(s: Strategy, profile: ModelProfile, unit_fb: list[tuple[float, float]], coll: CollFn,
+def _overlapped_dp_time(s: Strategy, params: list[float], unit_fb: list[tuple[float, float]], coll: CollFn,
                         p_b: int, g_b: int) -> float:
     """Exposed data-parallel time without a pipeline on GPUs, where NCCL runs beside compute.
 
@@ -400,8 +528,8 @@ def _overlapped_dp_time(s: Strategy, profile: ModelProfile, unit_fb: list[tuple[
     gather of unit u hides behind the forward of unit u-1 (the first unit's cannot hide), and in backward the
     gather and reduce-scatter of unit u behind its backward. DDP all-reduces gradient buckets while the last
     micro-batch's backward runs; ZeroRedundancyOptimizer broadcasts updated shards after the step (exposed).
+    `params`: each unit's parameters on one rank (its TP share).
     """
-    params = [u.params for u in profile.units]
     m = s.microbatches
     if s.zero <= 1:
         ar = coll("all_reduce", sum(params) * g_b)
@@ -424,11 +552,13 @@ def _memory(c: _Context, stages: tuple[StageEstimate, ...], sim: Simulation, *,
     per_pp_rank = [_pp_rank_memory(c, _rank_stages(s, stages, r), sim.peak_activation_bytes.get(r, 0.0))
                    for r in range(s.pp)]
     out = []
-    for rank in (range(s.world_size) if per_rank else range(0, s.world_size, s.dp)):
-        base, shares = per_pp_rank[rank // s.dp]
+    # mesh (pp, dp, tp): the tp ranks of a dp rank hold equal shares; compact: one entry per pipeline rank
+    for rank in (range(s.world_size) if per_rank else range(0, s.world_size, s.dp * s.tp)):
+        pp_rank, d, _ = s.coords(rank)
+        base, shares = per_pp_rank[pp_rank]
         o = base.optimizer_states
         if shares is not None:   # ZeroRedundancyOptimizer's uneven split (the compact form keeps the largest);
-            d = rank % s.dp      # dp ranks past the tensor count own no tensor (zero1_partition)
+            # dp ranks past the tensor count own no tensor (zero1_partition)
             o = (shares[d] if d < len(shares) else 0) if per_rank else max(shares)
         out.append(dataclasses.replace(base, rank=rank, optimizer_states=int(o)))
     return tuple(out)
@@ -446,7 +576,8 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
                                 param_bytes=c.param_bytes, grad_bytes=c.grad_bytes)
     activations = peak_activations + max(st.working_set_bytes for st in mine)
     shares = None
-    numels = [n for st in mine for u in st.units for n in _unit_numels(c.profile, u, st.units)]
+    numels = [n for st in mine for u in st.units
+              for n in _unit_numels(c.profile, u, st.units, tp=s.tp, vocab=c.tp_vocab)]
     if s.zero == 1 and s.dp > 1 and numels:
         k_b = BYTES_PER_PARAM[(s.precision, s.optimizer)][2]
         shares = [k_b * n for n in zero1_partition(numels, s.dp)]

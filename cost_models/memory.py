@@ -21,11 +21,24 @@ the same bytes under another label). Buffers, the unsharded tensors FSDP2 holds 
   * under a pipeline, torch's stage defers FSDP gradient sync to the end of the step, so ZeRO-2/3 stages hold
     the unsharded parameters and gradients of the whole stage while micro-batches run.
 Overhead: a fixed per-process amount, OVERHEAD_BYTES by device kind.
+
+Tensor parallelism over t ranks (Shoeybi et al. 2019, "Megatron-LM", section 3): the parameters of the split
+linears (and of a vocabulary-split embedding and head) are divided by t, so is everything ZeRO then divides by dp
+(tp_param_share). Activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4 and Table 2; s sequence, b micro-batch, h hidden, a heads, 16-bit activations):
+    no parallelism                  sbh(34 + 5as/h)
+    tensor parallel                 sbh(10 + 24/t + 5as/(ht))
+    tensor + sequence parallel      sbh(34/t + 5as/(ht))
+    tensor parallel + selective     sbh(10 + 24/t)
+    tensor + sequence + selective   34sbh/t
+(korthikanti_layer_bytes). The estimate applies the same split to the bytes the profiler measured by role
+(profile.TPUnit, tp_saved_bytes), so it holds for any block the plans cover, not only Megatron's GPT.
 """
 from __future__ import annotations
 
 import heapq
 
+from cost_models.profile import TPUnit
 from cost_models.records import Record, record
 
 GB = 1e9
@@ -107,3 +120,35 @@ def comm_buffer_bytes(*, stage_params: float, largest_unit_params: float, zero: 
     if zero == 2:
         return stage_params * param_bytes + largest_unit_params * grad_bytes
     return largest_unit_params * (2 * param_bytes + grad_bytes)
+
+
+def korthikanti_layer_bytes(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            selective: bool = False) -> float:
+    """Activation bytes one transformer layer keeps for backward, Korthikanti et al. 2022, Table 2 (module doc):
+    16-bit activations, 1-byte dropout masks, a GPT block with dropout after attention and the MLP. At t = 1 the
+    "tensor parallel" rows give the "no parallelism" ones (10 + 24 = 34)."""
+    core = 0.0 if selective else 5 * a * s / (h * t)
+    linear = 34 / t if sp else 10 + 24 / t
+    return s * b * h * (linear + core)
+
+
+def tp_param_share(params: float, tu: TPUnit | None, tp: int, vocab: bool) -> float:
+    """Parameters one tensor-parallel rank holds of a unit's `params` (split ones / tp; the vocabulary-split ones
+    only where the vocabulary splits at this tp: tensor_parallel.vocab_divides)."""
+    if tu is None or tp == 1:
+        return params
+    return params - (tu.split_params + (tu.vocab_params if vocab else 0)) * (1 - 1 / tp)
+
+
+def tp_saved_bytes(saved: float, tu: TPUnit | None, *, tp: int, sp: bool, selective: bool) -> float:
+    """Bytes one tensor-parallel rank keeps for backward of a unit that saves `saved` bytes at tp = 1, by role
+    (profile.TPUnit; Korthikanti et al. 2022, section 4.2): the split region and the attention core / tp, norms and
+    the residual-stream places / tp only under SP, inputs of column-split linears whole (under SP DTensor keeps
+    the all-gathered input, where Megatron keeps the shard: sbh(4 - 4/t) more than Table 2's 34/t row), the
+    attention core dropped by selective recompute, anything else whole."""
+    if tu is None:
+        return saved
+    core = tu.saved_core
+    roles = tu.saved_split + tu.saved_seq + tu.saved_col_input + core
+    return (saved - roles + tu.saved_col_input + tu.saved_split / tp + tu.saved_seq / (tp if sp else 1)
+            + (0.0 if selective else core / tp))

@@ -37,7 +37,8 @@ from cost_models.formatting import fixed, now_utc
 from cost_models.models.losses import compute_loss, loss_kind, synthetic_target
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.pipelining import pipeline_support
-from cost_models.profile import ModelProfile, SharedParam, Timing, UnitEdge, UnitProfile
+from cost_models.profile import ModelProfile, SharedParam, Timing, TPUnit, UnitEdge, UnitProfile
+from cost_models.tensor_parallel import PLANS, TPRule, rules_for, style_of, tp_shape
 from cost_models.torch_private import (CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD, storage_id, tree_leaves,
                                       tree_map)
 
@@ -118,6 +119,188 @@ class _Capture:
             h.remove()
 
 
+# --- what tensor parallelism splits (ModelProfile.tensor_parallel's plan, applied to the unit's module tree) ---------
+
+_SPLIT_LINEAR = ("colwise", "rowwise")
+# role of a tensor saved inside a module of each style (TPUnit's doc); region: see _TPWatch.role
+_ROLE_OF_STYLE = {"colwise": "col_input", "head": "col_input", "rowwise": "split", "norm": "seq"}
+_TP_COUNTS = ("split_flops", "vocab_flops", "core_flops", "row_bytes", "row_calls",
+              "region_bytes", "region_calls", "repl_region_bytes", "repl_region_calls", "entry_bytes", "entry_calls",
+              "embed_bytes", "embed_calls", "head_in_bytes", "logit_bytes", "head_calls")
+_ROLES = ("split", "seq", "col_input", "core")
+
+
+class _Frame:
+    """A running module with a TP style: its style, whether it holds split linears (a region), whether a rowwise
+    linear inside it has already run (what follows is on the residual stream), and FLOPs at its start."""
+
+    def __init__(self, style: str, holds_split: bool, flops_kind: str | None, flops_at: int) -> None:
+        self.style, self.holds_split, self.flops_kind, self.flops_at = style, holds_split, flops_kind, flops_at
+        self.after_rowwise = False
+
+
+def _first_float(args, kwargs) -> torch.Tensor | None:
+    """The module's activation input: its first floating-point tensor argument."""
+    for t in list(args) + list(kwargs.values()):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t
+    return None
+
+
+def _tensors_bytes(out) -> int:
+    return sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+class _TPWatch(TorchFunctionMode):
+    """Forward pre/post hooks on the styled modules of one unit module (beside the profiler's saved_tensors_hooks):
+    the innermost running styled module gives each saved tensor its role (TPUnit), styled modules' inputs and
+    outputs give the TP collective buffers, and the running FLOP counter the FLOPs inside split modules. As a
+    torch-function mode it marks F.scaled_dot_product_attention: what SDPA saves beyond q, k and v is the attention
+    core (Korthikanti et al. 2022, section 5: what selective recompute drops)."""
+
+    def __init__(self, module: nn.Module, prefix: str, rules: tuple[TPRule, ...], counter: FlopCounterMode,
+                 seq_len: int) -> None:
+        super().__init__()
+        self.counts = dict.fromkeys(_TP_COUNTS + tuple(f"saved_{r}" for r in _ROLES), 0)
+        self.stack: list[_Frame] = []
+        self.core_inputs: set[int] | None = None
+        self.core_saved: dict[int, bool] = {}   # storage -> first saved by the attention core
+        self.counter, self.seq_len = counter, seq_len
+        styled = {n: r.style for n, m in module.named_modules(prefix=prefix) if (r := style_of(n, rules))}
+        self.handles = []
+        for name, sub in module.named_modules(prefix=prefix):
+            if name in styled:
+                holds = any(st in _SPLIT_LINEAR for n, st in styled.items() if n.startswith(name + "."))
+                self.handles.append(sub.register_forward_pre_hook(self._pre(styled[name], holds), with_kwargs=True))
+                self.handles.append(sub.register_forward_hook(self._post(), always_call=True))
+
+    def _add(self, key: str, size: int) -> None:
+        self.counts[f"{key}_bytes"] += size
+        self.counts[f"{key}_calls"] += 1
+
+    def _pre(self, style: str, holds_split: bool):
+        def hook(module, args, kwargs):
+            first = _first_float(args, kwargs)
+            size = _nbytes(first) if first is not None else 0
+            if style == "region":
+                self._add("region" if holds_split else "repl_region", size)
+            elif style == "head":
+                self.counts["head_in_bytes"] += size
+                self.counts["head_calls"] += 1
+            kind = ("split" if style in _SPLIT_LINEAR or (style == "region" and holds_split)
+                    else "vocab" if style == "head" else None)
+            if any(f.flops_kind for f in self.stack):   # FLOPs are counted once, at the outermost split module
+                kind = None
+            self.stack.append(_Frame(style, holds_split, kind, self.counter.get_total_flops()))
+        return hook
+
+    def _post(self):
+        def hook(module, args, output):
+            frame = self.stack.pop()
+            if frame.flops_kind:
+                self.counts[f"{frame.flops_kind}_flops"] += self.counter.get_total_flops() - frame.flops_at
+            size = _tensors_bytes(output)
+            if frame.style == "rowwise":
+                self._add("row", size)
+                for f in reversed(self.stack):
+                    if f.style == "region":
+                        f.after_rowwise = True
+                        break
+            elif frame.style in ("embedding", "sp_entry"):
+                self._add("embed" if frame.style == "embedding" else "entry", size)
+            elif frame.style == "head":
+                self.counts["logit_bytes"] += size
+        return hook
+
+    def role(self, t: torch.Tensor) -> str | None:
+        """The role of a tensor saved now (None: it stays whole)."""
+        if self.core_inputs is not None:   # inside SDPA: q, k and v are the region's, the rest is the core
+            return "split" if storage_id(t) in self.core_inputs else "core"
+        if not self.stack:
+            return None
+        f = self.stack[-1]
+        if f.style != "region":
+            return _ROLE_OF_STYLE.get(f.style)
+        if not f.holds_split:
+            return None
+        if f.after_rowwise:
+            return "seq"
+        # an unfused attention's s x s scores, probabilities and their dropout (Korthikanti's 5as^2b term; torch's
+        # matmul saves them as (b*a, s, s) views); ambiguous only where the head size equals the sequence length
+        if t.dim() >= 3 and t.shape[-1] == t.shape[-2] == self.seq_len:
+            return "core"
+        return "split"
+
+    def save(self, t: torch.Tensor, nbytes: int) -> None:
+        role = self.role(t)
+        self.core_saved[storage_id(t)] = role == "core"
+        if role:
+            self.counts[f"saved_{role}"] += nbytes
+
+    def resave(self, t: torch.Tensor, nbytes: int) -> None:
+        """A storage saved again: if the core saved it first and an op outside the core saves it too (the CPU flash
+        kernel's output is laid out so that the following transpose + reshape is a view, kept by the output
+        projection), selective recompute cannot drop it: it moves to the later saver's role."""
+        key = storage_id(t)
+        if not self.core_saved.get(key):
+            return
+        role = self.role(t)
+        if role != "core":
+            self.core_saved[key] = False
+            self.counts["saved_core"] -= nbytes
+            if role:
+                self.counts[f"saved_{role}"] += nbytes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or self.core_inputs is not None:
+            return func(*args, **kwargs)
+        qkv = list(args[:3]) + [kwargs[k] for k in ("query", "key", "value") if k in kwargs]
+        self.core_inputs = {storage_id(t) for t in qkv if isinstance(t, torch.Tensor)}
+        start = self.counter.get_total_flops()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.counts["core_flops"] += self.counter.get_total_flops() - start
+            self.core_inputs = None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _param_split(pname: str, rules: tuple[TPRule, ...]) -> int:
+    """0 whole, 1 split by tp, 2 split with the vocabulary (TPUnit.param_split): a rowwise linear's bias is added
+    after the reduction and stays whole (Shoeybi et al. 2019, section 3; torch's RowwiseParallel replicates it)."""
+    owner, _, leaf = pname.rpartition(".")
+    rule = style_of(owner, rules)
+    if rule is None or rule.style not in ("colwise", "rowwise", "embedding", "head"):
+        return 0
+    if rule.style in ("embedding", "head"):
+        return 2
+    return 0 if rule.style == "rowwise" and leaf != "weight" else 1
+
+
+def _in_norm(pname: str, rules: tuple[TPRule, ...]) -> bool:
+    """A parameter of a norm-style module: replicated, its gradient all-reduced over tp under SP."""
+    rule = style_of(pname.rpartition(".")[0], rules)
+    return rule is not None and rule.style == "norm"
+
+
+def _tp_unit(numels: list[int], splits: list[int], norms: list[bool], results: list["_ModuleResult"]) -> TPUnit:
+    counts = {k: sum(r.tp.get(k, 0) for r in results) for k in results[0].tp} if results[0].tp else {}
+    return TPUnit(param_split=tuple(splits), split_params=sum(n for n, f in zip(numels, splits) if f == 1),
+                  vocab_params=sum(n for n, f in zip(numels, splits) if f == 2),
+                  norm_params=sum(n for n, f in zip(numels, norms) if f), norm_tensors=sum(norms), **counts)
+
+
+def model_tp_rules(model: nn.Module) -> tuple[TPRule, ...] | None:
+    """The rules the profiler measures against: the model's plan with the vocabulary split (whether it splits at a
+    given tp is the cost model's question, vocab_divides), or None for a model without a plan."""
+    shape = tp_shape(model)
+    return None if shape.refusal else rules_for(PLANS[shape.plan], vocab_split=True)
+
+
 def _largest_module_list(model: nn.Module) -> str:
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
@@ -193,6 +376,7 @@ class _ModuleResult:
         self.fwd_times_one: list[float] = []   # the same with a micro-batch of one sample
         self.bwd_times_one: list[float] = []
         self.attention: set[str] = set()
+        self.tp: dict[str, int] = {}              # _TPWatch.counts (empty for a model without a TP plan)
         self.target: torch.Tensor | None = None   # the last unit's synthetic loss target, reused by its timed runs
 
 
@@ -238,24 +422,37 @@ def _one_sample(captured, batch: int):
 
 
 def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, Any]], *, excluded: set[int],
-                  loss: str | None) -> _ModuleResult:
+                  loss: str | None, name: str = "", rules: tuple[TPRule, ...] | None = None,
+                  seq_len: int = 0) -> _ModuleResult:
     """Run one module alone on its captured input, forward and backward once: FLOPs, saved bytes, output bytes
-    (and, for the last unit, the synthetic loss target its timed runs reuse)."""
+    (and, for the last unit, the synthetic loss target its timed runs reuse); with the model's TP rules, what
+    tensor parallelism splits (_TPWatch; `name` is the module's name in the model, which the rules match)."""
     res = _ModuleResult()
 
     saved: dict[int, int] = {}
+    watch: list[_TPWatch] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_id(t)
-        if key not in excluded:
-            saved.setdefault(key, t.untyped_storage().nbytes())
+        if key not in excluded and key not in saved:
+            saved[key] = t.untyped_storage().nbytes()
+            if watch:
+                watch[0].save(t, saved[key])
+        elif watch and key in saved:
+            watch[0].resave(t, saved[key])
         return t
 
     args, kwargs = _fresh(captured)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _flop_counter() as fwd_fc:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        fwd_fc = stack.enter_context(_flop_counter())
+        if rules is not None:
+            watch.append(stack.enter_context(_TPWatch(module, name, rules, fwd_fc, seq_len)))
+            stack.callback(watch[0].remove)
         out = module(*args, **kwargs)
         res.target = synthetic_target(loss, out) if loss is not None else None
         roots = _roots(out, loss, res.target)
+    res.tp = watch[0].counts if watch else {}
     res.output_bytes = sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     res.saved_bytes = sum(saved.values())
     res.fwd_flops = fwd_fc.get_total_flops()
@@ -349,7 +546,8 @@ class _Progress:
 
 
 def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_name: str, units, *, excluded: set[int],
-                   loss: str, timed: bool, warmup: int, repeats: int, on_progress: ProgressFn | None,
+                   loss: str, timed: bool, warmup: int, repeats: int, rules: tuple[TPRule, ...] | None,
+                   seq_len: int, on_progress: ProgressFn | None,
                    on_estimate: Callable[[float], None] | None,
                    ) -> tuple[UnitResults, int, set[str], tuple["UnitEdge", ...]]:
     """Find the units (steps 1-2 of the module doc), then measure each of their modules alone: all counted
@@ -390,7 +588,7 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
         for m in mods:
             t0 = time.perf_counter()
             results.append(_count_module(model.get_submodule(m), capture.inputs[m], excluded=excluded,
-                                         loss=loss if m == last else None))
+                                         loss=loss if m == last else None, name=m, rules=rules, seq_len=seq_len))
             progress.counted(m, time.perf_counter() - t0)
             attention |= results[-1].attention
         results_by_unit.append((name, mods, results))
@@ -490,10 +688,11 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         stack.enter_context(source.forward_context())
         if meta:
             stack.enter_context(_FusedAttentionOnMeta())
+        rules = model_tp_rules(model)
         unit_results, model_fwd_flops, attention, edges = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
-            repeats=repeats, on_progress=on_progress, on_estimate=on_estimate)
-    unit_profiles, shared = _account_params(model, unit_results)
+            repeats=repeats, rules=rules, seq_len=seq_len, on_progress=on_progress, on_estimate=on_estimate)
+    unit_profiles, shared = _account_params(model, unit_results, rules)
     # whether the executor can cut stages that compute what this forward computes (planner: else pp = 1 only)
     pipelining = pipeline_support(model, [(name, mods) for name, mods, _ in unit_results])
     total_params = sum(p.numel() for p in model.parameters())
@@ -506,19 +705,24 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         total_params=total_params, total_param_bytes=sum(_nbytes(p) for p in model.parameters()),
         unassigned_params=total_params - assigned, shared=tuple(shared),
         model_fwd_flops=model_fwd_flops, attention_kernels=tuple(sorted(attention)), edges=edges, pipelining=pipelining,
+        tensor_parallel=tp_shape(model),
         largest_unit=largest.name, device=device, threads=torch.get_num_threads(), torch_version=torch.__version__,
         command=command, created_at=now_utc(),
     )
 
 
-def _account_params(model: nn.Module, unit_results) -> tuple[list[UnitProfile], list[SharedParam]]:
-    """Count each parameter once, in the first unit (in call order) that uses it; record tied ones as shared."""
+def _account_params(model: nn.Module, unit_results,
+                    rules: tuple[TPRule, ...] | None = None) -> tuple[list[UnitProfile], list[SharedParam]]:
+    """Count each parameter once, in the first unit (in call order) that uses it; record tied ones as shared (and,
+    with TP rules, how each counted tensor splits)."""
     owner: dict[int, tuple[str, str]] = {}            # id(param) -> (canonical name, owning unit)
     aliases: "OrderedDict[int, list[tuple[str, str]]]" = OrderedDict()
     profiles = []
     for name, mods, results in unit_results:
         params = pbytes = tensors = 0
         numels: list[int] = []
+        splits: list[int] = []
+        norms: list[bool] = []
         shared_here: list[str] = []
         for m in mods:
             for pname, p in model.get_submodule(m).named_parameters(prefix=m, remove_duplicate=False):
@@ -528,6 +732,8 @@ def _account_params(model: nn.Module, unit_results) -> tuple[list[UnitProfile], 
                     pbytes += _nbytes(p)
                     tensors += 1
                     numels.append(p.numel())
+                    splits.append(_param_split(pname, rules) if rules is not None else 0)
+                    norms.append(rules is not None and _in_norm(pname, rules))
                 elif owner[id(p)][0] != pname:
                     shared_here.append(pname)
                     aliases.setdefault(id(p), []).append((pname, name))
@@ -542,6 +748,7 @@ def _account_params(model: nn.Module, unit_results) -> tuple[list[UnitProfile], 
             bwd_time=_timing([r.bwd_times for r in results]) if timed else None,
             fwd_time_one=_timing([r.fwd_times_one for r in results]) if timed and results[0].fwd_times_one else None,
             bwd_time_one=_timing([r.bwd_times_one for r in results]) if timed and results[0].bwd_times_one else None,
+            tp=_tp_unit(numels, splits, norms, results) if rules is not None else None,
         ))
     numel = {id(p): p.numel() for p in model.parameters()}
     shared = [SharedParam(name=owner[pid][0], aliases=tuple(a for a, _ in al),

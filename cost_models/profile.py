@@ -48,6 +48,64 @@ class InputSpec(Record):
 
 
 @record
+class TPUnit(Record):
+    """What tensor parallelism needs of one unit, measured on its module tree at tp = 1 (one micro-batch of the
+    profile, its dtype) against the model's TP plan (cost_models.tensor_parallel.rules_for(plan, vocab_split=True):
+    the vocabulary-split parts are kept apart because whether they split depends on tp, vocab_divides).
+
+    Roles of the bytes saved for backward (Korthikanti et al. 2022, section 4.1, whose per-layer terms they are;
+    each saved storage is given to the innermost running module with a TP style):
+        saved_split      inside the split region (rowwise inputs, what attention and the MLP keep between their
+                         split linears): divided by tp (the "24/t" term)
+        saved_seq        norms and the places on the residual stream (dropout after a rowwise linear): divided by
+                         tp only under sequence parallelism (the "10" term's norm and dropout parts)
+        saved_col_input  inputs of column-split linears and of a vocabulary-split head: whole without SP (the
+                         "10" term's linear inputs); under SP torch's DTensor keeps the all-gathered input, so they
+                         stay whole there too (Megatron keeps the sequence shard and gathers again in backward)
+        saved_core       the attention core (softmax, scores, dropout over them; what SDPA keeps beyond q, k, v):
+                         divided by tp, dropped by selective recompute (the "5as/h" term)
+    Whatever else the unit saves (the loss's logits, an embedding's indices, a replicated head) stays whole.
+    TP collective buffers (full buffers, bytes of one micro-batch; calls = modules run):
+        row_*            outputs of rowwise linears (all-reduced; reduce-scattered under SP)
+        region_*         inputs of regions that hold split linears (their gradient all-reduced once without SP;
+                         under SP all-gathered once, the gradient reduce-scattered once)
+        repl_region_*    inputs of regions with replicated weights only (a tied head): all-gathered under SP
+        entry_*          outputs of sp_entry modules (sliced to the sequence shard under SP: gradient all-gathered)
+        embed_*          outputs of a vocabulary-split embedding (all-reduced / reduce-scattered when it splits)
+        head_in_bytes, logit_bytes, head_calls   a vocabulary-split head's input and its logits (gathered)
+    comm.tp_unit_traffic turns these into collectives per style, as executor/tensor_parallel.py places them.
+    """
+
+    param_split: tuple[int, ...] = ()    # per parameter tensor (UnitProfile.param_numels' order): 0 whole,
+                                         # 1 split by tp, 2 split when the vocabulary splits
+    split_params: int = 0                # parameters with param_split 1
+    vocab_params: int = 0                # parameters with param_split 2
+    norm_params: int = 0                 # parameters of norm-style modules: replicated, and under SP their
+    norm_tensors: int = 0                # gradients are all-reduced over tp every backward (partial sums over
+                                         # the sequence shards; Korthikanti et al. 2022, section 4.2.2)
+    split_flops: int = 0                 # forward FLOPs inside split linears and regions that hold them
+    vocab_flops: int = 0                 # forward FLOPs inside a vocabulary-split head
+    core_flops: int = 0                  # forward FLOPs of the attention core (SDPA)
+    saved_split: int = 0
+    saved_seq: int = 0
+    saved_col_input: int = 0
+    saved_core: int = 0
+    row_bytes: int = 0
+    row_calls: int = 0
+    region_bytes: int = 0
+    region_calls: int = 0
+    repl_region_bytes: int = 0
+    repl_region_calls: int = 0
+    entry_bytes: int = 0
+    entry_calls: int = 0
+    embed_bytes: int = 0
+    embed_calls: int = 0
+    head_in_bytes: int = 0
+    logit_bytes: int = 0
+    head_calls: int = 0
+
+
+@record
 class UnitProfile(Record):
     """One pipeline unit: the smallest piece a stage boundary may not cut (embedding, one block, norm + head)."""
 
@@ -66,6 +124,7 @@ class UnitProfile(Record):
     bwd_time: Timing | None = None
     fwd_time_one: Timing | None = None   # real mode, micro-batch > 1: the same unit on one sample
     bwd_time_one: Timing | None = None
+    tp: TPUnit | None = None             # what tensor parallelism splits here; None in older files (nothing splits)
 
 
 @record

@@ -18,9 +18,16 @@ from torch.utils._pytree import tree_leaves, tree_map
 # that FSDP2, ZeroRedundancyOptimizer and pipelining issue below the Python API.
 from torch.utils._python_dispatch import TorchDispatchMode
 
+
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's _StridedShard placement (torch 2.13 has no public name for it): a fused projection's parts, each
+    split over the mesh on its own (executor.tensor_parallel's colwise style with parts > 1)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    return _StridedShard(dim, split_factor=split_factor)
+
 __all__ = ["tree_leaves", "tree_map", "TorchDispatchMode", "storage_id", "CPU_FLASH_ATTENTION",
            "CPU_FLASH_ATTENTION_BACKWARD", "persistent_buffers", "default_group_timeout", "set_group_timeout",
-           "schedule_stages", "compute_action_strings", "own_parameters", "hf_init_weights", "module_view"]
+           "schedule_stages", "compute_action_strings", "own_parameters", "hf_init_weights", "module_view", "strided_shard"]
 
 # The fused CPU flash-attention kernels (aten ops with private names; torch.nn.functional.scaled_dot_product_attention
 # picks them on CPU). The profiler runs them on meta and gives FlopCounterMode a formula for them.

@@ -15,8 +15,9 @@ from typing import Any, Iterator, NoReturn
 from cost_models.cluster import ClusterProfile
 from cost_models.errors import FileFormatError
 from cost_models.limits import MAX_GPUS
-from cost_models.profile import PIPELINE_KINDS, ModelProfile, ProfileFile, Timing
+from cost_models.profile import PIPELINE_KINDS, ModelProfile, ProfileFile, Timing, UnitProfile
 from cost_models.records import Record
+from cost_models.tensor_parallel import PLANS
 
 PROFILE_FIX = "re-run planner profile"
 CLUSTER_FIX = "correct the cluster file or re-run planner profile-cluster"
@@ -151,6 +152,8 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
                   f"param_tensors = their count ({len(u.param_numels)})", fix)
         for name in ("fwd_time", "bwd_time", "fwd_time_one", "bwd_time_one"):
             _check_timing(getattr(u, name), f"{at}.{name}", where, fix)
+        if u.tp is not None:
+            _check_tp_unit(u, f"{at}.tp", where, fix)
     # model_profiler.profile_model: unassigned_params = total_params - sum(units' params), by construction
     assigned = sum(u.params for u in p.units)
     if p.total_params != assigned + p.unassigned_params:
@@ -168,12 +171,33 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
     if p.pipelining and p.pipelining not in PIPELINE_KINDS and not p.pipelining.startswith("no: "):
         _fail(where, f"{path}.pipelining", p.pipelining,
               f"one of {', '.join(PIPELINE_KINDS)}, 'no: <reason>', or empty (not recorded)", fix)
+    shape = p.tensor_parallel
+    if shape is not None and shape.plan and shape.plan not in PLANS and not shape.plan.startswith("no: "):
+        _fail(where, f"{path}.tensor_parallel.plan", shape.plan, f"one of {', '.join(PLANS)} or 'no: <reason>'", fix)
     if p.largest_unit not in names:
         _fail(where, f"{path}.largest_unit", p.largest_unit, "the name of one of the units", fix)
     for i, s in enumerate(p.shared):
         for j, unit in enumerate(s.units):
             if unit not in names:
                 _fail(where, f"{path}.shared[{i}].units[{j}]", unit, "the name of one of the units", fix)
+
+
+def _check_tp_unit(u: UnitProfile, path: str, where: str, fix: str) -> None:
+    """model_profiler gives every saved storage at most one role and flags each counted tensor once (TPUnit)."""
+    t = u.tp
+    roles = t.saved_split + t.saved_seq + t.saved_col_input + t.saved_core
+    if roles > u.saved_bytes:
+        _fail(where, f"{path}.saved_split", t.saved_split,
+              f"the saved bytes by role ({roles}) <= the unit's saved_bytes ({u.saved_bytes})", fix)
+    if t.param_split and len(t.param_split) != len(u.param_numels):
+        _fail(where, f"{path}.param_split", list(t.param_split),
+              f"one flag per parameter tensor ({len(u.param_numels)})", fix)
+    for flag, field in ((1, "split_params"), (2, "vocab_params")):
+        want = sum(n for n, f in zip(u.param_numels, t.param_split) if f == flag) if t.param_split else None
+        if want is not None and getattr(t, field) != want:
+            _fail(where, f"{path}.{field}", getattr(t, field), f"{field} = the flagged tensors' sizes ({want})", fix)
+    if t.split_params + t.vocab_params > u.params:
+        _fail(where, f"{path}.split_params", t.split_params, f"split_params + vocab_params <= params ({u.params})", fix)
 
 
 def validate_profile_file(pf: ProfileFile, where: str) -> None:

@@ -1,0 +1,320 @@
+"""The cost model prices tensor (+ sequence) parallelism: what the profiler records of the split, parameters,
+TP collective bytes and activations per rank, and tp = 1 unchanged (issue 17, items 1 and 3)."""
+import dataclasses
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from cost_models.comm import TP_OPS
+from cost_models.estimate import estimate, tp_bytes_per_step
+from cost_models.memory import korthikanti_layer_bytes, tp_saved_bytes
+from cost_models.model_profiler import profile_model
+from cost_models.models.gpt import GPT, GPTConfig
+from cost_models.models.source import resolve
+from cost_models.presets import preset
+from cost_models.strategy import Strategy
+
+B, S, H, V, L = 2, 16, 64, 512, 4     # the tiny zoo models' shapes as profiled here (fp32: 4 bytes)
+BSH = B * S * H * 4
+
+
+@functools.lru_cache(maxsize=None)
+def _meta(model: str, seq_len: int = S, dtype: str = "fp32"):
+    return profile_model(resolve(model), micro_batch_size=B, seq_len=seq_len, dtype=dtype, meta=True)
+
+
+def _strategy(prof, **kw) -> Strategy:
+    names = tuple(u.name for u in prof.units)
+    base = dict(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=2, micro_batch_size=B, stages=(names,),
+                precision="fp32")
+    base.update(kw)
+    return Strategy(**base)
+
+
+def _two_stages(prof) -> tuple[tuple[str, ...], ...]:
+    names = tuple(u.name for u in prof.units)
+    return names[:3], names[3:]
+
+
+# --- what the profile records -----------------------------------------------------------------------------------
+
+def test_profile_records_the_plan_and_the_split_parameters():
+    gpt, llama = _meta("gpt-tiny"), _meta("llama-tiny")
+    assert gpt.tensor_parallel.plan == "zoo-gpt" and not gpt.tensor_parallel.vocab_split
+    assert llama.tensor_parallel.plan == "zoo-llama" and llama.tensor_parallel.vocab_split
+    # GPT block: c_attn W+b and c_fc W+b split by columns, both c_proj weights by rows (their biases stay whole)
+    assert gpt.unit("blocks.0").tp.split_params == 3 * H * H + 3 * H + H * H + 4 * H * H + 4 * H + 4 * H * H
+    assert gpt.unit("embed").tp.split_params == gpt.unit("embed").tp.vocab_params == 0   # tied: whole
+    # Llama block (4 heads, 2 kv heads of 16, ffn 176): every linear splits, the norms stay whole
+    ffn, kv = 176, 2 * 16
+    assert llama.unit("blocks.0").tp.split_params == 2 * H * H + 2 * kv * H + 3 * H * ffn
+    assert llama.unit("embed").tp.vocab_params == llama.unit("head").tp.vocab_params == V * H
+    assert _meta("mlp-deep").tensor_parallel.refusal and all(u.tp is None for u in _meta("mlp-deep").units)
+
+
+def test_profile_attributes_every_saved_byte_of_a_block_to_a_role():
+    gpt, llama = _meta("gpt-tiny").unit("blocks.0"), _meta("llama-tiny").unit("blocks.0")
+    t = gpt.tp
+    assert t.saved_split + t.saved_seq + t.saved_col_input + t.saved_core == gpt.saved_bytes
+    assert t.saved_col_input == 2 * BSH                    # the inputs of c_attn and c_fc
+    assert t.saved_seq == 2 * BSH + 4 * B * S * 4          # two LayerNorm inputs + their mean and rstd
+    # SDPA's log-sum-exp: q, k and v are the region's, and its output is kept by c_proj too (the CPU flash kernel's
+    # output is laid out so that transpose + reshape is a view), so selective recompute cannot drop it
+    assert t.saved_core == B * 4 * S * 4
+    assert t.row_calls == t.region_calls == 2 and t.row_bytes == t.region_bytes == 2 * BSH
+    assert llama.tp.region_calls == 2 and llama.tp.region_bytes == 2 * BSH   # attention and feed_forward
+    head = _meta("llama-tiny").unit("head").tp
+    assert head.logit_bytes == B * S * V * 4 and head.head_in_bytes == BSH and head.vocab_flops > 0
+
+
+# --- parameters per rank ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_param_bytes_per_rank_are_the_split_arithmetic(model, tp):
+    prof = _meta(model)
+    total = prof.total_params
+    split = sum(u.tp.split_params for u in prof.units)
+    vocab = sum(u.tp.vocab_params for u in prof.units)
+    assert vocab == (0 if model == "gpt-tiny" else 2 * V * H)
+    per_rank = total - (split + vocab) * (1 - 1 / tp)
+    est = estimate(_strategy(prof, tp=tp), prof, preset("dgx-h100"))
+    assert len(est.memory_per_rank) == tp
+    assert all(m.parameters == 4 * per_rank for m in est.memory_per_rank)
+    z3 = estimate(_strategy(prof, tp=tp, dp=2, zero=3), prof, preset("dgx-h100"))
+    assert z3.memory_per_rank[0].parameters == int(4 * per_rank / 2)   # ZeRO-3 then divides the rank's share
+    assert z3.stages[0].params == per_rank
+
+
+# --- TP collective bytes per step -------------------------------------------------------------------------------
+
+def _hand_count(model: str, sp: bool, m: int, recompute: bool = False) -> dict[str, float]:
+    """Collectives per micro-batch in units of b x s x h (logits: b x s x V) as executor/tensor_parallel.py places
+    torch's styles (comm.py's table), times m micro-batches; forward ones twice under full recompute. Under SP
+    each backward also all-reduces the norms' weight gradients (2L + 1 norms: LayerNorm weight and bias, RMSNorm
+    weight)."""
+    logits = V / H
+    r = 2 if recompute else 1
+    if model == "gpt-tiny":   # tied vocabulary: embed is an sp_entry, lm_head a replicated region
+        counts = ({"all_reduce": r * 2 * L + 2 * L} if not sp else
+                  {"all_gather": r * (2 * L + 1) + 2 * L + 1, "reduce_scatter": r * 2 * L + 2 * L})
+    else:                     # split embedding and head; one input all-reduce per attention and MLP region
+        counts = ({"all_reduce": r * (2 * L + 1) + 2 * L + 1, "all_gather": r * logits} if not sp else
+                  {"all_gather": r * (2 * L + 1 + logits) + 2 * L + 1, "reduce_scatter": r * (2 * L + 1) + 2 * L + 1})
+    out = {f"tp_{op}": m * counts.get(op, 0) * BSH for op in TP_OPS}
+    if sp:
+        out["tp_all_reduce"] += m * (2 * L + 1) * (2 if model == "gpt-tiny" else 1) * H * 4
+    return out
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_tp_bytes_per_step_equal_the_hand_count(model, sp):
+    prof = _meta(model)
+    s = _strategy(prof, tp=2, sp=sp, microbatches=3)
+    assert tp_bytes_per_step(s, prof) == _hand_count(model, sp, 3)
+    est = estimate(s, prof, preset("dgx-h100"))
+    assert est.comm.tp_collectives == {k.removeprefix("tp_"): v for k, v in _hand_count(model, sp, 3).items()}
+    assert est.comm.tp_bytes_per_rank == sum(_hand_count(model, sp, 3).values()) and est.comm.tp_link == "intra-node"
+    assert est.breakdown.tp_comm_s > 0
+    # bf16 activations halve the buffers; tp = 4 moves the same full buffers
+    half = tp_bytes_per_step(dataclasses.replace(s, precision="bf16-mixed"), prof)
+    assert half == {k: v / 2 for k, v in _hand_count(model, sp, 3).items()}
+    assert tp_bytes_per_step(dataclasses.replace(s, tp=4), prof) == _hand_count(model, sp, 3)
+
+
+def test_tp_bytes_follow_the_pipeline_rank_and_full_recompute():
+    prof = _meta("gpt-tiny")
+    s = _strategy(prof, tp=2, pp=2, stages=_two_stages(prof), microbatches=2, recompute=(True, False))
+    first, second = tp_bytes_per_step(s, prof, pp_rank=0), tp_bytes_per_step(s, prof, pp_rank=1)
+    # stage 0 holds embed + 2 blocks, recomputed: forward all-reduces twice; stage 1 the other 2 blocks + head
+    assert first["tp_all_reduce"] == 2 * (2 * 2 * 2 + 2 * 2) * BSH
+    assert second["tp_all_reduce"] == 2 * (2 * 2 + 2 * 2) * BSH
+
+
+# --- tp = 1 unchanged -------------------------------------------------------------------------------------------
+
+# Estimates of the code before tensor parallelism was priced (meta profiles: deterministic), dgx-h100 x 2 nodes.
+_BEFORE = {
+    ("gpt-tiny", "dp4z0"): (2.8255148544895724e-05, 1077903810),
+    ("gpt-tiny", "dp16z3"): (0.001163690024216266, 1074588354),
+    ("gpt-tiny", "pp2dp2z2"): (7.36296026930524e-05, 1075697536),
+    ("gpt-tiny", "pp2rec"): (4.9496993937126575e-05, 1076079616),
+}
+
+
+def _before_strategies(prof) -> dict[str, Strategy]:
+    names = tuple(u.name for u in prof.units)
+    half = len(names) // 2
+    base = dict(schedule="1f1b", micro_batch_size=2)
+    return {
+        "dp4z0": Strategy(dp=4, pp=1, zero=0, microbatches=2, stages=(names,), **base),
+        "dp16z3": Strategy(dp=16, pp=1, zero=3, microbatches=2, stages=(names,), **base),
+        "pp2dp2z2": Strategy(dp=2, pp=2, zero=2, microbatches=4, stages=(names[:half], names[half:]), **base),
+        "pp2rec": Strategy(dp=1, pp=2, zero=0, microbatches=4, stages=(names[:half], names[half:]),
+                           recompute=(True, False), **base),
+    }
+
+
+def test_tp1_estimates_are_unchanged():
+    prof = _meta("gpt-tiny")
+    bare = dataclasses.replace(prof, tensor_parallel=None,
+                               units=tuple(dataclasses.replace(u, tp=None) for u in prof.units))
+    cluster = preset("dgx-h100", nodes=2)
+    for name, s in _before_strategies(prof).items():
+        est = estimate(s, prof, cluster)
+        assert (est.step_time_s, est.peak_memory_bytes) == _BEFORE["gpt-tiny", name]
+        assert est.to_dict() == estimate(s, bare, cluster).to_dict()   # the TP fields change nothing at tp = 1
+        assert est.comm.tp_collectives == {} and est.comm.tp_link == "none"
+
+
+# --- mesh, links and memory entries -----------------------------------------------------------------------------
+
+def test_memory_entries_follow_the_mesh_and_dp_groups_span_nodes_by_tp():
+    prof = _meta("llama-tiny")
+    cluster = preset("dgx-h100", nodes=2)
+    s = _strategy(prof, tp=2, dp=2, pp=2, zero=1, stages=_two_stages(prof), microbatches=2)
+    est = estimate(s, prof, cluster)
+    assert len(est.memory_per_rank) == s.world_size == 8
+    for m in est.memory_per_rank:
+        assert m.stages == (s.coords(m.rank)[0],)
+        assert m == dataclasses.replace(est.memory_per_rank[m.rank ^ 1], rank=m.rank)   # tp peers hold the same
+    assert len(estimate(s, prof, cluster, compact=True).memory_per_rank) == 2
+    assert estimate(_strategy(prof, tp=2, dp=4), prof, cluster).comm.dp_link == "intra-node"   # 8 ranks: a node
+    assert estimate(_strategy(prof, tp=4, dp=4), prof, cluster).comm.dp_link == "inter-node"
+
+
+# --- activations by role ----------------------------------------------------------------------------------------
+
+def test_activations_per_rank_follow_the_roles():
+    prof = _meta("gpt-tiny")
+    block = prof.unit("blocks.0")
+    t = block.tp
+    rest = block.saved_bytes - t.saved_split - t.saved_seq - t.saved_col_input - t.saved_core
+    assert rest == 0
+    assert tp_saved_bytes(block.saved_bytes, t, tp=2, sp=False, selective=False) == (
+        t.saved_col_input + t.saved_seq + (t.saved_split + t.saved_core) / 2)
+    assert tp_saved_bytes(block.saved_bytes, t, tp=2, sp=True, selective=True) == (
+        t.saved_col_input + (t.saved_seq + t.saved_split) / 2)
+    assert tp_saved_bytes(block.saved_bytes, t, tp=1, sp=False, selective=False) == block.saved_bytes
+
+    def act(**kw):
+        return estimate(_strategy(prof, microbatches=1, **kw), prof, preset("dgx-h100")).stages[0].activation_bytes
+    units = prof.units
+    for kw in (dict(tp=2), dict(tp=2, sp=True), dict(tp=2, sp=True, selective=True), dict(tp=4, selective=True)):
+        want = sum(tp_saved_bytes(u.saved_bytes, u.tp, tp=kw["tp"], sp=kw.get("sp", False),
+                                  selective=kw.get("selective", False)) for u in units)
+        assert act(**kw) == want
+    assert act(tp=2, sp=True, selective=True) < act(tp=2, sp=True) < act(tp=2) < act()
+    # selective recompute adds the attention core's forward to the backward
+    sel = estimate(_strategy(prof, selective=True), prof, preset("dgx-h100"))
+    plain = estimate(_strategy(prof), prof, preset("dgx-h100"))
+    assert sel.stages[0].bwd_s > plain.stages[0].bwd_s and sel.stages[0].fwd_s == plain.stages[0].fwd_s
+
+
+# --- Korthikanti et al. 2022, Table 2 ---------------------------------------------------------------------------
+
+class UnfusedAttention(nn.Module):
+    """GPT-2 attention as Korthikanti et al. 2022 count it: unfused QK^T, softmax, dropout over the probabilities,
+    attention over V, dropout after the output projection."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.dim, self.head_dim = cfg.dim, cfg.dim // cfg.n_heads
+        self.c_attn = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.c_proj = nn.Linear(cfg.dim, cfg.dim)
+        self.attn_drop, self.resid_drop = nn.Dropout(cfg.dropout), nn.Dropout(cfg.dropout)
+        causal = torch.ones(cfg.max_seq_len, cfg.max_seq_len, dtype=torch.bool).tril()
+        self.register_buffer("causal", causal, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.c_attn(x).split(self.dim, dim=2))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        probs = self.attn_drop(scores.masked_fill(~self.causal[:s, :s], float("-inf")).softmax(-1))
+        return self.resid_drop(self.c_proj((probs @ v).transpose(1, 2).reshape(b, s, -1)))
+
+
+def unfused_gpt() -> nn.Module:
+    """A zoo GPT (so the zoo-gpt plan applies) with dropout and the unfused attention of the paper's block."""
+    cfg = GPTConfig(vocab_size=256, max_seq_len=64, dim=64, n_layers=2, n_heads=4, dropout=0.1)
+    model = GPT(cfg)
+    for block in model.blocks:
+        block.attn = UnfusedAttention(cfg)
+    model.init_weights()
+    return model
+
+
+def _dropout_mask_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of the mask torch's dropout saves for backward on the meta device (as profiled)."""
+    sizes: list[int] = []
+    x = torch.ones(8, dtype=dtype, device="meta", requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.element_size()) or t, lambda t: t):
+        torch.nn.functional.dropout(x, 0.5, training=True)
+    return min(sizes)
+
+
+def test_measured_saved_bytes_match_korthikanti_table_2():
+    s_len, a, h = 32, 4, 64            # head size 16 != s, so the s x s tensors are told apart from q, k, v
+    prof = profile_model(resolve("tests.test_tp_cost:unfused_gpt"), micro_batch_size=B, seq_len=s_len,
+                         dtype="bf16", meta=True)   # 16-bit activations, as the paper counts
+    block = prof.unit("blocks.0")
+    sbh = s_len * B * h
+    # The paper counts 1-byte dropout masks (Megatron's fused CUDA kernel); off CUDA torch's dropout keeps its mask
+    # in the activation dtype (input * noise): (m - 1) more bytes for each of the two sbh masks after the
+    # projections (a "10" term part, split by t under SP) and for the as^2b mask over the probabilities (the core)
+    extra = _dropout_mask_bytes(torch.bfloat16) - 1
+
+    def paper(t=1, sp=False, selective=False):
+        masks = extra * (2 * sbh / (t if sp else 1) + (0 if selective else a * s_len * s_len * B / t))
+        return korthikanti_layer_bytes(s=s_len, b=B, h=h, a=a, t=t, sp=sp, selective=selective) + masks
+    assert block.saved_bytes == pytest.approx(paper(t=1), rel=0.10)
+    assert korthikanti_layer_bytes(s=s_len, b=B, h=h, a=a) == sbh * (34 + 5 * a * s_len / h)
+
+    def ours(**kw):
+        return tp_saved_bytes(block.saved_bytes, block.tp, **kw)
+    assert ours(tp=2, sp=False, selective=False) == pytest.approx(paper(t=2), rel=0.10)
+    assert ours(tp=2, sp=False, selective=True) == pytest.approx(paper(t=2, selective=True), rel=0.10)
+    # Under SP torch's DTensor keeps the all-gathered input of each column-split linear (2 x 2sbh bytes at t = 1)
+    # where Megatron keeps the sequence shard and gathers it again in backward: sbh(4 - 4/t) more than Table 2.
+    gathered = 4 * sbh * (1 - 1 / 2)
+    assert ours(tp=2, sp=True, selective=False) == pytest.approx(paper(t=2, sp=True) + gathered, rel=0.10)
+    assert ours(tp=2, sp=True, selective=True) == pytest.approx(paper(t=2, sp=True, selective=True) + gathered,
+                                                                rel=0.10)
+
+
+# --- real mode, measured times, validation ----------------------------------------------------------------------
+
+def test_real_profile_records_the_same_split_and_measured_times_divide_the_per_sample_work():
+    from cost_models.cluster import ClusterProfile, ComputeProbe, DeviceSpec, LinkSpec
+    from cost_models.compute import tp_unit_times
+    real = profile_model(resolve("gpt-tiny"), micro_batch_size=B, seq_len=S, dtype="fp32", warmup=0, repeats=1)
+    assert [u.tp for u in real.units] == [u.tp for u in _meta("gpt-tiny").units]
+    cpu = ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=2,
+                         device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**30, peak_flops={"fp32": 1e10},
+                                           matmul_efficiency=1.0, source="test"),
+                         intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"),
+                         compute=ComputeProbe(dtype="fp32", matmul_n=8, ranks=2, threads_per_rank=real.threads,
+                                              flops_per_rank=1e10, flops_alone=1e10))
+    u = real.unit("blocks.1")
+    t1, t2 = u.fwd_time_one.median_s, u.fwd_time.median_s   # timed at 1 and at B = 2 samples
+    per_sample = max(0.0, t2 - t1)
+    fwd, _, _ = tp_unit_times(u, real, cpu, micro_batch_size=B, precision="fp32", ranks_running=2, tp=2,
+                              vocab=False)
+    split = u.tp.split_flops / u.fwd_flops
+    assert split == 1.0   # every counted FLOP of a block is in its split linears and attention
+    assert fwd == pytest.approx(max(0.0, t1 - per_sample + 2 * per_sample * (1 - split + split / 2)))
+
+
+def test_a_profile_whose_roles_exceed_its_saved_bytes_is_refused():
+    from cost_models.errors import FileFormatError
+    from cost_models.validate import validate_model
+    prof = _meta("gpt-tiny")
+    validate_model(prof, "profile.json")
+    u = prof.units[1]
+    bad = dataclasses.replace(u, tp=dataclasses.replace(u.tp, saved_split=u.saved_bytes + 1))
+    with pytest.raises(FileFormatError, match=r"model\.units\[1\]\.tp\.saved_split"):
+        validate_model(dataclasses.replace(prof, units=(prof.units[0], bad, *prof.units[2:])), "profile.json")
