@@ -79,6 +79,7 @@ def _init_process_group(strategy: Strategy, timeout_s: float) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=dt.timedelta(seconds=timeout_s))
     if dist.get_world_size() != strategy.world_size:
-        raise ConfigError(f"the plan runs on {strategy.world_size} ranks (dp {strategy.dp} x pp {strategy.pp}), this job "
+        raise ConfigError(f"the plan runs on {strategy.world_size} ranks (dp {strategy.dp} x tp {strategy.tp} x pp "
+                          f"{strategy.pp}), this job "
                           f"has {dist.get_world_size()}; start it with torchrun --nproc-per-node {strategy.world_size} "
                           f"(per node) or re-plan for {dist.get_world_size()} GPUs")

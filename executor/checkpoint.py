@@ -53,13 +53,25 @@ def state_dict(params: dict[str, nn.Parameter], buffers: dict[str, torch.Tensor]
     sd: dict[str, Any] = {f"model.{n}": p.detach() for n, p in params.items()}
     sd.update({f"model.{n}": b for n, b in buffers.items()})
     name_of = {id(p): n for n, p in params.items()}
+    # ZeRO-1 under tensor parallelism steps plain stand-ins of the DTensor parameters (executor.zero.LocalShardZeRO)
+    param_of = {**{id(p): p for p in params.values()}, **getattr(optimizer, "stands_for", {})}
     for p, state in inner_optimizer(optimizer).state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                sd[f"optim.{name_of[id(p)]}.{key}"] = value
+                sd[f"optim.{name_of[id(param_of[id(p)])]}.{key}"] = _placed_like(value, param_of[id(p)])
     if rng_rank is not None:
         sd.update({f"rng.rank{rng_rank}.{k}": v for k, v in rng_state().items()})
     return sd
+
+
+def _placed_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A stand-in's state (a plain tensor of the local shard) as a DTensor placed as its parameter, aliasing the
+    same storage (DCP loads in place), so the checkpoint records the global shape and this rank's slice."""
+    if not hasattr(param, "device_mesh") or hasattr(value, "device_mesh") or value.shape != param.to_local().shape:
+        return value
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 # The states every rank saves and needs back (cuda only where there is one).

@@ -11,6 +11,10 @@ from cost_models.torch_private import TorchDispatchMode
 _KINDS = {"allgather": "all_gather", "_allgather_base": "all_gather", "reduce_scatter": "reduce_scatter",
           "_reduce_scatter_base": "reduce_scatter", "allreduce": "all_reduce", "broadcast": "broadcast",
           "send": "p2p_send", "recv": "p2p_recv"}
+# DTensor's collectives (tensor parallelism) are functional ops: name -> (kind, whether the full buffer is the
+# input times the group size: all_gather's input is one rank's part)
+_FUNCTIONAL = {"all_reduce": ("tp_all_reduce", False), "all_gather_into_tensor": ("tp_all_gather", True),
+               "reduce_scatter_tensor": ("tp_reduce_scatter", False)}
 
 
 def _bytes(x) -> int:
@@ -21,9 +25,15 @@ def _bytes(x) -> int:
     return 0
 
 
+def _dtensor() -> type:
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
 class CommCounter(TorchDispatchMode):
     """Counts c10d collectives and p2p issued through the dispatcher (FSDP2, ZeroRedundancyOptimizer, pipelining,
-    dist.*): per kind, calls and bytes of the full buffer (the largest tensor argument). DDP's reducer calls
+    dist.*), and DTensor's tensor-parallel collectives as "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter":
+    per kind, calls and bytes of the full buffer (the largest tensor argument; an all-gather's output). DDP's reducer calls
     gloo/NCCL from C++ and is not seen here; the executor counts its buckets itself."""
 
     def __init__(self) -> None:
@@ -32,12 +42,17 @@ class CommCounter(TorchDispatchMode):
         self.bytes: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, _dtensor()) for t in types):
+            # a DTensor op: let DTensor run it with this mode still on, so the collectives its redistributions
+            # issue on the local tensors come through here (a mode that ran it would see none of them)
+            return NotImplemented
         name = str(func.overloadpacket.__name__).rstrip("_")
         namespace = getattr(func, "namespace", "")
         if namespace == "c10d" and name in _KINDS:
-            kind = _KINDS[name]
-            self.calls[kind] = self.calls.get(kind, 0) + 1
-            self.bytes[kind] = self.bytes.get(kind, 0) + max((_bytes(a) for a in args), default=0)
+            self.add(_KINDS[name], max((_bytes(a) for a in args), default=0))
+        elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
+            kind, gathers = _FUNCTIONAL[name]
+            self.add(kind, _bytes(args[0]) * (int(args[1]) if gathers else 1))
         return func(*args, **(kwargs or {}))
 
     def add(self, kind: str, nbytes: int) -> None:

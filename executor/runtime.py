@@ -18,7 +18,7 @@ from torch import nn
 from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
 from cost_models.torch_private import default_group_timeout, schedule_stages, set_group_timeout
-from executor import checkpoint, pipeline
+from executor import checkpoint, pipeline, tensor_parallel
 from cost_models.pipelining import pipeline_support
 from executor.materialize import allocate, init_held, init_mode, parameters_on_meta, release_unheld
 from executor.traced_stages import as_tuple
@@ -47,6 +47,7 @@ class Runtime:
     buffers_by_name: dict[str, torch.Tensor] = field(default_factory=dict)
     model: nn.Module | None = None       # the user's model object: with pp = 1 the one trained, else the stages' source
     init: str = ""                       # how the weights were drawn (executor.materialize): factory | per-module
+    tp_rank: int = 0                     # this rank's place in its tensor-parallel group (mesh (pp, dp, tp))
     # Seconds spent this step in stage forward/backward ("compute": it includes the communication FSDP and DDP
     # issue inside them), in the gradient syncs issued after them ("sync"), and in optimizer.step ("optimizer").
     timings: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "sync": 0.0, "optimizer": 0.0})
@@ -162,13 +163,18 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     s = strategy
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != s.world_size:
-        raise ConfigError(f"the plan needs {s.world_size} ranks (dp={s.dp} x pp={s.pp}), this job has {world}")
+        raise ConfigError(f"the plan needs {s.world_size} ranks (dp={s.dp} x tp={s.tp} x pp={s.pp}), this job has "
+                          f"{world}")
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     with torch.device("meta"):
         meta = spec.build()
     support = pipeline_support(meta, [(u, spec.units.names(u)) for st in s.stages for u in st]) if s.pp > 1 else ""
     check_covers_model(meta, s.stages, spec.units, model_level=s.pp == 1 or support == "traced")
+    seq_len = example.shape[1] if example is not None and example.dim() > 1 else 0
+    tensor_parallel.check_tp(meta, s.tp, sp=s.sp, seq_len=seq_len)
     stage_io = stage_io_shapes(meta, s, spec.units, support, example) if s.n_stages > 1 else []
+    if s.sp and stage_io:
+        stage_io = tensor_parallel.sequence_sharded_io(stage_io, s.tp)
     ties = tied_params(meta, s.stages, s.stage_rank, spec.units)
     # the schedule registry's guards; the planner never plans these
     unsafe = s.unsafe_reason() or s.split_tie(tied_units(meta, s.stages, spec.units))
@@ -177,11 +183,16 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     canon = canonical_names(meta)
     mode = "loaded" if loading else init_mode(meta, local_ranks)
     del meta
-    mesh, pp_rank, dp_rank = _mesh(s, device)
+    mesh, (pp_rank, dp_rank, tp_rank) = _mesh(s, device)
     stage_ids = list(s.rank_stages(pp_rank))
     model, held = _materialized(s, spec, mode, stage_ids, support, seed, device)
+    # torchtitan's order: tensor (+ sequence) parallelism, then activation checkpointing, then FSDP2
+    if s.tp > 1:
+        tensor_parallel.parallelize(model, held, mesh["tp"], sp=s.sp)
+    _recompute(s, model, held, stage_ids, spec.units)
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
-                   unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None)
+                   unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,
+                   tp=s.tp)
     if _shards_later(s, mode):
         _allocate_shards(wrapped, optimizer_fn, device, model=model, mode=mode, seed=seed, dp_rank=dp_rank, dp=s.dp)
     schedule = None
@@ -193,22 +204,33 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     return Runtime(strategy=s, pp_rank=pp_rank, dp_rank=dp_rank, stage_ids=stage_ids, wrapped=wrapped,
                    loss_fn=loss_fn, schedule=schedule, dp_group=mesh["dp"].get_group() if s.dp > 1 else None,
                    tie_groups=_tie_groups(s, ties, rank), params_by_name=params, buffers_by_name=buffers,
-                   model=model, init=mode)
+                   model=model, init=mode, tp_rank=tp_rank)
+
+
+def _recompute(s: Strategy, model: nn.Module, held: list[nn.Module], stage_ids: list[int], units: UnitMap) -> None:
+    """Full recompute of the stages the plan says (their units under torch.utils.checkpoint), and selective
+    recompute (the attention core) in the others."""
+    sids = [0] if s.pp == 1 else stage_ids
+    recompute_units(model, s.stages, sids, units, s.recompute)
+    if s.selective:
+        full = {id(sub) for sid in sids if s.stage_recompute(sid) for u in s.stages[sid]
+                for _, m in units.parts(model, u) for sub in m.modules()}
+        tensor_parallel.selective_recompute(model, held, full)
 
 
 def _mesh(s: Strategy, device: torch.device):
-    """The (pp, dp) device mesh, its groups given the world's timeout, and this rank's (pp, dp) coordinates."""
+    """The (pp, dp, tp) device mesh (tp innermost: Strategy.coords), its groups given the world's timeout, and this
+    rank's (pp, dp, tp) coordinates."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device.type, (s.pp, s.dp), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(device.type, (s.pp, s.dp, s.tp), mesh_dim_names=("pp", "dp", "tp"))
     # init_process_group's timeout (`planner run --timeout`). Subgroups do not inherit it: new_group and DeviceMesh's
     # per-dimension groups take torch's default (30 min for gloo, 10 for NCCL), so a stopped pipeline peer left the
     # others waiting in p2p and all-reduce for half an hour (measured: a SIGSTOPped rank of a PP2 x DP2 run,
     # --timeout 5, peers still blocked after 5 minutes).
     timeout = default_group_timeout(device)
-    for dim in ("pp", "dp"):
+    for dim in ("pp", "dp", "tp"):
         set_group_timeout(mesh[dim].get_group(), timeout)
-    rank = dist.get_rank()
-    return mesh, rank // s.dp, rank % s.dp
+    return mesh, s.coords(dist.get_rank())
 
 
 def _materialized(s: Strategy, spec: ModelSpec, mode: str, stage_ids: list[int], support: str, seed: int,
@@ -226,10 +248,8 @@ def _materialized(s: Strategy, spec: ModelSpec, mode: str, stage_ids: list[int],
             model = spec.build()
     if s.pp == 1:
         held: list[nn.Module] = [model]
-        recompute_units(model, s.stages, [0], spec.units, s.recompute)
-    else:
-        held = list(build_stages(model, s.stages, stage_ids, units=spec.units, support=support,
-                                 recompute=s.recompute))
+    else:   # recompute is applied after tensor parallelism (build_runtime)
+        held = list(build_stages(model, s.stages, stage_ids, units=spec.units, support=support, recompute=()))
     if mode == "factory":
         release_unheld(model, held)
     elif _shards_later(s, mode):
@@ -246,7 +266,9 @@ def _materialized(s: Strategy, spec: ModelSpec, mode: str, stage_ids: list[int],
 def _shards_later(s: Strategy, mode: str) -> bool:
     """FSDP2 over meta parameters, allocated as shards after wrapping: to load weights into, or (pp = 1, where
     the model is the root and each parameter's owner is the same on every rank) to draw module by module."""
-    return s.zero >= 2 and s.dp > 1 and (mode == "loaded" or (mode == "per-module" and s.pp == 1))
+    # with tp > 1 the parameters are split first, from real tensors (executor.materialize draws FSDP2's dp shards
+    # of whole parameters only)
+    return s.zero >= 2 and s.dp > 1 and s.tp == 1 and (mode == "loaded" or (mode == "per-module" and s.pp == 1))
 
 
 def _allocate_shards(wrapped: Wrapped, optimizer_fn, device: torch.device, *, model: nn.Module, mode: str,
@@ -268,16 +290,17 @@ def _allocate_shards(wrapped: Wrapped, optimizer_fn, device: torch.device, *, mo
 
 
 def _tie_groups(s: Strategy, ties, rank: int) -> list[tuple[str, object]]:
-    """Tied parameters on several pipeline ranks: one group per (tied parameter, dp index), created in the same
-    order on every rank (new_group is collective)."""
+    """Tied parameters on several pipeline ranks: one group per (tied parameter, dp index, tp index), created in the
+    same order on every rank (new_group is collective). The plans keep tied parameters whole over tp."""
     timeout = default_group_timeout(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     out = []
     for tied in ties:
         for d in range(s.dp):
-            members = [r * s.dp + d for r in tied.pp_ranks]
-            group = dist.new_group(ranks=members, timeout=timeout)
-            if rank in members:
-                out.append((tied.canonical, group))
+            for t in range(s.tp):
+                members = [(r * s.dp + d) * s.tp + t for r in tied.pp_ranks]
+                group = dist.new_group(ranks=members, timeout=timeout)
+                if rank in members:
+                    out.append((tied.canonical, group))
     return out
 
 

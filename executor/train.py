@@ -258,9 +258,10 @@ def _save(rt, cfg: TrainConfig, plan: Plan | None, step: int, last_loss: float, 
 
 
 def _global_loss(replica_loss: torch.Tensor | None, rt, device: torch.device) -> float:
-    """Mean over data-parallel replicas of the last stage's loss, made known to every rank."""
+    """Mean over data-parallel replicas of the last stage's loss, made known to every rank (a replica's tp ranks
+    all compute its loss from the gathered logits: it is counted once, from tp rank 0)."""
     value = torch.zeros(2, dtype=torch.float64, device=device)
-    if replica_loss is not None:
+    if replica_loss is not None and getattr(rt, "tp_rank", 0) == 0:
         value[0] = float(replica_loss)
         value[1] = 1.0
     dist.all_reduce(value)

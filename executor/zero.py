@@ -16,9 +16,16 @@ wrong gradients under zero-bubble schedules. One fully_shard per stage and the m
 tests/test_executor.py checks them against one process's losses (ZeRO 0-3 alone, every schedule alone, PP2 x DP2
 with ZeRO 1-3, zero-bubble among them).
 DDP uses gradient_as_bucket_view so gradients are not held twice (the memory model assumes it).
+
+With tensor parallelism (tp > 1) the parameters are DTensors on the tp mesh. FSDP2 shards them over dp as well
+(2-D: torchtitan's TP + FSDP2). DDP and ZeroRedundancyOptimizer do not take DTensor parameters (torch 2.13: ZeRO's
+broadcast has no DTensor sharding strategy), so ZeRO-0/1 use the pipeline column's mapping at pp = 1 too: the
+gradient all-reduce over dp on the local shards, and for ZeRO-1 a ZeroRedundancyOptimizer over the parameters'
+local shards (LocalShardZeRO). The optimizers are elementwise, so updating each shard alone is the full update.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Callable
@@ -40,9 +47,10 @@ class Wrapped:
 
 
 def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn,
-         unit_groups: list[list[nn.Module]] | None = None) -> Wrapped:
+         unit_groups: list[list[nn.Module]] | None = None, tp: int = 1) -> Wrapped:
     """Apply the mapping to this rank's modules (pp = 1: the model itself; else its stages) and build the optimizer
-    over its (local) parameters. `unit_groups` (pp = 1): the modules of each unit, sharded one FSDP2 group each."""
+    over its (local) parameters. `unit_groups` (pp = 1): the modules of each unit, sharded one FSDP2 group each.
+    `tp` > 1: the modules are already split over the tp mesh (executor.tensor_parallel)."""
     dp = dp_mesh.size() if dp_mesh is not None else 1
     if dp == 1:
         params = [p for st in modules for p in st.parameters()]
@@ -65,23 +73,68 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
         params = [p for st in modules for p in st.parameters()]
         return Wrapped(modules=list(modules), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params)
     params = [p for st in modules for p in st.parameters()]
-    if pp == 1:
+    if pp == 1 and tp == 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
         wrapped: list[nn.Module] = [DDP(st, process_group=group, gradient_as_bucket_view=True) for st in modules]
         manual = False
     else:
         wrapped, manual = list(modules), True
     if zero == 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
         template = optimizer_fn([nn.Parameter(torch.zeros(1))])
         accepted = inspect.signature(type(template).__init__).parameters
         # an optimizer's defaults can hold derived entries its constructor does not take (AdamW's
         # decoupled_weight_decay): pass on only what the constructor accepts
         kwargs = {k: v for k, v in template.defaults.items() if k in accepted}
-        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=type(template), process_group=group, **kwargs)
+        optimizer = _zero_optimizer(tp)(params, optimizer_class=type(template), process_group=group, **kwargs)
     else:
         optimizer = optimizer_fn(params)
-    return Wrapped(modules=wrapped, optimizer=optimizer, manual_grad_sync=manual, ddp=pp == 1, params=params)
+    return Wrapped(modules=wrapped, optimizer=optimizer, manual_grad_sync=manual, ddp=not manual, params=params)
+
+
+def _zero_optimizer(tp: int) -> type:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return local_shard_zero() if tp > 1 else ZeroRedundancyOptimizer
+
+
+@functools.cache
+def local_shard_zero() -> type:
+    """The LocalShardZeRO class (built on first use: importing torch.distributed.optim costs a second)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class LocalShardZeRO(ZeroRedundancyOptimizer):
+        """ZeRO-1 over the local shards of tensor-parallel (DTensor) parameters: each DTensor parameter is stood for
+        by a plain parameter sharing its local tensor's storage (`shards`), so ZeroRedundancyOptimizer's updates and
+        broadcasts land in the DTensor. Gradients are linked to the stand-ins before each step. `stands_for`: id of
+        a stand-in -> the model's parameter (checkpoints name optimizer state by the model's parameter)."""
+
+        def __init__(self, params, **kwargs) -> None:
+            self.shards = [(p, _stand_in(p)) for p in params]
+            self.stands_for = {id(q): p for p, q in self.shards}
+            super().__init__([q for _, q in self.shards], **kwargs)
+
+        def step(self, closure=None, **kwargs):
+            for p, q in self.shards:
+                if q is not p:
+                    q.grad = None if p.grad is None else _local(p.grad)
+            return super().step(closure, **kwargs)
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            for p, q in self.shards:
+                for t in (p, q):
+                    if t.grad is not None and set_to_none:
+                        t.grad = None
+                    elif t.grad is not None:
+                        t.grad.zero_()
+    return LocalShardZeRO
+
+
+def _stand_in(p: nn.Parameter) -> nn.Parameter:
+    """A plain parameter on the storage of DTensor `p`'s local tensor (`p` itself when it is plain)."""
+    if not hasattr(p, "to_local"):
+        return p
+    local = p.detach().to_local()   # a view of the DTensor's storage: updates through the stand-in are the parameter's
+    return nn.Parameter(local, requires_grad=p.requires_grad)
+
 
 
 def _shared_param_ids(groups: list[list[nn.Module]]) -> set[int]:
@@ -97,8 +150,8 @@ def _shared_param_ids(groups: list[list[nn.Module]]) -> set[int]:
 def all_reduce_grads(params: list[nn.Parameter], group) -> None:
     """Average gradients over the data-parallel group (the pipelined ZeRO-0/1 mapping)."""
     for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+        if p.grad is not None:   # a tensor-parallel gradient: its local shard (the dp peers hold the same slice)
+            dist.all_reduce(_local(p.grad), op=dist.ReduceOp.AVG, group=group)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,277 @@
+"""Tensor (+ sequence) parallelism on a rank's modules, from the plan data of cost_models.tensor_parallel.
+
+torchtitan's order (models/llama3/infra/parallelize.py: apply_tp, then activation checkpointing, then FSDP2) is
+kept by executor.runtime; this module does the first step and the selective recompute of the second. Each plan
+style becomes one of torch's ParallelStyles (torch.distributed.tensor.parallel), with the layouts torchtitan's
+apply_tp gives them: Megatron-LM's column / row splits (Shoeybi et al. 2019, section 3) and, under sequence
+parallelism, Shard(1) activations between the split regions (Korthikanti et al. 2022, section 4.2.2):
+
+    style      no SP                                          SP
+    colwise    ColwiseParallel (parts=3: _StridedColwise)     the same (its input arrives gathered)
+    rowwise    RowwiseParallel, output Replicate (all-reduce) output Shard(1) (reduce-scatter)
+    embedding  RowwiseParallel, input Replicate               output Shard(1)
+    head       ColwiseParallel, output Replicate (gathered)   input Shard(1)
+    norm       replicated (plain parameters)                  SequenceParallel
+    region     PrepareModuleInput Replicate (one DTensor)     PrepareModuleInput Shard(1) -> Replicate (all-gather)
+    sp_entry   nothing                                        PrepareModuleOutput Replicate -> Shard(1) (a slice)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cost_models.errors import ConfigError
+from cost_models.tensor_parallel import PLANS, TPRule, rules_for, style_of, tp_shape, vocab_divides
+from cost_models.torch_private import TorchDispatchMode, storage_id, strided_shard, tree_leaves
+
+# The last name part of the modules holding the attention core (zoo Llama, zoo GPT, transformers' Llama family):
+# what selective recompute checkpoints.
+ATTENTION_NAMES = ("attention", "attn", "self_attn")
+
+
+def check_tp(meta_model: nn.Module, tp: int, *, sp: bool, seq_len: int) -> None:
+    """One-line ConfigError when this model cannot be split `tp` ways (with SP over `seq_len` tokens)."""
+    if tp == 1:
+        return
+    why = tp_shape(meta_model).tp_refusal(tp, sp=sp, seq_len=seq_len)
+    if why:
+        raise ConfigError(f"tp={tp}: {why}; plan with --tp 1" if "tp=" not in why else f"{why}; plan another --tp")
+
+
+def _strided_colwise():
+    """ColwiseParallel for a fused projection (GPT's c_attn: q, k and v in one weight): each part split on its own,
+    the weight and bias placed as _StridedShard(0, split_factor=parts), so the rank's rows are its heads of q, then
+    of k, then of v, and the model's chunk(3) of the local output gives its q, k and v. The output stays local (a
+    redistribute to Shard(-1) would move data to make the columns contiguous, which nothing needs)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class StridedColwise(ColwiseParallel):
+        def __init__(self, parts: int) -> None:
+            super().__init__()
+            self.parts = parts
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            for pname, param in list(module.named_parameters(recurse=False)):
+                placed = distribute_tensor(param, device_mesh, [strided_shard(0, self.parts)],
+                                           src_data_rank=self.src_data_rank)
+                module.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    return StridedColwise
+
+
+def _replicated_region():
+    """The region style without SP: the input is replicated already; making it one DTensor for the whole region
+    (not one per split linear) sums the linears' partial input gradients first, so backward all-reduces once per
+    region, as Megatron-LM's f operator does (Shoeybi et al. 2019, figure 3), not once per linear. The input is
+    the first positional argument, else `hidden_states` or the first tensor keyword (transformers' attention is
+    called with keywords only), which PrepareModuleInput's fixed layouts cannot follow."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    def replicated(x, mesh):
+        return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+
+    class ReplicatedRegion(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            def hook(mod, args, kwargs):
+                if args and isinstance(args[0], torch.Tensor):
+                    return (replicated(args[0], device_mesh), *args[1:]), kwargs
+                tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+                key = "hidden_states" if "hidden_states" in kwargs else (tensors[0] if tensors else None)
+                if key is not None:
+                    kwargs = {**kwargs, key: replicated(kwargs[key], device_mesh)}
+                return args, kwargs
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+            return module
+    return ReplicatedRegion
+
+
+def torch_style(rule: TPRule, *, sp: bool, holds_split: bool):
+    """torch's ParallelStyle for one plan rule (None: the module stays as it is). `holds_split`: the module has
+    split submodules (a region feeding them takes a DTensor; a replicated region such as a tied head a tensor)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+    seq = Shard(1)
+    if rule.style == "colwise":
+        return _strided_colwise()(rule.parts) if rule.parts > 1 else ColwiseParallel()
+    if rule.style == "rowwise":
+        return RowwiseParallel(output_layouts=seq if sp else Replicate())
+    if rule.style == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+    if rule.style == "head":
+        # The logits are gathered, so every tp rank computes the whole loss (counted once per replica by the
+        # training loop). Loss parallelism (torch.distributed.tensor.parallel.loss_parallel: the cross-entropy on
+        # vocabulary shards, no gather) is not used: the loss function is the user's, taking a plain tensor.
+        return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
+    if rule.style == "region" and sp:
+        return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                  use_local_output=not holds_split)
+    if rule.style == "region" and holds_split:
+        return _replicated_region()()
+    if not sp:
+        return None
+    if rule.style == "norm":
+        return SequenceParallel()
+    if rule.style == "sp_entry":
+        return PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+    raise ValueError(f"unknown tensor-parallel style {rule.style!r}")
+
+
+def parallelize(model: nn.Module, held: list[nn.Module], tp_mesh, *, sp: bool) -> None:
+    """Split the modules this rank holds (`held`: the model, or its pipeline stages) over `tp_mesh` as the model's
+    plan says; module names are the full model's, so every pipeline rank splits its stages as one process would."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    tp = tp_mesh.size()
+    shape = tp_shape(model)
+    if shape.refusal:
+        raise ConfigError(f"tp={tp}: {shape.refusal}; plan with --tp 1")
+    rules = rules_for(PLANS[shape.plan], vocab_split=vocab_divides(shape, tp))
+    held_ids = {id(sub) for m in held for sub in m.modules()}
+    named = [(n, m) for n, m in model.named_modules() if id(m) in held_ids]
+    split = {n for n, _ in named if (r := style_of(n, rules)) is not None and r.style in
+             ("colwise", "rowwise", "embedding", "head")}
+    plan = {}
+    for name, _ in named:
+        rule = style_of(name, rules) if name else None
+        if rule is None:
+            continue
+        style = torch_style(rule, sp=sp, holds_split=any(s.startswith(name + ".") for s in split))
+        if style is not None:
+            plan[name] = style
+    if plan:
+        # every rank built the same full parameters (one seed, or one draw per module), so each takes its own slice
+        # (src_data_rank=None) instead of receiving it from tp rank 0
+        parallelize_module(model, tp_mesh, plan, src_data_rank=None)
+    for m in held:
+        for param in m.parameters():
+            if hasattr(param, "device_mesh"):
+                param.register_post_accumulate_grad_hook(_grad_placed_as_param)
+
+
+def _grad_placed_as_param(param: nn.Parameter) -> None:
+    """A split parameter's gradient in the parameter's own placement. DTensor's embedding backward returns the
+    vocabulary-split weight's gradient replicated (measured, torch 2.13): a rank would hold all of it, and the
+    manual dp all-reduce and ZeRO-1's local shards would see the wrong slice. Replicate -> Shard is a local slice."""
+    grad = param.grad
+    if hasattr(grad, "placements") and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _core_checkpointed():
+    """A function mode that runs scaled_dot_product_attention under torch.utils.checkpoint: the attention core
+    (Korthikanti et al. 2022, section 5: QK^T, softmax, dropout, attention over V) keeps only its inputs q, k and v
+    and is recomputed in backward; the kernel's output and softmax statistics are not kept. This is exactly the
+    profiler's "core" role (cost_models.model_profiler: what SDPA saves beyond q, k and v), so the estimate's
+    selective term and the run measure the same thing. With a fused kernel there is no s x s matrix to drop (the
+    5as/h term is 0), only the output; a math-path or unfused attention drops the scores too. A policy-based
+    selective checkpoint of the whole attention module kept more than no checkpointing at all here (measured:
+    it caches op outputs autograd would not have saved), hence the kernel alone."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.checkpoint import checkpoint
+
+    class CoreCheckpointed(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
+                return checkpoint(func, *args, use_reentrant=False, **kwargs)
+            return func(*args, **kwargs)
+    return CoreCheckpointed
+
+
+def selective_recompute(model: nn.Module, held: list[nn.Module], skip: set[int]) -> int:
+    """Run the attention modules of the held modules (not inside a fully recomputed one: ids in `skip`) with their
+    attention kernel checkpointed (_core_checkpointed). Returns how many modules it wrapped."""
+    held_ids = {id(sub) for m in held for sub in m.modules()}
+    mode = _core_checkpointed()
+    count = 0
+    for name, module in model.named_modules():
+        if id(module) not in held_ids or id(module) in skip or name.rpartition(".")[2] not in ATTENTION_NAMES:
+            continue
+        forward = module.forward
+
+        def forward_selective(*args, _forward=forward, **kwargs):
+            with mode():
+                return _forward(*args, **kwargs)
+        module.forward = forward_selective
+        count += 1
+    return count
+
+
+def sequence_sharded_io(stage_io: list, tp: int) -> list:
+    """Stage example tensors under SP: an activation crossing a stage boundary is the rank's sequence shard
+    (b, s/tp, h); the first stage's input (tokens) and the last stage's output (gathered logits) stay whole."""
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dim() < 2:
+            return t
+        shape = (t.shape[0], t.shape[1] // tp, *t.shape[2:])
+        return torch.empty(shape, dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+    last = len(stage_io) - 1
+    return [(tuple(shard(t) for t in ins) if sid > 0 else ins, tuple(shard(t) for t in outs) if sid < last else outs)
+            for sid, (ins, outs) in enumerate(stage_io)]
+
+
+def layer_kept_bytes(model: nn.Module, layer: nn.Module, example: torch.Tensor) -> int:
+    """Activation bytes one layer keeps for backward on this rank, measured in a real forward of the whole model on
+    `example` (collective under tensor parallelism: every tp rank must call it): the layer's input plus every
+    storage its forward made that is still alive when the model's forward has returned (held by autograd's saved
+    tensors or by a checkpoint's cache), by storage, parameters and the layer's output (the next layer's input)
+    left out. Unlike a saved_tensors_hooks count (cost_models.model_profiler) this sees inside checkpointed regions,
+    so full and selective recompute can be compared with Korthikanti et al. 2022, Table 2 (per layer, at t ranks:
+    sbh(10 + 24/t + 5as/(ht)), with SP sbh(34/t + 5as/(ht)), with SP and selective recompute 34sbh/t, in 2-byte
+    units)."""
+    import gc
+    made = _Allocations()
+    ends: dict[str, torch.Tensor] = {}
+
+    def enter(module, args):
+        ends["input"] = _local(args[0])
+        made.__enter__()
+
+    def leave(module, args, output):
+        made.__exit__(None, None, None)
+        ends["output"] = _local(output)
+    hooks = [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
+    try:
+        out = model(example)
+        gc.collect()
+        skip = {storage_id(_local(p)) for p in model.parameters()} | {storage_id(ends["output"])}
+        alive = {ref.cdata: nbytes for ref, nbytes in made.storages if not ref.expired() and ref.cdata not in skip}
+        alive[storage_id(ends["input"])] = ends["input"].untyped_storage().nbytes()
+        del out
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(alive.values())
+
+
+class _Allocations(TorchDispatchMode):
+    """Weak references to the storage of every tensor the ops run inside make (a DTensor op is left to DTensor,
+    so its local ops come through here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+        from torch.multiprocessing.reductions import StorageWeakRef
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.storages.append((StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (a view of its storage), a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
