@@ -317,7 +317,9 @@ def estimate(
     microbatches: int = typer.Option(1, "--microbatches", "-m", help="micro-batches per step"),
     micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", "-b", help="default: the profile's"),
     v: int = typer.Option(1, "--v", help="stage chunks per rank (interleaved and V schedules)"),
-    recompute: str = typer.Option("none", "--recompute", help="none | all | stage indices, e.g. 0,1"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree: a power of two dividing the GPUs per node (mesh (pp, dp, tp), TP groups stay inside a node)"),
+    sp: bool = typer.Option(False, "--sp", help="sequence parallelism over the tensor-parallel group (needs --tp 2 or more)"),
+    recompute: str = typer.Option("none", "--recompute", help="none | selective (the attention core) | full (or all) | stage indices, e.g. 0,1"),
     precision: PrecisionOpt = "bf16-mixed",
     optimizer: OptimizerOpt = "adamw",
     cluster: ClusterOverride = None,
@@ -339,7 +341,7 @@ def estimate(
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
-        recompute=recompute, precision=precision, optimizer=optimizer))
+        tp=tp, sp=sp, recompute=recompute, precision=precision, optimizer=optimizer))
     est = run_estimate(strategy, pf.model, target)
     if as_json:
         print(dumps({"strategy": strategy.to_dict(), **est.to_dict()}), end="")
@@ -372,24 +374,25 @@ def plan(
     cluster: ClusterOverride = None,
     nodes: Nodes = None,
     top_k: TopK = 5,
-    time_limit: TimeLimit = 10.0,
+    time_limit: TimeLimit = 2.0,
     precision: PrecisionOpt = "bf16-mixed",
     optimizer: OptimizerOpt = "adamw",
+    tp: Optional[str] = typer.Option(None, "--tp", help="tensor-parallel degrees to search, e.g. 1 (none) or 1,2,4 (default: every power of two the model and the nodes admit)"),
     output: Output = Path("plan.json"),
     force: Force = False,
     as_json: AsJson = False,
     report: WithReport = True,
 ) -> None:
-    """Search every strategy (ZeRO 0-3 x pipeline depth x schedule x micro-batching x recompute), pick the fastest
-    that fits, and explain why; writes plan.json."""
+    """Search every strategy (tensor parallelism x ZeRO 0-3 x pipeline depth x schedule x micro-batching x
+    recompute), pick the fastest that fits, and explain why; writes plan.json."""
     from planner.manual import load_profile_for
-    from planner.request import PlanRequest
+    from planner.request import PlanRequest, parse_degrees
     from planner.search import plan as run_plan
 
     outputs = _plan_outputs(output, force, report)
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
     request = PlanRequest(gpus=gpus, global_batch_size=global_batch_size, top_k=top_k, time_limit_s=time_limit,
-                          precision=precision, optimizer=optimizer)
+                          precision=precision, optimizer=optimizer, tp_degrees=parse_degrees(tp) if tp else None)
     result = _planning("planning", lambda on_progress: run_plan(
         pf.model, target, request, profile_path=str(profile_path), command=_command_line(), on_progress=on_progress))
     write_to = outputs[0]
@@ -465,11 +468,13 @@ def _print_plan(p) -> None:
     for line in r.lines:
         out.print(line, highlight=False)
     _print_estimate(p.strategy, p.prediction)
+    from planner.report import mesh_cell
     gib = (lambda n: fixed(n, "GiB", show_unit=False))
-    rows = [[p.strategy.name, duration(p.prediction.step_time_s), gib(p.prediction.peak_memory_bytes), "chosen"]]
-    rows += [[a.strategy.name, duration(a.step_time_s), gib(a.peak_memory_bytes), a.lost_because]
-             for a in p.alternatives]
-    out.print(_table(["strategy", "step time", "peak GiB", "why not"], rows, title="top candidates"))
+    rows = [[p.strategy.name, mesh_cell(p.strategy), duration(p.prediction.step_time_s),
+             gib(p.prediction.peak_memory_bytes), "chosen"]]
+    rows += [[a.strategy.name, mesh_cell(a.strategy), duration(a.step_time_s), gib(a.peak_memory_bytes),
+              a.lost_because] for a in p.alternatives]
+    out.print(_table(["strategy", "pp x dp x tp", "step time", "peak GiB", "why not"], rows, title="top candidates"))
     out.print(f"searched {pv.points_considered} points: {pv.points_pruned} pruned, {pv.points_costed} estimates, "
               f"{duration(pv.planning_time_s)}; partition {pv.partitioner}, MILP {pv.milp_status}", highlight=False)
 
@@ -532,7 +537,7 @@ def replan(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="plan for a preset or cluster file (default: the checkpoint plan's cluster)"),
     nodes: Nodes = None,
     top_k: TopK = 5,
-    time_limit: TimeLimit = 10.0,
+    time_limit: TimeLimit = 2.0,
     output: Output = Path("plan.json"),
     force: Force = False,
     as_json: AsJson = False,

@@ -254,6 +254,40 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     return f, b, saved
 
 
+# Per-unit costs depend on the unit and a few of the strategy's fields only, and the planner costs thousands of
+# strategies over the same profile and cluster: they are kept per (profile, cluster) object pair. The pair is held
+# by the cache, so its ids cannot be reused by other objects while the entry lives; a few pairs are kept.
+_UNIT_COSTS: dict[tuple[int, int], tuple[ModelProfile, ClusterProfile, dict]] = {}
+_UNIT_COST_PAIRS = 4
+
+
+def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, float, tuple[float, ...]]:
+    """(forward, backward, saved bytes at the profile's scale, TP bytes per op + TP seconds or ()) of one
+    micro-batch through unit `name` (_tp_unit with tensor parallelism or selective recompute, else unit_times)."""
+    s = c.s
+    pair = (id(c.profile), id(c.cluster))
+    entry = _UNIT_COSTS.get(pair)
+    if entry is None:
+        if len(_UNIT_COSTS) >= _UNIT_COST_PAIRS:
+            _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
+        entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {})
+    key = (name, s.micro_batch_size, s.precision, s.world_size, s.tp, s.sp, s.selective, recompute, c.tp_on,
+           c.tp_vocab, s.optimizer)
+    hit = entry[2].get(key)
+    if hit is None:
+        u = c.profile.unit(name)
+        if c.tp_on:
+            acc = [0.0] * (len(TP_OPS) + 1)
+            f, b, kept = _tp_unit(c, u, recompute, acc)
+            hit = (f, b, kept, tuple(acc))
+        else:
+            f, b = unit_times(u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
+                              ranks_running=s.world_size)
+            hit = (f, b, float(u.saved_bytes), ())
+        entry[2][key] = hit
+    return hit
+
+
 def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEstimate:
     """One stage's per-micro-batch times, activation and p2p bytes; appends its units' (fwd, bwd) to unit_fb."""
     s, profile, units = c.s, c.profile, c.s.stages[sid]
@@ -263,13 +297,9 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     saved: list[float] = []
     acc = [0.0] * (len(TP_OPS) + 1)   # TP bytes per op, TP seconds
     for name in units:
-        u = profile.unit(name)
-        if c.tp_on:
-            f, b, kept = _tp_unit(c, u, recompute, acc)
-        else:
-            f, b = unit_times(u, profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-                              ranks_running=s.world_size)
-            kept = u.saved_bytes
+        f, b, kept, tp_acc = _unit_cost(c, name, recompute)
+        if tp_acc:
+            acc = [x + y for x, y in zip(acc, tp_acc)]
         fwd, bwd = fwd + f, bwd + b
         saved.append(kept)
         unit_fb.append((f, b + (f if recompute else 0.0)))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from cost_models.cluster import ClusterProfile
@@ -36,19 +37,23 @@ def load_profile_for(path: str | Path, *, cluster: str | None = None,
     return pf, target
 
 
-def parse_recompute(text: str, n_stages: int) -> tuple[bool, ...]:
-    """'none' | 'all' | comma-separated stage indices, e.g. '0,1'."""
+def parse_recompute(text: str, n_stages: int) -> tuple[tuple[bool, ...], bool]:
+    """(per-stage full recompute, selective) from --recompute: 'none' | 'selective' (the attention core of every
+    stage, Korthikanti et al. 2022) | 'full' or 'all' | comma-separated stage indices, e.g. '0,1' (full recompute
+    there)."""
     if text == "none":
-        return ()
-    if text == "all":
-        return (True,) * n_stages
+        return (), False
+    if text == "selective":
+        return (), True
+    if text in ("all", "full"):
+        return (True,) * n_stages, False
     try:
         chosen = {int(t) for t in text.split(",") if t.strip()}
     except ValueError:
-        raise ConfigError(f"--recompute takes none, all, or stage indices like 0,1 (got '{text}')") from None
+        raise ConfigError(f"--recompute takes none, selective, full, or stage indices like 0,1 (got '{text}')") from None
     if any(i < 0 or i >= n_stages for i in chosen):
         raise ConfigError(f"--recompute stage indices must be in 0..{n_stages - 1}")
-    return tuple(i in chosen for i in range(n_stages))
+    return tuple(i in chosen for i in range(n_stages)), False
 
 
 @record
@@ -63,38 +68,61 @@ class StrategyRequest(Record):
     microbatches: int = 1
     micro_batch_size: int | None = None   # None: the profile's; an explicit 0 is an error, not "default"
     v: int = 1
-    recompute: str = "none"               # none | all | stage indices, e.g. "0,1"
+    tp: int = 1                           # tensor-parallel degree (inside a node: mesh (pp, dp, tp))
+    sp: bool = False                      # sequence parallelism over the tp group
+    recompute: str = "none"               # none | selective | full (or all) | stage indices, e.g. "0,1"
     precision: Precision = "bf16-mixed"
     optimizer: Optimizer = "adamw"
+
+
+def check_tp(profile: ModelProfile, cluster: ClusterProfile, *, tp: int, sp: bool) -> None:
+    """ConfigError (one line, what to change) unless this model can be split tp ways (with SP) inside a node."""
+    if tp < 1 or tp & (tp - 1):
+        raise ConfigError(f"--tp must be a power of two, got {tp}")
+    if sp and tp == 1:
+        raise ConfigError("--sp splits the sequence over the tensor-parallel group; it needs --tp 2 or more")
+    if tp == 1:
+        return
+    if cluster.devices_per_node % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {cluster.devices_per_node} devices per node: a "
+                          f"tensor-parallel group must stay inside one node; use a --tp that divides it")
+    shape = profile.tensor_parallel
+    why = ("the profile predates tensor-parallel plans; re-run planner profile" if shape is None
+           else shape.tp_refusal(tp, sp=sp, seq_len=profile.seq_len))
+    if why:
+        raise ConfigError(f"--tp {tp}{' --sp' if sp else ''}: {profile.name}: {why}; use --tp 1"
+                          + (" or drop --sp" if sp and shape is not None and not shape.tp_refusal(tp) else ""))
 
 
 def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: StrategyRequest) -> Strategy:
     """The requested strategy, its pp*v stages cut where they balance the predicted per-unit time."""
     r = request
-    dp, pp, v, microbatches, precision = r.dp, r.pp, r.v, r.microbatches, r.precision
+    dp, pp, tp, v, microbatches, precision = r.dp, r.pp, r.tp, r.v, r.microbatches, r.precision
     mbs = profile.micro_batch_size if r.micro_batch_size is None else r.micro_batch_size
-    if dp < 1 or pp < 1 or v < 1 or microbatches < 1 or mbs < 1:
-        raise ConfigError("--dp, --pp, --v, --microbatches and --micro-batch-size must be >= 1")
+    if dp < 1 or pp < 1 or tp < 1 or v < 1 or microbatches < 1 or mbs < 1:
+        raise ConfigError("--dp, --pp, --tp, --v, --microbatches and --micro-batch-size must be >= 1")
     # the caps of cost_models/limits.py, checked on the flags before any work sized by them
     check_gpus(dp, "--dp")
-    check_gpus(dp * pp, "--dp x --pp =")
+    check_gpus(dp * pp * tp, "--dp x --tp x --pp =")
     check_microbatches(microbatches)
     check_global_batch(dp * microbatches * mbs, "--dp x --microbatches x --micro-batch-size =")
-    if dp * pp > cluster.world_size:
-        raise ConfigError(f"dp x pp = {dp * pp} ranks, but the cluster has {cluster.world_size}; "
-                          f"lower --dp/--pp or add --nodes")
+    if dp * pp * tp > cluster.world_size:
+        raise ConfigError(f"dp x tp x pp = {dp * pp * tp} ranks, but the cluster has {cluster.world_size}; "
+                          f"lower --dp/--tp/--pp or add --nodes")
     refusal = profile.pipeline_refusal
     if pp > 1 and refusal:
         raise ConfigError(f"--pp {pp}: {profile.name} cannot be pipelined: {refusal}; use --pp 1")
+    check_tp(profile, cluster, tp=tp, sp=r.sp)
     n_stages = pp * v
     if n_stages > len(profile.units):
         raise ConfigError(f"pp x v = {n_stages} stages, but the model has only {len(profile.units)} units")
-    costs = [sum(unit_times(u, profile, cluster, micro_batch_size=mbs, precision=precision, ranks_running=dp * pp))
-             for u in profile.units]
+    costs = [sum(unit_times(u, profile, cluster, micro_batch_size=mbs, precision=precision,
+                            ranks_running=dp * pp * tp)) for u in profile.units]
     ranges = balanced_partition(costs, n_stages)
+    recompute, selective = parse_recompute(r.recompute, n_stages)
     return Strategy(dp=dp, pp=pp, zero=r.zero, schedule=r.schedule, microbatches=microbatches, micro_batch_size=mbs,
-                    v=v, stages=stages_from_ranges([u.name for u in profile.units], ranges),
-                    recompute=parse_recompute(r.recompute, n_stages), precision=precision, optimizer=r.optimizer)
+                    v=v, stages=stages_from_ranges([u.name for u in profile.units], ranges), recompute=recompute,
+                    tp=tp, sp=r.sp, selective=selective, precision=precision, optimizer=r.optimizer)
 
 
 def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
@@ -102,6 +130,12 @@ def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
     registry's guards), or None."""
     if strategy.pp > 1 and profile.pipeline_refusal:
         return f"{profile.name} cannot be pipelined: {profile.pipeline_refusal}"
+    if strategy.tp > 1:
+        shape = profile.tensor_parallel
+        why = ("the profile predates tensor-parallel plans" if shape is None
+               else shape.tp_refusal(strategy.tp, sp=strategy.sp, seq_len=profile.seq_len))
+        if why:
+            return f"{profile.name} cannot be split {strategy.tp} ways: {why}"
     return strategy.unsafe_reason() or strategy.split_tie(sp.units for sp in profile.shared)
 
 
@@ -110,8 +144,8 @@ def check_fits(est) -> None:
     if not est.fits:
         worst = max(est.memory_per_rank, key=lambda m: m.total_bytes)
         raise InfeasibleError(f"does not fit: rank {worst.rank} needs {fixed(worst.total_bytes, 'GiB')}, the device "
-                              f"has {fixed(est.capacity_bytes, 'GiB')}; try more --zero, --recompute all, a smaller "
-                              f"--micro-batch-size, or more --pp")
+                              f"has {fixed(est.capacity_bytes, 'GiB')}; try more --zero, --recompute selective or full, a "
+                              f"smaller --micro-batch-size, or more --pp or --tp")
 
 
 def manual_plan(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *, profile_path: str = "",
@@ -134,4 +168,6 @@ def manual_plan(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfi
         command=command, created_at=now_utc())
     return Plan(model=model_ref(profile), cluster=cluster, gpus=s.world_size, global_batch_size=s.global_batch_size,
                 strategy=s, stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=est, alternatives=(),
-                rationale=by_hand(s, est, cluster), provenance=provenance)
+                rationale=by_hand(s, est, cluster, at_tp1=estimate(replace(s, tp=1, sp=False), profile, cluster,
+                                                                   compact=True) if s.tp > 1 else None),
+                provenance=provenance)

@@ -196,9 +196,12 @@ def _milp(problem: PartitionProblem, time_limit_s: float) -> tuple[list[tuple[in
                                for u in range(n)) <= problem.capacity          # (g)
     status_code = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
     status = pulp.LpStatus[status_code]
+    if status == "Optimal" and prob.sol_status != pulp.LpSolutionOptimal:
+        # PuLP reports a solution CBC found before its time limit as "Optimal"; say what it is
+        status = f"Feasible (time limit {time_limit_s:g} s, optimality not proven)"
     if status == "Infeasible":
         raise PartitionInfeasible(f"MILP: no split of {n} units into {k} stages fits {fixed(problem.capacity, 'GiB', 2)}")
-    if status not in ("Optimal",) and T.varValue is None:
+    if status != "Optimal" and T.varValue is None:
         raise PartitionInfeasible(f"MILP solver ended with status {status} and no solution within {time_limit_s} s")
     stage_of = [min(s for s in range(k) if (y[u, s].varValue or 0) > 0.5) for u in range(n)]
     ranges, start = [], 0

@@ -82,7 +82,8 @@ def profile_digest(path: str) -> str:
 @record
 class Rationale(Record):
     binding: Literal["memory", "bandwidth", "compute"]
-    winner_family: Literal["zero", "pipeline", "hybrid"]
+    # cost_models.strategy.family_of: the ZeRO-or-pipeline family, "+tp" with tensor parallelism
+    winner_family: Literal["zero", "pipeline", "hybrid", "tensor", "zero+tp", "pipeline+tp", "hybrid+tp"]
     summary: str
     lines: tuple[str, ...]
     best_by_family: dict[str, float]     # family -> best predicted step time among strategies that fit
@@ -155,9 +156,13 @@ def check_plan(plan: Plan) -> None:
                           f"{s.micro_batch_size} = {s.global_batch_size} sequences but global_batch_size is "
                           f"{plan.global_batch_size}; {fix}")
     if s.world_size != plan.gpus:
-        raise ConfigError(f"strategy dp x pp = {s.dp} x {s.pp} = {s.world_size} ranks but gpus is {plan.gpus}; {fix}")
+        raise ConfigError(f"strategy dp x tp x pp = {s.dp} x {s.tp} x {s.pp} = {s.world_size} ranks but gpus is "
+                          f"{plan.gpus}; {fix}")
     if plan.stage_ranks != tuple(s.stage_ranks(i) for i in range(s.n_stages)):
-        raise ConfigError(f"stage_ranks do not match dp={s.dp}, pp={s.pp}; {fix}")
+        raise ConfigError(f"stage_ranks do not match the (pp, dp, tp) = ({s.pp}, {s.dp}, {s.tp}) mesh; {fix}")
+    if s.tp > 1 and plan.cluster.devices_per_node % s.tp:
+        raise ConfigError(f"strategy tp = {s.tp} does not divide the {plan.cluster.devices_per_node} devices per "
+                          f"node: a tensor-parallel group would span nodes; {fix}")
     memory = plan.prediction.memory_per_rank
     if tuple(m.rank for m in memory) != tuple(range(s.world_size)):
         raise ConfigError(f"prediction.memory_per_rank has {len(memory)} entries for {s.world_size} ranks; {fix}")

@@ -1,32 +1,60 @@
 """Why the plan won, in the terms of the ZeRO-or-pipeline question: which resource binds, with numbers."""
 from __future__ import annotations
 
+from typing import Mapping
+
 from cost_models.cluster import ClusterProfile
 from cost_models.estimate import Estimate
-from cost_models.strategy import Strategy
+from cost_models.strategy import Strategy, family_of
 from cost_models.formatting import duration, fixed, size
 from planner.plan import Rationale
+from planner.space import TPOptions
 
 # the rationale line of a model the executor cannot cut into stages (ModelProfile.pipeline_refusal says why)
 NO_PIPELINES = "no pipeline strategies searched: the model cannot be pipelined"
+# the rationale line of a model with no tensor-parallel plan (TPShape.refusal says why)
+NO_TP = "no tensor-parallel strategies searched"
 COMM_BINDS = 0.15  # exposed communication above this share of the step makes bandwidth the binding resource
 
 
 _COMPONENTS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("p2p_s", "p2p transfers"),
-               ("dp_comm_s", "data-parallel collectives"), ("optimizer_s", "optimizer step"))
+               ("dp_comm_s", "data-parallel collectives"), ("tp_comm_s", "tensor-parallel collectives"),
+               ("optimizer_s", "optimizer step"))
+
+
+def _part(est: Estimate, field: str) -> float:
+    """A step-time component. The estimate counts the exposed TP collectives inside compute_s (StepBreakdown);
+    here compute is without them."""
+    value = getattr(est.breakdown, field)
+    return value - est.breakdown.tp_comm_s if field == "compute_s" else value
+
+
+def tp_traffic(est: Estimate) -> tuple[float, str, dict[str, float]]:
+    """(bytes per rank per step, link, op -> bytes) of the tensor-parallel collectives; (0, "", {}) without tp."""
+    comm = est.comm
+    return comm.tp_bytes_per_rank, "" if comm.tp_link == "none" else comm.tp_link, dict(comm.tp_collectives)
+
+
+def _states(est: Estimate) -> tuple[int, int]:
+    """(model-state bytes, activation bytes) of the fullest rank."""
+    m = max(est.memory_per_rank, key=lambda x: x.total_bytes)
+    return m.parameters + m.gradients + m.optimizer_states, m.activations
 
 
 def _own_binding(est: Estimate, cluster: ClusterProfile) -> tuple[str, str]:
     """What binds a strategy judged on its own breakdown: exposed communication past COMM_BINDS of the step, else
     computation."""
     b = est.breakdown
-    comm_share = (b.dp_comm_s + b.p2p_s) / est.step_time_s if est.step_time_s else 0.0
+    comm = b.dp_comm_s + b.p2p_s + _part(est, "tp_comm_s")
+    comm_share = comm / est.step_time_s if est.step_time_s else 0.0
     link = cluster.inter_node if est.comm.dp_link == "inter-node" and cluster.inter_node else cluster.intra_node
     if comm_share >= COMM_BINDS:
         return "bandwidth", (f"bandwidth binds: {comm_share:.0%} of the step is exposed communication "
-                             f"({duration(b.dp_comm_s)} data-parallel over {link.kind}, {duration(b.p2p_s)} p2p)")
-    return "compute", (f"compute binds: {b.compute_s / est.step_time_s:.0%} of the step is computation; bubble "
-                       f"{duration(b.bubble_s)}, exposed communication {duration(b.dp_comm_s + b.p2p_s)}")
+                             f"({duration(b.dp_comm_s)} data-parallel over {link.kind}, {duration(b.p2p_s)} p2p"
+                             + (f", {duration(_part(est, 'tp_comm_s'))} tensor-parallel" if _part(est, "tp_comm_s")
+                                else "") + ")")
+    return "compute", (f"compute binds: {_part(est, 'compute_s') / est.step_time_s:.0%} of the step is computation; bubble "
+                       f"{duration(b.bubble_s)}, exposed communication {duration(comm)}")
 
 
 def _chosen_line(s: Strategy, est: Estimate) -> str:
@@ -35,12 +63,14 @@ def _chosen_line(s: Strategy, est: Estimate) -> str:
             f"{fixed(est.capacity_bytes, 'GiB')}")
 
 
-def by_hand(s: Strategy, est: Estimate, cluster: ClusterProfile) -> Rationale:
+def by_hand(s: Strategy, est: Estimate, cluster: ClusterProfile, *, at_tp1: Estimate | None = None) -> Rationale:
     """The rationale of a strategy chosen by hand (`planner estimate -o`): what binds it, with its numbers; no other
-    strategy was compared."""
+    strategy was compared. at_tp1: the same strategy at tp = 1 (what tensor parallelism saves in memory)."""
     binding, why = _own_binding(est, cluster)
     lines = (_chosen_line(s, est).replace("chosen:", "chosen by hand:", 1), why,
              "not compared with other strategies: `planner plan` searches them all")
+    if s.tp > 1:
+        lines += (_tp_chosen_line(s, est, cluster, at_tp1),)
     return Rationale(binding=binding, winner_family=s.family,
                      summary=f"chosen by hand: {s.summary} at {duration(est.step_time_s)} per step; {why}",
                      lines=lines, best_by_family={s.family: est.step_time_s})
@@ -54,67 +84,141 @@ def why_lost(s: Strategy, est: Estimate, ws: Strategy, west: Estimate) -> str:
     if slower <= 1e-9 * max(west.step_time_s, 1e-12):
         peaks = f"{fixed(est.peak_memory_bytes, 'GiB', show_unit=False)} vs {fixed(west.peak_memory_bytes, 'GiB')}"
         return f"ties on predicted time; ranked below for less memory headroom ({peaks} peak)"
-    deltas = [(getattr(est.breakdown, f) - getattr(west.breakdown, f), f, label) for f, label in _COMPONENTS]
+    deltas = [(_part(est, f) - _part(west, f), f, label) for f, label in _COMPONENTS]
     delta, field, label = max(deltas)
-    detail = f"{label} {duration(getattr(est.breakdown, field))} vs {duration(getattr(west.breakdown, field))}"
+    detail = f"{label} {duration(_part(est, field))} vs {duration(_part(west, field))}"
     if field == "bubble_s":
         detail += f" (bubble {est.bubble_ratio:.2f} of compute)"
     if field == "dp_comm_s":
         detail += f" ({size(est.comm.dp_bytes_per_rank)} per rank per step, {est.comm.dp_link})"
+    if field == "tp_comm_s":
+        tp_bytes, tp_link, _ = tp_traffic(est)
+        detail += f" ({size(tp_bytes)} per rank per step" + (f", {tp_link})" if tp_link else ")")
     return f"+{duration(slower)} per step; most of it {detail}"
+
+
+def _best_by(feasible, key) -> dict:
+    """key(strategy) -> (strategy, estimate) of the fastest feasible candidate with that key."""
+    best: dict = {}
+    for c in feasible:
+        k = key(c.strategy)
+        if k not in best or c.estimate.step_time_s < best[k][1].step_time_s:
+            best[k] = (c.strategy, c.estimate)
+    return best
+
+
+def _base_family(s: Strategy) -> str:
+    """The ZeRO-or-pipeline question's family, whatever the tensor parallelism."""
+    return family_of(dp=s.dp, pp=s.pp)
+
+
+def _comm_s(est: Estimate) -> float:
+    return est.breakdown.dp_comm_s + est.breakdown.p2p_s + _part(est, "tp_comm_s")
+
+
+def _binding(ws: Strategy, west: Estimate, best: dict, fastest_unfit, cluster: ClusterProfile) -> tuple[str, str]:
+    """(binding resource, the line saying why), judged against the best strategy of every other family."""
+    others = [(e.step_time_s, s_, e) for fam, (s_, e) in best.items() if fam != ws.family]
+    runner = min(others, key=lambda x: x[0], default=None)
+    if runner is not None:
+        _, rs, re_ = runner
+        deltas = {f: _part(re_, f) - _part(west, f) for f, _ in _COMPONENTS}
+        if max(deltas, key=deltas.get) in ("dp_comm_s", "p2p_s", "tp_comm_s"):
+            # The question was decided by the links: the best other family lost to communication.
+            tp_bytes, tp_link, _ = tp_traffic(re_)
+            tp_part = f", {size(tp_bytes)} tensor-parallel over {tp_link or 'intra-node'}" if tp_bytes else ""
+            return "bandwidth", (f"bandwidth binds: the best {rs.family} strategy ({rs.summary}) spends "
+                                 f"{duration(_comm_s(re_))} per step in exposed communication "
+                                 f"({size(re_.comm.dp_bytes_per_rank)} per rank over {re_.comm.dp_link} links"
+                                 f"{tp_part}) against {duration(_comm_s(west))} here")
+    if fastest_unfit is not None and fastest_unfit.estimate.step_time_s < west.step_time_s:
+        fast = fastest_unfit.estimate
+        return "memory", (f"memory binds: the fastest strategy, {fastest_unfit.strategy.summary}, would take "
+                          f"{duration(fast.step_time_s)} but needs {fixed(fast.peak_memory_bytes, 'GiB', 1)} "
+                          f"per device against {fixed(cluster.device.memory_bytes, 'GiB', 1)}")
+    return _own_binding(west, cluster)
+
+
+FAMILY_NAMES = {"zero": "ZeRO (data parallel)", "pipeline": "pipeline", "hybrid": "pipeline x ZeRO hybrid"}
 
 
 def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: ClusterProfile,
             pruned_bounds: dict[str, float] | None = None, *, no_pipelines: str | None = None) -> Rationale:
     """Binding resource and the family comparison. `feasible` are costed candidates that fit (winner first).
     `no_pipelines`: why the model cannot be pipelined (only pp = 1 was searched), one line in place of the
-    pipeline and hybrid families'."""
-    best: dict[str, tuple[Strategy, Estimate]] = {}
-    for c in feasible:
-        fam = c.strategy.family
-        if fam not in best or c.estimate.step_time_s < best[fam][1].step_time_s:
-            best[fam] = (c.strategy, c.estimate)
-    b = west.breakdown
-    wf = ws.family
-    others = [(e.step_time_s, s_, e) for fam, (s_, e) in best.items() if fam != wf]
-    runner = min(others, key=lambda x: x[0], default=None)
-    runner_comm = None
-    if runner is not None:
-        _, rs, re_ = runner
-        deltas = {f: getattr(re_.breakdown, f) - getattr(b, f) for f, _ in _COMPONENTS}
-        if max(deltas, key=deltas.get) in ("dp_comm_s", "p2p_s"):
-            runner_comm = (rs, re_)
-    if runner_comm is not None:
-        # The question "ZeRO or pipeline?" was decided by the links: the best other family lost to communication.
-        rs, re_ = runner_comm
-        binding = "bandwidth"
-        why = (f"bandwidth binds: the best {rs.family} strategy ({rs.summary}) spends "
-               f"{duration(re_.breakdown.dp_comm_s + re_.breakdown.p2p_s)} per step in exposed communication "
-               f"({size(re_.comm.dp_bytes_per_rank)} per rank over {re_.comm.dp_link} links) against "
-               f"{duration(b.dp_comm_s + b.p2p_s)} here")
-    elif fastest_unfit is not None and fastest_unfit.estimate.step_time_s < west.step_time_s:
-        binding = "memory"
-        fast = fastest_unfit.estimate
-        why = (f"memory binds: the fastest strategy, {fastest_unfit.strategy.summary}, would take "
-               f"{duration(fast.step_time_s)} but needs {fixed(fast.peak_memory_bytes, 'GiB', 1)} "
-               f"per device against {fixed(cluster.device.memory_bytes, 'GiB', 1)}")
-    else:
-        binding, why = _own_binding(west, cluster)
-    names = {"zero": "ZeRO (data parallel)", "pipeline": "pipeline", "hybrid": "pipeline x ZeRO hybrid"}
+    pipeline and hybrid families'. The ZeRO / pipeline / hybrid lines compare each family's best at any tp
+    (tp_lines explains the tensor-parallel degree); best_by_family keys the families with tp apart."""
+    best = _best_by(feasible, lambda s_: s_.family)
+    by_base = _best_by(feasible, _base_family)
+    pruned_base: dict[str, float] = {}
+    for fam, bound in (pruned_bounds or {}).items():   # "hybrid+tp" -> "hybrid", "tensor" -> "zero"
+        base = "zero" if fam == "tensor" else fam.removesuffix("+tp")
+        pruned_base[base] = min(bound, pruned_base.get(base, bound))
+    binding, why = _binding(ws, west, best, fastest_unfit, cluster)
+    wf = _base_family(ws)
     lines = [_chosen_line(ws, west), why]
     if no_pipelines:
         lines.append(f"{NO_PIPELINES}: {no_pipelines}")
     for fam in ("zero", "pipeline", "hybrid"):
         if fam == wf or (no_pipelines and fam != "zero"):
             continue
-        if fam in best:
-            s, e = best[fam]
-            lines.append(f"best {names[fam]}: {s.summary}: {duration(e.step_time_s)}; {why_lost(s, e, ws, west)}")
-        elif pruned_bounds and fam in pruned_bounds:
-            lines.append(f"best {names[fam]}: not costed: no such strategy can beat {duration(pruned_bounds[fam])} (its compute "
-                         f"alone, a lower bound), slower than the top candidates")
+        if fam in by_base:
+            s, e = by_base[fam]
+            lines.append(f"best {FAMILY_NAMES[fam]}: {s.summary}: {duration(e.step_time_s)}; "
+                         f"{why_lost(s, e, ws, west)}")
+        elif fam in pruned_base:
+            lines.append(f"best {FAMILY_NAMES[fam]}: not costed: no such strategy can beat "
+                         f"{duration(pruned_base[fam])} (its compute alone, a lower bound), slower than the top "
+                         f"candidates")
         else:
-            lines.append(f"no {names[fam]} strategy fits or divides the batch on these devices")
-    summary = f"{names[wf]} wins: {ws.summary} at {duration(west.step_time_s)} per step; {why}"
-    return Rationale(binding=binding, winner_family=wf, summary=summary, lines=tuple(lines),
+            lines.append(f"no {FAMILY_NAMES[fam]} strategy fits or divides the batch on these devices")
+    name = FAMILY_NAMES[wf] + (f" with {ws.tp}-way tensor parallelism" if ws.tp > 1 else "")
+    summary = f"{name} wins: {ws.summary} at {duration(west.step_time_s)} per step; {why}"
+    return Rationale(binding=binding, winner_family=ws.family, summary=summary, lines=tuple(lines),
                      best_by_family={f: e.step_time_s for f, (_, e) in best.items()})
+
+
+def _tp_chosen_line(ws: Strategy, west: Estimate, cluster: ClusterProfile, at_tp1: Estimate | None) -> str:
+    """What the chosen tensor parallelism moves (per rank per step, on which link) and what it saves in memory."""
+    tp_bytes, tp_link, ops = tp_traffic(west)
+    link = f"{tp_link or 'intra-node'} ({cluster.intra_node.kind}) links"
+    line = (f"tensor parallelism: {ws.tp}-way{' with sequence parallelism' if ws.sp else ''} inside each node: "
+            + (", ".join(f"{op.replace('_', ' ')} {size(v)}" for op, v in ops.items()) + " = " if len(ops) > 1 else "")
+            + f"{size(tp_bytes)} per rank per step over {link}, {duration(_part(west, 'tp_comm_s'))} exposed")
+    if at_tp1 is not None:
+        states, acts = _states(west)
+        states1, acts1 = _states(at_tp1)
+        line += (f"; it saves {fixed(states1 + acts1 - states - acts, 'GiB', 1)} per rank against tp=1 with the same "
+                 f"dp, pp, ZeRO and micro-batches (model states {fixed(states, 'GiB', 1)} vs "
+                 f"{fixed(states1, 'GiB', 1)}, activations {fixed(acts, 'GiB', 1)} vs {fixed(acts1, 'GiB', 1)})")
+    return line
+
+
+def tp_lines(ws: Strategy, west: Estimate, feasible, cluster: ClusterProfile, options: TPOptions, *,
+             pruned_tp_bounds: Mapping[int, float] | None = None, at_tp1: Estimate | None = None) -> list[str]:
+    """Why this tensor-parallel degree: what it moves and saves, and the best strategy of every other degree
+    searched, in numbers from their estimates. at_tp1: the winner's estimate with tp = 1 (memory it saves)."""
+    if options.refusal:
+        return [f"{NO_TP}: {options.refusal}"]
+    lines = list(options.notes)
+    if ws.tp > 1:
+        lines.append(_tp_chosen_line(ws, west, cluster, at_tp1))
+    degrees = sorted({tp for tp, _ in options.pairs})
+    if len(degrees) == 1:
+        return lines
+    if ws.tp == 1:
+        lines.append(f"no tensor parallelism chosen: every searched tp ({', '.join(map(str, degrees[1:]))}) is "
+                     f"slower or does not fit (below)")
+    best = _best_by(feasible, lambda s_: s_.tp)
+    for tp in degrees:
+        if tp == ws.tp:
+            continue
+        if tp in best:
+            s, e = best[tp]
+            lines.append(f"best tp={tp}: {s.summary}: {duration(e.step_time_s)}; {why_lost(s, e, ws, west)}")
+        elif pruned_tp_bounds and tp in pruned_tp_bounds:
+            lines.append(f"best tp={tp}: not costed: no such strategy can beat {duration(pruned_tp_bounds[tp])} (a "
+                         f"lower bound), slower than the top candidates")
+        else:
+            lines.append(f"tp={tp}: no strategy fits or divides the batch on these devices")
+    return lines

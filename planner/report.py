@@ -15,6 +15,7 @@ from cost_models.formatting import GIB, duration, fixed, measured, size
 from cost_models.schedule import SCHEDULES, parse_order, simulate
 from cost_models.summaries import rank_groups
 from planner.plan import Plan
+from planner.rationale import tp_traffic
 from planner.run_record import RunFile
 
 KIND_COLOR = {"F": "#4e79a7", "B": "#59a14f", "I": "#f28e2b", "W": "#b07aa1"}
@@ -78,13 +79,36 @@ def _why(plan: Plan) -> Section:
                           + f" per rank per step, {duration(b.dp_comm_s)} exposed.")
     else:
         comm_lines.append("Data-parallel collectives: none (dp = 1).")
+    comm_lines.append(_tp_comm_line(plan))
+    tp_s = b.tp_comm_s
     return Section("Why: ZeRO or pipeline?", [
         r.summary,
-        f"Step time = compute {duration(b.compute_s)} + bubble {duration(b.bubble_s)} + p2p {duration(b.p2p_s)} + "
-        f"data-parallel communication {duration(b.dp_comm_s)} + optimizer {duration(b.optimizer_s)}.",
+        f"Step time = compute {duration(b.compute_s - tp_s)} + bubble {duration(b.bubble_s)} + p2p {duration(b.p2p_s)} + "
+        f"data-parallel communication {duration(b.dp_comm_s)}"
+        + (f" + tensor-parallel communication {duration(tp_s)}" if plan.strategy.tp > 1 else "")
+        + f" + optimizer {duration(b.optimizer_s)}.",
         f"Bubble: {est.bubble_ratio:.3f} of ideal compute (Narayanan's (p-1)/m convention), "
         f"{est.bubble_share:.1%} of rank-time idle.",
         *comm_lines, *r.lines[2:]])
+
+
+def _tp_comm_line(plan: Plan) -> str:
+    """Tensor-parallel traffic per rank per step and its link (Megatron's all-reduces; all-gather and
+    reduce-scatter under sequence parallelism)."""
+    s, est = plan.strategy, plan.prediction
+    if s.tp == 1:
+        return "Tensor-parallel collectives: none (tp = 1)."
+    tp_bytes, link, ops = tp_traffic(est)
+    per_op = ", ".join(f"{op.replace('_', ' ')} {size(v)}" for op, v in ops.items()) or size(tp_bytes)
+    exposed = est.breakdown.tp_comm_s
+    return (f"Tensor-parallel collectives ({link or 'intra-node'}, {plan.cluster.intra_node.kind}, groups of {s.tp} "
+            f"adjacent ranks inside a node{', sequence parallel' if s.sp else ''}): {per_op} per rank per step, "
+            f"{duration(exposed)} exposed.")
+
+
+def mesh_cell(s) -> str:
+    """'pp x dp x tp' of a strategy, for tables: '4 x 32 x 8'."""
+    return f"{s.pp} x {s.dp} x {s.tp}" + (" +SP" if s.sp else "")
 
 
 def _timeline(plan: Plan) -> Section:
@@ -124,10 +148,12 @@ def _candidates(plan: Plan) -> Section:
 
 def _alternatives(plan: Plan) -> Section:
     est = plan.prediction
-    rows = [[plan.strategy.name, duration(est.step_time_s), _gib(est.peak_memory_bytes), "chosen"]]
-    rows += [[a.strategy.name, duration(a.step_time_s), _gib(a.peak_memory_bytes), a.lost_because]
-             for a in plan.alternatives]
-    return Section("Alternatives", [], tables=[(["strategy", "step time", "peak GiB", "why it lost"], rows)])
+    rows = [[plan.strategy.name, mesh_cell(plan.strategy), duration(est.step_time_s), _gib(est.peak_memory_bytes),
+             "chosen"]]
+    rows += [[a.strategy.name, mesh_cell(a.strategy), duration(a.step_time_s), _gib(a.peak_memory_bytes),
+              a.lost_because] for a in plan.alternatives]
+    return Section("Alternatives", [], tables=[(["strategy", "pp x dp x tp", "step time", "peak GiB", "why it lost"],
+                                                rows)])
 
 
 MEASURE_COLUMNS = ["quantity", "predicted", "measured", "error"]

@@ -16,11 +16,13 @@ class PlanRequest(Record):
     top_k: int = 5                                 # alternatives costed in full and kept in the plan
     precision: Precision = "bf16-mixed"
     optimizer: Optimizer = "adamw"
-    time_limit_s: float = 10.0                     # the MILP partitioner's, for the winner's provenance
+    time_limit_s: float = 2.0                      # the MILP partitioner's, for the winner's provenance (a cross-check of the exact DP: its optimality proof is not worth 10 s of every plan)
     prune: bool = True                             # False: cost every point the memory bound lets through
     schedules: tuple[str, ...] | None = None       # narrow the pipeline schedules searched (None: all)
     micro_batch_sizes: tuple[int, ...] | None = None
     max_v: int | None = None
+    tp_degrees: tuple[int, ...] | None = None      # narrow the tensor-parallel degrees searched (None: every one
+                                                   # the model and the nodes admit; (1,): none)
 
     def resolved_gpus(self, cluster: ClusterProfile) -> int:
         """The GPU count to plan for, checked against the cluster (one-line ConfigErrors); the request's other
@@ -40,4 +42,18 @@ class PlanRequest(Record):
         check_training(self.precision, self.optimizer)
         for name in self.schedules or ():
             get_spec(name)
+        for tp in self.tp_degrees or ():
+            if tp < 1 or tp & (tp - 1):
+                raise ConfigError(f"tensor-parallel degrees must be powers of two, got {tp}")
         return gpus
+
+
+def parse_degrees(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4): the tensor-parallel degrees `planner plan --tp` searches (one-line ConfigError)."""
+    try:
+        degrees = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+    except ValueError:
+        raise ConfigError(f"--tp takes powers of two separated by commas, e.g. 1,2,4 (got '{text}')") from None
+    if not degrees or any(d < 1 or d & (d - 1) for d in degrees):
+        raise ConfigError(f"--tp takes powers of two separated by commas, e.g. 1,2,4 (got '{text}')")
+    return degrees

@@ -1,37 +1,57 @@
 """`plan()`: search the space, cost each surviving point with cost_models.estimate, rank, and explain.
 
-Search: enumerate (planner.space), prune what provably cannot win, cost the rest in order of a lower bound,
-branch-and-bound against the k-th best feasible time found so far:
-  P1 memory bound: a stage holds at least max(Ψ / pp, largest unit) parameters; if those model states plus the
-     per-process overhead exceed the device, no partition, schedule or micro-batching of that (dp, pp, ZeRO) fits;
-  P2 time bound: the busiest rank computes at least m * (sum of unit forward + backward) / pp; a point whose bound
-     is not below the k-th best predicted time cannot enter the top k.
-A point that does not fit with time-balanced stages is retried with recompute on the stages that overflow, then
-with the memory-aware exact DP partition.
+Search: enumerate (planner.space: tp x sp x pp x micro-batching x schedule x ZeRO), prune what cannot win, cost
+the rest in order of a lower bound (a heap), branch-and-bound against the k-th best feasible time found so far:
+  P1 memory bound: a stage holds at least max(Ψ / pp, largest unit) / tp parameters; if those model states plus the
+     per-process overhead exceed the device, no partition, schedule or micro-batching of that (dp, pp, tp, ZeRO)
+     fits;
+  P2 time bound (_schedule_bound, _point_bound): every pipeline rank does its stages' work for all m micro-batches
+     (unit times as the estimate prices them at that tp and SP, TP collectives included: _UnitTimes), starts only
+     when micro-batch 0's forward reaches it, and ends before the stages ahead run their last backward (without
+     split backward) and before its exposed data-parallel collectives end; the optimizer step comes on top;
+  P3 no retry: a point that does not fit is retried with recompute or memory-aware stages only if its first
+     estimate is faster than the k-th best (recompute adds work; a memory-aware cut's bottleneck is no less than
+     the balanced one's: the one assumption here that is not a theorem of the estimate);
+  P4 group bound: points that differ only in ZeRO stage share the simulated schedule (the estimate adds data-
+     parallel collectives and the optimizer after it), so a costed member raises the others' bound to its makespan;
+  P5 recompute bound: one stage (pp = v = 1) that cannot hold one micro-batch's activations even with selective
+     recompute and everything divided by tp must recompute fully: its forward runs twice;
+  P6 / P7 recompute first: a pipeline rank that cannot hold its model states and its activations with selective
+     recompute (one micro-batch of its largest stage, or the activations in flight another member of the group
+     was estimated with) is costed with full recompute on its stages first: no estimate of what cannot fit; P6's
+     ranks (found before costing) run their forward twice in the point's bound, and such a point is not re-cut
+     memory-aware (the planner's policy: a rank that cannot hold one micro-batch recomputes).
+A point that does not fit with time-balanced stages is retried with selective recompute, full recompute on the
+stages that overflow, then the memory-aware exact DP partition. Unit times are assumed no faster at larger tp per
+FLOP (the estimate's narrow-GEMM curve) and per sample at smaller micro-batches (fixed costs spread over fewer).
 """
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from cost_models.cluster import ClusterProfile
-from cost_models.compute import unit_times
+from cost_models.comm import collective_time
+from cost_models.compute import optimizer_step_time, unit_times
 from cost_models.errors import ConfigError, InfeasibleError
 from cost_models.estimate import Estimate, activation_scale, estimate, tied_copies
 from cost_models.formatting import fixed, now_utc
 from cost_models.limits import MAX_MICROBATCHES
-from cost_models.memory import OVERHEAD_BYTES, executor_state_bytes, zero_model_state_bytes
+from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, executor_state_bytes, zero_model_state_bytes
 from cost_models.profile import ModelProfile
-from cost_models.schedule import get_spec
+from cost_models.schedule import SCHEDULES, get_spec
 from cost_models.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition, stages_from_ranges)
 from planner.plan import Alternative, Candidate, Plan, Provenance, installed_versions, model_ref, profile_digest
-from planner.rationale import explain, why_lost
+from planner.rationale import explain, tp_lines, why_lost
 from planner.request import PlanRequest
-from planner.space import MAX_MICRO_BATCH, Point, enumerate_points
+from planner.space import MAX_MICRO_BATCH, Point, TPOptions, enumerate_points, tp_options
 
 ProgressFn = Callable[[int, int], None]
 
@@ -47,18 +67,34 @@ class _Partitions:
     """Stage cuts per stage count, balanced on predicted unit time (independent of micro-batch size: times scale
     linearly), computed once per stage count."""
 
-    def __init__(self, profile: ModelProfile, unit_cost: list[float]) -> None:
-        self.profile, self.unit_cost, self.cache, self.bottlenecks = profile, unit_cost, {}, {}
+    def __init__(self, profile: ModelProfile, unit_fb: list[tuple[float, float]]) -> None:
+        self.profile, self.unit_fb, self.cache, self.bottlenecks = profile, unit_fb, {}, {}
+        self.unit_cost = [f + b for f, b in unit_fb]
         self.names = [u.name for u in profile.units]
+        self.fb: dict = {}   # k -> (forward, backward) per stage; ('params', k) -> parameters per stage
 
-    def min_bottleneck(self, k: int) -> float:
-        """The least possible largest stage (per micro-batch at the profile's batch) over all contiguous splits."""
-        if k not in self.bottlenecks:
-            prefix = [0.0]
-            for c in self.unit_cost:
-                prefix.append(prefix[-1] + c)
-            self.bottlenecks[k] = max(prefix[b] - prefix[a] for a, b in balanced_partition(self.unit_cost, k))
-        return self.bottlenecks[k]
+    def stage_params(self, k: int) -> list[float]:
+        """Parameters per stage of the cut `stages(k)` (tied copies left out: a lower bound)."""
+        if ("params", k) not in self.fb:
+            where = {u.name: u.params for u in self.profile.units}
+            self.fb["params", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
+        return self.fb["params", k]
+
+    def stage_kept(self, k: int) -> list[float]:
+        """Saved-for-backward bytes per stage of the cut `stages(k)` less the attention core (what selective
+        recompute keeps), per micro-batch at the profile's batch and dtype."""
+        if ("kept", k) not in self.fb:
+            where = {u.name: u.saved_bytes - (u.tp.saved_core if u.tp else 0) for u in self.profile.units}
+            self.fb["kept", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
+        return self.fb["kept", k]
+
+    def stage_fb(self, k: int) -> list[tuple[float, float]]:
+        """(forward, backward) per stage of the cut `stages(k)`, per micro-batch at the profile's batch."""
+        if k not in self.fb:
+            where = {name: i for i, name in enumerate(self.names)}
+            self.fb[k] = [(sum(self.unit_fb[where[u]][0] for u in st), sum(self.unit_fb[where[u]][1] for u in st))
+                          for st in self.stages(k)]
+        return self.fb[k]
 
     def stages(self, k: int) -> tuple[tuple[str, ...], ...]:
         if k not in self.cache:
@@ -77,10 +113,11 @@ def runnable(schedule: str, zero: int, dp: int) -> bool:
     return get_spec(schedule).unsafe(zero, dp) is None
 
 
-def _strategy(point: Point, stages, *, precision: str, optimizer: str, recompute=()) -> Strategy:
+def _strategy(point: Point, stages, *, precision: str, optimizer: str, recompute=(), selective: bool = False
+              ) -> Strategy:
     return Strategy(dp=point.dp, pp=point.pp, zero=point.zero, schedule=point.schedule, microbatches=point.microbatches,
                     micro_batch_size=point.micro_batch_size, v=point.v, stages=stages, recompute=tuple(recompute),
-                    precision=precision, optimizer=optimizer)
+                    tp=point.tp, sp=point.sp, selective=selective, precision=precision, optimizer=optimizer)
 
 
 def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterProfile, est: Estimate,
@@ -99,32 +136,90 @@ def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterPr
     return stages_from_ranges([u.name for u in profile.units], dp_partition(problem))
 
 
+def _overflow(est: Estimate, cap: int) -> set[int]:
+    """Stages on ranks past the device's capacity."""
+    return {sid for m in est.memory_per_rank if m.total_bytes > cap for sid in m.stages}
+
+
+def _recompute_cannot_help(est: Estimate, cap: int) -> bool:
+    """Recompute (selective or full) only shrinks activations: a rank whose memory less all its activations is
+    still past the capacity cannot fit by recomputing (provable, no estimate needed)."""
+    return any(m.total_bytes - m.activations > cap for m in est.memory_per_rank)
+
+
+def _selective_may_fit(est: Estimate, profile: ModelProfile, cap: int, *, micro_batch_size: int,
+                       precision: str) -> bool:
+    """Selective recompute drops the attention core's saved tensors (the units' tp.saved_core) of every
+    micro-batch in flight: a rank past the capacity by more than all of those cannot fit with it (no estimate)."""
+    scale = activation_scale(profile, micro_batch_size=micro_batch_size, precision=precision)
+    core = {u.name: (u.tp.saved_core if u.tp else 0) * scale for u in profile.units}
+    by_stage = {st.stage: st for st in est.stages}
+    for m in est.memory_per_rank:
+        drops = sum(max(1, by_stage[sid].peak_in_flight) * sum(core[u] for u in by_stage[sid].units)
+                    for sid in m.stages)
+        if m.total_bytes - drops > cap:
+            return False
+    return True
+
+
 def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, parts: _Partitions,
-                unit_cost: list[float], *, precision: str, optimizer: str) -> tuple[list[_Costed], int]:
-    """Estimate a point; if it does not fit, retry with recompute on overflowing stages, then memory-aware stages.
-    Returns every estimate made (the last is the best attempt) and how many were made."""
+                unit_cost: list[float], *, precision: str, optimizer: str, kth: float = math.inf,
+                must: frozenset[int] = frozenset()) -> tuple[list[_Costed], int]:
+    """Estimate a point; if it does not fit, retry with selective recompute (the attention core, Korthikanti et
+    al. 2022), then full recompute on the stages that still overflow (selective on the rest), then memory-aware
+    stages. Returns every estimate made (the last is the best attempt) and how many were made.
+    P3: no retry when the first attempt is already no faster than `kth` (the k-th best time so far): recompute
+    only adds work, and the memory-aware cut's bottleneck is no less than the balanced one's.
+    P6: `must` are stages whose ranks cannot hold one micro-batch even with selective recompute (_must_recompute):
+    full recompute there is tried first, and is the answer when it fits (nothing less can); no memory-aware re-cut
+    is tried for such a point (P6/P7 count its recompute in its bound, which a re-cut could undercut)."""
     stages = parts.stages(point.pp * point.v)
-    strategy = _strategy(point, stages, precision=precision, optimizer=optimizer)
-    attempts = [_Costed(point, strategy, estimate(strategy, profile, cluster, compact=True))]
-    if attempts[-1].estimate.fits:
-        return attempts, 1
-    cap = cluster.device.memory_bytes
-    over = {sid for m in attempts[-1].estimate.memory_per_rank if m.total_bytes > cap for sid in m.stages}
-    recompute = tuple(i in over for i in range(point.pp * point.v))
-    strategy = _strategy(point, stages, precision=precision, optimizer=optimizer, recompute=recompute)
-    attempts.append(_Costed(point, strategy, estimate(strategy, profile, cluster, compact=True)))
-    if attempts[-1].estimate.fits or point.pp * point.v == 1:
-        return attempts, 2
+    n_stages = point.pp * point.v
+
+    def attempt(stages, recompute=(), selective=False) -> _Costed:
+        strategy = _strategy(point, stages, precision=precision, optimizer=optimizer, recompute=recompute,
+                             selective=selective)
+        return _Costed(point, strategy, estimate(strategy, profile, cluster, compact=True))
+
+    made = 0
+    if must:
+        first = attempt(stages, recompute=tuple(i in must for i in range(n_stages)), selective=len(must) < n_stages)
+        made = 1
+        if first.estimate.fits or first.estimate.step_time_s >= kth:
+            return [first], made
+    attempts = [attempt(stages)]
+    if attempts[-1].estimate.fits or attempts[-1].estimate.step_time_s >= kth:
+        return attempts, made + 1
+    attempts += _retries(point, profile, cluster, attempts[0].estimate, unit_cost, attempt, stages,
+                         precision=precision, optimizer=optimizer, recut=not must)
+    return attempts, made + len(attempts)
+
+
+def _retries(point: Point, profile: ModelProfile, cluster: ClusterProfile, first: Estimate, unit_cost: list[float],
+             attempt, stages, *, precision: str, optimizer: str, recut: bool = True) -> list[_Costed]:
+    """_cost_point's retries after a first estimate that does not fit; the last one made is the best attempt."""
+    n_stages, cap = point.pp * point.v, cluster.device.memory_bytes
+    out: list[_Costed] = []
+    if not _recompute_cannot_help(first, cap):
+        if _selective_may_fit(first, profile, cap, micro_batch_size=point.micro_batch_size, precision=precision):
+            out.append(attempt(stages, selective=True))
+            if out[-1].estimate.fits:
+                return out
+        over = _overflow(out[-1].estimate if out else first, cap)
+        out.append(attempt(stages, recompute=tuple(i in over for i in range(n_stages)), selective=len(over) < n_stages))
+        if out[-1].estimate.fits:
+            return out
+    if n_stages == 1 or not recut:
+        return out
     try:
-        stages = _memory_aware_stages(point, profile, cluster, attempts[0].estimate, unit_cost,
-                                      precision=precision, optimizer=optimizer)
+        stages = _memory_aware_stages(point, profile, cluster, first, unit_cost, precision=precision,
+                                      optimizer=optimizer)
     except PartitionInfeasible:
-        return attempts, 2
-    strategy = _strategy(point, stages, precision=precision, optimizer=optimizer)
-    if strategy.split_tie(sp.units for sp in profile.shared):   # the new cut put a tie's stages on one rank
-        return attempts, 2
-    attempts.append(_Costed(point, strategy, estimate(strategy, profile, cluster, compact=True)))
-    return attempts, 3
+        return out
+    if _strategy(point, stages, precision=precision, optimizer=optimizer).split_tie(sp.units for sp in profile.shared):
+        return out   # the new cut put a tie's stages on one rank
+    out.append(attempt(stages))
+    return out
 
 
 @dataclass
@@ -139,15 +234,24 @@ class SearchResult:
     min_state: float                 # the least model-state bytes any point needs (P1's bound)
     unit_cost: list[float]
     gpus: int                        # the GPU count searched (the request's, or the cluster's)
+    tp: TPOptions = field(default_factory=TPOptions)   # the (tp, sp) searched, and why others were not
+    pruned_tp_bounds: dict[int, float] = field(default_factory=dict)   # tp -> least bound among points P2 pruned
 
 
-def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partitions") -> list[Point]:
+def search_tp(profile: ModelProfile, cluster: ClusterProfile, gpus: int, req: PlanRequest) -> TPOptions:
+    """The (tp, sp) pairs this model admits on this cluster's nodes (planner.space.tp_options)."""
+    return tp_options(profile.tensor_parallel, devices_per_node=cluster.devices_per_node, gpus=gpus,
+                      seq_len=profile.seq_len, degrees=req.tp_degrees)
+
+
+def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partitions",
+            tp: TPOptions = TPOptions()) -> list[Point]:
     """The space (planner.space) less what the executor cannot run and what the request narrows away."""
     n_units = len(profile.units)
     ties = tuple(sp.units for sp in profile.shared)
     pipelines = profile.pipeline_refusal is None
     points = [pt for pt in enumerate_points(gpus=gpus, global_batch=req.global_batch_size, n_units=n_units,
-                                            pipelines=pipelines)
+                                            pipelines=pipelines, tp_pairs=tp.pairs)
               if runnable(pt.schedule, pt.zero, pt.dp)
               and (req.schedules is None or pt.pp == 1 or pt.schedule in req.schedules)
               and (req.micro_batch_sizes is None or pt.micro_batch_size in req.micro_batch_sizes)
@@ -164,7 +268,7 @@ def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partiti
         raise ConfigError(f"dp = {gpus} does not divide the global batch {req.global_batch_size}, and pp > 1 is not "
                           f"offered ({profile.name} cannot be pipelined: {profile.pipeline_refusal}); use a batch "
                           f"divisible by {gpus}")
-    raise ConfigError(f"no (dp, pp) split of {gpus} devices divides the global batch {req.global_batch_size}; "
+    raise ConfigError(f"no (dp, pp, tp) split of {gpus} devices divides the global batch {req.global_batch_size}; "
                       f"use a batch divisible by the data-parallel degree")
 
 
@@ -175,62 +279,382 @@ def _splits_tie(pt: Point, parts: "_Partitions", ties, req: PlanRequest) -> bool
     return _strategy(pt, parts.stages(pt.pp * pt.v), precision=req.precision, optimizer=req.optimizer).split_tie(ties) is not None
 
 
+def _one_microbatch_schedule(pp: int) -> str | None:
+    """A schedule of the registry that runs pp one-chunk stages on one micro-batch without split backward (the
+    per-unit proxy's: its stage times are the units' own)."""
+    for name, spec in SCHEDULES.items():
+        if not spec.split_backward and 1 in spec.searched_v:
+            try:
+                spec.check(pp, 1, 1)
+            except ConfigError:
+                continue
+            return name
+    return None
+
+
+class _UnitTimes:
+    """Per-unit (forward, backward) seconds of one micro-batch on one TP rank as the estimate prices them (compute
+    share, narrow-GEMM efficiency and exposed TP collectives), per (tp, sp): read off one estimate that puts every
+    unit in its own stage (GPipe, one micro-batch of the largest size searched). A smaller micro-batch takes at
+    least its share of that (per-sample time falls with the batch: fixed costs are spread over more samples).
+    Only on clusters without a compute probe (presets), where unit times do not depend on how many ranks run;
+    None elsewhere (the bound falls back to the profile's unit times / tp)."""
+
+    def __init__(self, profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest, largest_mbs: int) -> None:
+        self.profile, self.cluster, self.req, self.mbs = profile, cluster, req, largest_mbs
+        self.names = [u.name for u in profile.units]
+        self.cache: dict[tuple[int, bool], list[tuple[float, float]] | None] = {}
+        self.stage_cache: dict[tuple, list[tuple[float, float]]] = {}
+
+    def units(self, tp: int, sp: bool) -> list[tuple[float, float]] | None:
+        if (tp, sp) not in self.cache:
+            self.cache[tp, sp] = self._measure(tp, sp) if self.cluster.compute is None else None
+        return self.cache[tp, sp]
+
+    def _measure(self, tp: int, sp: bool) -> list[tuple[float, float]] | None:
+        n, schedule = len(self.names), _one_microbatch_schedule(len(self.names))
+        if schedule is None:
+            return None
+        s = Strategy(dp=1, pp=n, zero=0, schedule=schedule, microbatches=1, micro_batch_size=self.mbs,
+                     stages=tuple((u,) for u in self.names), tp=tp, sp=sp, precision=self.req.precision,
+                     optimizer=self.req.optimizer)
+        est = estimate(s, self.profile, self.cluster, compact=True)
+        return [(st.fwd_s / self.mbs, st.bwd_s / self.mbs) for st in est.stages]
+
+    def stage_fb(self, pt: Point, parts: _Partitions) -> list[tuple[float, float]] | None:
+        """(forward, backward) per stage of the point's cut, per micro-batch of its size (None: no proxy)."""
+        k = pt.pp * pt.v
+        key = (k, pt.tp, pt.sp)
+        if key not in self.stage_cache:
+            per_unit = self.units(pt.tp, pt.sp)
+            if per_unit is None or k == 1 and len(self.names) == 1:
+                return None
+            where = {name: i for i, name in enumerate(self.names)}
+            self.stage_cache[key] = [(sum(per_unit[where[u]][0] for u in st), sum(per_unit[where[u]][1] for u in st))
+                                     for st in parts.stages(k)]
+        return [(f * pt.micro_batch_size, b * pt.micro_batch_size) for f, b in self.stage_cache[key]]
+
+
+@dataclass(frozen=True)
+class _RankBound:
+    """A pipeline rank's share of P2: `start_busy` = when micro-batch 0's forward can first reach it + its work
+    for all micro-batches; `tail` = the backward the stages ahead still run after its last action; `params` = the
+    parameters its stages hold, divided by tp (at best)."""
+
+    start_busy: float
+    tail: float
+    params: float
+    forward: float = 0.0   # the forward part of its work (what full recompute runs again)
+
+
+def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = None) -> tuple[_RankBound, ...]:
+    """P2 per pipeline rank, for the point's stage cut (stage times scaled to its micro-batch and tp; no p2p,
+    recompute or per-action overheads). Pipeline rank j holds stages whose work it must do for all m
+    micro-batches, and cannot start before micro-batch 0's forward has passed the stages ahead of its first one;
+    without split backward its last action is that first stage's backward, which the stages ahead must still run
+    backward (for any v). One stage: m x (forward + backward)."""
+    k = pt.pp * pt.v
+    fb = times.stage_fb(pt, parts) if times is not None else None
+    scale = 1.0
+    if fb is None:   # the profile's unit times / tp: narrower GEMMs are no faster per FLOP
+        scale = pt.micro_batch_size / parts.profile.micro_batch_size / pt.tp
+        fb = parts.stage_fb(k)
+    params = parts.stage_params(k)
+    if k == 1:
+        return (_RankBound(start_busy=pt.microbatches * sum(fb[0]) * scale, tail=0.0, params=params[0] / pt.tp,
+                           forward=pt.microbatches * fb[0][0] * scale),)
+    spec = get_spec(pt.schedule)
+    f_before, b_before = [0.0], [0.0]
+    for f, b in fb:
+        f_before.append(f_before[-1] + f)
+        b_before.append(b_before[-1] + b)
+    out = []
+    for j in range(pt.pp):
+        held = spec.rank_stages(j, pt.pp, pt.v)
+        first = min(held)
+        busy = pt.microbatches * sum(fb[st][0] + fb[st][1] for st in held)
+        out.append(_RankBound(start_busy=(f_before[first] + busy) * scale,
+                              tail=0.0 if spec.split_backward else b_before[first] * scale,
+                              params=sum(params[st] for st in held) / pt.tp,
+                              forward=pt.microbatches * sum(fb[st][0] for st in held) * scale))
+    return tuple(out)
+
+
+def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanRequest) -> float:
+    """The least exposed data-parallel time of a rank holding `params` (P2'): in a pipeline every stage's
+    collectives come after its last backward (all-reduce = reduce-scatter + all-gather; ZeRO-1 gathers the updated
+    parameters too; ZeRO-3 gathers for forward and again for backward); without one, only ZeRO-1's gather is
+    known to be exposed. One collective of the whole size is taken for per-tensor ones (a collective's time grows
+    no faster than its size: alpha + size x beta). The dp group spans devices_per_node / tp ranks per node, as
+    cost_models.estimate places it."""
+    if pt.dp == 1 or (pt.pp == 1 and pt.zero != 1):
+        return 0.0
+    p_b, g_b, _ = BYTES_PER_PARAM[(req.precision, req.optimizer)]
+    per_node = max(1, cluster.devices_per_node // pt.tp)
+    rpn = math.gcd(pt.dp, per_node) if pt.dp > per_node else None
+
+    def coll(op: str, size: float) -> float:
+        return collective_time(cluster, op, size, pt.dp, ranks_per_node=rpn)
+
+    gather, scatter = coll("all_gather", params * p_b), coll("reduce_scatter", params * g_b)
+    if pt.pp == 1:
+        return gather
+    return {0: scatter + gather, 1: scatter + 2 * gather, 2: scatter + gather, 3: scatter + 2 * gather}[pt.zero]
+
+
+def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], cluster: ClusterProfile, req: PlanRequest) -> float:
+    """P2 for one point: every rank ends after its work and its exposed data-parallel collectives, and the step
+    after the last backward; then the optimizer step of the fullest rank. Two ranks (the schedule's critical one
+    and the busiest) stand for all: any rank's sum is a lower bound."""
+    schedule = max(r.start_busy + r.tail for r in ranks)
+    busiest = max(ranks, key=lambda r: r.start_busy)
+    critical = max(ranks, key=lambda r: r.start_busy + r.tail)
+    bound = max(schedule, busiest.start_busy + _dp_bound(pt, busiest.params, cluster, req),
+                critical.start_busy + _dp_bound(pt, critical.params, cluster, req))
+    held = max(r.params for r in ranks) / (pt.dp if pt.zero >= 1 else 1)
+    return bound + optimizer_step_time(held, precision=req.precision, optimizer=req.optimizer, cluster=cluster)
+
+
+@dataclass
+class _Bounds:
+    survivors: list[tuple[float, Point]]   # (bound, point), least first
+    pruned: int                            # by P1
+    min_state: float                       # the least model-state bytes any point needs
+    memory_limited: tuple[float, Point] | None   # the least time bound, memory aside, of a point P1 or P5 hit
+    must: dict[Point, frozenset[int]] = field(default_factory=dict)   # P6: stages that must recompute fully
+
+
+def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], parts: "_Partitions", act_scale: float,
+                    room: float, req: PlanRequest) -> frozenset[int]:
+    """P6: the stages of pipeline ranks that cannot hold their model states (as the executor keeps them, tp
+    dividing every parameter at best) plus one micro-batch of their largest stage's activations with the attention
+    core dropped (selective recompute) and everything divided by tp, in `room` (the device less the per-process
+    overhead): on the balanced cut they fit, if at all, only with full recompute."""
+    k = pt.pp * pt.v
+    kept = parts.stage_kept(k)
+    spec = get_spec(pt.schedule) if k > 1 else None
+    out: set[int] = set()
+    for j, r in enumerate(ranks):
+        held = spec.rank_stages(j, pt.pp, pt.v) if spec else (0,)
+        states = sum(executor_state_bytes(r.params, pt.dp, pt.zero, req.precision, req.optimizer))
+        if states + max(kept[st] for st in held) * act_scale / pt.tp > room:
+            out.update(held)
+    return frozenset(out)
+
+
 def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile, parts: "_Partitions",
-             req: PlanRequest) -> tuple[list[tuple[float, Point]], int, float]:
-    """P1 (module doc) drops points whose model states cannot fit; the rest get P2's time bound, least first.
-    Returns (bound, point) pairs, how many P1 pruned, and the least model-state bytes any point needs."""
+             req: PlanRequest) -> _Bounds:
+    """P1 (module doc) drops points whose model states cannot fit; the rest get P2's time bound (P5's recompute
+    added where it must run), least first."""
     largest_unit = max(u.params for u in profile.units)
-    overhead = OVERHEAD_BYTES[cluster.device.kind]
-    total_cost = sum(parts.unit_cost)
-    survivors, pruned, min_state = [], 0, math.inf
+    overhead, cap = OVERHEAD_BYTES[cluster.device.kind], cluster.device.memory_bytes
+    out = _Bounds(survivors=[], pruned=0, min_state=math.inf, memory_limited=None)
+    group_bound: dict[tuple, tuple[_RankBound, ...]] = {}   # the schedule's part is the same for every ZeRO stage
+    # one micro-batch's activations with selective recompute (the attention core dropped), all divided by tp at
+    # best: the least a stage holds without full recompute (P5)
+    kept = sum(u.saved_bytes - (u.tp.saved_core if u.tp else 0) for u in profile.units)
+    scales = {mbs: activation_scale(profile, micro_batch_size=mbs, precision=req.precision)
+              for mbs in {pt.micro_batch_size for pt in points}}
+    acts = {mbs: kept * scale for mbs, scale in scales.items()}
+    times = _UnitTimes(profile, cluster, req, max(acts)) if points else None
     for pt in points:
-        held = max(profile.total_params / pt.pp, largest_unit)
+        # tensor parallelism divides at most every parameter by tp (norms and whole embeddings stay replicated)
+        held = max(profile.total_params / pt.pp, largest_unit) / pt.tp
         state = sum(zero_model_state_bytes(held, pt.dp, pt.zero, req.precision, req.optimizer)) + overhead
-        min_state = min(min_state, state)
-        if state > cluster.device.memory_bytes:               # P1
-            pruned += 1
+        out.min_state = min(out.min_state, state)
+        g = _group(pt)
+        if g not in group_bound:
+            group_bound[g] = _schedule_bound(pt, parts, times)
+        bound = _point_bound(pt, group_bound[g], cluster, req)
+        limited = state > cap                                  # P1
+        if not limited and pt.pp * pt.v == 1 and state + acts[pt.micro_batch_size] / pt.tp > cap:
+            limited = True                                     # P5: one stage that fits only by full recompute
+            bound, memory_free = bound + group_bound[g][0].forward, bound
+        else:
+            memory_free = bound
+        if limited and (out.memory_limited is None or memory_free < out.memory_limited[0]):
+            out.memory_limited = (memory_free, pt)
+        if state > cap:
+            out.pruned += 1
             continue
-        # P2's bound: the busiest rank does m micro-batches of at least its share (with one contiguous stage per
-        # rank, at least the least possible bottleneck), and micro-batch 0 must pass every unit.
-        scale = pt.micro_batch_size / profile.micro_batch_size
-        rank_share = parts.min_bottleneck(pt.pp) if pt.v == 1 else total_cost / pt.pp
-        survivors.append((max(pt.microbatches * rank_share, total_cost) * scale, pt))
-    survivors.sort(key=lambda x: x[0])
-    return survivors, pruned, min_state
+        must = _must_recompute(pt, group_bound[g], parts, scales[pt.micro_batch_size], cap - overhead, req)
+        if must and pt.pp * pt.v > 1:   # P6: those ranks run their forward twice
+            out.must[pt] = must
+            spec = get_spec(pt.schedule)
+            ranks = tuple(replace(r, start_busy=r.start_busy + r.forward)
+                          if must.intersection(spec.rank_stages(j, pt.pp, pt.v)) else r
+                          for j, r in enumerate(group_bound[g]))
+            bound = max(bound, _point_bound(pt, ranks, cluster, req))
+        out.survivors.append((bound, pt))
+    out.survivors.sort(key=lambda x: x[0])
+    return out
+
+
+def _group(pt: Point) -> tuple:
+    """Points that differ only in ZeRO stage: the same stages, schedule and micro-batches, so the same pipeline
+    makespan (the estimate adds data-parallel collectives and the optimizer after the simulated schedule)."""
+    return pt.tp, pt.sp, pt.pp, pt.v, pt.schedule, pt.micro_batch_size
+
+
+def _makespan(est: Estimate) -> float:
+    """The simulated schedule's length without data-parallel collectives or optimizer: a lower bound on the step
+    time of every point of the group (P4), whatever its ZeRO stage or recompute."""
+    b = est.breakdown
+    return min(est.step_time_s, b.compute_s + b.bubble_s + b.p2p_s)
+
+
+class _Frontier:
+    """Survivors by lower bound, least first (a heap). A group's bound rises to the makespan learnt from its costed
+    members (P4): a member whose estimate recomputed stages S bounds every member that must recompute S or more
+    (P6; more recompute only lengthens each action, so the schedule); a point whose bound rose is pushed back, not
+    costed out of order."""
+
+    def __init__(self, bounded: list[tuple[float, Point]], must: dict[Point, frozenset[int]]) -> None:
+        self.heap = [(bound, i, pt) for i, (bound, pt) in enumerate(bounded)]
+        heapq.heapify(self.heap)
+        self.must = must
+        self.floors: dict[tuple, dict[frozenset[int], float]] = {}
+        self.plain: dict[tuple, Estimate] = {}   # group -> a member's estimate without recompute (P7)
+        self.order = itertools.count(len(self.heap))   # tie-breaks for points pushed back
+
+    def learn(self, pt: Point, c: _Costed) -> None:
+        rec = frozenset(i for i, r in enumerate(c.strategy.recompute) if r)
+        if not rec and not c.strategy.selective:
+            self.plain.setdefault(_group(pt), c.estimate)
+        if rec and rec != self.must.get(pt):
+            return   # recompute chosen from this point's own overflow: no bound on the others
+        known = self.floors.setdefault(_group(pt), {})
+        known[rec] = max(known.get(rec, 0.0), _makespan(c.estimate))
+
+    def floor(self, pt: Point) -> float:
+        must = self.must.get(pt, frozenset())
+        return max((v for rec, v in self.floors.get(_group(pt), {}).items() if rec <= must), default=0.0)
+
+    def pop(self) -> tuple[float, Point] | None:
+        while self.heap:
+            bound, i, pt = heapq.heappop(self.heap)
+            floor = self.floor(pt)
+            if floor > bound:
+                heapq.heappush(self.heap, (floor, i, pt))
+                continue
+            return bound, pt
+        return None
+
+    def rest(self) -> list[tuple[float, Point]]:
+        """What was never costed, least bound first (emptied)."""
+        out = sorted(((max(b, self.floor(pt)), i, pt) for b, i, pt in self.heap))
+        self.heap = []
+        return [(b, pt) for b, _, pt in out]
+
+
+def _known_overflow(pt: Point, plain: Estimate | None, parts: _Partitions, profile: ModelProfile, room: float,
+                    req: PlanRequest) -> frozenset[int]:
+    """P7: stages that must recompute fully, read off another ZeRO stage's estimate of the same group (the same
+    stages and schedule: the same activations in flight): a rank whose model states under this ZeRO stage (tp
+    dividing every parameter at best) plus those activations, less every attention core selective recompute could
+    drop, pass `room` (the device less the overhead) cannot fit without full recompute."""
+    if plain is None:
+        return frozenset()
+    k = pt.pp * pt.v
+    params = parts.stage_params(k)
+    scale = activation_scale(profile, micro_batch_size=pt.micro_batch_size, precision=req.precision)
+    core = {u.name: (u.tp.saved_core if u.tp else 0) * scale for u in profile.units}
+    by_stage = {st.stage: st for st in plain.stages}
+    out: set[int] = set()
+    for m in plain.memory_per_rank:
+        held = sum(params[sid] for sid in m.stages) / pt.tp
+        drops = sum(max(1, by_stage[sid].peak_in_flight) * sum(core[u] for u in by_stage[sid].units)
+                    for sid in m.stages)
+        states = sum(executor_state_bytes(held, pt.dp, pt.zero, req.precision, req.optimizer))
+        if states + m.activations - drops > room:
+            out.update(m.stages)
+    return frozenset(out)
+
+
+def _memory_limited(bounds: _Bounds, times: list[float], profile: ModelProfile, cluster: ClusterProfile,
+                    parts: _Partitions, req: PlanRequest) -> _Costed | None:
+    """The point memory kept out (P1, P5) that could have been fastest, estimated as it is: the rationale's
+    "memory binds" compares the winner with it. None when none could beat the winner or it fits."""
+    if bounds.memory_limited is None or not times or bounds.memory_limited[0] >= times[0]:
+        return None
+    pt = bounds.memory_limited[1]
+    strategy = _strategy(pt, parts.stages(pt.pp * pt.v), precision=req.precision, optimizer=req.optimizer)
+    est = estimate(strategy, profile, cluster, compact=True)
+    return None if est.fits else _Costed(pt, strategy, est)
+
+
+def _kth(times: list[float], k: int) -> float:
+    """The k-th least of `times` (a sorted list), inf when there are fewer."""
+    return times[k - 1] if len(times) >= k else math.inf
+
+
+def _branch_and_bound(frontier: _Frontier, bounds: _Bounds, profile: ModelProfile, cluster: ClusterProfile,
+                      parts: _Partitions, req: PlanRequest, on_progress: ProgressFn | None
+                      ) -> tuple[list[_Costed], list[_Costed], list[float], int]:
+    """Cost points least bound first until none left can enter the top k (module doc). Returns the feasible and
+    infeasible attempts, the feasible step times (sorted) and how many estimates were made; what is left in the
+    frontier was pruned."""
+    room = cluster.device.memory_bytes - OVERHEAD_BYTES[cluster.device.kind]
+    feasible: list[_Costed] = []
+    infeasible: list[_Costed] = []
+    times: list[float] = []
+    costed = done = 0
+    while (item := frontier.pop()) is not None:
+        if on_progress and done % 25 == 0:
+            on_progress(done, len(bounds.survivors))
+        bound, pt = item
+        kth = _kth(times, req.top_k) if req.prune else math.inf
+        if bound >= kth:                                       # P2 / P4: nothing left can enter the top k
+            frontier.heap.append((bound, -1, pt))
+            break
+        must = bounds.must.get(pt, frozenset()) | _known_overflow(pt, frontier.plain.get(_group(pt)), parts, profile,
+                                                                 room, req)
+        frontier.must[pt] = must
+        if frontier.floor(pt) > bound:                         # P7 raised its bound: back in line
+            heapq.heappush(frontier.heap, (frontier.floor(pt), next(frontier.order), pt))
+            continue
+        done += 1
+        attempts, n = _cost_point(pt, profile, cluster, parts, parts.unit_cost, precision=req.precision,
+                                  optimizer=req.optimizer, kth=kth, must=must)
+        costed += n
+        frontier.learn(pt, attempts[0])
+        best = attempts[-1]
+        (feasible if best.estimate.fits else infeasible).append(best)
+        if best.estimate.fits:
+            bisect.insort(times, best.estimate.step_time_s)
+        if not best.estimate.fits or len(attempts) > 1:
+            infeasible.append(attempts[0])  # the unconstrained version, for "memory binds" in the rationale
+    return feasible, infeasible, times, costed
 
 
 def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *,
            on_progress: ProgressFn | None = None) -> SearchResult:
     """Enumerate, prune and cost (module doc). request.prune=False costs every point P1 lets through (the fidelity
-    benchmark runs them all); request.schedules / micro_batch_sizes / max_v narrow the space."""
+    benchmark runs them all); request.schedules / micro_batch_sizes / max_v / tp_degrees narrow the space."""
     req = request
     gpus = req.resolved_gpus(cluster)
-    unit_cost = [sum(unit_times(u, profile, cluster, micro_batch_size=profile.micro_batch_size, precision=req.precision,
-                                ranks_running=gpus)) for u in profile.units]
-    parts = _Partitions(profile, unit_cost)
-    points = _points(profile, gpus, req, parts)
-    survivors, pruned, min_state = _bounded(points, profile, cluster, parts, req)
-    feasible: list[_Costed] = []
-    infeasible: list[_Costed] = []
-    pruned_bounds: dict[str, float] = {}   # family -> least time bound among points P2 pruned (sorted: first seen)
-    costed = 0
-    for i, (bound, pt) in enumerate(survivors):
-        if on_progress and i % 25 == 0:
-            on_progress(i, len(survivors))
-        if req.prune and len(feasible) >= req.top_k:
-            kth = sorted(c.estimate.step_time_s for c in feasible)[req.top_k - 1]
-            if bound >= kth:                                   # P2
-                pruned += len(survivors) - i
-                for later_bound, later in survivors[i:]:
-                    pruned_bounds.setdefault(later.family, later_bound)
-                break
-        attempts, n = _cost_point(pt, profile, cluster, parts, unit_cost, precision=req.precision,
-                                  optimizer=req.optimizer)
-        costed += n
-        best = attempts[-1]
-        (feasible if best.estimate.fits else infeasible).append(best)
-        if not best.estimate.fits or len(attempts) > 1:
-            infeasible.append(attempts[0])  # the unconstrained version, for "memory binds" in the rationale
+    unit_fb = [unit_times(u, profile, cluster, micro_batch_size=profile.micro_batch_size, precision=req.precision,
+                          ranks_running=gpus) for u in profile.units]
+    parts = _Partitions(profile, unit_fb)
+    unit_cost = parts.unit_cost
+    tp = search_tp(profile, cluster, gpus, req)
+    points = _points(profile, gpus, req, parts, tp)
+    bounds = _bounded(points, profile, cluster, parts, req)
+    survivors, pruned, min_state = bounds.survivors, bounds.pruned, bounds.min_state
+    frontier = _Frontier(survivors, bounds.must)
+    feasible, infeasible, times, costed = _branch_and_bound(frontier, bounds, profile, cluster, parts, req,
+                                                            on_progress)
+    rest = frontier.rest()
+    pruned += len(rest)
+    fastest_unfit = _memory_limited(bounds, times, profile, cluster, parts, req)
+    if fastest_unfit is not None:
+        infeasible.append(fastest_unfit)
+        costed += 1
+    pruned_bounds: dict[str, float] = {}   # family -> least time bound among points never costed
+    pruned_tp: dict[int, float] = {}       # the same per tp
+    for later_bound, later in rest:
+        pruned_bounds.setdefault(later.family, later_bound)
+        pruned_tp.setdefault(later.tp, later_bound)
     if on_progress:
         on_progress(len(survivors), len(survivors))
     feasible.sort(key=lambda c: (c.estimate.step_time_s, c.estimate.peak_memory_bytes))
@@ -239,7 +663,8 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
     feasible[:req.top_k] = [replace(c, estimate=estimate(c.strategy, profile, cluster, per_rank=i == 0))
                             for i, c in enumerate(feasible[:req.top_k])]
     return SearchResult(feasible=feasible, infeasible=infeasible, considered=len(points), pruned=pruned, costed=costed,
-                        pruned_bounds=pruned_bounds, min_state=min_state, unit_cost=unit_cost, gpus=gpus)
+                        pruned_bounds=pruned_bounds, min_state=min_state, unit_cost=unit_cost, gpus=gpus, tp=tp,
+                        pruned_tp_bounds=pruned_tp)
 
 
 def _no_fit(found: SearchResult, capacity: int, no_pipelines: str | None) -> InfeasibleError:
@@ -251,6 +676,9 @@ def _no_fit(found: SearchResult, capacity: int, no_pipelines: str | None) -> Inf
     tried = (f"ZeRO-3, full recompute and micro-batches down to 1 were tried; pipelines were not, the model cannot "
              f"be pipelined: {no_pipelines}" if no_pipelines else
              "ZeRO-3, full recompute, micro-batches down to 1 and every pipeline depth were tried")
+    top_tp = max(tp for tp, _ in found.tp.pairs)
+    tried += (f"; tensor parallelism up to tp={top_tp} too" if top_tp > 1 else
+              f"; no tensor parallelism: {found.tp.refusal}" if found.tp.refusal else "")
     return InfeasibleError(
         f"no strategy fits: {need}, the device has {fixed(capacity, 'GiB', 1)}; use more GPUs (--gpus/--nodes) "
         f"or a device with more memory ({tried})")
@@ -272,6 +700,9 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *
     fastest_unfit = min(infeasible, key=lambda c: c.estimate.step_time_s, default=None)
     rationale = explain(winner.strategy, winner.estimate, feasible, fastest_unfit, cluster, found.pruned_bounds,
                         no_pipelines=profile.pipeline_refusal)
+    rationale = replace(rationale, lines=rationale.lines + tuple(tp_lines(
+        winner.strategy, winner.estimate, feasible, cluster, found.tp, pruned_tp_bounds=found.pruned_tp_bounds,
+        at_tp1=_at_tp1(winner.strategy, profile, cluster))))
     provenance = _provenance(found, winner, profile, cluster, request, profile_path=profile_path, command=command,
                              t0=t0)
     s = winner.strategy
@@ -279,6 +710,14 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *
                 strategy=s, stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=winner.estimate,
                 alternatives=alternatives, candidates=_candidates(feasible + infeasible), rationale=rationale,
                 provenance=provenance)
+
+
+def _at_tp1(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> Estimate | None:
+    """The chosen strategy without tensor parallelism (same dp, pp, ZeRO, micro-batches and stages; fewer devices):
+    what TP saves in memory, for the rationale. None when tp = 1."""
+    if s.tp == 1:
+        return None
+    return estimate(replace(s, tp=1, sp=False), profile, cluster, compact=True)
 
 
 def _candidates(costed: list[_Costed]) -> tuple[Candidate, ...]:

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from cost_models.errors import ConfigError
 from cost_models.limits import MAX_MICROBATCHES
 from cost_models.schedule import DEFAULT_SCHEDULE, SCHEDULES
 from cost_models.strategy import family_of
+from cost_models.tensor_parallel import TPShape
 
 MAX_MICRO_BATCH = 64  # largest micro-batch size (sequences) searched
+NO_TP = ((1, False),)
 
 
 @dataclass(frozen=True)
@@ -21,10 +23,52 @@ class Point:
     v: int
     micro_batch_size: int
     microbatches: int
+    tp: int = 1
+    sp: bool = False
 
     @property
     def family(self) -> str:
-        return family_of(dp=self.dp, pp=self.pp)
+        return family_of(dp=self.dp, pp=self.pp, tp=self.tp)
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    """The (tp, sp) pairs searched, and one line per degree left out saying why (the rationale prints them)."""
+
+    pairs: tuple[tuple[int, bool], ...] = NO_TP
+    notes: tuple[str, ...] = ()
+    refusal: str | None = None     # why the model gets no tensor parallelism at all (then pairs is tp=1 only)
+
+
+def tp_options(shape: TPShape | None, *, devices_per_node: int, gpus: int, seq_len: int,
+               degrees: Sequence[int] | None = None) -> TPOptions:
+    """tp in powers of two that divide the GPUs per node (the mesh is (pp, dp, tp) with tp innermost, so a group of
+    tp adjacent ranks stays inside one node) and the GPUs searched, and that the model admits
+    (TPShape.tp_refusal: heads, key/value heads, MLP width); sequence parallelism on and off where it is allowed.
+    `degrees` narrows the tp values (a request's)."""
+    if shape is None:
+        return TPOptions(refusal="the profile predates tensor-parallel plans; re-run planner profile to search tp")
+    if shape.refusal:
+        return TPOptions(refusal=shape.refusal)
+    pairs: list[tuple[int, bool]] = [(1, False)]
+    notes: list[str] = []
+    tp = 2
+    while tp <= devices_per_node:
+        if devices_per_node % tp == 0 and gpus % tp == 0 and (degrees is None or tp in degrees):
+            why = shape.tp_refusal(tp)
+            if why:
+                notes.append(f"tp={tp} not searched: {why}")
+            else:
+                pairs.append((tp, False))
+                sp_why = shape.tp_refusal(tp, sp=True, seq_len=seq_len)
+                if sp_why is None:
+                    pairs.append((tp, True))
+                elif not any(n.startswith("sequence parallelism") for n in notes):   # one line says it
+                    notes.append(f"sequence parallelism not searched at tp={tp}: {sp_why}")
+        tp *= 2
+    if degrees is not None:
+        pairs = [p for p in pairs if p[0] in degrees] or pairs[:1]
+    return TPOptions(pairs=tuple(pairs), notes=tuple(notes))
 
 
 def divisors(n: int, *, at_most: int | None = None) -> list[int]:
@@ -50,21 +94,26 @@ def schedules_for(pp: int, m: int, n_units: int) -> list[tuple[str, int]]:
 
 
 def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_batch: int = MAX_MICRO_BATCH,
-                     max_microbatches: int = MAX_MICROBATCHES, pipelines: bool = True) -> Iterator[Point]:
-    """Every (dp, pp) with dp * pp = gpus, ZeRO 0-3 on dp, every schedule and chunking the units allow, and every
-    micro-batch size with dp * m * mbs = B (up to max_micro_batch sequences, and m up to max_microbatches, the
-    simulator's cap). Only pp <= n_units and mbs <= max_micro_batch are ever tried, so the work is bounded by
-    n_units x max_micro_batch whatever gpus and B are. pipelines=False: pp = 1 only (a model the executor cannot
-    cut into stages, ModelProfile.pipeline_refusal)."""
-    for pp in divisors(gpus, at_most=n_units if pipelines else 1):
-        dp = gpus // pp
-        if global_batch % dp:
+                     max_microbatches: int = MAX_MICROBATCHES, pipelines: bool = True,
+                     tp_pairs: Sequence[tuple[int, bool]] = NO_TP) -> Iterator[Point]:
+    """Every (tp, sp) of `tp_pairs` (tp_options), every (dp, pp) with dp * pp * tp = gpus, ZeRO 0-3 on dp, every
+    schedule and chunking the units allow, and every micro-batch size with dp * m * mbs = B (up to max_micro_batch
+    sequences, and m up to max_microbatches, the simulator's cap). Only pp <= n_units and mbs <= max_micro_batch
+    are ever tried, so the work is bounded by |tp_pairs| x n_units x max_micro_batch whatever gpus and B are.
+    pipelines=False: pp = 1 only (a model the executor cannot cut into stages, ModelProfile.pipeline_refusal)."""
+    for tp, sp in tp_pairs:
+        if gpus % tp:
             continue
-        per_replica = global_batch // dp
-        for mbs in divisors(per_replica, at_most=max_micro_batch):
-            m = per_replica // mbs
-            if m > max_microbatches:
+        for pp in divisors(gpus // tp, at_most=n_units if pipelines else 1):
+            dp = gpus // tp // pp
+            if global_batch % dp:
                 continue
-            for schedule, v in schedules_for(pp, m, n_units):
-                for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
-                    yield Point(dp=dp, pp=pp, zero=zero, schedule=schedule, v=v, micro_batch_size=mbs, microbatches=m)
+            per_replica = global_batch // dp
+            for mbs in divisors(per_replica, at_most=max_micro_batch):
+                m = per_replica // mbs
+                if m > max_microbatches:
+                    continue
+                for schedule, v in schedules_for(pp, m, n_units):
+                    for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+                        yield Point(dp=dp, pp=pp, zero=zero, schedule=schedule, v=v, micro_batch_size=mbs,
+                                    microbatches=m, tp=tp, sp=sp)

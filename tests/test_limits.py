@@ -99,7 +99,7 @@ def test_a_plan_files_strategy_above_the_caps_is_refused():
     units = ("embed", "head")
     ok = Strategy(dp=MAX_GPUS, pp=1, zero=1, schedule="1f1b", microbatches=1, micro_batch_size=1, stages=(units,))
     ok.validate(units)
-    for changes, message in (({"dp": 10**9}, r"^dp x pp = 1000000000 is above the 131,072"),
+    for changes, message in (({"dp": 10**9}, r"^dp x tp x pp = 1000000000 is above the 131,072"),
                              ({"dp": 1, "zero": 0, "microbatches": 10**6}, rf"^microbatches 1000000 is above the {MAX_MICROBATCHES:,}"),
                              ({"micro_batch_size": 10**9},
                               r"^dp x microbatches x micro_batch_size = .* above the 4,194,304")):

@@ -68,11 +68,16 @@ def test_plan_records_search_and_alternatives(llama13b):
 
 
 def test_no_fit_is_one_line_exit_3(tmp_path):
+    # llama2-70b on 32 A100-40GB fits only with tensor parallelism: searched without it, nothing fits
     prof = profile_model(resolve("llama2-70b"), micro_batch_size=1, seq_len=4096, meta=True, dtype="bf16")
     with pytest.raises(InfeasibleError, match=r"least memory any strategy needs is [0-9.]+ GiB per device, the device has 40.0 GiB"):
-        plan(prof, preset("a100-pcie-40g", nodes=4), PlanRequest(gpus=32, global_batch_size=128))
+        plan(prof, preset("a100-pcie-40g", nodes=4), PlanRequest(gpus=32, global_batch_size=128, tp_degrees=(1,)))
+    # 70B parameters' model states (16 bytes each under mixed-precision AdamW) over 8 devices: 130 GiB per device
+    # however they split (ZeRO-3, tensor or pipeline parallel)
+    with pytest.raises(InfeasibleError, match=r"model states alone need at least 129.5 GiB per device.*up to tp=8 too"):
+        plan(prof, preset("a100-pcie-40g", nodes=1), PlanRequest(gpus=8, global_batch_size=128))
     path = write_atomic(tmp_path / "p.json", dumps(ProfileFile(model=prof, cluster=preset("a100-pcie-40g", nodes=4)).to_dict()))
-    res = runner.invoke(app, ["plan", str(path), "-B", "128", "-o", "-"])
+    res = runner.invoke(app, ["plan", str(path), "-B", "128", "--tp", "1", "-o", "-"])
     assert res.exit_code == 3
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: no strategy fits: the least memory")
