@@ -96,17 +96,23 @@ def memory_rows(est) -> list[list[str]]:
 
 def estimate_lines(strategy, est) -> list[str]:
     s, b = strategy, est.breakdown
-    shape = f"dp={s.dp} x pp={s.pp}" + (f" (v={s.v})" if s.v > 1 else "")
+    shape = (f"dp={s.dp} x tp={s.tp}" + (" (+SP)" if s.sp else "") + f" x pp={s.pp}" + (f" (v={s.v})" if s.v > 1 else "")
+             + (", selective recompute" if s.selective else ""))
+    # compute_s includes the exposed TP collectives (the estimate adds them to each unit's pass): shown apart
+    tp_part = f" (of which tensor-parallel comm {duration(b.tp_comm_s)})" if s.tp > 1 else ""
     lines = [f"strategy: {shape}, ZeRO-{s.zero}, {s.schedule}, {s.microbatches} micro-batches of {s.micro_batch_size}, "
              f"{s.precision}, {s.optimizer}",
-             f"step time: {duration(est.step_time_s)} = compute {duration(b.compute_s)} + bubble {duration(b.bubble_s)}"
-             f" + p2p {duration(b.p2p_s)} + data-parallel comm {duration(b.dp_comm_s)} + optimizer {duration(b.optimizer_s)}"
-             f" ({est.compute_source} compute)",
+             f"step time: {duration(est.step_time_s)} = compute {duration(b.compute_s)}{tp_part} + bubble "
+             f"{duration(b.bubble_s)} + p2p {duration(b.p2p_s)} + data-parallel comm {duration(b.dp_comm_s)} + optimizer "
+             f"{duration(b.optimizer_s)} ({est.compute_source} compute)",
              f"bubble: {est.bubble_ratio:.3f} of ideal compute ((p-1)/m convention), {est.bubble_share:.1%} of rank-time idle",
              f"throughput: {est.tokens_per_s:,.0f} {est.throughput_unit}/s" + (f", MFU {est.mfu:.1%}" if est.mfu is not None else ""),
              f"communication per step: p2p {size(est.comm.p2p_bytes_per_step)} ({est.comm.p2p_link}), "
              f"data-parallel {size(est.comm.dp_bytes_per_rank)} per rank ({est.comm.dp_link}: "
-             + (", ".join(f"{k} {size(v)}" for k, v in est.comm.dp_collectives.items()) or "none") + ")"]
+             + (", ".join(f"{k} {size(v)}" for k, v in est.comm.dp_collectives.items()) or "none") + ")"
+             + (f", tensor-parallel {size(est.comm.tp_bytes_per_rank)} per rank ({est.comm.tp_link}: "
+                + (", ".join(f"{k} {size(v)}" for k, v in est.comm.tp_collectives.items() if v) or "none") + ")"
+                if s.tp > 1 else "")]
     for st in est.stages:
         lines.append(f"stage {st.stage}: {st.units[0]}..{st.units[-1]} ({len(st.units)} units, {st.params:,} params), "
                      f"F {duration(st.fwd_s)}, B {duration(st.bwd_s)} per micro-batch, "

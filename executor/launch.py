@@ -354,9 +354,13 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
                                   ("peak total", m.total_bytes, r.peak_memory_bytes)):
             rows.append(Measure(quantity=f"rank {r.rank} {label}", unit="B", predicted=float(pred),
                                 measured=float(meas)))
-    dp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if not k.startswith("p2p"))
+    dp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if not k.startswith(("p2p", "tp_")))
     rows.append(Measure(quantity="rank 0 data-parallel bytes per step", unit="B",
                         predicted=est.comm.dp_bytes_per_rank, measured=float(dp_measured)))
+    if plan.strategy.tp > 1:   # DTensor's collectives, counted apart (executor.measure.CommCounter)
+        tp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if k.startswith("tp_"))
+        rows.append(Measure(quantity="rank 0 tensor-parallel bytes per step", unit="B",
+                            predicted=est.comm.tp_bytes_per_rank, measured=float(tp_measured)))
     p2p_measured = sum(r.comm_bytes.get("p2p_send", 0) for r in ranks) / max(1, plan.strategy.dp)
     rows.append(Measure(quantity="p2p bytes per step (one pipeline)", unit="B",
                         predicted=est.comm.p2p_bytes_per_step, measured=float(p2p_measured)))

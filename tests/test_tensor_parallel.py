@@ -223,6 +223,9 @@ def test_tp2_dp2_checkpoint_resumes_as_zero3_dp2(tmp_path):
     assert list(run_a.losses) == pytest.approx(reference(cfg)[:3], rel=1e-4)
     assert all(r.parameter_bytes == split_param_bytes("llama-tiny", S(dp=2, tp=2, zero=3), r.rank)
                for r in run_a.ranks)
+    # run.json's table shows the TP traffic apart from the data-parallel one, predicted against counted
+    tp_row = next(m for m in run_a.measures if m.quantity == "rank 0 tensor-parallel bytes per step")
+    assert tp_row.measured == pytest.approx(tp_row.predicted, rel=0.05) and tp_row.measured > 0
     # ZeRO-3 dp=2 resumes it (step 3) and saves again at step 4; TP2 x DP2 ZeRO-1 resumes that (the reverse)
     run_b = launch(plan_for(S(dp=2, zero=3), prof), RunConfig(steps=4, warmup=0, resume=str(root),
                                                              checkpoint_dir=str(tmp_path / "ck2")))
