@@ -22,6 +22,7 @@ from rich.table import Table
 from cost_models.errors import PlannerError
 from cost_models.fileio import dumps
 from cost_models.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from planner.request import PlanRequest
 
 class _ErrorBoundary(TyperGroup):
     """The one error boundary of every command (main() and tests' CliRunner both go through it): a PlannerError is
@@ -61,7 +62,7 @@ ClusterOverride = Annotated[Optional[str], typer.Option(
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16-mixed | fp32")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw | adam | sgd")]
 TopK = Annotated[int, typer.Option("--top-k", help="alternatives to keep, with why each lost")]
-TimeLimit = Annotated[float, typer.Option("--time-limit", help="seconds for the MILP partition check")]
+TimeLimit = Annotated[float, typer.Option("--time-limit", help="seconds for the MILP cross-check of the winner's stage cut (the exact DP chooses it; 10 or more to prove the MILP optimal on large models)")]
 WithReport = Annotated[bool, typer.Option("--report/--no-report", help="write report.html and report.md beside the plan")]
 ProfileArg = Annotated[Path, typer.Argument(metavar="PROFILE", help="profile.json from `planner profile`")]
 PlanArg = Annotated[Path, typer.Argument(metavar="PLAN", help="plan.json from `planner plan`")]
@@ -374,7 +375,7 @@ def plan(
     cluster: ClusterOverride = None,
     nodes: Nodes = None,
     top_k: TopK = 5,
-    time_limit: TimeLimit = 2.0,
+    time_limit: TimeLimit = PlanRequest.time_limit_s,
     precision: PrecisionOpt = "bf16-mixed",
     optimizer: OptimizerOpt = "adamw",
     tp: Optional[str] = typer.Option(None, "--tp", help="tensor-parallel degrees to search, e.g. 1 (none) or 1,2,4 (default: every power of two the model and the nodes admit)"),
@@ -504,8 +505,10 @@ def run(
 ) -> None:
     """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction.
     --steps counts from the start of training: with --resume at step k, steps k .. STEPS-1 run."""
-    from executor.launch import RunConfig, launch
     from planner.plan import Plan
+    write_to, overwrite = _prepare_output(output, force)
+    the_plan = Plan.load(plan_path)   # before torch is imported (seconds): a bad plan file fails at once
+    from executor.launch import RunConfig, launch
 
     config = RunConfig(steps=steps, warmup=warmup, seed=seed, lr=lr, nnodes=nnodes, node_rank=node_rank,
                        rdzv_endpoint=rdzv_endpoint, timeout_s=timeout,
@@ -514,8 +517,6 @@ def run(
                        resume=str(resume) if resume else None, overwrite_checkpoints=overwrite_checkpoints,
                        trust_checkpoint=trust_checkpoint, data=str(data) if data else None,
                        init_from=str(init_from) if init_from else None)
-    write_to, overwrite = _prepare_output(output, force)
-    the_plan = Plan.load(plan_path)
     with err.status(f"running {the_plan.strategy.world_size} ranks up to step {steps}"):
         result = launch(the_plan, config, on_resume=lambda d, meta, signed: _print_resume(
             d, meta, the_plan, signed=signed, saving=checkpoint_dir is not None))
@@ -537,7 +538,7 @@ def replan(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="plan for a preset or cluster file (default: the checkpoint plan's cluster)"),
     nodes: Nodes = None,
     top_k: TopK = 5,
-    time_limit: TimeLimit = 2.0,
+    time_limit: TimeLimit = PlanRequest.time_limit_s,
     output: Output = Path("plan.json"),
     force: Force = False,
     as_json: AsJson = False,

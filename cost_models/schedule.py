@@ -307,6 +307,28 @@ def _generate(schedule: str, p: int, m: int, v: int) -> dict[int, tuple[Action, 
     return {r: tuple(spec.generator(r, p, m, v)) for r in range(p)}
 
 
+@lru_cache(maxsize=1024)
+def placement(schedule: str, p: int, v: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The stages of every pipeline rank, ascending (ScheduleSpec.rank_stages, for all ranks at once)."""
+    spec = get_spec(schedule)
+    return tuple(spec.rank_stages(r, p, v) for r in range(p))
+
+
+@lru_cache(maxsize=4096)
+def forwards_before_backward(schedule: str, rank: int, p: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """The stages of the forwards pipeline rank `rank` runs before its first backward action (B or I), in order.
+    Their activations are all alive when the last of them starts (none is released before a backward), whatever
+    the durations: a lower bound on the rank's peak activations that needs only the rank's own order."""
+    spec = get_spec(schedule)
+    spec.check(p, m, v)
+    out = []
+    for a in spec.generator(rank, p, m, v):
+        if a.kind != "F":
+            break
+        out.append(a.stage)
+    return tuple(out)
+
+
 def format_order(order: Mapping[int, Sequence[Action]]) -> dict[str, list[str]]:
     return {str(r): [str(a) for a in acts] for r, acts in sorted(order.items())}
 
@@ -360,99 +382,150 @@ def simulate(order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], 
 
     Dependencies: F(s, i) needs F(s-1, i) (plus the p2p time if s-1 is on another rank); B or I (s, i) needs
     F(s, i) and the backward of (s+1, i) (plus p2p); W(s, i) needs I(s, i). p2p transfers overlap compute.
-    Where each stage runs is read from the order itself (looped or V placement alike). Event-driven: a rank blocked on a missing input is parked on it and woken when it
-    completes, so each action is examined a bounded number of times. A deadlock raises ScheduleDeadlock with the
-    rank x step grid, the stuck actions marked.
+    Where each stage runs is read from the order itself (looped or V placement alike). The order is first compiled
+    (_compile: a topological order of its actions, durations aside); the times are then one pass over it, the
+    longest path of the dependency graph. A deadlock raises ScheduleDeadlock with the rank x step grid, the stuck
+    actions marked.
     """
-    run = _Run(order, costs, keep_timeline=keep_timeline)
-    stack = list(order)
-    while stack:
-        stack.extend(run.advance(stack.pop()))
-    stuck = {r: run.pos[r] for r, acts in order.items() if run.pos[r] < len(acts)}
-    if stuck:
-        raise ScheduleDeadlock("schedule deadlocks: ranks wait on each other at "
-                               f"{ {r: str(order[r][i]) for r, i in stuck.items()} }\n" + format_grid(order, mark=stuck))
-    return run.result()
+    return _evaluate(_compile(order), costs, keep_timeline=keep_timeline)
 
 
 class ScheduleDeadlock(ValueError):
     """The order cannot finish: each stuck rank waits on an action another stuck rank has not reached."""
 
 
-class _Run:
-    """The simulator's state: when each (stage, F | B/I | W, micro-batch) finished, who waits on what, rank clocks."""
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    """An order as flat lists in a topological order of its dependency graph (which does not depend on durations):
+    action i ends at max(end[prev[i]], end[dep1[i]] + send of dep1, end[dep2[i]] + send of dep2) + its duration,
+    index n standing for "none" (time 0). Durations and sends are looked up per evaluation through codes: dur_code
+    = kind x stages + stage (kind 0 F, 1 B, 2 I, 3 W); send codes index [fwd sends | bwd sends | 0]."""
 
-    def __init__(self, order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], *,
-                 keep_timeline: bool) -> None:
-        self.order, self.costs = order, costs
-        self.dur = {"F": [c.fwd_s for c in costs], "B": [c.bwd_s for c in costs],
-                    "I": [c.bwd_s * c.bwd_input_fraction for c in costs],
-                    "W": [c.bwd_s * (1 - c.bwd_input_fraction) for c in costs]}
-        self.where = {a.stage: r for r, acts in order.items() for a in acts}   # stage -> rank, from the order
-        self.has_w = {a.stage for acts in order.values() for a in acts if a.kind == "W"}
-        self.done: dict[tuple[int, int, int], float] = {}
-        self.waiting: dict[tuple[int, int, int], list[int]] = defaultdict(list)
-        self.free = {r: 0.0 for r in order}
-        self.busy = {r: 0.0 for r in order}
-        self.pos = {r: 0 for r in order}
-        self.points: list[tuple[float, int, int, int]] = []  # (time, +1/-1, stage, rank) for the memory timeline
-        self.events: list[Event] = []
-        self.keep_timeline = keep_timeline
+    order: Mapping[int, Sequence[Action]]
+    n_stages: int
+    ranks: tuple[int, ...]
+    rank: list[int]
+    prev: list[int]
+    dep1: list[int]
+    dep2: list[int]
+    send1: list[int]
+    send2: list[int]
+    dur_code: list[int]
+    acts: list[Action]
+    grows: list[int]      # indices of forwards: a micro-batch's activations live from their start ...
+    frees: list[int]      # ... until these end (its W, or B / I where the stage has no W)
 
-    def _arrival(self, stage: int, phase: int, mb: int, rank: int, send: float) -> float | tuple[int, int, int]:
-        """When (stage, phase, mb)'s result is usable on `rank` (p2p time added across ranks), or its key if not done."""
-        key = (stage, phase, mb)
-        t = self.done.get(key)
-        if t is None:
-            return key
-        return t + (send if self.where[stage] != rank else 0.0)
 
-    def _ready(self, a: Action, r: int) -> float | tuple[int, int, int]:
-        s, mb = a.stage, a.mb
-        if a.kind == "F":
-            return self._arrival(s - 1, 0, mb, r, self.costs[s - 1].send_fwd_s) if s > 0 else 0.0
-        if a.kind == "W":
-            return self._arrival(s, 1, mb, r, 0.0)
-        own = self._arrival(s, 0, mb, r, 0.0)
-        if isinstance(own, tuple) or s == len(self.costs) - 1:
-            return own
-        grad = self._arrival(s + 1, 1, mb, r, self.costs[s + 1].send_bwd_s)
-        return grad if isinstance(grad, tuple) else max(own, grad)
+_DUR_KIND = {"F": 0, "B": 1, "I": 2, "W": 3}
 
-    def advance(self, r: int) -> list[int]:
-        """Run rank r's actions until one waits on a missing input; return the ranks this woke."""
-        acts, woken = self.order[r], []
-        while self.pos[r] < len(acts):
-            a = acts[self.pos[r]]
-            ready = self._ready(a, r)
-            if isinstance(ready, tuple):
-                self.waiting[ready].append(r)
+
+def _compile(order: Mapping[int, Sequence[Action]]) -> _Compiled:
+    """The order's actions in a topological order of their dependencies (_walk), as flat lists."""
+    acts_all = [a for acts in order.values() for a in acts]
+    n_stages = 1 + max((a.stage for a in acts_all), default=-1)
+    n_mb = 1 + max((a.mb for a in acts_all), default=-1)
+    rows, pos = _walk(order, n_stages, n_mb)
+    stuck = {r: pos[r] for r, acts in order.items() if pos[r] < len(acts)}
+    if stuck:
+        raise ScheduleDeadlock("schedule deadlocks: ranks wait on each other at "
+                               f"{ {r: str(order[r][i]) for r, i in stuck.items()} }\n" + format_grid(order, mark=stuck))
+    n = len(rows)   # "none" (-1) becomes index n, whose end time is 0
+    acts, rank, prev, dep1, send1, dep2, send2, dur = (list(col) for col in zip(*rows)) if rows else ([] for _ in range(8))
+    has_w = {a.stage for a in acts if a.kind == "W"}
+    return _Compiled(order=order, n_stages=n_stages, ranks=tuple(order), rank=rank,
+                     prev=[n if j < 0 else j for j in prev], dep1=[n if j < 0 else j for j in dep1],
+                     dep2=[n if j < 0 else j for j in dep2], send1=send1, send2=send2, dur_code=dur, acts=acts,
+                     grows=[k for k, a in enumerate(acts) if a.kind == "F"],
+                     frees=[k for k, a in enumerate(acts) if a.kind == "W" or (a.kind != "F" and a.stage not in has_w)])
+
+
+def _walk(order: Mapping[int, Sequence[Action]], n_stages: int, n_mb: int) -> tuple[list[tuple], dict[int, int]]:
+    """Walk the order as the ranks would (each rank runs its actions in turn; a rank whose next action's input is
+    not produced yet is parked on that input and woken when it is): the visit order is topological. Each action is
+    examined a bounded number of times. Returns a row per action visited (action, rank, previous action of its rank,
+    input 1, its send code, input 2, its send code, duration code) and how far each rank got. A hot path of
+    planning: plain lists and locals."""
+    where = {a.stage: r for r, acts in order.items() for a in acts}
+    produced = [-1] * (n_stages * 2 * n_mb)   # slot (stage x 2 + F 0 | B/I 1) x n_mb + mb -> the action that made it
+    waiting: dict[int, list[int]] = defaultdict(list)
+    zero = 2 * n_stages                       # the send code of "no transfer"
+    rows: list[tuple] = []
+    last = {r: -1 for r in order}
+    pos = {r: 0 for r in order}
+    stack = list(order)
+    while stack:
+        r = stack.pop()
+        acts, i = order[r], pos[r]
+        while i < len(acts):
+            a = acts[i]
+            s, mb, kind = a.stage, a.mb, a.kind
+            # the inputs' slots and send codes: F after F(s-1); W after I(s); B / I after F(s) and B / I(s+1)
+            slot1, s1, d2, s2 = -1, zero, -1, zero
+            if kind == "F":
+                if s > 0:
+                    slot1, s1 = (s - 1) * 2 * n_mb + mb, (s - 1 if where[s - 1] != r else zero)
+            elif kind == "W":
+                slot1 = (s * 2 + 1) * n_mb + mb
+            else:
+                slot1 = s * 2 * n_mb + mb
+                if s < n_stages - 1:
+                    slot2 = ((s + 1) * 2 + 1) * n_mb + mb
+                    d2 = produced[slot2]
+                    if d2 < 0:
+                        waiting[slot2].append(r)
+                        break
+                    s2 = n_stages + s + 1 if where[s + 1] != r else zero
+            d1 = produced[slot1] if slot1 >= 0 else -1
+            if slot1 >= 0 and d1 < 0:
+                waiting[slot1].append(r)
                 break
-            start = max(self.free[r], ready)
-            end = start + self.dur[a.kind][a.stage]
-            key = (a.stage, _KEY[a.kind], a.mb)
-            self.done[key] = self.free[r] = end
-            self.busy[r] += end - start
-            self.pos[r] += 1
-            if a.kind == "F":
-                self.points.append((start, 1, a.stage, r))
-            elif a.kind == "W" or a.stage not in self.has_w:
-                self.points.append((end, -1, a.stage, r))
-            if self.keep_timeline:
-                self.events.append(Event(r, a, start, end))
-            woken += self.waiting.pop(key, ())
-        return woken
+            k = len(rows)
+            rows.append((a, r, last[r], d1, s1, d2, s2, _DUR_KIND[kind] * n_stages + s))
+            last[r] = k
+            i += 1
+            if kind != "W":
+                slot = s * 2 * n_mb + mb + (n_mb if kind != "F" else 0)
+                produced[slot] = k
+                if slot in waiting:
+                    stack.extend(waiting.pop(slot))
+        pos[r] = i
+    return rows, pos
 
-    def result(self) -> Simulation:
-        makespan = max(self.free.values(), default=0.0)
-        idle = {r: makespan - self.busy[r] for r in self.order}
-        ideal = max(self.busy.values(), default=0.0)
-        in_flight, act_bytes = _memory_timeline(self.points, self.costs)
-        return Simulation(makespan_s=makespan, busy_s=self.busy, idle_s=idle, finish_s=dict(self.free),
-                          bubble_ratio=(makespan - ideal) / ideal if ideal > 0 else 0.0,
-                          bubble_share=sum(idle.values()) / (len(self.order) * makespan) if makespan > 0 else 0.0,
-                          peak_in_flight=in_flight, peak_activation_bytes=act_bytes,
-                          timeline=tuple(sorted(self.events, key=lambda e: (e.start_s, e.rank))))
+
+def _evaluate(c: _Compiled, costs: Sequence[StageCost], *, keep_timeline: bool) -> Simulation:
+    """The times of a compiled order with these stage costs: one pass in its topological order."""
+    if len(costs) != c.n_stages:
+        raise ValueError(f"the order has {c.n_stages} stages, the costs {len(costs)}")
+    dur_tab = ([x.fwd_s for x in costs] + [x.bwd_s for x in costs]
+               + [x.bwd_s * x.bwd_input_fraction for x in costs] + [x.bwd_s * (1 - x.bwd_input_fraction) for x in costs])
+    send_tab = [x.send_fwd_s for x in costs] + [x.send_bwd_s for x in costs] + [0.0]
+    end = [0.0] * (len(c.acts) + 1)
+    start = [0.0] * len(c.acts)
+    for i, (p, d1, s1, d2, s2, dc) in enumerate(zip(c.prev, c.dep1, c.send1, c.dep2, c.send2, c.dur_code)):
+        t = end[p]
+        u = end[d1] + send_tab[s1]
+        if u > t:
+            t = u
+        u = end[d2] + send_tab[s2]
+        if u > t:
+            t = u
+        start[i] = t
+        end[i] = t + dur_tab[dc]
+    busy = {r: 0.0 for r in c.ranks}
+    free = {r: 0.0 for r in c.ranks}
+    for i, r in enumerate(c.rank):   # in each rank's own order, as a clock would add them
+        busy[r] += end[i] - start[i]
+        free[r] = end[i]
+    makespan = max(free.values(), default=0.0)
+    idle = {r: makespan - busy[r] for r in c.ranks}
+    ideal = max(busy.values(), default=0.0)
+    in_flight, act_bytes = _memory_timeline(c, start, end, costs)
+    events = (tuple(sorted((Event(c.rank[i], c.acts[i], start[i], end[i]) for i in range(len(c.acts))),
+                           key=lambda e: (e.start_s, e.rank))) if keep_timeline else ())
+    return Simulation(makespan_s=makespan, busy_s=busy, idle_s=idle, finish_s=free,
+                      bubble_ratio=(makespan - ideal) / ideal if ideal > 0 else 0.0,
+                      bubble_share=sum(idle.values()) / (len(c.ranks) * makespan) if makespan > 0 else 0.0,
+                      peak_in_flight=in_flight, peak_activation_bytes=act_bytes, timeline=events)
 
 
 def format_grid(order: Mapping[int, Sequence[Action]], *, mark: Mapping[int, int] | None = None,
@@ -476,24 +549,38 @@ def format_grid(order: Mapping[int, Sequence[Action]], *, mark: Mapping[int, int
 def simulate_schedule(schedule: str, p: int, m: int, v: int, costs: tuple[StageCost, ...]) -> Simulation:
     """simulate() of the generated order, cached: the planner costs every ZeRO stage of a pipeline shape with the
     same stage costs (data-parallel collectives come after the pipeline), so each distinct (shape, costs) is
-    simulated once. The result is shared: read it, do not modify it."""
-    return simulate(cached_order(schedule, p, m, v), costs)
+    simulated once, and each shape compiled once for all its costs. The result is shared: read it, do not modify
+    it."""
+    return _evaluate(_compiled(schedule, p, m, v), costs, keep_timeline=False)
 
 
-def _memory_timeline(points: list[tuple[float, int, int, int]],
+@lru_cache(maxsize=64)
+def _compiled(schedule: str, p: int, m: int, v: int) -> _Compiled:
+    """A shape's compiled order (a shape recurs with the costs of each tp, SP, micro-batch size and recompute)."""
+    return _compile(cached_order(schedule, p, m, v))
+
+
+def _memory_timeline(c: _Compiled, start: list[float], end: list[float],
                      costs: Sequence[StageCost]) -> tuple[dict[int, int], dict[int, float]]:
     """A micro-batch's activations live from its forward's start until its last backward piece (B, or W) ends;
-    at equal times frees come first."""
-    points.sort(key=lambda x: (x[0], x[1]))
-    count: dict[int, int] = defaultdict(int)
-    peak: dict[int, int] = defaultdict(int)
-    live: dict[int, float] = defaultdict(float)
-    peak_bytes: dict[int, float] = defaultdict(float)
-    for _, delta, stage, rank in points:
-        count[stage] += delta
-        if count[stage] > peak[stage]:
-            peak[stage] = count[stage]
-        live[rank] += delta * costs[stage].activation_bytes
-        if live[rank] > peak_bytes[rank]:
-            peak_bytes[rank] = live[rank]
-    return dict(peak), dict(peak_bytes)
+    at equal times frees come first (then the order the actions were compiled in). Per stage the most micro-batches
+    alive, per rank the most bytes."""
+    import numpy as np   # here, not at the top: every CLI command imports this module, few simulate
+    ev_time = np.array([start[i] for i in c.grows] + [end[i] for i in c.frees])
+    ev_delta = np.concatenate([np.ones(len(c.grows), dtype=np.int64), -np.ones(len(c.frees), dtype=np.int64)])
+    ev_index = np.array(c.grows + c.frees, dtype=np.int64)
+    acts = c.acts
+    ev_stage = np.array([acts[i].stage for i in ev_index.tolist()], dtype=np.int64)
+    ev_rank = np.array([c.rank[i] for i in ev_index.tolist()], dtype=np.int64)
+    peak: dict[int, int] = {}
+    peak_bytes: dict[int, float] = {}
+    for key, out, weight in ((ev_stage, peak, None), (ev_rank, peak_bytes, costs)):
+        idx = np.lexsort((ev_index, ev_delta, ev_time, key))   # by owner, then time, frees first, then order
+        owners, first = np.unique(key[idx], return_index=True)
+        bounds = list(first[1:]) + [len(idx)]
+        values = ev_delta[idx] if weight is None else \
+            ev_delta[idx] * np.array([x.activation_bytes for x in weight])[ev_stage[idx]]
+        for owner, lo, hi in zip(owners.tolist(), first.tolist(), bounds):
+            top = np.cumsum(values[lo:hi]).max()
+            out[owner] = max(0, int(top)) if weight is None else max(0.0, float(top))
+    return peak, peak_bytes

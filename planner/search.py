@@ -44,7 +44,7 @@ from cost_models.formatting import fixed, now_utc
 from cost_models.limits import MAX_MICROBATCHES
 from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, executor_state_bytes, zero_model_state_bytes
 from cost_models.profile import ModelProfile
-from cost_models.schedule import SCHEDULES, get_spec
+from cost_models.schedule import SCHEDULES, forwards_before_backward, get_spec, placement
 from cost_models.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition, stages_from_ranges)
@@ -339,12 +339,15 @@ class _UnitTimes:
 class _RankBound:
     """A pipeline rank's share of P2: `start_busy` = when micro-batch 0's forward can first reach it + its work
     for all micro-batches; `tail` = the backward the stages ahead still run after its last action; `params` = the
-    parameters its stages hold, divided by tp (at best)."""
+    parameters its stages hold, divided by tp (at best); `held` its stages; `alive` the least activation bytes it
+    keeps with selective recompute (P6), at the profile's micro-batch, before tp divides them."""
 
     start_busy: float
     tail: float
     params: float
     forward: float = 0.0   # the forward part of its work (what full recompute runs again)
+    held: tuple[int, ...] = (0,)
+    alive: float = 0.0
 
 
 def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = None) -> tuple[_RankBound, ...]:
@@ -359,24 +362,30 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
     if fb is None:   # the profile's unit times / tp: narrower GEMMs are no faster per FLOP
         scale = pt.micro_batch_size / parts.profile.micro_batch_size / pt.tp
         fb = parts.stage_fb(k)
-    params = parts.stage_params(k)
+    params, kept = parts.stage_params(k), parts.stage_kept(k)
     if k == 1:
         return (_RankBound(start_busy=pt.microbatches * sum(fb[0]) * scale, tail=0.0, params=params[0] / pt.tp,
-                           forward=pt.microbatches * fb[0][0] * scale),)
+                           forward=pt.microbatches * fb[0][0] * scale, alive=kept[0]),)
     spec = get_spec(pt.schedule)
     f_before, b_before = [0.0], [0.0]
     for f, b in fb:
         f_before.append(f_before[-1] + f)
         b_before.append(b_before[-1] + b)
     out = []
-    for j in range(pt.pp):
-        held = spec.rank_stages(j, pt.pp, pt.v)
+    for j, held in enumerate(placement(pt.schedule, pt.pp, pt.v)):
         first = min(held)
         busy = pt.microbatches * sum(fb[st][0] + fb[st][1] for st in held)
+        # P6's activations: one micro-batch of the rank's largest stage; on pipeline rank 0 (the one with most
+        # forwards in flight in every schedule here) the forwards it runs before its first backward, all alive
+        alive = max(kept[st] for st in held)
+        if j == 0:
+            alive = max(alive, sum(kept[st] for st in forwards_before_backward(pt.schedule, 0, pt.pp,
+                                                                               pt.microbatches, pt.v)))
         out.append(_RankBound(start_busy=(f_before[first] + busy) * scale,
                               tail=0.0 if spec.split_backward else b_before[first] * scale,
                               params=sum(params[st] for st in held) / pt.tp,
-                              forward=pt.microbatches * sum(fb[st][0] for st in held) * scale))
+                              forward=pt.microbatches * sum(fb[st][0] for st in held) * scale,
+                              held=held, alive=alive))
     return tuple(out)
 
 
@@ -402,15 +411,24 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     return {0: scatter + gather, 1: scatter + 2 * gather, 2: scatter + gather, 3: scatter + 2 * gather}[pt.zero]
 
 
-def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], cluster: ClusterProfile, req: PlanRequest) -> float:
+def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], cluster: ClusterProfile, req: PlanRequest,
+                 memo: dict | None = None) -> float:
     """P2 for one point: every rank ends after its work and its exposed data-parallel collectives, and the step
     after the last backward; then the optimizer step of the fullest rank. Two ranks (the schedule's critical one
-    and the busiest) stand for all: any rank's sum is a lower bound."""
+    and the busiest) stand for all: any rank's sum is a lower bound. `memo` keeps _dp_bound's answers across
+    points (it depends only on dp, pp, ZeRO, tp and the parameters)."""
+    memo = {} if memo is None else memo
+
+    def dp_time(params: float) -> float:
+        key = (pt.dp, pt.pp, pt.zero, pt.tp, params)
+        if key not in memo:
+            memo[key] = _dp_bound(pt, params, cluster, req)
+        return memo[key]
+
     schedule = max(r.start_busy + r.tail for r in ranks)
     busiest = max(ranks, key=lambda r: r.start_busy)
     critical = max(ranks, key=lambda r: r.start_busy + r.tail)
-    bound = max(schedule, busiest.start_busy + _dp_bound(pt, busiest.params, cluster, req),
-                critical.start_busy + _dp_bound(pt, critical.params, cluster, req))
+    bound = max(schedule, busiest.start_busy + dp_time(busiest.params), critical.start_busy + dp_time(critical.params))
     held = max(r.params for r in ranks) / (pt.dp if pt.zero >= 1 else 1)
     return bound + optimizer_step_time(held, precision=req.precision, optimizer=req.optimizer, cluster=cluster)
 
@@ -424,21 +442,17 @@ class _Bounds:
     must: dict[Point, frozenset[int]] = field(default_factory=dict)   # P6: stages that must recompute fully
 
 
-def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], parts: "_Partitions", act_scale: float,
-                    room: float, req: PlanRequest) -> frozenset[int]:
+def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], act_scale: float, room: float,
+                    req: PlanRequest) -> frozenset[int]:
     """P6: the stages of pipeline ranks that cannot hold their model states (as the executor keeps them, tp
-    dividing every parameter at best) plus one micro-batch of their largest stage's activations with the attention
-    core dropped (selective recompute) and everything divided by tp, in `room` (the device less the per-process
+    dividing every parameter at best) plus their least activations with the attention core dropped (selective
+    recompute; _RankBound.alive) and everything divided by tp, in `room` (the device less the per-process
     overhead): on the balanced cut they fit, if at all, only with full recompute."""
-    k = pt.pp * pt.v
-    kept = parts.stage_kept(k)
-    spec = get_spec(pt.schedule) if k > 1 else None
+    per_param = sum(executor_state_bytes(1.0, pt.dp, pt.zero, req.precision, req.optimizer))
     out: set[int] = set()
-    for j, r in enumerate(ranks):
-        held = spec.rank_stages(j, pt.pp, pt.v) if spec else (0,)
-        states = sum(executor_state_bytes(r.params, pt.dp, pt.zero, req.precision, req.optimizer))
-        if states + max(kept[st] for st in held) * act_scale / pt.tp > room:
-            out.update(held)
+    for r in ranks:
+        if r.params * per_param + r.alive * act_scale / pt.tp > room:
+            out.update(r.held)
     return frozenset(out)
 
 
@@ -449,7 +463,9 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     largest_unit = max(u.params for u in profile.units)
     overhead, cap = OVERHEAD_BYTES[cluster.device.kind], cluster.device.memory_bytes
     out = _Bounds(survivors=[], pruned=0, min_state=math.inf, memory_limited=None)
-    group_bound: dict[tuple, tuple[_RankBound, ...]] = {}   # the schedule's part is the same for every ZeRO stage
+    # the schedule's part is the same for every ZeRO stage (keyed by group, and by (group, P6's stages))
+    group_bound: dict[tuple, tuple[_RankBound, ...]] = {}
+    memo: dict = {}
     # one micro-batch's activations with selective recompute (the attention core dropped), all divided by tp at
     # best: the least a stage holds without full recompute (P5)
     kept = sum(u.saved_bytes - (u.tp.saved_core if u.tp else 0) for u in profile.units)
@@ -465,7 +481,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
         g = _group(pt)
         if g not in group_bound:
             group_bound[g] = _schedule_bound(pt, parts, times)
-        bound = _point_bound(pt, group_bound[g], cluster, req)
+        bound = _point_bound(pt, group_bound[g], cluster, req, memo)
         limited = state > cap                                  # P1
         if not limited and pt.pp * pt.v == 1 and state + acts[pt.micro_batch_size] / pt.tp > cap:
             limited = True                                     # P5: one stage that fits only by full recompute
@@ -477,14 +493,14 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
         if state > cap:
             out.pruned += 1
             continue
-        must = _must_recompute(pt, group_bound[g], parts, scales[pt.micro_batch_size], cap - overhead, req)
+        must = _must_recompute(pt, group_bound[g], scales[pt.micro_batch_size], cap - overhead, req)
         if must and pt.pp * pt.v > 1:   # P6: those ranks run their forward twice
             out.must[pt] = must
-            spec = get_spec(pt.schedule)
-            ranks = tuple(replace(r, start_busy=r.start_busy + r.forward)
-                          if must.intersection(spec.rank_stages(j, pt.pp, pt.v)) else r
-                          for j, r in enumerate(group_bound[g]))
-            bound = max(bound, _point_bound(pt, ranks, cluster, req))
+            if (g, must) not in group_bound:
+                group_bound[g, must] = tuple(replace(r, start_busy=r.start_busy + r.forward)
+                                             if must.intersection(r.held) else r for r in group_bound[g])
+            ranks = group_bound[g, must]
+            bound = max(bound, _point_bound(pt, ranks, cluster, req, memo))
         out.survivors.append((bound, pt))
     out.survivors.sort(key=lambda x: x[0])
     return out
@@ -607,8 +623,9 @@ def _branch_and_bound(frontier: _Frontier, bounds: _Bounds, profile: ModelProfil
         if bound >= kth:                                       # P2 / P4: nothing left can enter the top k
             frontier.heap.append((bound, -1, pt))
             break
-        must = bounds.must.get(pt, frozenset()) | _known_overflow(pt, frontier.plain.get(_group(pt)), parts, profile,
-                                                                 room, req)
+        # P6 / P7 are shortcuts of the search: an exhaustive one (prune=False) costs every point the plain way
+        must = (bounds.must.get(pt, frozenset()) | _known_overflow(pt, frontier.plain.get(_group(pt)), parts, profile,
+                                                                  room, req)) if req.prune else frozenset()
         frontier.must[pt] = must
         if frontier.floor(pt) > bound:                         # P7 raised its bound: back in line
             heapq.heappush(frontier.heap, (frontier.floor(pt), next(frontier.order), pt))

@@ -51,7 +51,8 @@ def test_split_model_on_slow_pcie_gets_a_pipeline(llama13b):
 
 
 def test_plan_records_search_and_alternatives(llama13b):
-    p = plan(llama13b, preset("a100-pcie-40g", nodes=2), PlanRequest(gpus=16, global_batch_size=64, top_k=4))
+    p = plan(llama13b, preset("a100-pcie-40g", nodes=2), PlanRequest(gpus=16, global_batch_size=64, top_k=4,
+                                                                      time_limit_s=10))   # time to prove the MILP
     pv = p.provenance
     assert pv.points_considered >= pv.points_pruned and pv.points_costed > 0
     assert len(p.alternatives) == 3

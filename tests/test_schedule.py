@@ -1,4 +1,5 @@
 """The schedule IR: our generators against torch's own pipeline_order, and the simulator against the papers."""
+import random
 import pytest
 from torch.distributed.pipelining import schedules as S
 from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -232,3 +233,52 @@ def test_the_estimate_holds_zbv_stages_where_the_v_puts_them():
     assert est.stages[1].send_fwd_s == 0 and est.stages[2].send_bwd_s == 0 and est.stages[0].send_fwd_s > 0
     crossing = est.stages[0].boundary_bytes + est.stages[2].boundary_bytes
     assert est.comm.p2p_bytes_per_step == 2 * crossing * 4 and est.comm.p2p_link.endswith("of 2 stage boundaries inter-node")
+
+
+def _reference_times(order, costs):
+    """Every action's (start, end) by relaxation to a fixed point, the dependency rules written out afresh: a
+    second implementation for the simulator's single topological pass to agree with."""
+    where = {a.stage: r for r, acts in order.items() for a in acts}
+    dur = {"F": lambda c: c.fwd_s, "B": lambda c: c.bwd_s, "I": lambda c: c.bwd_s * c.bwd_input_fraction,
+           "W": lambda c: c.bwd_s * (1 - c.bwd_input_fraction)}
+    end: dict = {}
+    last = len(costs) - 1
+    while True:
+        changed = False
+        for r, acts in order.items():
+            clock = 0.0
+            for a in acts:
+                s, i = a.stage, a.mb
+                back = lambda st: end.get((st, "B", i), end.get((st, "I", i)))
+                if a.kind == "F":
+                    deps = [] if s == 0 else [(end.get((s - 1, "F", i)), costs[s - 1].send_fwd_s, s - 1)]
+                elif a.kind == "W":
+                    deps = [(end.get((s, "I", i)), 0.0, s)]
+                else:
+                    deps = [(end.get((s, "F", i)), 0.0, s)] + ([] if s == last else [(back(s + 1), costs[s + 1].send_bwd_s, s + 1)])
+                if any(t is None for t, _, _ in deps):
+                    break
+                start = max([clock] + [t + (send if where[st] != r else 0.0) for t, send, st in deps])
+                clock = start + dur[a.kind](costs[s])
+                if end.get((s, a.kind, i)) != clock:
+                    end[s, a.kind, i], changed = clock, True
+        if not changed:
+            return end
+
+
+def test_the_simulator_agrees_with_a_fixed_point_reference():
+    rng = random.Random(7)
+    for name, spec in SCHEDULES.items():
+        for p, m in ((1, 3), (2, 4), (3, 6), (4, 8)):
+            for v in spec.searched_v:
+                if spec.constraint(name, p, m, v):
+                    continue
+                costs = [StageCost(fwd_s=rng.uniform(0.5, 2), bwd_s=rng.uniform(1, 4), bwd_input_fraction=rng.random(),
+                                   send_fwd_s=rng.uniform(0, 0.5), send_bwd_s=rng.uniform(0, 0.5)) for _ in range(p * v)]
+                order = generate(name, p, m, v)
+                sim = simulate(order, costs, keep_timeline=True)
+                ref = _reference_times(order, costs)
+                assert len(sim.timeline) == len(ref) == sum(len(a) for a in order.values())
+                for e in sim.timeline:
+                    assert e.end_s == pytest.approx(ref[e.action.stage, e.action.kind, e.action.mb], abs=1e-12)
+                assert sim.makespan_s == pytest.approx(max(ref.values()), abs=1e-12)
