@@ -92,8 +92,9 @@ def test_hf_model_trains_like_itself_under_every_plan_family_on_2_ranks(name, tm
 def test_hf_model_trains_like_itself_on_4_ranks(name, tmp_path):
     units, cfg = _setup(name, tmp_path)
     reference = single_process_losses(_strategy(units, 1, 1), cfg)
-    strategies = [_strategy(units, 4, 1, z) for z in range(4)] + [
-        _strategy(units, 1, 4, m=4), _strategy(units, 2, 2, 1, m=2), _strategy(units, 2, 2, 2, m=2)]
+    # every ZeRO stage over 4 ranks once (llama); GPT-2 for what its tied head adds: the tie across 4 and 2 stages
+    zero = [_strategy(units, 4, 1, z) for z in range(4)] if name == "llama" else []
+    strategies = zero + [_strategy(units, 1, 4, m=4), _strategy(units, 2, 2, 1, m=2), _strategy(units, 2, 2, 2, m=2)]
     _check(strategies, run_many(4, strategies, cfg), reference, _own_step0_loss(cfg))
 
 
