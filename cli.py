@@ -22,7 +22,6 @@ from rich.table import Table
 from cost_models.errors import PlannerError
 from cost_models.fileio import dumps
 from cost_models.schedule import DEFAULT_SCHEDULE, SCHEDULES
-from planner.request import PlanRequest
 
 class _ErrorBoundary(TyperGroup):
     """The one error boundary of every command (main() and tests' CliRunner both go through it): a PlannerError is
@@ -62,7 +61,7 @@ ClusterOverride = Annotated[Optional[str], typer.Option(
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16-mixed | fp32")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw | adam | sgd")]
 TopK = Annotated[int, typer.Option("--top-k", help="alternatives to keep, with why each lost")]
-TimeLimit = Annotated[float, typer.Option("--time-limit", help="seconds for the MILP cross-check of the winner's stage cut (the exact DP chooses it; 10 or more to prove the MILP optimal on large models)")]
+TimeLimit = Annotated[Optional[float], typer.Option("--time-limit", help="seconds for the MILP cross-check of the winner's stage cut (the exact DP chooses it); default: up to 1 s where the MILP can settle it (units x stages <= 256), skipped on larger cuts")]
 WithReport = Annotated[bool, typer.Option("--report/--no-report", help="write report.html and report.md beside the plan")]
 ProfileArg = Annotated[Path, typer.Argument(metavar="PROFILE", help="profile.json from `planner profile`")]
 PlanArg = Annotated[Path, typer.Argument(metavar="PLAN", help="plan.json from `planner plan`")]
@@ -375,7 +374,7 @@ def plan(
     cluster: ClusterOverride = None,
     nodes: Nodes = None,
     top_k: TopK = 5,
-    time_limit: TimeLimit = PlanRequest.time_limit_s,
+    time_limit: TimeLimit = None,
     precision: PrecisionOpt = "bf16-mixed",
     optimizer: OptimizerOpt = "adamw",
     tp: Optional[str] = typer.Option(None, "--tp", help="tensor-parallel degrees to search, e.g. 1 (none) or 1,2,4 (default: every power of two the model and the nodes admit)"),
@@ -538,7 +537,7 @@ def replan(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="plan for a preset or cluster file (default: the checkpoint plan's cluster)"),
     nodes: Nodes = None,
     top_k: TopK = 5,
-    time_limit: TimeLimit = PlanRequest.time_limit_s,
+    time_limit: TimeLimit = None,
     output: Output = Path("plan.json"),
     force: Force = False,
     as_json: AsJson = False,

@@ -1,9 +1,11 @@
 """Planning speed: llama3-70b (meta profile) on dgx-h100 x 128 nodes (1,024 GPUs) and x 2,048 nodes (16,384 GPUs),
 with tensor parallelism in the space (tp 1, 2, 4, 8 with and without sequence parallelism: ~4x the points).
-Targets on this machine: <= 2 s at 1,024 GPUs, <= 10 s at 16,384. Prints, per size, the wall time of `plan()`
-(cold: as a fresh `planner plan` runs it), its search alone run again (warm: the schedules' action orders cached;
-the rest of `plan()` is the winner's full estimate, the MILP cross-check of its stage cut and the rationale), the
-points considered / pruned / costed, the machine's load, and where the search's time goes (the top functions of a
+Targets on this machine: <= 2 s at 1,024 GPUs, <= 10 s at 16,384.
+
+Each measurement is `plan()` cold, as a fresh `planner plan` runs it: a new process (imports and the profile's
+loading not counted) plans once. The sizes are interleaved and repeated (--repeats), and each figure is printed as
+median [min - max] with the machine's 1-minute load beside it (this machine is shared: +-15% minutes apart). Then,
+per size, the points considered / pruned / costed, and where the search's time goes (the top functions of a
 cProfile run), so the next step is obvious. Writes results/planning_speed.json."""
 from __future__ import annotations
 
@@ -13,81 +15,125 @@ import datetime as dt
 import io
 import json
 import os
+import pickle
 import platform
 import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 TARGETS_S = {1024: 2.0, 16384: 10.0}
+NODES = (128, 2048)
 
 
-def _profile_search(prof, cluster, request, top: int) -> list[str]:
-    """The search's top functions by cumulative time (a second, profiled run: cProfile slows it ~2x)."""
-    from planner.search import search
+def _request(nodes: int, args):
+    from planner.request import PlanRequest
+    kw = {"time_limit_s": args.time_limit} if args.time_limit is not None else {}   # else the planner's default
+    return PlanRequest(gpus=8 * nodes, global_batch_size=args.global_batch_size, **kw)
+
+
+def _cold(args) -> None:
+    """One cold plan() in this (fresh) process; prints its figures as one JSON line."""
+    from cost_models.presets import preset
+    from planner.search import plan
+    prof = pickle.loads(Path(args.cold_profile).read_bytes())
+    cluster = preset("dgx-h100", nodes=args.cold)
+    request = _request(args.cold, args)
+    load = os.getloadavg()[0]
+    c0, t0 = os.times(), time.perf_counter()
+    p = plan(prof, cluster, request)
+    wall, c1 = time.perf_counter() - t0, os.times()
+    # CPU seconds of this process and its waited-for children (the MILP solver): on a shared machine, what the
+    # plan costs less the time it waited for a core
+    cpu = sum(getattr(c1, f) - getattr(c0, f) for f in ("user", "system", "children_user", "children_system"))
+    pv = p.provenance
+    print(json.dumps({"gpus": 8 * args.cold, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                      "load_1min": round(load, 2),
+                      "considered": pv.points_considered, "pruned": pv.points_pruned, "costed": pv.points_costed,
+                      "milp_status": pv.milp_status, "chosen": p.strategy.name,
+                      "step_time_s": p.prediction.step_time_s}))
+
+
+def _top_functions(prof, nodes: int, args) -> list[str]:
+    """plan()'s top functions by cumulative time (an in-process, profiled run: cProfile slows it ~2x)."""
+    from cost_models.presets import preset
+    from planner.search import plan
     profiler = cProfile.Profile()
     profiler.enable()
-    search(prof, cluster, request)
+    plan(prof, preset("dgx-h100", nodes=nodes), _request(nodes, args))
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(r"(planner|cost_models)/", top)
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(r"(planner|cost_models)/", args.top)
     return [line.rstrip() for line in text.getvalue().splitlines() if "/" in line and "(" in line]
 
 
-def _one(prof, nodes: int, args) -> dict:
-    from cost_models.presets import preset
-    from planner.request import PlanRequest
-    from planner.search import plan, search
-    cluster = preset("dgx-h100", nodes=nodes)
-    request = PlanRequest(gpus=8 * nodes, global_batch_size=args.global_batch_size, time_limit_s=args.time_limit)
-    load = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    p = plan(prof, cluster, request)          # first: cold caches (schedule orders), as a fresh `planner plan`
-    wall = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    found = search(prof, cluster, request)    # again, warm: the search alone
-    search_s = time.perf_counter() - t0
-    pv = p.provenance
-    by_tp: dict[int, int] = {}
-    for c in found.feasible + found.infeasible:
-        by_tp[c.strategy.tp] = by_tp.get(c.strategy.tp, 0) + 1
-    return {"gpus": 8 * nodes, "wall_s": round(wall, 3), "search_s": round(search_s, 3),
-            "load_1min": round(load, 2), "considered": pv.points_considered, "pruned": pv.points_pruned,
-            "costed": pv.points_costed, "costed_by_tp": by_tp, "milp_status": pv.milp_status,
-            "chosen": p.strategy.name, "step_time_s": p.prediction.step_time_s,
-            "top_functions": _profile_search(prof, cluster, request, args.top) if args.top else []}
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--global-batch-size", type=int, default=2048, help="sequences per step (2048 x 4096 = 8M tokens)")
-    ap.add_argument("--time-limit", type=float, default=2.0, help="seconds for the MILP cross-check (planner's "
-                    "--time-limit)")
-    ap.add_argument("--top", type=int, default=12, help="functions of the search's profile to print (0: none)")
+    ap.add_argument("--time-limit", type=float, default=None, help="seconds for the MILP cross-check (default: the "
+                    "planner's, as `planner plan` runs it)")
+    ap.add_argument("--repeats", type=int, default=3, help="cold runs per size, interleaved")
+    ap.add_argument("--top", type=int, default=12, help="functions of the profile to print (0: none)")
+    ap.add_argument("--cold", type=int, help=argparse.SUPPRESS)          # internal: one cold run of this many nodes
+    ap.add_argument("--cold-profile", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cold:
+        return _cold(args)
     from cost_models.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from planner.search import MILP_AUTO
 
     t0 = time.perf_counter()
     prof = profile_model(resolve("llama3-70b"), micro_batch_size=1, seq_len=args.seq_len, meta=True, dtype="bf16")
     profile_s = time.perf_counter() - t0
-    rows = [_one(prof, nodes, args) for nodes in (128, 2048)]
-    print(f"llama3-70b meta profile: {profile_s:.1f} s (not counted below); global batch {args.global_batch_size} x "
-          f"{args.seq_len}; {os.cpu_count()} CPUs; wall = plan() cold, search = the search alone, warm")
-    print(f"{'GPUs':>6} {'wall s':>7} {'search s':>8} {'load':>5} {'considered':>10} {'pruned':>7} {'costed':>7}  "
-          f"target  chosen")
-    for r in rows:
-        target = "met" if r["wall_s"] <= TARGETS_S[r["gpus"]] else "MISSED"
-        print(f"{r['gpus']:>6} {r['wall_s']:>7.2f} {r['search_s']:>8.2f} {r['load_1min']:>5.1f} {r['considered']:>10} "
-              f"{r['pruned']:>7} {r['costed']:>7}  {target:<6}  {r['chosen']} ({r['step_time_s']:.2f} s/step)")
-        print(f"       costed per tp: {r['costed_by_tp']}; MILP check: {r['milp_status']}")
-        for line in r["top_functions"]:
+    runs: dict[int, list[dict]] = {n: [] for n in NODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.pickle"
+        path.write_bytes(pickle.dumps(prof))
+        extra = ["--time-limit", str(args.time_limit)] if args.time_limit is not None else []
+        for _ in range(args.repeats):
+            for nodes in NODES:
+                out = subprocess.run([sys.executable, __file__, "--cold", str(nodes), "--cold-profile", str(path),
+                                      "--seq-len", str(args.seq_len), "--global-batch-size",
+                                      str(args.global_batch_size), *extra],
+                                     capture_output=True, text=True, check=True, cwd=ROOT)
+                runs[nodes].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    milp = (f"{args.time_limit:g} s" if args.time_limit is not None else
+            "the default: up to {:g} s on cuts of up to {} unit x stage binaries".format(*MILP_AUTO))
+    print(f"llama3-70b meta profile: {profile_s:.1f} s (not counted); global batch {args.global_batch_size} x "
+          f"{args.seq_len}; MILP cross-check {milp}; {os.cpu_count()} CPUs; {args.repeats} cold runs per size, "
+          f"interleaved, each in a fresh process")
+    print(f"{'GPUs':>6} {'wall s: median [min - max]':>27} {'CPU s':>6} {'load':>11} {'considered':>10} {'pruned':>7} "
+          f"{'costed':>7}  target  chosen")
+    rows = []
+    for nodes in NODES:
+        rs = runs[nodes]
+        walls, loads = [r["wall_s"] for r in rs], [r["load_1min"] for r in rs]
+        med, cpu = statistics.median(walls), statistics.median(r["cpu_s"] for r in rs)
+        r0 = rs[0]
+        row = {**{k: r0[k] for k in ("gpus", "considered", "pruned", "costed", "milp_status", "chosen", "step_time_s")},
+               "wall_s": walls, "wall_median_s": med, "cpu_median_s": cpu, "load_1min": loads,
+               "target_s": TARGETS_S[r0["gpus"]], "met": med <= TARGETS_S[r0["gpus"]],
+               "top_functions": _top_functions(prof, nodes, args) if args.top else []}
+        rows.append(row)
+        spread = f"{med:.2f} [{min(walls):.2f} - {max(walls):.2f}]"
+        print(f"{r0['gpus']:>6} {spread:>27} {cpu:>6.2f} {min(loads):>5.1f}-{max(loads):<5.1f} {r0['considered']:>10} "
+              f"{r0['pruned']:>7} {r0['costed']:>7}  {'met' if row['met'] else 'MISSED':<6}  {r0['chosen']} "
+              f"({r0['step_time_s']:.2f} s/step)")
+        print(f"       MILP check: {r0['milp_status']}")
+        for line in row["top_functions"]:
             print("       " + line)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "planning_speed.json").write_text(json.dumps({
-        "schema_version": 2, "kind": "zeropipe.benchmark.planning_speed", "rows": rows, "targets_s": TARGETS_S,
-        "global_batch_size": args.global_batch_size, "seq_len": args.seq_len, "milp_time_limit_s": args.time_limit,
+        "schema_version": 3, "kind": "zeropipe.benchmark.planning_speed", "rows": rows, "targets_s": TARGETS_S,
+        "global_batch_size": args.global_batch_size, "seq_len": args.seq_len, "milp_cross_check": milp,
+        "repeats": args.repeats,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}, indent=2) + "\n")
 

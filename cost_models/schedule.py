@@ -17,7 +17,7 @@ import re
 from collections import defaultdict
 from functools import lru_cache
 from dataclasses import dataclass
-from typing import Callable, Literal, Mapping, Sequence
+from typing import Callable, Iterator, Literal, Mapping, Sequence
 
 from cost_models.errors import ConfigError
 
@@ -43,7 +43,7 @@ class Action:
 
 
 Order = dict[int, list[Action]]
-Generator = Callable[[int, int, int, int], list[Action]]    # (rank, p, m, v) -> that rank's actions in order
+Generator = Callable[[int, int, int, int], Iterator[Action]]   # (rank, p, m, v) -> that rank's actions in order
 Constraint = Callable[[str, int, int, int], "str | None"]    # (name, p, m, v) -> why not, or None
 Guard = Callable[[int, int], "str | None"]                   # (zero, dp) -> why the executor cannot run it, or None
 
@@ -84,28 +84,29 @@ class ScheduleSpec:
 
 # --- generators ---------------------------------------------------------------------------------------------------
 
-def _gpipe(rank: int, p: int, m: int, v: int) -> list[Action]:
-    return [Action(rank, "F", i) for i in range(m)] + [Action(rank, "B", i) for i in range(m)]
+def _gpipe(rank: int, p: int, m: int, v: int) -> Iterator[Action]:
+    yield from (Action(rank, "F", i) for i in range(m))
+    yield from (Action(rank, "B", i) for i in range(m))
 
 
-def _one_f_one_b(rank: int, p: int, m: int, v: int) -> list[Action]:
+def _one_f_one_b(rank: int, p: int, m: int, v: int) -> Iterator[Action]:
     warmup = min(p - 1 - rank, m)
-    ops = [Action(rank, "F", i) for i in range(warmup)]
+    yield from (Action(rank, "F", i) for i in range(warmup))
     for i in range(m - warmup):
-        ops += [Action(rank, "F", warmup + i), Action(rank, "B", i)]
-    ops += [Action(rank, "B", i) for i in range(m - warmup, m)]
-    return ops
+        yield Action(rank, "F", warmup + i)
+        yield Action(rank, "B", i)
+    yield from (Action(rank, "B", i) for i in range(m - warmup, m))
 
 
-def _interleaved(rank: int, p: int, m: int, v: int) -> list[Action]:
+def _interleaved(rank: int, p: int, m: int, v: int) -> Iterator[Action]:
     return _looped(rank, p, m, v, zero_bubble=False)
 
 
-def _zero_bubble_looped(rank: int, p: int, m: int, v: int) -> list[Action]:
+def _zero_bubble_looped(rank: int, p: int, m: int, v: int) -> Iterator[Action]:
     return _looped(rank, p, m, v, zero_bubble=True)
 
 
-def _looped(rank: int, p: int, m: int, v: int, *, zero_bubble: bool) -> list[Action]:
+def _looped(rank: int, p: int, m: int, v: int, *, zero_bubble: bool) -> Iterator[Action]:
     """Interleaved 1F1B, and with zero_bubble its ZB1P variant (backward split into I then a deferred W).
 
     Forwards walk the rank's chunks in rounds of m_round micro-batches; backwards walk them in reverse. Each
@@ -125,29 +126,27 @@ def _looped(rank: int, p: int, m: int, v: int, *, zero_bubble: bool) -> list[Act
         return (v - 1 - ((step - warmup) // per_round) % v) * p + rank
 
     back = "I" if zero_bubble else "B"
-    ops: list[Action] = []
     backward_steps: list[int] = []
     weights_done = 0
 
-    def backward(step: int) -> None:
+    def backward(step: int) -> Iterator[Action]:
         nonlocal weights_done
-        ops.append(counter.take(back, bwd_stage(step)))
+        yield counter.take(back, bwd_stage(step))
         backward_steps.append(step)
         if zero_bubble and step - warmup >= rank:
-            ops.append(counter.take("W", bwd_stage(backward_steps[weights_done])))
+            yield counter.take("W", bwd_stage(backward_steps[weights_done]))
             weights_done += 1
 
     for step in range(warmup):
-        ops.append(counter.take("F", fwd_stage(step)))
+        yield counter.take("F", fwd_stage(step))
     for step in range(warmup, total):
-        ops.append(counter.take("F", fwd_stage(step)))
-        backward(step)
+        yield counter.take("F", fwd_stage(step))
+        yield from backward(step)
     for step in range(total, total + warmup):
-        backward(step)
+        yield from backward(step)
     while zero_bubble and weights_done < len(backward_steps):
-        ops.append(counter.take("W", bwd_stage(backward_steps[weights_done])))
+        yield counter.take("W", bwd_stage(backward_steps[weights_done]))
         weights_done += 1
-    return ops
 
 
 class _Counter:
@@ -166,32 +165,33 @@ class _Counter:
         return self.next[kind, stage] < self.next[than, stage]
 
 
-def _zbv(rank: int, p: int, m: int, v: int) -> list[Action]:
+def _zbv(rank: int, p: int, m: int, v: int) -> Iterator[Action]:
     """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6), as torch's ScheduleZBVZeroBubble orders
     it: rank r holds chunk 0 = stage r and chunk 1 = stage 2p-1-r (V placement, so the last stage sits beside the
     first). It plans for at least 2p-1 micro-batches and drops the actions of micro-batches past m."""
-    n = max(2 * p - 1, m)
+    return (a for a in _zbv_planned(rank, p, max(2 * p - 1, m)) if a.mb < m)
+
+
+def _zbv_planned(rank: int, p: int, n: int) -> Iterator[Action]:
     lo, hi = rank, 2 * p - 1 - rank
     c = _Counter()
-    ops: list[Action] = []
-    ops += [c.take("F", lo) for _ in range(2 * (p - rank) - 1)]                      # warm-up: the first leg
+    yield from (c.take("F", lo) for _ in range(2 * (p - rank) - 1))                # warm-up: the first leg
     for _ in range(rank):
-        ops += [c.take("F", hi), c.take("F", lo)]
+        yield from (c.take("F", hi), c.take("F", lo))
     for _ in range(p - rank):                                                        # the turn of the V
-        ops += [c.take("F", hi), c.take("I", hi), c.take("W", hi)]
+        yield from (c.take("F", hi), c.take("I", hi), c.take("W", hi))
     while c.next["F", hi] < c.next["F", lo] or c.next["F", lo] < n:                 # steady: one F, I, W per chunk
         if c.next["F", lo] < n:
-            ops.append(c.take("F", lo))
-        ops += [c.take("I", lo), c.take("W", lo), c.take("F", hi), c.take("I", hi), c.take("W", hi)]
+            yield c.take("F", lo)
+        yield from (c.take("I", lo), c.take("W", lo), c.take("F", hi), c.take("I", hi), c.take("W", hi))
     for _ in range(rank):                                                            # cool-down: inputs first
-        ops += [c.take("I", lo), c.take("I", hi)]
+        yield from (c.take("I", lo), c.take("I", hi))
     for _ in range(p - rank):
-        ops += [c.take("I", lo), c.take("W", lo)]
+        yield from (c.take("I", lo), c.take("W", lo))
     while c.pending("W", hi, than="I"):
-        ops.append(c.take("W", hi))
+        yield c.take("W", hi)
     while c.pending("W", lo, than="I"):
-        ops.append(c.take("W", lo))
-    return [a for a in ops if a.mb < m]
+        yield c.take("W", lo)
 
 
 # --- constraints --------------------------------------------------------------------------------------------------

@@ -201,6 +201,8 @@ def _milp(problem: PartitionProblem, time_limit_s: float) -> tuple[list[tuple[in
         status = f"Feasible (time limit {time_limit_s:g} s, optimality not proven)"
     if status == "Infeasible":
         raise PartitionInfeasible(f"MILP: no split of {n} units into {k} stages fits {fixed(problem.capacity, 'GiB', 2)}")
+    if status == "Not Solved":   # stopped by the time limit before any integer solution (its values are not one)
+        raise PartitionInfeasible(f"the MILP found no solution within {time_limit_s:g} s (--time-limit gives it longer)")
     if status != "Optimal" and T.varValue is None:
         raise PartitionInfeasible(f"MILP solver ended with status {status} and no solution within {time_limit_s} s")
     stage_of = [min(s for s in range(k) if (y[u, s].varValue or 0) > 0.5) for u in range(n)]

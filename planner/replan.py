@@ -14,7 +14,7 @@ from planner.search import ProgressFn, plan
 
 
 def replan(old: Plan, *, gpus: int, profile_path: str | None = None, cluster: str | None = None,
-           nodes: int | None = None, top_k: int = 5, time_limit_s: float = 10.0, command: str = "",
+           nodes: int | None = None, top_k: int = 5, time_limit_s: float | None = None, command: str = "",
            on_progress: ProgressFn | None = None) -> Plan:
     """The plan for `gpus` devices that continues `old`'s training. The profile is `profile_path` if given, else
     the one `old` was made from, which must be unchanged (its sha256 is in the plan); the cluster is `cluster` (a

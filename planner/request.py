@@ -16,7 +16,7 @@ class PlanRequest(Record):
     top_k: int = 5                                 # alternatives costed in full and kept in the plan
     precision: Precision = "bf16-mixed"
     optimizer: Optimizer = "adamw"
-    time_limit_s: float = 0.5                      # the MILP partitioner's, for the winner's provenance (a cross-check of the exact DP: at 1,024 GPUs its proof alone would take longer than the whole search; --time-limit 10 to prove it)
+    time_limit_s: float | None = None              # the MILP cross-check of the winner's stage cut (the exact DP chooses it): None = planner.search.MILP_AUTO
     prune: bool = True                             # False: cost every point the memory bound lets through
     schedules: tuple[str, ...] | None = None       # narrow the pipeline schedules searched (None: all)
     micro_batch_sizes: tuple[int, ...] | None = None

@@ -416,8 +416,13 @@ def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], cluster: ClusterProfi
     """P2 for one point: every rank ends after its work and its exposed data-parallel collectives, and the step
     after the last backward; then the optimizer step of the fullest rank. Two ranks (the schedule's critical one
     and the busiest) stand for all: any rank's sum is a lower bound. `memo` keeps _dp_bound's answers across
-    points (it depends only on dp, pp, ZeRO, tp and the parameters)."""
+    points (it depends only on dp, pp, ZeRO, tp and the parameters) and the ranks' summary per ranks tuple (the
+    caller keeps those alive, so their ids stay theirs)."""
     memo = {} if memo is None else memo
+    if ("ranks", id(ranks)) not in memo:
+        memo["ranks", id(ranks)] = (max(r.start_busy + r.tail for r in ranks), max(ranks, key=lambda r: r.start_busy),
+                                    max(ranks, key=lambda r: r.start_busy + r.tail), max(r.params for r in ranks))
+    schedule, busiest, critical, fullest = memo["ranks", id(ranks)]
 
     def dp_time(params: float) -> float:
         key = (pt.dp, pt.pp, pt.zero, pt.tp, params)
@@ -425,11 +430,8 @@ def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], cluster: ClusterProfi
             memo[key] = _dp_bound(pt, params, cluster, req)
         return memo[key]
 
-    schedule = max(r.start_busy + r.tail for r in ranks)
-    busiest = max(ranks, key=lambda r: r.start_busy)
-    critical = max(ranks, key=lambda r: r.start_busy + r.tail)
     bound = max(schedule, busiest.start_busy + dp_time(busiest.params), critical.start_busy + dp_time(critical.params))
-    held = max(r.params for r in ranks) / (pt.dp if pt.zero >= 1 else 1)
+    held = fullest / (pt.dp if pt.zero >= 1 else 1)
     return bound + optimizer_step_time(held, precision=req.precision, optimizer=req.optimizer, cluster=cluster)
 
 
@@ -761,8 +763,15 @@ def _provenance(found: SearchResult, winner: _Costed, profile: ModelProfile, clu
         versions=installed_versions(), command=command, created_at=now_utc())
 
 
+# The MILP cross-check's default (PlanRequest.time_limit_s None): up to 1 s on cuts of up to 256 unit x stage
+# binaries, none past them. Measured here (CBC, random unit costs): 16 x 4 proven in 0.3 s, 32 x 8 in 0.7 s, 82 x 4
+# in 0.4 s; 40 x 12 and 82 x 6 not proven in 5 s, 64 x 8 in 5.2 s. Past that size it cannot settle in seconds what
+# the exact DP already has, and would cost more than the whole search (benchmarks/planning_speed.py).
+MILP_AUTO = (1.0, 256)
+
+
 def _partition_provenance(winner: _Costed, profile: ModelProfile, unit_cost: list[float],
-                          time_limit_s: float) -> tuple[str, str, float | None, float | None]:
+                          time_limit_s: float | None) -> tuple[str, str, float | None, float | None]:
     """Solve the winner's stage cut again as a MILP and with the exact DP; record both bottlenecks and the status."""
     s = winner.strategy
     if s.n_stages == 1:
@@ -772,6 +781,11 @@ def _partition_provenance(winner: _Costed, profile: ModelProfile, unit_cost: lis
     scale = s.micro_batch_size / profile.micro_batch_size
     problem = PartitionProblem(costs=tuple(c * scale for c in unit_cost), n_stages=s.n_stages)
     dp_ranges = dp_partition(problem)
+    if time_limit_s is None:
+        time_limit_s, most = MILP_AUTO
+        if len(unit_cost) * s.n_stages > most:
+            return ("chain-dp", f"not run: {len(unit_cost)} units x {s.n_stages} stages is past what the MILP settles "
+                                f"in {time_limit_s:g} s (--time-limit S runs it)", None, problem.bottleneck(dp_ranges))
     try:
         _, status, objective = milp_partition(problem, time_limit_s=time_limit_s)
     except InfeasibleError as exc:

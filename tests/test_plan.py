@@ -123,3 +123,24 @@ def test_planner_never_emits_what_the_executor_cannot_run(tiny_profiles):
     # and that is the only PP2 x DP2 combination left out: every other schedule runs with every ZeRO stage
     grid = {(s, z, 2) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-interleaved") for z in range(4)}
     assert grid - shapes == {("zb-interleaved", 3, 2)}
+
+
+def test_the_milp_cross_check_runs_where_it_can_settle_and_says_why_not_elsewhere(llama13b):
+    from dataclasses import replace
+
+    from planner.search import MILP_AUTO, _partition_provenance, search
+    found = search(llama13b, preset("a100-pcie-40g", nodes=2), PlanRequest(gpus=16, global_batch_size=64, top_k=1))
+    winner, n = found.feasible[0], len(llama13b.units)
+    assert winner.strategy.n_stages > 1
+    limit, most = MILP_AUTO
+    for stages, time_limit in ((2, None), (most // n + 1, None), (most // n + 1, 10.0)):
+        cut = tuple(tuple(u.name for u in llama13b.units[i * n // stages:(i + 1) * n // stages]) for i in range(stages))
+        costed = replace(winner, strategy=replace(winner.strategy, pp=stages, dp=1, stages=cut, schedule="1f1b", v=1,
+                                                  microbatches=64, recompute=(), tp=1, sp=False))
+        partitioner, status, milp_b, dp_b = _partition_provenance(costed, llama13b, found.unit_cost, time_limit)
+        if n * stages > most and time_limit is None:   # past what it settles in a second: said, not run
+            assert status == f"not run: {n} units x {stages} stages is past what the MILP settles in {limit:g} s " \
+                             "(--time-limit S runs it)" and milp_b is None and dp_b > 0
+        else:                                          # run: its cut is as good as the exact DP's
+            assert status == "Optimal" or status.startswith("Feasible"), status
+            assert milp_b >= dp_b * (1 - 1e-9)
