@@ -92,7 +92,8 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
                 errs.append(abs(pred - meas) / meas if meas else (0.0 if pred == 0 else 1.0))
             mem[cat] = max(errs)
         b = est.breakdown
-        rows.append({"strategy": s.name, "dp": s.dp, "pp": s.pp, "zero": s.zero, "schedule": s.schedule,
+        rows.append({"strategy": s.name, "dp": s.dp, "pp": s.pp, "tp": s.tp, "sp": s.sp, "selective": s.selective,
+                     "zero": s.zero, "schedule": s.schedule,
                      "v": s.v, "microbatches": s.microbatches, "micro_batch_size": s.micro_batch_size,
                      "predicted_s": est.step_time_s, "measured_s": step,
                      "predicted": {"compute": b.compute_s, "optimizer": b.optimizer_s,
@@ -108,7 +109,16 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
             for k in ("compute", "optimizer", "rest")}
     bias = {k: statistics.median(r["predicted"][k] / r["measured"][k] for r in rows if r["measured"][k] > 0)
             for k in ("compute", "optimizer", "rest")}
+    by_tp = {}
+    for tp in sorted({r["tp"] for r in rows}):
+        sub = [r for r in rows if r["tp"] == tp]
+        by_tp[str(tp)] = {"candidates": len(sub),
+                          "mape": statistics.mean(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in sub),
+                          "best_predicted": min(sub, key=lambda r: (r["predicted_s"], r["strategy"]))["strategy"],
+                          "best_measured": min(sub, key=lambda r: r["measured_s"])["strategy"],
+                          "best_measured_s": min(r["measured_s"] for r in sub)}
     return {"model": model, "gpus": gpus, "global_batch_size": batch, "candidates": len(rows), "run_s": round(run_s, 1),
+            "by_tp": by_tp,
             "choice": rows[choice]["strategy"], "best_measured": rows[min(range(len(rows)), key=meas.__getitem__)]["strategy"],
             "regret": meas[choice] / min(meas), "kendall_tau": kendall_tau(pred, meas), "mape": statistics.mean(ape),
             "component_mape": comp, "component_pred_over_measured": bias,
@@ -122,20 +132,29 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for fidelity.json / .md")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--models", default=",".join(m for m, _ in SUITE), help="comma-separated, of the suite's")
+    ap.add_argument("--gpus", default="2,4", help="world sizes, comma-separated")
+    ap.add_argument("--batches", default="8,16", help="global batch sizes, comma-separated")
+    ap.add_argument("--name", default="", help="output file name (default fidelity, fidelity-quick with --quick)")
     args = ap.parse_args()
     from cost_models.cluster_source import probe_local
 
-    configs = [("mlp-deep", 2, 8)] if args.quick else [(m, g, b) for m, _ in SUITE for g in (2, 4) for b in (8, 16)]
+    configs = [("mlp-deep", 2, 8)] if args.quick else [
+        (m, int(g), int(b)) for m in args.models.split(",") for g in args.gpus.split(",") for b in args.batches.split(",")]
     clusters = {g: probe_local(ranks=g, dtype="fp32", sizes=None) for g in sorted({g for _, g, _ in configs})}
     t0 = time.perf_counter()
     results = []
     for model, gpus, batch in configs:
         res = run_config(model, gpus, batch, steps=args.steps, warmup=args.warmup, cluster=clusters[gpus])
+        res["load_1min"] = round(os.getloadavg()[0], 2)   # the machine is shared: beside every figure
         results.append(res)
         print(f"{model:<10} {gpus} ranks B={batch:<3} {res['candidates']:>4} candidates  regret {res['regret']:.3f}  "
               f"tau {res['kendall_tau']:+.2f}  MAPE {res['mape']:.0%}  compute {res['component_mape']['compute']:.0%} "
               f"optimizer {res['component_mape']['optimizer']:.0%} rest {res['component_mape']['rest']:.0%}  "
-              f"({res['run_s']:.0f} s)", flush=True)
+              f"({res['run_s']:.0f} s, load {res['load_1min']:.1f})", flush=True)
+        for tp, t in res["by_tp"].items():
+            print(f"    tp={tp}: {t['candidates']:>3} candidates, MAPE {t['mape']:.0%}, best predicted {t['best_predicted']}, "
+                  f"best measured {t['best_measured']} ({t['best_measured_s'] * 1e3:.1f} ms)", flush=True)
     summary = {"regret_max": max(r["regret"] for r in results),
                "kendall_tau_min": min(r["kendall_tau"] for r in results),
                "mape_mean": statistics.mean(r["mape"] for r in results),
@@ -155,7 +174,7 @@ def main() -> None:
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "fidelity-quick" if args.quick else "fidelity"
+    name = args.name or ("fidelity-quick" if args.quick else "fidelity")
     (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     (out / f"{name}.md").write_text(markdown(data))
     print(f"summary: regret max {summary['regret_max']:.3f} (target <= 1.05), Kendall tau min "
@@ -169,18 +188,25 @@ def markdown(data: dict) -> str:
     lines = [f"# zeropipe fidelity ({'quick' if data['quick'] else 'full'} run, {data['date']})", "",
              f"Machine: {data['machine']['cpus']} CPUs, {data['machine']['platform']}, Python "
              f"{data['machine']['python']}, torch {data['machine']['torch']}; gloo ranks on this CPU.", "",
-             "| model | ranks | batch | candidates | choice | best measured | regret | Kendall tau | MAPE | compute err | optimizer err | rest err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | ranks | batch | candidates | choice | best measured | regret | Kendall tau | MAPE | compute err | optimizer err | rest err | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["configs"]:
         c = r["component_mape"]
         lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch_size']} | {r['candidates']} | {r['choice']} | "
                      f"{r['best_measured']} | {r['regret']:.3f} | {r['kendall_tau']:+.2f} | {r['mape']:.0%} | "
-                     f"{c['compute']:.0%} | {c['optimizer']:.0%} | {c['rest']:.0%} |")
+                     f"{c['compute']:.0%} | {c['optimizer']:.0%} | {c['rest']:.0%} | {r.get('load_1min', float('nan')):.1f} |")
     lines += ["", f"Summary: regret max {s['regret_max']:.3f} (target <= 1.05); Kendall tau min {s['kendall_tau_min']:+.2f} "
               f"(>= 0.8); step-time MAPE {s['mape_mean']:.0%} (<= 15%); memory error max "
               + ", ".join(f"{k} {v:.1%}" for k, v in s["memory_error_max"].items()) + " (<= 10%).",
               "Predicted / measured, median over configurations: "
               + ", ".join(f"{k} {v:.2f}" for k, v in s["component_pred_over_measured_median"].items()) + "."]
+    if any(len(r.get("by_tp", {})) > 1 for r in data["configs"]):
+        lines += ["", "By tensor-parallel degree:", "",
+                  "| model | ranks | batch | tp | candidates | MAPE | best predicted | best measured (ms) |", "|---|---|---|---|---|---|---|---|"]
+        for r in data["configs"]:
+            for tp, t in r.get("by_tp", {}).items():
+                lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch_size']} | {tp} | {t['candidates']} | "
+                             f"{t['mape']:.0%} | {t['best_predicted']} | {t['best_measured']} ({t['best_measured_s'] * 1e3:.1f}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -84,6 +84,8 @@ def test_hf_model_trains_like_itself_under_every_plan_family_on_2_ranks(name, tm
     strategies = [_strategy(units, 2, 1, z) for z in range(4)] + [
         _strategy(units, 1, 2, schedule="gpipe", m=4), _strategy(units, 1, 2, m=4),
         _strategy(units, 1, 2, schedule="interleaved-1f1b", v=2, m=4), _strategy(units, 1, 2, schedule="zb-interleaved", m=4)]
+    if name in ("mistral", "qwen2"):   # llama's layers with their own attention: one of each family is enough
+        strategies = [strategies[i] for i in (0, 3, 5, 7)]
     _check(strategies, run_many(2, strategies, cfg), reference, own)
 
 

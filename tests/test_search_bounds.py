@@ -1,6 +1,7 @@
 """The search's pruning (planner/search.py P2-P7) is safe: on problems where memory binds (P6 and P7 fire), the
 branch-and-bound search returns the same top plans, with the same predicted step times, as costing every point
 (prune=False, which also skips the P6/P7 shortcuts). And the schedule facts P6 relies on hold in the simulator."""
+import functools
 import random
 
 import pytest
@@ -13,13 +14,18 @@ from planner.request import PlanRequest
 from planner.search import search
 
 
+@functools.lru_cache(maxsize=None)
+def _llama8b(seq_len: int):
+    return profile_model(resolve("llama3-8b"), micro_batch_size=1, seq_len=seq_len, meta=True, dtype="bf16")
+
+
 @pytest.mark.parametrize("seq_len, batch, cluster, nodes", [
     (4096, 32, "a100-pcie-40g", 1),    # memory binds: most points recompute
     (8192, 64, "a100-pcie-40g", 1),    # it binds harder: pipelines only with recompute on every stage
     (4096, 64, "dgx-h100", 2),         # tensor parallelism in the space
 ])
 def test_pruned_search_finds_the_exhaustive_searchs_top_plans(seq_len, batch, cluster, nodes):
-    prof = profile_model(resolve("llama3-8b"), micro_batch_size=1, seq_len=seq_len, meta=True, dtype="bf16")
+    prof = _llama8b(seq_len)
     c = preset(cluster, nodes=nodes)
     narrow = dict(global_batch_size=batch, top_k=3, micro_batch_sizes=(1, 2), max_v=2)
     pruned = search(prof, c, PlanRequest(**narrow))
