@@ -25,9 +25,19 @@ def strided_shard(dim: int, split_factor: int):
     from torch.distributed.tensor.placement_types import _StridedShard
     return _StridedShard(dim, split_factor=split_factor)
 
+
+def tp_strided(t: torch.Tensor) -> bool:
+    """Whether a DTensor holds a fused projection's parts split over the "tp" mesh dimension (strided_shard there;
+    FSDP2's own strided placements over "dp", which DCP chunks correctly, are not this)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    names = getattr(getattr(t, "device_mesh", None), "mesh_dim_names", None) or ()
+    return any(isinstance(p, _StridedShard) and names[i] == "tp" for i, p in enumerate(getattr(t, "placements", ()))
+               if i < len(names))
+
 __all__ = ["tree_leaves", "tree_map", "TorchDispatchMode", "storage_id", "CPU_FLASH_ATTENTION",
            "CPU_FLASH_ATTENTION_BACKWARD", "persistent_buffers", "default_group_timeout", "set_group_timeout",
-           "schedule_stages", "compute_action_strings", "own_parameters", "hf_init_weights", "module_view", "strided_shard"]
+           "schedule_stages", "compute_action_strings", "own_parameters", "hf_init_weights", "module_view", "strided_shard",
+           "tp_strided"]
 
 # The fused CPU flash-attention kernels (aten ops with private names; torch.nn.functional.scaled_dot_product_attention
 # picks them on CPU). The profiler runs them on meta and gives FlopCounterMode a formula for them.

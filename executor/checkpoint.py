@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from cost_models.errors import PlannerError
+from cost_models.torch_private import tp_strided
 from executor import checkpoint_layout as layout
 
 
@@ -61,7 +62,36 @@ def state_dict(params: dict[str, nn.Parameter], buffers: dict[str, torch.Tensor]
                 sd[f"optim.{name_of[id(param_of[id(p)])]}.{key}"] = _placed_like(value, param_of[id(p)])
     if rng_rank is not None:
         sd.update({f"rng.rank{rng_rank}.{k}": v for k, v in rng_state().items()})
-    return sd
+    return _whole_if_strided(sd)
+
+
+class _StateDict(dict):
+    """A state dict whose `strided` entries are whole copies of tensor-parallel strided DTensors (the targets)."""
+
+    strided: dict[str, torch.Tensor]
+
+
+def _whole_if_strided(sd: dict[str, Any]) -> _StateDict:
+    """DCP cannot chunk a fused projection's parts split over tp (GPT's c_attn, each rank a slice of q, k and v;
+    measured, torch 2.13: dcp.save fails with "overlapping chunks"): such tensors go in whole (plain tensors, written
+    once, read by any plan) and load() copies each rank's slice back (_restore_strided). Collective over each such
+    tensor's mesh, in the same order on every rank of a stage."""
+    out = _StateDict()
+    out.strided = {}
+    for key, value in sd.items():
+        if tp_strided(value):
+            out.strided[key] = value
+            value = value.full_tensor()
+        out[key] = value
+    return out
+
+
+def _restore_strided(sd: dict[str, Any]) -> None:
+    from torch.distributed.tensor import distribute_tensor
+    for key, target in getattr(sd, "strided", {}).items():
+        mine = distribute_tensor(sd[key], target.device_mesh, target.placements, src_data_rank=None).to_local()
+        with torch.no_grad():
+            target.to_local().copy_(mine)
 
 
 def _placed_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -275,6 +305,7 @@ def load(sd: dict[str, Any], step_dir: Path, *, trusted: bool = False) -> dict[s
             dcp.load(wanted, storage_reader=reader)
     except dcp.CheckpointException as exc:
         raise layout.CheckpointError(f"loading checkpoint {step_dir} failed: {failure_text(exc)}") from None
+    _restore_strided(sd)
     return {k: v for k, v in wanted.items() if k.startswith("rng.")}
 
 
