@@ -155,6 +155,7 @@ def profile(
     meta: bool = typer.Option(False, "--meta", help="build on the meta device: exact counts, no weights, no timings"),
     units: Optional[str] = typer.Option(None, "--units", help="pipeline units as module names: 'a+b,c,d' ('+' joins modules of one unit)"),
     input_fn: Optional[str] = typer.Option(None, "--input", help="package.module:function(batch_size, seq_len) -> input, for module:factory models"),
+    tp_plan: Optional[str] = typer.Option(None, "--tp-plan", help="package.module:function(model) -> [(pattern, style[, parts])]: a tensor-parallel plan, recorded in the profile"),
     cluster: str = typer.Option("local", "--cluster", help="local (probe this machine) | a preset (see `planner presets`) | a cluster file | none"),
     nodes: Nodes = None,
     ranks: Optional[int] = typer.Option(None, "--ranks", help="local probe: ranks to start (default: GPUs, or 4 CPU ranks)"),
@@ -170,9 +171,10 @@ def profile(
     from cost_models.model_profiler import profile_model
     from cost_models.models.source import resolve
     from cost_models.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
-    from cost_models.formatting import about, size
+    from cost_models.formatting import about
     from cost_models.profile import ProfileFile
     from cost_models.summaries import UNIT_COLUMNS, unit_rows
+    from cost_models.tensor_parallel import custom_tp_plan
 
     write_to, overwrite = _prepare_output(output, force)
     source = resolve(model, input_ref=input_fn)
@@ -180,7 +182,7 @@ def profile(
     check_cluster_args(cluster, nodes=nodes, ranks=ranks)
     if cluster != "local":  # load presets and files before spending time on the model
         cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
-    with _progress(counts=False) as bar:
+    with _progress(counts=False) as bar, custom_tp_plan(tp_plan):   # --tp-plan: imported here, recorded in prof
         task = bar.add_task(f"profiling {source.name}: forward pass of the whole model", total=None)
         def on_progress(done: int, total: int, name: str) -> None:
             bar.update(task, completed=done, total=total, description=f"profiling {source.name}: {name}")
@@ -198,15 +200,20 @@ def profile(
         return
     out.print(_table(UNIT_COLUMNS, unit_rows(prof),
                      title=f"{prof.name} ({prof.mode}, {prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len})"))
+    _print_params(prof)
+    if cluster_prof is not None:
+        _print_cluster(cluster_prof)
+    if write_to:
+        err.print(f"wrote {write_to}", highlight=False)
+
+
+def _print_params(prof) -> None:
+    from cost_models.formatting import size
     tied = "; ".join(f"{s.name} = {', '.join(s.aliases)}" for s in prof.shared)
     out.print(f"parameters: {prof.total_params:,} ({size(prof.total_param_bytes)} at {prof.dtype})"
               + (f"; tied: {tied}" if tied else ""), highlight=False)
     if prof.unassigned_params:
         out.print(f"note: {prof.unassigned_params:,} parameters belong to no unit (counted in the total)", highlight=False)
-    if cluster_prof is not None:
-        _print_cluster(cluster_prof)
-    if write_to:
-        err.print(f"wrote {write_to}", highlight=False)
 
 
 def _probe(*, nodes, ranks, dtype, sizes, repeats):

@@ -24,7 +24,8 @@ reduce-scatter of the same full buffer. Counted as executor/tensor_parallel.py p
     sp_entry output               -                             bwd all-gather (the slice's gradient)
     vocab-split embedding output  fwd all-reduce                fwd reduce-scatter, bwd all-gather
     vocab-split head              input: bwd all-reduce;        input: fwd all-gather, bwd reduce-scatter;
-                                  logits: fwd all-gather        logits: fwd all-gather
+                                  loss: 3 all-reduces of one    loss: the same
+                                  value per token
     norm weights (SP)             -                             bwd all-reduce of their gradients
 A vocabulary that does not split leaves the embedding as an sp_entry and the head as a replicated region.
 Without SP the executor makes a region's input one replicated DTensor for all its split linears, so their input
@@ -105,22 +106,28 @@ def _plus(*parts: tuple[float, float]) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=4096)
-def tp_unit_traffic(tu: TPUnit, *, sp: bool, vocab: bool) -> tuple[Traffic, Traffic]:
+def tp_unit_traffic(tu: TPUnit, *, sp: bool, vocab: int) -> tuple[Traffic, Traffic]:
     """(forward, backward) tensor-parallel collectives of one unit per micro-batch at the profile's dtype: calls and
-    full-buffer bytes of each op in TP_OPS (the module doc's table). `vocab`: the vocabulary splits at this tp."""
+    full-buffer bytes of each op in TP_OPS (the module doc's table). `vocab`: the vocabulary's size where it splits
+    at this tp (0: it does not). The loss then runs on the vocabulary shards (loss parallelism, as `planner run`'s
+    built-in cross-entropy does: executor/tensor_parallel.py loss_context): no logits all-gather, but three
+    all-reduces of one value per token (torch's loss_parallel: the max, the sum of exponentials and the target's
+    logit; measured here: 3 x 64 tokens x 4 bytes per micro-batch at fp32). They are listed with the backward's
+    collectives: once per micro-batch, as full recompute re-runs the head but not the loss after it."""
     row = (tu.row_calls, tu.row_bytes)
-    embed, logits = (tu.embed_calls, tu.embed_bytes), (tu.head_calls, tu.logit_bytes)
+    per_token = tu.logit_bytes / vocab if vocab else 0.0
+    embed, logits = (tu.embed_calls, tu.embed_bytes), (3 * tu.head_calls, 3 * per_token)
     head_in = (tu.head_calls, tu.head_in_bytes)
     region, repl, entry = (tu.region_calls, tu.region_bytes), (tu.repl_region_calls, tu.repl_region_bytes), \
         (tu.entry_calls, tu.entry_bytes)
     if not sp:
         if not vocab:
             return _traffic(all_reduce=row), _traffic(all_reduce=region)
-        return (_traffic(all_reduce=_plus(row, embed), all_gather=logits),
-                _traffic(all_reduce=_plus(region, head_in)))
+        return (_traffic(all_reduce=_plus(row, embed)),
+                _traffic(all_reduce=_plus(region, head_in, logits)))
     if vocab:
-        return (_traffic(all_gather=_plus(region, repl, head_in, logits), reduce_scatter=_plus(row, embed)),
-                _traffic(all_gather=_plus(row, embed, entry), reduce_scatter=_plus(region, head_in)))
+        return (_traffic(all_gather=_plus(region, repl, head_in), reduce_scatter=_plus(row, embed)),
+                _traffic(all_gather=_plus(row, embed, entry), reduce_scatter=_plus(region, head_in), all_reduce=logits))
     return (_traffic(all_gather=_plus(region, repl, head_in), reduce_scatter=row),
             _traffic(all_gather=_plus(row, entry, embed), reduce_scatter=region))
 

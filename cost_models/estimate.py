@@ -243,7 +243,7 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     if selective:
         b += core
     if s.tp > 1 and u.tp is not None:
-        fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=c.tp_vocab)
+        fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=c.profile.tensor_parallel.vocab if c.tp_vocab else 0)
         norms = sp_norm_grad_traffic(u.tp, c.grad_bytes) if s.sp else None
         tf, tb = _tp_seconds(c, fwd_t), _tp_seconds(c, bwd_t) + (_tp_seconds(c, norms) if norms else 0.0)
         f, b = f + tf, b + tb
@@ -501,7 +501,7 @@ def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int
     if s.tp == 1:
         return {}
     shape = profile.tensor_parallel
-    vocab = bool(shape) and vocab_divides(shape, s.tp)
+    vocab = shape.vocab if shape and vocab_divides(shape, s.tp) else 0
     scale = activation_scale(profile, micro_batch_size=s.micro_batch_size, precision=s.precision)
     grad_bytes = BYTES_PER_PARAM[(s.precision, s.optimizer)][1]
     out = dict.fromkeys(TP_OPS, 0.0)

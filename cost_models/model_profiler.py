@@ -38,7 +38,7 @@ from cost_models.models.losses import compute_loss, loss_kind, synthetic_target
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.pipelining import pipeline_support
 from cost_models.profile import ModelProfile, SharedParam, Timing, TPUnit, UnitEdge, UnitProfile
-from cost_models.tensor_parallel import PLANS, TPRule, rules_for, style_of, tp_shape
+from cost_models.tensor_parallel import TPRule, rules_for, style_of, tp_shape
 from cost_models.torch_private import (CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD, storage_id, tree_leaves,
                                       tree_map)
 
@@ -298,7 +298,7 @@ def model_tp_rules(model: nn.Module) -> tuple[TPRule, ...] | None:
     """The rules the profiler measures against: the model's plan with the vocabulary split (whether it splits at a
     given tp is the cost model's question, vocab_divides), or None for a model without a plan."""
     shape = tp_shape(model)
-    return None if shape.refusal else rules_for(PLANS[shape.plan], vocab_split=True)
+    return None if shape.refusal else rules_for(shape.tp_plan, vocab_split=True)
 
 
 def _largest_module_list(model: nn.Module) -> str:

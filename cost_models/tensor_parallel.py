@@ -26,9 +26,13 @@ Styles:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import fnmatch
-from typing import Literal
+import math
+from typing import Iterator, Literal, get_args
 
+from cost_models.errors import ConfigError
 from cost_models.records import Record, record
 
 Style = Literal["colwise", "rowwise", "embedding", "head", "norm", "region", "sp_entry"]
@@ -42,25 +46,43 @@ class TPRule(Record):
     parts: int = 1      # colwise only: parts of a fused projection split separately (q, k, v -> 3)
 
 
+# a module's kind each style applies to (executor/tensor_parallel.py places them): the split ones need a weight
+# laid out as nn.Linear's (out, in), nn.Embedding's (vocab, dim) or transformers' Conv1D's (in, out)
+LINEAR_KINDS = ("Linear", "Conv1D")
+
+
 @record
 class TPPlan(Record):
-    name: str                   # "zoo-llama" | "zoo-gpt" | "hf-llama"
+    name: str                   # "zoo-llama" | "zoo-gpt" | "hf-llama" | "hf-gpt2"
     rules: tuple[TPRule, ...]
     sp: str = ""                # "" when sequence parallelism is supported, else why not (one line)
     source: str = ""            # where the plan's split comes from
+    # "<module pattern>.<attribute>": an int attribute holding the full width of a split projection, which the
+    # module's forward uses to cut the projection's output (GPT-2's attention: c_attn's output .split(split_size));
+    # each rank divides it by tp, so the forward cuts its local q, k and v
+    local_widths: tuple[str, ...] = ()
 
 
 @record
 class TPShape(Record):
     """What decides which tp a model admits, recorded in the profile: tp must divide every one of these."""
 
-    plan: str                   # a name in PLANS, or "no: <why>"
-    heads: int = 0
+    plan: str                   # a name in PLANS, "custom: <module:function>" (rules below), or "no: <why>"
+    heads: int = 0              # 0: not known (a custom plan on a model without a config)
     kv_heads: int = 0
-    ffn: int = 0                # MLP width
+    ffn: int = 0                # MLP width; a custom plan's: the gcd of its split widths
     hidden: int = 0
     vocab: int = 0
     vocab_split: bool = False   # the embedding / head split on the vocabulary (not tied)
+    # a custom plan's rules (planner profile --tp-plan), recorded so that planning and runs need not import it
+    rules: tuple[TPRule, ...] = ()
+
+    @property
+    def tp_plan(self) -> "TPPlan":
+        """The plan itself: a built-in one, or the recorded custom rules."""
+        if self.plan.startswith(CUSTOM):
+            return TPPlan(name=self.plan, rules=self.rules, sp=_CUSTOM_NO_SP, source=self.plan.removeprefix(CUSTOM))
+        return PLANS[self.plan]
 
     @property
     def refusal(self) -> str | None:
@@ -75,12 +97,13 @@ class TPShape(Record):
             return None
         if self.refusal:
             return self.refusal
-        for what, n in (("attention heads", self.heads), ("key/value heads", self.kv_heads), ("MLP width", self.ffn),
+        ffn = "split widths' gcd" if self.plan.startswith(CUSTOM) else "MLP width"
+        for what, n in (("attention heads", self.heads), ("key/value heads", self.kv_heads), (ffn, self.ffn),
                         ("hidden size", self.hidden)):
             if n % tp:
                 return f"tp={tp} does not divide the {n} {what}"
-        if sp and PLANS[self.plan].sp:
-            return PLANS[self.plan].sp
+        if sp and self.tp_plan.sp:
+            return self.tp_plan.sp
         if sp and seq_len % tp:
             return f"sequence parallelism needs tp={tp} to divide the sequence length {seq_len}"
         return None
@@ -96,6 +119,10 @@ def _block_rules(prefix: str, attn: str, mlp: str, norms: tuple[str, ...], col: 
 
 
 _TORCHTITAN = "torchtitan models/llama3/infra/parallelize.py apply_tp"
+# transformers computes rotary tables (Llama) or adds position embeddings (GPT-2) and the causal mask from the
+# embedding's output before the decoder layers: with the sequence split there, they would cover only the rank's shard.
+_HF_NO_SP = ("sequence parallelism is not offered for transformers models: their rotary tables and causal mask are "
+             "computed from the embedding's output, before the layers where the sequence would be split")
 PLANS: dict[str, TPPlan] = {p.name: p for p in [
     TPPlan(name="zoo-llama", source=_TORCHTITAN, rules=(
         TPRule(pattern="embed.tok_embeddings", style="embedding"),
@@ -115,8 +142,6 @@ PLANS: dict[str, TPPlan] = {p.name: p for p in [
         TPRule(pattern="head.ln_f", style="norm"),
         TPRule(pattern="head.lm_head", style="region"),
     )),
-    # transformers computes rotary tables and the causal mask from the embedding's output before the decoder
-    # layers: with the sequence split there, they would cover only the rank's shard.
     TPPlan(name="hf-llama", source="transformers LlamaConfig.base_model_tp_plan", rules=(
         TPRule(pattern="model.embed_tokens", style="embedding"),
         *_block_rules("model.layers.*", "self_attn", "mlp", ("input_layernorm", "post_attention_layernorm"),
@@ -124,8 +149,17 @@ PLANS: dict[str, TPPlan] = {p.name: p for p in [
                       ("self_attn.o_proj", "mlp.down_proj")),
         TPRule(pattern="model.norm", style="norm"),
         TPRule(pattern="lm_head", style="head"),
-    ), sp="sequence parallelism is not offered for transformers models: their rotary tables and causal mask are "
-          "computed from the embedding's output, before the layers where the sequence would be split"),
+    ), sp=_HF_NO_SP),
+    # transformers' GPT-2: Megatron's GPT split on its Conv1D projections (weights stored (in, out)); the head is
+    # tied to the token embedding, so both stay whole as in zoo-gpt. Its attention views q, k and v with -1 heads
+    # (the local count follows the projection) but cuts c_attn's output at split_size, the full width.
+    TPPlan(name="hf-gpt2", source="Megatron-LM's GPT split (Shoeybi et al. 2019, section 3) on transformers' GPT-2",
+           rules=(
+        *_block_rules("transformer.h.*", "attn", "mlp", ("ln_1", "ln_2"), ("attn.c_attn", "mlp.c_fc"),
+                      ("attn.c_proj", "mlp.c_proj"), fused=3),
+        TPRule(pattern="transformer.ln_f", style="norm"),
+        TPRule(pattern="lm_head", style="region"),
+    ), sp=_HF_NO_SP, local_widths=("transformer.h.*.attn.split_size",)),
 ]}
 
 
@@ -146,7 +180,11 @@ def style_of(name: str, rules: tuple[TPRule, ...]) -> TPRule | None:
 
 
 def tp_shape(model) -> TPShape:
-    """Which plan fits this torch model and its dimensions (`planner profile` records it)."""
+    """Which plan fits this torch model and its dimensions (`planner profile` records it): the custom plan of
+    `custom_tp_plan`'s context when one is active, else the built-in plan for the model's family."""
+    custom = _CUSTOM_PLAN.get()
+    if custom is not None:
+        return custom_shape(model, _plan_rules(custom[1](model), custom[0]), f"{CUSTOM}{custom[0]}")
     from cost_models.models.gpt import GPT
     from cost_models.models.llama import Llama
     if isinstance(model, Llama):
@@ -165,13 +203,146 @@ def tp_shape(model) -> TPShape:
                        kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                        ffn=config.intermediate_size, hidden=config.hidden_size, vocab=config.vocab_size,
                        vocab_split=not tied)
+    if kind == "gpt2":
+        # tied head (GPT2LMHeadModel ties it to wte): the vocabulary stays whole, the plan has no vocab rules
+        return TPShape(plan="hf-gpt2", heads=config.n_head, kv_heads=config.n_head,
+                       ffn=config.n_inner or 4 * config.n_embd, hidden=config.n_embd, vocab=config.vocab_size)
     if kind is not None:
-        return TPShape(plan=f"no: no tensor-parallel plan for transformers' {kind} models yet (llama, mistral and "
-                            "qwen2 have one)")
+        return TPShape(plan=f"no: no tensor-parallel plan for transformers' {kind} models yet (llama, mistral, "
+                            "qwen2 and gpt2 have one; planner profile --tp-plan module:function gives one)")
     return TPShape(plan=f"no: no tensor-parallel plan for {type(model).__name__} (the zoo's GPT and Llama and "
-                        "transformers' Llama, Mistral and Qwen2 have one)")
+                        "transformers' Llama, Mistral, Qwen2 and GPT-2 have one; planner profile --tp-plan "
+                        "module:function gives one)")
 
 
 def vocab_divides(shape: TPShape, tp: int) -> bool:
     """Whether the embedding and head split on the vocabulary at this tp (else they stay whole)."""
     return shape.vocab_split and shape.vocab % tp == 0
+
+
+# --- custom plans: planner profile --tp-plan module:function -----------------------------------------------------
+
+CUSTOM = "custom: "
+_CUSTOM_NO_SP = ("sequence parallelism is not offered for custom plans (--tp-plan): where the sequence may be split "
+                 "depends on the model's forward")
+# the module type each style splits (a custom rule naming another kind is refused); None: any module
+STYLE_KINDS: dict[str, tuple[str, ...] | None] = {
+    "colwise": LINEAR_KINDS, "rowwise": LINEAR_KINDS, "head": LINEAR_KINDS, "embedding": ("Embedding",),
+    "norm": None, "region": None, "sp_entry": None}
+_CUSTOM_PLAN: contextvars.ContextVar[tuple[str, object] | None] = contextvars.ContextVar("tp_plan", default=None)
+
+
+@contextlib.contextmanager
+def custom_tp_plan(ref: str | None) -> Iterator[None]:
+    """Profile under a user's plan function (`planner profile --tp-plan module:function`): it takes the torch model
+    and returns (pattern, style) or (pattern, style, parts) tuples or TPRules; tp_shape returns its validated rules.
+    The function is imported here, before any profiling: a bad reference fails at once."""
+    if ref is None:
+        yield
+        return
+    from cost_models.models.source import _load_attr
+    token = _CUSTOM_PLAN.set((ref, _load_attr(ref, "--tp-plan")))
+    try:
+        yield
+    finally:
+        _CUSTOM_PLAN.reset(token)
+
+
+def _plan_rules(items, ref: str) -> tuple[TPRule, ...]:
+    """A plan function's result as TPRules (one-line ConfigError when it is not a list of rules)."""
+    try:
+        rules = tuple(r if isinstance(r, TPRule) else TPRule(pattern=r[0], style=r[1], parts=r[2] if len(r) > 2 else 1)
+                      for r in items)
+    except (TypeError, IndexError, KeyError):
+        rules = ()
+    if not rules or not all(isinstance(r.pattern, str) and isinstance(r.parts, int) and r.parts >= 1 for r in rules):
+        raise ConfigError(f"--tp-plan {ref} must return a non-empty list of (pattern, style) or (pattern, style, "
+                          "parts) tuples with parts >= 1")
+    return rules
+
+
+def check_rules(model, rules: tuple[TPRule, ...], ref: str) -> None:
+    """Every rule has a known style and names at least one module, of the kind its style splits."""
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+    for r in rules:
+        if r.style not in get_args(Style):
+            raise ConfigError(f"--tp-plan {ref}: unknown style {r.style!r} for {r.pattern!r}; use one of "
+                              f"{', '.join(get_args(Style))}")
+        matched = [n for n in kinds if n and fnmatch.fnmatchcase(n, r.pattern)]
+        if not matched:
+            raise ConfigError(f"--tp-plan {ref}: {r.pattern!r} matches no module of {type(model).__name__}; patterns "
+                              "are module names (model.named_modules()) with * wildcards")
+        if all(style_of(n, rules) is not r for n in matched):
+            raise ConfigError(f"--tp-plan {ref}: {r.pattern!r} only matches modules an earlier rule styles (the "
+                              "first matching rule wins); put it before them")
+        wrong = [n for n in matched if STYLE_KINDS[r.style] and kinds[n] not in STYLE_KINDS[r.style]]
+        if wrong:
+            raise ConfigError(f"--tp-plan {ref}: {r.style} splits {' or '.join(STYLE_KINDS[r.style])} modules, but "
+                              f"{wrong[0]} is a {kinds[wrong[0]]}")
+        if r.parts > 1 and r.style != "colwise":
+            raise ConfigError(f"--tp-plan {ref}: parts={r.parts} on {r.pattern!r}: only colwise rules take parts")
+    _check_regions(model, rules, ref)
+
+
+def _check_regions(model, rules: tuple[TPRule, ...], ref: str) -> None:
+    """A region holding split linears makes its input one DTensor (executor: _replicated_region): a module with
+    whole parameters inside it (a norm) would mix DTensors and tensors."""
+    styles = {n: r.style for n, _ in model.named_modules() if n and (r := style_of(n, rules))}
+    for name, module in model.named_modules():
+        if styles.get(name) != "region" or not any(s in SPLIT_STYLES for n, s in styles.items()
+                                                    if n.startswith(name + ".")):
+            continue
+        for sub_name, sub in module.named_modules(prefix=name):
+            split_above = any(styles.get(a) in SPLIT_STYLES for a in _ancestors(sub_name, name))
+            if not split_above and any(True for _ in sub.parameters(recurse=False)):
+                raise ConfigError(f"--tp-plan {ref}: region {name} holds {sub_name}, whose parameters are not split; "
+                                  "a region holds only its split linears (as an attention or MLP module does)")
+
+
+def _ancestors(name: str, top: str) -> list[str]:
+    """`name` and the modules above it, below `top`."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(top.split(".")) + 1, len(parts) + 1)]
+
+
+def custom_shape(model, rules: tuple[TPRule, ...], plan: str) -> TPShape:
+    """The TPShape of a model under custom rules (checked): heads from its config when it has one, the gcd of the
+    split widths (output features / parts of colwise, input features of rowwise, the vocabulary) as ffn, the
+    residual width (rowwise outputs) as hidden."""
+    check_rules(model, rules, plan.removeprefix(CUSTOM))
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    widths, hidden, vocab = [], [], []
+    for name, m in model.named_modules():
+        rule = style_of(name, rules) if name else None
+        if rule is None or rule.style not in SPLIT_STYLES:
+            continue
+        out_f, in_f = _features(m)
+        if rule.style in ("embedding", "head"):
+            vocab.append(m.weight.shape[0] if rule.style == "embedding" else out_f)
+        elif rule.style == "colwise":
+            widths.append(out_f // rule.parts)
+        else:
+            widths.append(in_f)
+            hidden.append(out_f)
+    vocab_split = bool(vocab) and not _vocab_tied(model, rules)
+    return TPShape(plan=plan, heads=heads, kv_heads=kv_heads, ffn=math.gcd(*widths, *(vocab if vocab_split else ())),
+                   hidden=getattr(config, "hidden_size", None) or max(set(hidden), key=hidden.count, default=0),
+                   vocab=max(vocab, default=0), vocab_split=vocab_split, rules=rules)
+
+
+def _features(m) -> tuple[int, int]:
+    """(output, input) features of nn.Linear (weight (out, in)) or transformers' Conv1D (weight (in, out))."""
+    w = m.weight.shape
+    return (w[1], w[0]) if type(m).__name__ == "Conv1D" else (w[0], w[1] if len(w) > 1 else 0)
+
+
+def _vocab_tied(model, rules: tuple[TPRule, ...]) -> bool:
+    """Whether a vocabulary-split module's weight is shared with another module (a tied head): it stays whole."""
+    owners: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return any(owners.get(id(getattr(m, "weight", None)), 0) > 1 for n, m in model.named_modules()
+               if (r := style_of(n, rules)) is not None and r.style in ("embedding", "head"))

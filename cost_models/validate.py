@@ -17,7 +17,7 @@ from cost_models.errors import FileFormatError
 from cost_models.limits import MAX_GPUS
 from cost_models.profile import PIPELINE_KINDS, ModelProfile, ProfileFile, Timing, UnitProfile
 from cost_models.records import Record
-from cost_models.tensor_parallel import PLANS
+from cost_models.tensor_parallel import CUSTOM, PLANS
 
 PROFILE_FIX = "re-run planner profile"
 CLUSTER_FIX = "correct the cluster file or re-run planner profile-cluster"
@@ -172,8 +172,10 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
         _fail(where, f"{path}.pipelining", p.pipelining,
               f"one of {', '.join(PIPELINE_KINDS)}, 'no: <reason>', or empty (not recorded)", fix)
     shape = p.tensor_parallel
-    if shape is not None and shape.plan and shape.plan not in PLANS and not shape.plan.startswith("no: "):
-        _fail(where, f"{path}.tensor_parallel.plan", shape.plan, f"one of {', '.join(PLANS)} or 'no: <reason>'", fix)
+    custom = shape is not None and shape.plan.startswith(CUSTOM) and bool(shape.rules)
+    if shape is not None and shape.plan and shape.plan not in PLANS and not shape.plan.startswith("no: ") and not custom:
+        _fail(where, f"{path}.tensor_parallel.plan", shape.plan,
+              f"one of {', '.join(PLANS)}, 'custom: <module:function>' with its rules, or 'no: <reason>'", fix)
     if p.largest_unit not in names:
         _fail(where, f"{path}.largest_unit", p.largest_unit, "the name of one of the units", fix)
     for i, s in enumerate(p.shared):

@@ -64,7 +64,9 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
         raise ConfigError("apply_plan needs example_input (one micro-batch) to set up a pipeline's static shapes")
     if init_from is not None:
         weights_format(Path(init_from))   # one line before any work if the folder holds no weights
-    rt = build_runtime(strategy, ModelSpec(build=model_fn, units=units), loss_fn=loss_fn, optimizer_fn=optimizer_fn,
+    tp_rules = plan.model.tp_rules if isinstance(plan, Plan) else ()   # a custom TP plan's, recorded in the profile
+    rt = build_runtime(strategy, ModelSpec(build=model_fn, units=units, tp_rules=tp_rules), loss_fn=loss_fn,
+                       optimizer_fn=optimizer_fn,
                        example=example_input, seed=seed, device=device,
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), loading=init_from is not None)
     if init_from is not None:

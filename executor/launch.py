@@ -191,7 +191,7 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
                       lr=1e-3 if lr is None else lr, start_step=start, resume_from=str(step_dir) if step_dir else None,
                       trust_checkpoint=run.trust_checkpoint, checkpoint_dir=run.checkpoint_dir,
                       checkpoint_every=run.checkpoint_every, checkpoint_keep=run.checkpoint_keep, data=run.data,
-                      unit_modules=plan.model.unit_modules, init_from=run.init_from)
+                      unit_modules=plan.model.unit_modules, init_from=run.init_from, tp_rules=plan.model.tp_rules)
     gathered = _start_ranks(plan, run, cfg, per_node)
     if gathered is None:
         return None

@@ -48,6 +48,7 @@ class Runtime:
     model: nn.Module | None = None       # the user's model object: with pp = 1 the one trained, else the stages' source
     init: str = ""                       # how the weights were drawn (executor.materialize): factory | per-module
     tp_rank: int = 0                     # this rank's place in its tensor-parallel group (mesh (pp, dp, tp))
+    sharded_logits: bool = False         # the logits stay split on the vocabulary: loss under loss_context
     # Seconds spent this step in stage forward/backward ("compute": it includes the communication FSDP and DDP
     # issue inside them), in the gradient syncs issued after them ("sync"), and in optimizer.step ("optimizer").
     timings: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "sync": 0.0, "optimizer": 0.0})
@@ -91,9 +92,10 @@ class Runtime:
         if s.n_stages == 1:
             loss = self._accumulate(inputs, targets)
         else:
-            losses = pipeline.step(self.schedule, is_first=self.is_first, is_last=self.is_last, inputs=inputs,
-                                   targets=targets)
-            loss = torch.stack([l.detach() for l in losses]).mean() if losses else None
+            with tensor_parallel.loss_context(self.sharded_logits):
+                losses = pipeline.step(self.schedule, is_first=self.is_first, is_last=self.is_last, inputs=inputs,
+                                       targets=targets)
+            loss = torch.stack([tensor_parallel.local_value(l.detach()) for l in losses]).mean() if losses else None
         t0 = time.perf_counter()
         if self.wrapped.manual_grad_sync:
             all_reduce_grads(self.wrapped.params, self.dp_group)
@@ -119,11 +121,11 @@ class Runtime:
             if self.wrapped.ddp and i < m - 1:
                 sync = module.no_sync()  # DDP all-reduces once, on the last micro-batch
             t0 = time.perf_counter()
-            with sync:
+            with sync, tensor_parallel.loss_context(self.sharded_logits):
                 loss = self.loss_fn(logits_of(module(x)), y) / m
                 loss.backward()
             self.timings["compute"] += time.perf_counter() - t0
-            total += loss.detach().cpu()
+            total += tensor_parallel.local_value(loss.detach()).cpu()
         return total
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -149,11 +151,12 @@ class ModelSpec:
 
     build: Callable[[], nn.Module]
     units: UnitMap
+    tp_rules: tuple = ()   # a custom tensor-parallel plan's rules (the profile's TPShape.rules); (): the built-in plan
 
 
 def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optimizer_fn, example: torch.Tensor | None,
                   seed: int = 0, device: torch.device | None = None, local_ranks: int = 1,
-                  loading: bool = False) -> Runtime:
+                  loading: bool = False, builtin_cross_entropy: bool = False) -> Runtime:
     """Apply `strategy` to the model of `spec` on this rank of an initialised process group.
 
     The model is built on meta first (names, ties, the stages' static shapes from `example`, one micro-batch of
@@ -171,7 +174,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     support = pipeline_support(meta, [(u, spec.units.names(u)) for st in s.stages for u in st]) if s.pp > 1 else ""
     check_covers_model(meta, s.stages, spec.units, model_level=s.pp == 1 or support == "traced")
     seq_len = example.shape[1] if example is not None and example.dim() > 1 else 0
-    tensor_parallel.check_tp(meta, s.tp, sp=s.sp, seq_len=seq_len)
+    tensor_parallel.check_tp(meta, s.tp, sp=s.sp, seq_len=seq_len, rules=spec.tp_rules)
     stage_io = stage_io_shapes(meta, s, spec.units, support, example) if s.n_stages > 1 else []
     if s.sp and stage_io:
         stage_io = tensor_parallel.sequence_sharded_io(stage_io, s.tp)
@@ -187,8 +190,8 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     stage_ids = list(s.rank_stages(pp_rank))
     model, held = _materialized(s, spec, mode, stage_ids, support, seed, device)
     # torchtitan's order: tensor (+ sequence) parallelism, then activation checkpointing, then FSDP2
-    if s.tp > 1:
-        tensor_parallel.parallelize(model, held, mesh["tp"], sp=s.sp)
+    sharded_logits = s.tp > 1 and tensor_parallel.parallelize(model, held, mesh["tp"], sp=s.sp, rules=spec.tp_rules,
+                                                                loss_parallel=builtin_cross_entropy)
     _recompute(s, model, held, stage_ids, spec.units)
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,
@@ -204,7 +207,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     return Runtime(strategy=s, pp_rank=pp_rank, dp_rank=dp_rank, stage_ids=stage_ids, wrapped=wrapped,
                    loss_fn=loss_fn, schedule=schedule, dp_group=mesh["dp"].get_group() if s.dp > 1 else None,
                    tie_groups=_tie_groups(s, ties, rank), params_by_name=params, buffers_by_name=buffers,
-                   model=model, init=mode, tp_rank=tp_rank)
+                   model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits)
 
 
 def _recompute(s: Strategy, model: nn.Module, held: list[nn.Module], stage_ids: list[int], units: UnitMap) -> None:

@@ -7,21 +7,27 @@ apply_tp gives them: Megatron-LM's column / row splits (Shoeybi et al. 2019, sec
 parallelism, Shard(1) activations between the split regions (Korthikanti et al. 2022, section 4.2.2):
 
     style      no SP                                          SP
-    colwise    ColwiseParallel (parts=3: _StridedColwise)     the same (its input arrives gathered)
+    colwise    ColwiseParallel (parts=3: strided, local out)  the same (its input arrives gathered)
     rowwise    RowwiseParallel, output Replicate (all-reduce) output Shard(1) (reduce-scatter)
     embedding  RowwiseParallel, input Replicate               output Shard(1)
     head       ColwiseParallel, output Replicate (gathered)   input Shard(1)
+               (loss parallel: output Shard(-1), a DTensor; the cross-entropy under loss_context)
     norm       replicated (plain parameters)                  SequenceParallel
     region     PrepareModuleInput Replicate (one DTensor)     PrepareModuleInput Shard(1) -> Replicate (all-gather)
     sp_entry   nothing                                        PrepareModuleOutput Replicate -> Shard(1) (a slice)
+
+colwise and rowwise also split transformers' Conv1D (GPT-2), whose weight is nn.Linear's transposed (_split_linear).
 """
 from __future__ import annotations
+
+import fnmatch
 
 import torch
 from torch import nn
 
 from cost_models.errors import ConfigError
-from cost_models.tensor_parallel import PLANS, TPRule, rules_for, style_of, tp_shape, vocab_divides
+from cost_models.tensor_parallel import (CUSTOM, SPLIT_STYLES, TPRule, TPShape, custom_shape, rules_for, style_of,
+                                         tp_shape, vocab_divides)
 from cost_models.torch_private import TorchDispatchMode, storage_id, strided_shard, tree_leaves
 
 # The last name part of the modules holding the attention core (zoo Llama, zoo GPT, transformers' Llama family):
@@ -29,39 +35,74 @@ from cost_models.torch_private import TorchDispatchMode, storage_id, strided_sha
 ATTENTION_NAMES = ("attention", "attn", "self_attn")
 
 
-def check_tp(meta_model: nn.Module, tp: int, *, sp: bool, seq_len: int) -> None:
+def model_shape(model: nn.Module, rules: tuple[TPRule, ...] = ()) -> TPShape:
+    """The model's TPShape: under `rules` (a custom plan recorded in the profile: TPShape.rules, checked against
+    this model again) or its family's built-in plan."""
+    return custom_shape(model, rules, f"{CUSTOM}recorded rules") if rules else tp_shape(model)
+
+
+def check_tp(meta_model: nn.Module, tp: int, *, sp: bool, seq_len: int, rules: tuple[TPRule, ...] = ()) -> None:
     """One-line ConfigError when this model cannot be split `tp` ways (with SP over `seq_len` tokens)."""
     if tp == 1:
         return
-    why = tp_shape(meta_model).tp_refusal(tp, sp=sp, seq_len=seq_len)
+    why = model_shape(meta_model, rules).tp_refusal(tp, sp=sp, seq_len=seq_len)
     if why:
         raise ConfigError(f"tp={tp}: {why}; plan with --tp 1" if "tp=" not in why else f"{why}; plan another --tp")
 
 
-def _strided_colwise():
-    """ColwiseParallel for a fused projection (GPT's c_attn: q, k and v in one weight): each part split on its own,
-    the weight and bias placed as _StridedShard(0, split_factor=parts), so the rank's rows are its heads of q, then
-    of k, then of v, and the model's chunk(3) of the local output gives its q, k and v. The output stays local (a
-    redistribute to Shard(-1) would move data to make the columns contiguous, which nothing needs)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's projections): a linear whose weight is stored (in, out), nn.Linear's transposed."""
+    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2
 
-    class StridedColwise(ColwiseParallel):
-        def __init__(self, parts: int) -> None:
-            super().__init__()
-            self.parts = parts
 
-        def _partition_linear_fn(self, name, module, device_mesh):
+def _linear_placements(module: nn.Module, style: str, parts: int) -> dict:
+    """Each parameter's placement over the tp mesh: colwise splits the output features (nn.Linear's weight dim 0,
+    Conv1D's dim 1, and the bias), each of `parts` fused parts on its own (_StridedShard); rowwise splits the input
+    features and keeps the bias whole (added once, after the reduction: Shoeybi et al. 2019, section 3)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    def split(dim: int):
+        return strided_shard(dim, parts) if parts > 1 else Shard(dim)
+    conv = _is_conv1d(module)
+    if style == "colwise":
+        return {"weight": split(1 if conv else 0), "bias": split(0)}
+    return {"weight": Shard(0 if conv else 1), "bias": Replicate()}
+
+
+def _split_linear(style: str, parts: int = 1, **layouts):
+    """torch's ColwiseParallel / RowwiseParallel (`layouts`: their input/output layouts) for nn.Linear and for
+    transformers' Conv1D, whose weight torch's styles would split on the wrong dimension (they take nn.Linear and
+    nn.Embedding only). `parts` > 1: a fused projection (GPT's c_attn holds q, k and v), each part split on its own,
+    so the rank's output columns are its heads of q, then of k, then of v, and the model's chunk(3) / split of the
+    local output gives its q, k and v; that output stays local (a redistribute to Shard(-1) would move data to make
+    the columns contiguous, which nothing needs)."""
+    from functools import partial
+
+    from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def local_output(mod, outputs, device_mesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    class SplitLinear(ColwiseParallel if style == "colwise" else RowwiseParallel):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+                raise ValueError(f"{style} splits nn.Linear or Conv1D modules, not {type(module).__name__}")
+            if style == "rowwise":
+                self.desired_input_layouts = (Shard(-1),)
+            out = (local_output if parts > 1 else
+                   partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+            return distribute_module(module, device_mesh, self._partition,
+                                     partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                     out)
+
+        def _partition(self, name, module, device_mesh):
+            placements = _linear_placements(module, style, parts)
             for pname, param in list(module.named_parameters(recurse=False)):
-                placed = distribute_tensor(param, device_mesh, [strided_shard(0, self.parts)],
-                                           src_data_rank=self.src_data_rank)
+                placed = distribute_tensor(param, device_mesh, [placements[pname]], src_data_rank=self.src_data_rank)
                 module.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
 
-        @staticmethod
-        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-    return StridedColwise
+    return SplitLinear(**layouts)
 
 
 def _replicated_region():
@@ -91,23 +132,27 @@ def _replicated_region():
     return ReplicatedRegion
 
 
-def torch_style(rule: TPRule, *, sp: bool, holds_split: bool):
+def torch_style(rule: TPRule, *, sp: bool, holds_split: bool, loss_parallel: bool = False):
     """torch's ParallelStyle for one plan rule (None: the module stays as it is). `holds_split`: the module has
-    split submodules (a region feeding them takes a DTensor; a replicated region such as a tied head a tensor)."""
+    split submodules (a region feeding them takes a DTensor; a replicated region such as a tied head a tensor).
+    `loss_parallel`: the vocabulary-split head's logits stay split (a DTensor, Shard(-1)), for a cross-entropy
+    taken under loss_context (no all-gather of the logits)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel)
     seq = Shard(1)
     if rule.style == "colwise":
-        return _strided_colwise()(rule.parts) if rule.parts > 1 else ColwiseParallel()
+        return _split_linear("colwise", rule.parts)
     if rule.style == "rowwise":
-        return RowwiseParallel(output_layouts=seq if sp else Replicate())
+        return _split_linear("rowwise", output_layouts=seq if sp else Replicate())
     if rule.style == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+    if rule.style == "head" and loss_parallel:
+        return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
+                               use_local_output=False)
     if rule.style == "head":
         # The logits are gathered, so every tp rank computes the whole loss (counted once per replica by the
-        # training loop). Loss parallelism (torch.distributed.tensor.parallel.loss_parallel: the cross-entropy on
-        # vocabulary shards, no gather) is not used: the loss function is the user's, taking a plain tensor.
+        # training loop): a user's loss function takes a plain tensor.
         return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
     if rule.style == "region" and sp:
         return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
@@ -123,35 +168,66 @@ def torch_style(rule: TPRule, *, sp: bool, holds_split: bool):
     raise ValueError(f"unknown tensor-parallel style {rule.style!r}")
 
 
-def parallelize(model: nn.Module, held: list[nn.Module], tp_mesh, *, sp: bool) -> None:
+def parallelize(model: nn.Module, held: list[nn.Module], tp_mesh, *, sp: bool, rules: tuple[TPRule, ...] = (),
+                loss_parallel: bool = False) -> bool:
     """Split the modules this rank holds (`held`: the model, or its pipeline stages) over `tp_mesh` as the model's
-    plan says; module names are the full model's, so every pipeline rank splits its stages as one process would."""
+    plan says (`rules`: a custom plan's, recorded in the profile); module names are the full model's, so every
+    pipeline rank splits its stages as one process would. `loss_parallel`: the loss is the built-in cross-entropy,
+    so a vocabulary-split head may keep its logits split. Returns whether it does on this rank (then forward and
+    backward run under loss_context)."""
     from torch.distributed.tensor.parallel import parallelize_module
     tp = tp_mesh.size()
-    shape = tp_shape(model)
+    shape = model_shape(model, rules)
     if shape.refusal:
         raise ConfigError(f"tp={tp}: {shape.refusal}; plan with --tp 1")
-    rules = rules_for(PLANS[shape.plan], vocab_split=vocab_divides(shape, tp))
+    rules = rules_for(shape.tp_plan, vocab_split=vocab_divides(shape, tp))
     held_ids = {id(sub) for m in held for sub in m.modules()}
     named = [(n, m) for n, m in model.named_modules() if id(m) in held_ids]
-    split = {n for n, _ in named if (r := style_of(n, rules)) is not None and r.style in
-             ("colwise", "rowwise", "embedding", "head")}
+    split = {n for n, _ in named if (r := style_of(n, rules)) is not None and r.style in SPLIT_STYLES}
     plan = {}
     for name, _ in named:
         rule = style_of(name, rules) if name else None
         if rule is None:
             continue
-        style = torch_style(rule, sp=sp, holds_split=any(s.startswith(name + ".") for s in split))
+        style = torch_style(rule, sp=sp, holds_split=any(s.startswith(name + ".") for s in split),
+                            loss_parallel=loss_parallel)
         if style is not None:
             plan[name] = style
     if plan:
         # every rank built the same full parameters (one seed, or one draw per module), so each takes its own slice
         # (src_data_rank=None) instead of receiving it from tp rank 0
         parallelize_module(model, tp_mesh, plan, src_data_rank=None)
+    _localize_widths(named, shape.tp_plan.local_widths, tp)
     for m in held:
         for param in m.parameters():
             if hasattr(param, "device_mesh"):
                 param.register_post_accumulate_grad_hook(_grad_placed_as_param)
+    return loss_parallel and any(r.style == "head" for n, _ in named if (r := style_of(n, rules)))
+
+
+def loss_context(sharded_logits: bool):
+    """Where the logits stay split on the vocabulary, torch's loss_parallel (torch.distributed.tensor.parallel):
+    the cross-entropy's softmax statistics are all-reduced over tp instead of the logits gathered (torchtitan's
+    train_context wraps forward and backward in it, around the pipeline schedule's step too)."""
+    import contextlib
+
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel() if sharded_logits else contextlib.nullcontext()
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss_context (a replicated DTensor) as a plain tensor; a plain tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _localize_widths(named: list[tuple[str, nn.Module]], widths: tuple[str, ...], tp: int) -> None:
+    """Divide by tp the attributes holding a split projection's full width (TPPlan.local_widths), so the module's
+    forward cuts the rank's local output (GPT-2's attention: c_attn's output split at split_size)."""
+    for entry in widths:
+        pattern, _, attr = entry.rpartition(".")
+        for name, module in named:
+            if fnmatch.fnmatchcase(name, pattern):
+                setattr(module, attr, getattr(module, attr) // tp)
 
 
 def _grad_placed_as_param(param: nn.Parameter) -> None:

@@ -21,6 +21,7 @@ from cost_models.models.source import DTYPES, meta_forward_context, resolve
 from cost_models.records import Record, record
 from cost_models.schedule import DEFAULT_SCHEDULE
 from cost_models.strategy import Strategy
+from cost_models.tensor_parallel import TPRule
 from executor import checkpoint, checkpoint_layout
 from executor.data import TokenFile
 from executor.measure import CommCounter, peak_memory_bytes
@@ -59,6 +60,7 @@ class TrainConfig(Record):
     data: str | None = None                # a token file (executor.data); None: synthetic batches
     unit_modules: tuple[tuple[str, ...], ...] = ()   # the modules of each unit (ModelRef.unit_modules)
     init_from: str | None = None           # pretrained weights (executor.weights): an HF folder or a checkpoint
+    tp_rules: tuple[TPRule, ...] = ()      # a custom tensor-parallel plan's rules (ModelRef.tp_rules)
 
 
 def optimizer_for(strategy: Strategy, lr: float):
@@ -101,7 +103,8 @@ def _setup(cfg: TrainConfig, strategy: Strategy):
     if strategy.precision != "fp32" and not torch.cuda.is_available():
         dtype = torch.float32  # bf16-mixed on CPU ranks runs in fp32 (the planner plans CPU demos in fp32)
     spec = ModelSpec(build=lambda: source.build(device=None, dtype=dtype, seed=cfg.seed),
-                     units=UnitMap.of([u for st in strategy.stages for u in st], cfg.unit_modules))
+                     units=UnitMap.of([u for st in strategy.stages for u in st], cfg.unit_modules),
+                     tp_rules=cfg.tp_rules)
     with torch.device("meta"):
         model = spec.build()
     example = source.example_input(model, strategy.micro_batch_size, cfg.seq_len, "cpu")[0]
@@ -132,7 +135,8 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
     rt = build_runtime(strategy, spec, loss_fn=lambda out, tgt: compute_loss(loss, out, tgt),
                        optimizer_fn=optimizer_for(strategy, cfg.lr), example=example, seed=cfg.seed, device=device,
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                       loading=bool(cfg.init_from and not cfg.resume_from))
+                       loading=bool(cfg.init_from and not cfg.resume_from),
+                       builtin_cross_entropy=loss == "cross_entropy")
     if cfg.init_from and not cfg.resume_from:
         load_weights(rt.params_by_name, rt.buffers_by_name, Path(cfg.init_from), trusted=cfg.trust_checkpoint)
     restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0

@@ -13,6 +13,7 @@ from cost_models.profile import ModelProfile, pipeline_refusal
 from cost_models.records import Record, record
 from cost_models.schedule import format_order
 from cost_models.strategy import Strategy
+from cost_models.tensor_parallel import TPRule
 from cost_models.validate import validate_cluster
 
 PLAN_KIND = "zeropipe.plan"
@@ -99,13 +100,15 @@ class ModelRef(Record):
     unit_modules: tuple[tuple[str, ...], ...] = ()   # each unit's module names; () in older plans: each unit is
                                                      # the one module of its name
     pipelining: str = ""                             # the profile's (cost_models.pipelining); "" = not recorded
+    tp_rules: tuple[TPRule, ...] = ()                # a custom tensor-parallel plan's rules (TPShape.rules)
 
 
 def model_ref(profile: ModelProfile) -> ModelRef:
     """What a plan keeps of the profile's model: enough for the executor to rebuild it and cut its stages."""
     return ModelRef(name=profile.name, source=profile.source, seq_len=profile.seq_len, input_kind=profile.input.kind,
                     units=tuple(u.name for u in profile.units), unit_modules=tuple(u.modules for u in profile.units),
-                    pipelining=profile.pipelining)
+                    pipelining=profile.pipelining,
+                    tp_rules=profile.tensor_parallel.rules if profile.tensor_parallel else ())
 
 
 @record

@@ -14,13 +14,23 @@ import torch
 
 from cost_models.models.source import resolve
 from cost_models.strategy import Strategy
-from cost_models.tensor_parallel import PLANS, SPLIT_STYLES, rules_for, style_of, tp_shape, vocab_divides
+from cost_models.tensor_parallel import SPLIT_STYLES, custom_tp_plan, rules_for, style_of, tp_shape, vocab_divides
 from executor.train import TrainConfig, single_process_losses
 
 UNITS = ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head")
 GLOBAL, SEQ = 8, 16
 HF_LLAMA = ("hf:llama?num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4"
             "&num_key_value_heads=2&vocab_size=128&max_position_embeddings=64")
+# transformers' GPT-2 (Conv1D projections, tied head), dropout off so that every rank computes what one process does
+HF_GPT2 = ("hf:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=128&n_positions=64&bos_token_id=0&eos_token_id=0"
+           "&resid_pdrop=0&attn_pdrop=0&embd_pdrop=0")
+# a model with no built-in plan, split by its --tp-plan function (tests/test_tp_custom.py)
+CUSTOM, CUSTOM_PLAN = "tests.test_tp_custom:tiny_model", "tests.test_tp_custom:tiny_plan"
+
+
+def tp_plan_of(model_source: str):
+    """The context the model is profiled in: its --tp-plan function for the custom model."""
+    return custom_tp_plan(CUSTOM_PLAN if model_source == CUSTOM else None)
 
 
 def cfg_for(model: str, **kw) -> TrainConfig:
@@ -110,7 +120,7 @@ def reference(cfg: TrainConfig) -> list[float]:
 
 
 def _units(cfg: TrainConfig) -> tuple[str, ...]:
-    if not cfg.model_source.startswith("hf:"):
+    if cfg.model_source in ("gpt-tiny", "llama-tiny"):
         return UNITS
     from cost_models.model_profiler import profile_model
     return tuple(u.name for u in profile_model(resolve(cfg.model_source), micro_batch_size=1, seq_len=SEQ,
@@ -123,8 +133,9 @@ def split_param_bytes(model_source: str, s: Strategy, rank: int) -> int:
     stage's own (a tied parameter in each stage using it) under pp."""
     with torch.device("meta"):
         model = resolve(model_source).build(device=None, dtype=torch.float32, seed=0)
-    shape = tp_shape(model)
-    rules = rules_for(PLANS[shape.plan], vocab_split=vocab_divides(shape, s.tp))
+    with tp_plan_of(model_source):
+        shape = tp_shape(model)
+    rules = rules_for(shape.tp_plan, vocab_split=vocab_divides(shape, s.tp))
     pp_rank = s.coords(rank)[0]
     units = [u for sid in s.rank_stages(pp_rank) for u in s.stages[sid]]
     held = {id(p) for u in units for p in model.get_submodule(u).parameters()} if s.pp > 1 else None
@@ -161,19 +172,29 @@ def check(items, results) -> dict[str, float]:
 
 # --- the tests ----------------------------------------------------------------------------------------------------
 
+def _custom_cfg() -> TrainConfig:
+    """The custom model's run config, with the rules its profile recorded (the run does not import the plan)."""
+    with tp_plan_of(CUSTOM):
+        rules = tp_shape(resolve(CUSTOM).build(device="meta", dtype=torch.float32)).rules
+    return cfg_for(CUSTOM, tp_rules=rules)
+
+
 @pytest.mark.slow
 def test_tp2_and_sp_on_2_ranks_zoo_and_hf_llama():
-    gpt, llama, hf = cfg_for("gpt-tiny"), cfg_for("llama-tiny"), cfg_for(HF_LLAMA)
+    gpt, llama, hf, gpt2 = cfg_for("gpt-tiny"), cfg_for("llama-tiny"), cfg_for(HF_LLAMA), cfg_for(HF_GPT2)
     items = [("train", S(tp=2), gpt), ("train", S(tp=2, sp=True, selective=True), gpt),
              ("train", S(tp=2), llama), ("train", S(tp=2, sp=True), llama),
-             ("train", S(tp=2, units=_units(hf)), hf)]
+             ("train", S(tp=2, units=_units(hf)), hf), ("train", S(tp=2, units=_units(gpt2)), gpt2)]
+    custom = _custom_cfg()   # a plan given by --tp-plan, carried as its recorded rules
+    items.append(("train", S(tp=2, units=_units(custom)), custom))
     results = run_items(2, items)
     check(items, results)
     # the TP collectives are counted as their own kinds: Megatron's 2 all-reduces of b*s*h per block in forward
     # and 2 in backward, and the vocabulary-split embedding's forward and head input's backward (llama-tiny,
     # 2 micro-batches of 4 x 16 tokens x 64 fp32: bsh below is per sequence, 8 sequences a step)
     bsh = 1 * SEQ * 64 * 4
-    assert results[2][0]["comm_bytes"]["tp_all_reduce"] == 8 * (4 * 4 + 2) * bsh
+    # ... and the loss on the vocabulary shards (loss parallelism): 3 all-reduces of one fp32 value per token
+    assert results[2][0]["comm_bytes"]["tp_all_reduce"] == 8 * ((4 * 4 + 2) * bsh + 3 * SEQ * 4)
     # with SP the all-reduces become all-gathers and reduce-scatters of the same full buffers
     sp = results[3][0]["comm_bytes"]
     assert sp["tp_reduce_scatter"] == 8 * (4 * 4 + 2) * bsh and "all_reduce" not in sp
@@ -188,8 +209,9 @@ def test_tp2_and_sp_on_2_ranks_zoo_and_hf_llama():
 def _predicted_tp_bytes(s: Strategy, cfg: TrainConfig) -> dict[str, float]:
     from cost_models.estimate import tp_bytes_per_step
     from cost_models.model_profiler import profile_model
-    prof = profile_model(resolve(cfg.model_source), micro_batch_size=s.micro_batch_size, seq_len=cfg.seq_len,
-                         dtype="fp32", meta=True)
+    with tp_plan_of(cfg.model_source):
+        prof = profile_model(resolve(cfg.model_source), micro_batch_size=s.micro_batch_size, seq_len=cfg.seq_len,
+                             dtype="fp32", meta=True)
     return tp_bytes_per_step(s, prof)
 
 
@@ -235,6 +257,17 @@ def test_tp2_dp2_checkpoint_resumes_as_zero3_dp2(tmp_path):
         {**cfg.to_dict(), "start_step": 3, "resume_from": str(root / "step-00000003")}))
     assert [*run_b.losses, *run_c.losses] == pytest.approx(continued, rel=1e-6, abs=0)
     assert [*run_b.losses, *run_c.losses] == pytest.approx(reference(cfg)[3:], rel=1e-4)
+    # GPT's fused q/k/v projection, split part by part over tp (a strided shard DCP cannot chunk: saved whole),
+    # resumes under ZeRO-3 dp=2
+    gpt = cfg_for("gpt-tiny")
+    prof = profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=SEQ, meta=True, dtype="fp32")
+    run_d = launch(plan_for(S(tp=2, sp=True), prof), RunConfig(steps=3, warmup=0, seed=gpt.seed, lr=gpt.lr,
+                                                               checkpoint_dir=str(tmp_path / "gpt")))
+    run_e = launch(plan_for(S(dp=2, zero=3), prof), RunConfig(steps=5, warmup=0, resume=str(tmp_path / "gpt")))
+    continued = single_process_losses(S(), TrainConfig.from_dict(
+        {**gpt.to_dict(), "start_step": 3, "resume_from": str(tmp_path / "gpt" / "step-00000003")}))
+    assert list(run_d.losses) == pytest.approx(reference(gpt)[:3], rel=1e-4)
+    assert list(run_e.losses) == pytest.approx(continued, rel=1e-6, abs=0)
 
 
 @pytest.mark.slow

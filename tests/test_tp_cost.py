@@ -92,18 +92,19 @@ def test_param_bytes_per_rank_are_the_split_arithmetic(model, tp):
 # --- TP collective bytes per step -------------------------------------------------------------------------------
 
 def _hand_count(model: str, sp: bool, m: int, recompute: bool = False) -> dict[str, float]:
-    """Collectives per micro-batch in units of b x s x h (logits: b x s x V) as executor/tensor_parallel.py places
+    """Collectives per micro-batch in units of b x s x h as executor/tensor_parallel.py places
     torch's styles (comm.py's table), times m micro-batches; forward ones twice under full recompute. Under SP
     each backward also all-reduces the norms' weight gradients (2L + 1 norms: LayerNorm weight and bias, RMSNorm
     weight)."""
-    logits = V / H
+    loss = 3 / H   # loss parallelism: 3 all-reduces of one value per token (b x s), once per micro-batch
     r = 2 if recompute else 1
     if model == "gpt-tiny":   # tied vocabulary: embed is an sp_entry, lm_head a replicated region
         counts = ({"all_reduce": r * 2 * L + 2 * L} if not sp else
                   {"all_gather": r * (2 * L + 1) + 2 * L + 1, "reduce_scatter": r * 2 * L + 2 * L})
     else:                     # split embedding and head; one input all-reduce per attention and MLP region
-        counts = ({"all_reduce": r * (2 * L + 1) + 2 * L + 1, "all_gather": r * logits} if not sp else
-                  {"all_gather": r * (2 * L + 1 + logits) + 2 * L + 1, "reduce_scatter": r * (2 * L + 1) + 2 * L + 1})
+        counts = ({"all_reduce": r * (2 * L + 1) + 2 * L + 1 + loss} if not sp else
+                  {"all_gather": r * (2 * L + 1) + 2 * L + 1, "reduce_scatter": r * (2 * L + 1) + 2 * L + 1,
+                   "all_reduce": loss})
     out = {f"tp_{op}": m * counts.get(op, 0) * BSH for op in TP_OPS}
     if sp:
         out["tp_all_reduce"] += m * (2 * L + 1) * (2 if model == "gpt-tiny" else 1) * H * 4

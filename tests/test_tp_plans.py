@@ -9,13 +9,11 @@ from torch import nn
 from cost_models.errors import ConfigError
 from cost_models.models.source import resolve
 from cost_models.strategy import Strategy
-from cost_models.tensor_parallel import PLANS, rules_for, style_of, tp_shape, vocab_divides
+from cost_models.tensor_parallel import LINEAR_KINDS, PLANS, STYLE_KINDS, rules_for, style_of, tp_shape, vocab_divides
 
 HF_LLAMA = ("hf:{kind}?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&num_key_value_heads=2"
             "&intermediate_size=128&vocab_size=256&max_position_embeddings=64")
-# the module type each style applies to (None: any module)
-KIND = {"colwise": nn.Linear, "rowwise": nn.Linear, "head": nn.Linear, "embedding": nn.Embedding,
-        "norm": None, "region": None, "sp_entry": None}   # norms: torch's or a model's own (LlamaRMSNorm)
+HF_GPT2 = "hf:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=128&n_positions=64&bos_token_id=0&eos_token_id=0"
 
 
 def _meta(ref: str) -> nn.Module:
@@ -28,6 +26,7 @@ def _models():
     if pytest.importorskip("transformers"):
         for kind in ("llama", "mistral", "qwen2"):
             yield HF_LLAMA.format(kind=kind), "hf-llama"
+        yield HF_GPT2, "hf-gpt2"
 
 
 @pytest.mark.parametrize("ref, plan", list(_models()))
@@ -39,12 +38,17 @@ def test_every_rule_names_modules_of_its_kind(ref, plan):
     for rule in PLANS[plan].rules:
         matched = [n for n in names if fnmatch.fnmatchcase(n, rule.pattern)]
         assert matched, f"{rule.pattern} matches no module of {ref}"
-        kind = KIND[rule.style]
-        assert kind is None or all(isinstance(names[n], kind) for n in matched), rule
+        # the module type each style splits (nn.Linear, transformers' Conv1D, nn.Embedding; None: any module)
+        kinds = STYLE_KINDS[rule.style]
+        assert kinds is None or all(type(names[n]).__name__ in kinds for n in matched), rule
+        # norms: torch's or a model's own (LlamaRMSNorm)
         assert rule.style != "norm" or all(type(names[n]).__name__.endswith("Norm") for n in matched), rule
-    # every Linear inside a block is split one way or the other: a block left whole would compute twice
-    block_linears = [n for n, m in names.items() if isinstance(m, nn.Linear) and (".blocks." in f".{n}" or ".layers." in n)]
+    # every linear inside a block is split one way or the other: a block left whole would compute twice
+    block_linears = [n for n, m in names.items() if type(m).__name__ in LINEAR_KINDS
+                     and any(f".{b}." in f".{n}" for b in ("blocks", "layers", "h"))]
     assert block_linears and all(style_of(n, PLANS[plan].rules).style in ("colwise", "rowwise") for n in block_linears)
+    # the fused q, k, v projections split per part
+    assert all(style_of(n, PLANS[plan].rules).parts == 3 for n in names if n.endswith("c_attn"))
 
 
 def test_dimensions_decide_the_tp_a_model_admits():
@@ -65,15 +69,35 @@ def test_dimensions_decide_the_tp_a_model_admits():
 def test_models_without_a_plan_say_why():
     shape = tp_shape(_meta("mlp-deep"))
     assert shape.refusal == ("no tensor-parallel plan for DeepMLP (the zoo's GPT and Llama and transformers' Llama, "
-                             "Mistral and Qwen2 have one)")
+                             "Mistral, Qwen2 and GPT-2 have one; planner profile --tp-plan module:function gives one)")
     assert shape.tp_refusal(2) == shape.refusal and shape.tp_refusal(1) is None
 
 
 def test_sequence_parallelism_is_refused_for_transformers_models():
     pytest.importorskip("transformers")
-    shape = tp_shape(_meta(HF_LLAMA.format(kind="llama")))
-    assert shape.tp_refusal(2) is None
-    assert shape.tp_refusal(2, sp=True, seq_len=64).startswith("sequence parallelism is not offered for transformers")
+    for ref in (HF_LLAMA.format(kind="llama"), HF_GPT2):
+        shape = tp_shape(_meta(ref))
+        assert shape.tp_refusal(2) is None
+        assert shape.tp_refusal(2, sp=True, seq_len=64).startswith("sequence parallelism is not offered for transformers")
+
+
+def test_hf_gpt2_splits_its_conv1d_projections_and_keeps_the_tied_vocabulary_whole():
+    pytest.importorskip("transformers")
+    from cost_models.model_profiler import profile_model
+    shape = tp_shape(_meta(HF_GPT2))
+    assert (shape.plan, shape.heads, shape.kv_heads, shape.ffn, shape.hidden, shape.vocab_split) == \
+        ("hf-gpt2", 4, 4, 256, 64, False)
+    assert tp_shape(_meta(HF_GPT2 + "&n_inner=96")).ffn == 96
+    assert shape.tp_refusal(4) is None and shape.tp_refusal(8) == "tp=8 does not divide the 4 attention heads"
+    # the profiler's per-unit attribution finds the split Conv1D parameters (named like nn.Linear's): in each block
+    # ln_1 (w, b), c_attn (w, b), attn.c_proj (w, b: whole, added after the reduction), ln_2, c_fc, mlp.c_proj
+    prof = profile_model(resolve(HF_GPT2), micro_batch_size=1, seq_len=16, meta=True)
+    block = prof.unit("transformer.h.0")
+    assert block.tp.param_split == (0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0)
+    assert block.tp.split_params == (64 * 192 + 192) + 64 * 64 + (64 * 256 + 256) + 256 * 64
+    assert block.tp.row_calls == 2 and block.tp.region_calls == 2
+    # the tied head and embedding stay whole: nothing there splits on the vocabulary
+    assert all(u.tp.vocab_params == 0 and not any(u.tp.param_split) for u in (prof.unit("embed"), prof.unit("head")))
 
 
 def _strategy(**kw) -> Strategy:
