@@ -168,8 +168,6 @@ def profile(
     as_json: AsJson = False,
 ) -> None:
     """Measure a model unit by unit (parameters, FLOPs, activation bytes, times) and write profile.json."""
-    from cost_models.model_profiler import profile_model
-    from cost_models.models.source import resolve
     from cost_models.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
     from cost_models.formatting import about
     from cost_models.profile import ProfileFile
@@ -177,11 +175,13 @@ def profile(
     from cost_models.tensor_parallel import custom_tp_plan
 
     write_to, overwrite = _prepare_output(output, force)
-    source = resolve(model, input_ref=input_fn)
     sizes = parse_sizes(probe_sizes) if probe_sizes else None
     check_cluster_args(cluster, nodes=nodes, ranks=ranks)
-    if cluster != "local":  # load presets and files before spending time on the model
+    if cluster != "local":  # presets and files before the model (torch's import alone takes seconds)
         cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
+    from cost_models.model_profiler import profile_model
+    from cost_models.models.source import resolve
+    source = resolve(model, input_ref=input_fn)
     with _progress(counts=False) as bar, custom_tp_plan(tp_plan):   # --tp-plan: imported here, recorded in prof
         task = bar.add_task(f"profiling {source.name}: forward pass of the whole model", total=None)
         def on_progress(done: int, total: int, name: str) -> None:
