@@ -22,12 +22,16 @@ reduce-scatter of the same full buffer. Counted as executor/tensor_parallel.py p
     region with split linears     bwd all-reduce (its input)    fwd all-gather, bwd reduce-scatter
     replicated region input       -                             fwd all-gather
     sp_entry output               -                             bwd all-gather (the slice's gradient)
+    sp_input input                -                             bwd all-gather (the slice's gradient)
     vocab-split embedding output  fwd all-reduce                fwd reduce-scatter, bwd all-gather
     vocab-split head              input: bwd all-reduce;        input: fwd all-gather, bwd reduce-scatter;
                                   loss: 3 all-reduces of one    loss: the same
                                   value per token
     norm weights (SP)             -                             bwd all-reduce of their gradients
-A vocabulary that does not split leaves the embedding as an sp_entry and the head as a replicated region.
+    vocab-split embedding output  fwd all-reduce                fwd all-reduce (kept whole: a later sp_input
+      in a plan with an sp_input                                  enters the sequence split)
+A vocabulary that does not split leaves the embedding as an sp_entry (no rule where the plan has an sp_input) and the
+head as a replicated region.
 Without SP the executor makes a region's input one replicated DTensor for all its split linears, so their input
 gradients are summed locally and all-reduced once per region, as Megatron's f operator does (torch's ColwiseParallel
 alone would all-reduce per linear: Llama's wq, wk, wv three times).
@@ -118,15 +122,16 @@ def tp_unit_traffic(tu: TPUnit, *, sp: bool, vocab: int) -> tuple[Traffic, Traff
     per_token = tu.logit_bytes / vocab if vocab else 0.0
     embed, logits = (tu.embed_calls, tu.embed_bytes), (3 * tu.head_calls, 3 * per_token)
     head_in = (tu.head_calls, tu.head_in_bytes)
-    region, repl, entry = (tu.region_calls, tu.region_bytes), (tu.repl_region_calls, tu.repl_region_bytes), \
-        (tu.entry_calls, tu.entry_bytes)
+    region, repl = (tu.region_calls, tu.region_bytes), (tu.repl_region_calls, tu.repl_region_bytes)
+    entry = _plus((tu.entry_calls, tu.entry_bytes), (tu.input_calls, tu.input_bytes))   # sp_entry, sp_input slices
+    whole = (tu.whole_embed_calls, tu.whole_embed_bytes) if vocab else (0, 0)
     if not sp:
         if not vocab:
             return _traffic(all_reduce=row), _traffic(all_reduce=region)
-        return (_traffic(all_reduce=_plus(row, embed)),
+        return (_traffic(all_reduce=_plus(row, embed, whole)),
                 _traffic(all_reduce=_plus(region, head_in, logits)))
     if vocab:
-        return (_traffic(all_gather=_plus(region, repl, head_in), reduce_scatter=_plus(row, embed)),
+        return (_traffic(all_gather=_plus(region, repl, head_in), reduce_scatter=_plus(row, embed), all_reduce=whole),
                 _traffic(all_gather=_plus(row, embed, entry), reduce_scatter=_plus(region, head_in), all_reduce=logits))
     return (_traffic(all_gather=_plus(region, repl, head_in), reduce_scatter=row),
             _traffic(all_gather=_plus(row, entry, embed), reduce_scatter=region))

@@ -38,7 +38,7 @@ from cost_models.models.losses import compute_loss, loss_kind, synthetic_target
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.pipelining import pipeline_support
 from cost_models.profile import ModelProfile, SharedParam, Timing, TPUnit, UnitEdge, UnitProfile
-from cost_models.tensor_parallel import TPRule, rules_for, style_of, tp_shape
+from cost_models.tensor_parallel import TPRule, enters_late, rules_for, style_of, tp_shape
 from cost_models.torch_private import (CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD, storage_id, tree_leaves,
                                       tree_map)
 
@@ -126,7 +126,8 @@ _SPLIT_LINEAR = ("colwise", "rowwise")
 _ROLE_OF_STYLE = {"colwise": "col_input", "head": "col_input", "rowwise": "split", "norm": "seq"}
 _TP_COUNTS = ("split_flops", "vocab_flops", "core_flops", "row_bytes", "row_calls",
               "region_bytes", "region_calls", "repl_region_bytes", "repl_region_calls", "entry_bytes", "entry_calls",
-              "embed_bytes", "embed_calls", "head_in_bytes", "logit_bytes", "head_calls")
+              "embed_bytes", "embed_calls", "whole_embed_bytes", "whole_embed_calls", "input_bytes", "input_calls",
+              "head_in_bytes", "logit_bytes", "head_calls")
 _ROLES = ("split", "seq", "col_input", "core")
 
 
@@ -166,6 +167,7 @@ class _TPWatch(TorchFunctionMode):
         self.core_inputs: set[int] | None = None
         self.core_saved: dict[int, bool] = {}   # storage -> first saved by the attention core
         self.counter, self.seq_len = counter, seq_len
+        self.late_entry = enters_late(rules)   # the embedding's output stays whole under SP (an sp_input follows)
         styled = {n: r.style for n, m in module.named_modules(prefix=prefix) if (r := style_of(n, rules))}
         self.handles = []
         for name, sub in module.named_modules(prefix=prefix):
@@ -184,6 +186,8 @@ class _TPWatch(TorchFunctionMode):
             size = _nbytes(first) if first is not None else 0
             if style == "region":
                 self._add("region" if holds_split else "repl_region", size)
+            elif style == "sp_input":
+                self._add("input", size)
             elif style == "head":
                 self.counts["head_in_bytes"] += size
                 self.counts["head_calls"] += 1
@@ -206,8 +210,10 @@ class _TPWatch(TorchFunctionMode):
                     if f.style == "region":
                         f.after_rowwise = True
                         break
-            elif frame.style in ("embedding", "sp_entry"):
-                self._add("embed" if frame.style == "embedding" else "entry", size)
+            elif frame.style == "embedding":
+                self._add("whole_embed" if self.late_entry else "embed", size)
+            elif frame.style == "sp_entry":
+                self._add("entry", size)
             elif frame.style == "head":
                 self.counts["logit_bytes"] += size
         return hook

@@ -72,6 +72,9 @@ class TPUnit(Record):
         repl_region_*    inputs of regions with replicated weights only (a tied head): all-gathered under SP
         entry_*          outputs of sp_entry modules (sliced to the sequence shard under SP: gradient all-gathered)
         embed_*          outputs of a vocabulary-split embedding (all-reduced / reduce-scattered when it splits)
+        whole_embed_*    the same, in a plan that enters the sequence split later (an sp_input): all-reduced when it
+                         splits, with or without SP
+        input_*          inputs of sp_input modules (sliced to the sequence shard under SP: gradient all-gathered)
         head_in_bytes, logit_bytes, head_calls   a vocabulary-split head's input and its logits (gathered)
     comm.tp_unit_traffic turns these into collectives per style, as executor/tensor_parallel.py places them.
     """
@@ -100,6 +103,10 @@ class TPUnit(Record):
     entry_calls: int = 0
     embed_bytes: int = 0
     embed_calls: int = 0
+    whole_embed_bytes: int = 0
+    whole_embed_calls: int = 0
+    input_bytes: int = 0
+    input_calls: int = 0
     head_in_bytes: int = 0
     logit_bytes: int = 0
     head_calls: int = 0

@@ -23,6 +23,11 @@ Styles:
               is all-gathered along the sequence first
     sp_entry  a module whose output enters the sequence-split region under SP (a local slice, no traffic): used
               where the embedding's output is not the split one (a tied or position-summed embedding)
+    sp_input  a module whose (first positional) input enters the sequence-split region under SP (a local slice; the
+              gradient all-gathered in backward): transformers' first decoder layer, so that the model's forward
+              computes its rotary tables and causal mask from the whole embedding output before it. A plan with an
+              sp_input keeps its embedding's output whole under SP (a vocabulary-split one all-reduces it as
+              without SP; a whole one does nothing).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from typing import Iterator, Literal, get_args
 from cost_models.errors import ConfigError
 from cost_models.records import Record, record
 
-Style = Literal["colwise", "rowwise", "embedding", "head", "norm", "region", "sp_entry"]
+Style = Literal["colwise", "rowwise", "embedding", "head", "norm", "region", "sp_entry", "sp_input"]
 SPLIT_STYLES = ("colwise", "rowwise", "embedding", "head")   # styles whose parameters are divided by tp
 
 
@@ -56,6 +61,7 @@ class TPPlan(Record):
     name: str                   # "zoo-llama" | "zoo-gpt" | "hf-llama" | "hf-gpt2"
     rules: tuple[TPRule, ...]
     sp: str = ""                # "" when sequence parallelism is supported, else why not (one line)
+    sp_pipelines: str = ""      # "" when SP also composes with pipelines (pp > 1), else why not (one line)
     source: str = ""            # where the plan's split comes from
     # "<module pattern>.<attribute>": an int attribute holding the full width of a split projection, which the
     # module's forward uses to cut the projection's output (GPT-2's attention: c_attn's output .split(split_size));
@@ -91,8 +97,9 @@ class TPShape(Record):
             return "the profile predates tensor-parallel plans; re-run planner profile"
         return self.plan.removeprefix("no:").strip() if self.plan.startswith("no") else None
 
-    def tp_refusal(self, tp: int, *, sp: bool = False, seq_len: int = 0) -> str | None:
-        """Why this model cannot be split `tp` ways (with SP over `seq_len` tokens), or None."""
+    def tp_refusal(self, tp: int, *, sp: bool = False, seq_len: int = 0, pp: int = 1) -> str | None:
+        """Why this model cannot be split `tp` ways (with SP over `seq_len` tokens, in `pp` pipeline stages), or
+        None."""
         if tp == 1:
             return None
         if self.refusal:
@@ -104,6 +111,8 @@ class TPShape(Record):
                 return f"tp={tp} does not divide the {n} {what}"
         if sp and self.tp_plan.sp:
             return self.tp_plan.sp
+        if sp and pp > 1 and self.tp_plan.sp_pipelines:
+            return self.tp_plan.sp_pipelines
         if sp and seq_len % tp:
             return f"sequence parallelism needs tp={tp} to divide the sequence length {seq_len}"
         return None
@@ -119,10 +128,16 @@ def _block_rules(prefix: str, attn: str, mlp: str, norms: tuple[str, ...], col: 
 
 
 _TORCHTITAN = "torchtitan models/llama3/infra/parallelize.py apply_tp"
-# transformers computes rotary tables (Llama) or adds position embeddings (GPT-2) and the causal mask from the
-# embedding's output before the decoder layers: with the sequence split there, they would cover only the rank's shard.
-_HF_NO_SP = ("sequence parallelism is not offered for transformers models: their rotary tables and causal mask are "
-             "computed from the embedding's output, before the layers where the sequence would be split")
+# transformers computes rotary tables (Llama) and the causal mask from the embedding's output before the decoder
+# layers: with the sequence split there, they would cover only the rank's shard. The Llama family enters the split at
+# the first decoder layer's input instead (sp_input); GPT-2 adds position embeddings whose sum would need the same.
+_HF_GPT2_NO_SP = ("sequence parallelism is not offered for transformers' GPT-2: it adds position embeddings to the "
+                  "token embedding's output, where the sequence would be split")
+# a pipeline stage's input is the sequence shard under SP, and transformers' pipeline stages recompute the rotary
+# tables and mask from it (executor's stage adapter): they would cover only the shard
+_HF_NO_SP_PIPELINES = ("sequence parallelism is not offered for transformers' Llama-family models with pipeline "
+                       "stages (pp > 1): each stage computes its rotary tables and causal mask from its input, the "
+                       "rank's sequence shard")
 PLANS: dict[str, TPPlan] = {p.name: p for p in [
     TPPlan(name="zoo-llama", source=_TORCHTITAN, rules=(
         TPRule(pattern="embed.tok_embeddings", style="embedding"),
@@ -142,14 +157,17 @@ PLANS: dict[str, TPPlan] = {p.name: p for p in [
         TPRule(pattern="head.ln_f", style="norm"),
         TPRule(pattern="head.lm_head", style="region"),
     )),
+    # the sequence split starts at the first decoder layer's input (sp_input), after LlamaModel.forward has made
+    # the rotary tables and the mask for the whole sequence (transformers 5: the layers take them as keywords)
     TPPlan(name="hf-llama", source="transformers LlamaConfig.base_model_tp_plan", rules=(
         TPRule(pattern="model.embed_tokens", style="embedding"),
+        TPRule(pattern="model.layers.0", style="sp_input"),
         *_block_rules("model.layers.*", "self_attn", "mlp", ("input_layernorm", "post_attention_layernorm"),
                       ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
                       ("self_attn.o_proj", "mlp.down_proj")),
         TPRule(pattern="model.norm", style="norm"),
         TPRule(pattern="lm_head", style="head"),
-    ), sp=_HF_NO_SP),
+    ), sp_pipelines=_HF_NO_SP_PIPELINES),
     # transformers' GPT-2: Megatron's GPT split on its Conv1D projections (weights stored (in, out)); the head is
     # tied to the token embedding, so both stay whole as in zoo-gpt. Its attention views q, k and v with -1 heads
     # (the local count follows the projection) but cuts c_attn's output at split_size, the full width.
@@ -159,16 +177,23 @@ PLANS: dict[str, TPPlan] = {p.name: p for p in [
                       ("attn.c_proj", "mlp.c_proj"), fused=3),
         TPRule(pattern="transformer.ln_f", style="norm"),
         TPRule(pattern="lm_head", style="region"),
-    ), sp=_HF_NO_SP, local_widths=("transformer.h.*.attn.split_size",)),
+    ), sp=_HF_GPT2_NO_SP, local_widths=("transformer.h.*.attn.split_size",)),
 ]}
 
 
 def rules_for(plan: TPPlan, *, vocab_split: bool) -> tuple[TPRule, ...]:
-    """The plan's rules for one model: a tied (or indivisible) vocabulary keeps the embedding and head whole."""
+    """The plan's rules for one model: a tied (or indivisible) vocabulary keeps the embedding and head whole (the
+    embedding enters the sequence split, an sp_entry, unless the plan enters it later: then it has no rule)."""
     if vocab_split:
         return plan.rules
-    demoted = {"embedding": "sp_entry", "head": "region"}
-    return tuple(TPRule(pattern=r.pattern, style=demoted[r.style]) if r.style in demoted else r for r in plan.rules)
+    demoted = {"embedding": None if enters_late(plan.rules) else "sp_entry", "head": "region"}
+    return tuple(TPRule(pattern=r.pattern, style=demoted[r.style]) if r.style in demoted else r for r in plan.rules
+                 if demoted.get(r.style, r.style) is not None)
+
+
+def enters_late(rules: tuple[TPRule, ...]) -> bool:
+    """Whether the sequence split starts at a module's input (sp_input): the embedding's output then stays whole."""
+    return any(r.style == "sp_input" for r in rules)
 
 
 def style_of(name: str, rules: tuple[TPRule, ...]) -> TPRule | None:
@@ -228,7 +253,9 @@ _CUSTOM_NO_SP = ("sequence parallelism is not offered for custom plans (--tp-pla
 # the module type each style splits (a custom rule naming another kind is refused); None: any module
 STYLE_KINDS: dict[str, tuple[str, ...] | None] = {
     "colwise": LINEAR_KINDS, "rowwise": LINEAR_KINDS, "head": LINEAR_KINDS, "embedding": ("Embedding",),
-    "norm": None, "region": None, "sp_entry": None}
+    "norm": None, "region": None, "sp_entry": None, "sp_input": None}
+# what a custom plan may name: sp_input serves the built-in plans' sequence parallelism, which custom plans lack
+CUSTOM_STYLES = tuple(s for s in get_args(Style) if s != "sp_input")
 _CUSTOM_PLAN: contextvars.ContextVar[tuple[str, object] | None] = contextvars.ContextVar("tp_plan", default=None)
 
 
@@ -265,9 +292,9 @@ def check_rules(model, rules: tuple[TPRule, ...], ref: str) -> None:
     """Every rule has a known style and names at least one module, of the kind its style splits."""
     kinds = {name: type(m).__name__ for name, m in model.named_modules()}
     for r in rules:
-        if r.style not in get_args(Style):
+        if r.style not in CUSTOM_STYLES:
             raise ConfigError(f"--tp-plan {ref}: unknown style {r.style!r} for {r.pattern!r}; use one of "
-                              f"{', '.join(get_args(Style))}")
+                              f"{', '.join(CUSTOM_STYLES)}")
         matched = [n for n in kinds if n and fnmatch.fnmatchcase(n, r.pattern)]
         if not matched:
             raise ConfigError(f"--tp-plan {ref}: {r.pattern!r} matches no module of {type(model).__name__}; patterns "

@@ -174,7 +174,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     support = pipeline_support(meta, [(u, spec.units.names(u)) for st in s.stages for u in st]) if s.pp > 1 else ""
     check_covers_model(meta, s.stages, spec.units, model_level=s.pp == 1 or support == "traced")
     seq_len = example.shape[1] if example is not None and example.dim() > 1 else 0
-    tensor_parallel.check_tp(meta, s.tp, sp=s.sp, seq_len=seq_len, rules=spec.tp_rules)
+    tensor_parallel.check_tp(meta, s.tp, sp=s.sp, seq_len=seq_len, rules=spec.tp_rules, pp=s.pp)
     stage_io = stage_io_shapes(meta, s, spec.units, support, example) if s.n_stages > 1 else []
     if s.sp and stage_io:
         stage_io = tensor_parallel.sequence_sharded_io(stage_io, s.tp)
@@ -221,11 +221,27 @@ def _recompute(s: Strategy, model: nn.Module, held: list[nn.Module], stage_ids: 
         tensor_parallel.selective_recompute(model, held, full)
 
 
+# Groups made in this process, per world (the default group) and shape. A rank that runs several plans in turn
+# (benchmarks/fidelity.py, the tests' shared ranks) would otherwise make new ones for each: gloo keeps a thread per
+# group, never freed while the world lives (measured: 14-23 runnable gloo_tcp_loop threads per rank and a load of
+# 185 on 2 cores after a hundred 4-rank candidates). new_group is collective: every rank runs the same plans in
+# the same order, so every rank finds or makes the same groups.
+_GROUPS: dict[tuple, object] = {}
+
+
+def _cached_group(key: tuple, make):
+    key = (dist.group.WORLD, *key)
+    if key not in _GROUPS:
+        _GROUPS[key] = make()
+    return _GROUPS[key]
+
+
 def _mesh(s: Strategy, device: torch.device):
     """The (pp, dp, tp) device mesh (tp innermost: Strategy.coords), its groups given the world's timeout, and this
     rank's (pp, dp, tp) coordinates."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device.type, (s.pp, s.dp, s.tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = _cached_group(("mesh", device.type, s.pp, s.dp, s.tp), lambda: init_device_mesh(
+        device.type, (s.pp, s.dp, s.tp), mesh_dim_names=("pp", "dp", "tp")))
     # init_process_group's timeout (`planner run --timeout`). Subgroups do not inherit it: new_group and DeviceMesh's
     # per-dimension groups take torch's default (30 min for gloo, 10 for NCCL), so a stopped pipeline peer left the
     # others waiting in p2p and all-reduce for half an hour (measured: a SIGSTOPped rank of a PP2 x DP2 run,
@@ -301,7 +317,7 @@ def _tie_groups(s: Strategy, ties, rank: int) -> list[tuple[str, object]]:
         for d in range(s.dp):
             for t in range(s.tp):
                 members = [(r * s.dp + d) * s.tp + t for r in tied.pp_ranks]
-                group = dist.new_group(ranks=members, timeout=timeout)
+                group = _cached_group(("tie", *members), lambda: dist.new_group(ranks=members, timeout=timeout))
                 if rank in members:
                     out.append((tied.canonical, group))
     return out

@@ -9,12 +9,13 @@ parallelism, Shard(1) activations between the split regions (Korthikanti et al. 
     style      no SP                                          SP
     colwise    ColwiseParallel (parts=3: strided, local out)  the same (its input arrives gathered)
     rowwise    RowwiseParallel, output Replicate (all-reduce) output Shard(1) (reduce-scatter)
-    embedding  RowwiseParallel, input Replicate               output Shard(1)
+    embedding  RowwiseParallel, input Replicate               output Shard(1) (Replicate in a plan with sp_input)
     head       ColwiseParallel, output Replicate (gathered)   input Shard(1)
                (loss parallel: output Shard(-1), a DTensor; the cross-entropy under loss_context)
     norm       replicated (plain parameters)                  SequenceParallel
-    region     PrepareModuleInput Replicate (one DTensor)     PrepareModuleInput Shard(1) -> Replicate (all-gather)
+    region     its input one Replicate DTensor                its input Shard(1) -> Replicate (all-gather)
     sp_entry   nothing                                        PrepareModuleOutput Replicate -> Shard(1) (a slice)
+    sp_input   nothing                                        PrepareModuleInput Replicate -> Shard(1) (a slice)
 
 colwise and rowwise also split transformers' Conv1D (GPT-2), whose weight is nn.Linear's transposed (_split_linear).
 """
@@ -26,8 +27,8 @@ import torch
 from torch import nn
 
 from cost_models.errors import ConfigError
-from cost_models.tensor_parallel import (CUSTOM, SPLIT_STYLES, TPRule, TPShape, custom_shape, rules_for, style_of,
-                                         tp_shape, vocab_divides)
+from cost_models.tensor_parallel import (CUSTOM, SPLIT_STYLES, TPRule, TPShape, custom_shape, enters_late, rules_for,
+                                         style_of, tp_shape, vocab_divides)
 from cost_models.torch_private import TorchDispatchMode, storage_id, strided_shard, tree_leaves
 
 # The last name part of the modules holding the attention core (zoo Llama, zoo GPT, transformers' Llama family):
@@ -41,11 +42,16 @@ def model_shape(model: nn.Module, rules: tuple[TPRule, ...] = ()) -> TPShape:
     return custom_shape(model, rules, f"{CUSTOM}recorded rules") if rules else tp_shape(model)
 
 
-def check_tp(meta_model: nn.Module, tp: int, *, sp: bool, seq_len: int, rules: tuple[TPRule, ...] = ()) -> None:
-    """One-line ConfigError when this model cannot be split `tp` ways (with SP over `seq_len` tokens)."""
+def check_tp(meta_model: nn.Module, tp: int, *, sp: bool, seq_len: int, rules: tuple[TPRule, ...] = (),
+             pp: int = 1) -> None:
+    """One-line ConfigError when this model cannot be split `tp` ways (with SP over `seq_len` tokens, in `pp`
+    pipeline stages)."""
     if tp == 1:
         return
-    why = model_shape(meta_model, rules).tp_refusal(tp, sp=sp, seq_len=seq_len)
+    shape = model_shape(meta_model, rules)
+    why = shape.tp_refusal(tp, sp=sp, seq_len=seq_len, pp=pp)
+    if why and sp and not shape.tp_refusal(tp):
+        raise ConfigError(f"tp={tp}: {why}; drop --sp")
     if why:
         raise ConfigError(f"tp={tp}: {why}; plan with --tp 1" if "tp=" not in why else f"{why}; plan another --tp")
 
@@ -105,38 +111,43 @@ def _split_linear(style: str, parts: int = 1, **layouts):
     return SplitLinear(**layouts)
 
 
-def _replicated_region():
-    """The region style without SP: the input is replicated already; making it one DTensor for the whole region
-    (not one per split linear) sums the linears' partial input gradients first, so backward all-reduces once per
-    region, as Megatron-LM's f operator does (Shoeybi et al. 2019, figure 3), not once per linear. The input is
-    the first positional argument, else `hidden_states` or the first tensor keyword (transformers' attention is
-    called with keywords only), which PrepareModuleInput's fixed layouts cannot follow."""
-    from torch.distributed.tensor import DTensor, Replicate
+def _region_input(*, sp: bool, local: bool):
+    """The region style: its input made one DTensor for the whole region, replicated (all-gathered from the sequence
+    shards under SP; `local`: handed on as a plain tensor, for a region without split linears). Without SP, one
+    DTensor for all the region's split linears (not one per linear) sums their partial input gradients first, so
+    backward all-reduces once per region, as Megatron-LM's f operator does (Shoeybi et al. 2019, figure 3). The
+    input is the first positional argument, else `hidden_states` or the first tensor keyword (transformers'
+    attention is called with keywords only), which PrepareModuleInput's fixed layouts cannot follow."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
-    def replicated(x, mesh):
-        return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+    def prepared(x, mesh):
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Shard(1) if sp else Replicate(),), run_check=False)
+        x = x.redistribute(mesh, (Replicate(),)) if sp else x
+        return x.to_local() if local else x
 
-    class ReplicatedRegion(ParallelStyle):
+    class RegionInput(ParallelStyle):
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
             def hook(mod, args, kwargs):
                 if args and isinstance(args[0], torch.Tensor):
-                    return (replicated(args[0], device_mesh), *args[1:]), kwargs
+                    return (prepared(args[0], device_mesh), *args[1:]), kwargs
                 tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
                 key = "hidden_states" if "hidden_states" in kwargs else (tensors[0] if tensors else None)
                 if key is not None:
-                    kwargs = {**kwargs, key: replicated(kwargs[key], device_mesh)}
+                    kwargs = {**kwargs, key: prepared(kwargs[key], device_mesh)}
                 return args, kwargs
             module.register_forward_pre_hook(hook, with_kwargs=True)
             return module
-    return ReplicatedRegion
+    return RegionInput()
 
 
-def torch_style(rule: TPRule, *, sp: bool, holds_split: bool, loss_parallel: bool = False):
+def torch_style(rule: TPRule, *, sp: bool, holds_split: bool, loss_parallel: bool = False, late_entry: bool = False):
     """torch's ParallelStyle for one plan rule (None: the module stays as it is). `holds_split`: the module has
     split submodules (a region feeding them takes a DTensor; a replicated region such as a tied head a tensor).
     `loss_parallel`: the vocabulary-split head's logits stay split (a DTensor, Shard(-1)), for a cross-entropy
-    taken under loss_context (no all-gather of the logits)."""
+    taken under loss_context (no all-gather of the logits). `late_entry`: the plan enters the sequence split at an
+    sp_input, so the embedding's output stays whole under SP."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel)
@@ -146,7 +157,7 @@ def torch_style(rule: TPRule, *, sp: bool, holds_split: bool, loss_parallel: boo
     if rule.style == "rowwise":
         return _split_linear("rowwise", output_layouts=seq if sp else Replicate())
     if rule.style == "embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp and not late_entry else Replicate())
     if rule.style == "head" and loss_parallel:
         return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
                                use_local_output=False)
@@ -154,17 +165,18 @@ def torch_style(rule: TPRule, *, sp: bool, holds_split: bool, loss_parallel: boo
         # The logits are gathered, so every tp rank computes the whole loss (counted once per replica by the
         # training loop): a user's loss function takes a plain tensor.
         return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
-    if rule.style == "region" and sp:
-        return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                  use_local_output=not holds_split)
-    if rule.style == "region" and holds_split:
-        return _replicated_region()()
+    if rule.style == "region" and (sp or holds_split):
+        return _region_input(sp=sp, local=not holds_split)
     if not sp:
         return None
     if rule.style == "norm":
         return SequenceParallel()
     if rule.style == "sp_entry":
         return PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+    if rule.style == "sp_input":
+        # the layer's hidden states, its first positional argument (transformers 5's LlamaModel passes them so;
+        # the rotary tables and the mask come as keywords, whole)
+        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True)
     raise ValueError(f"unknown tensor-parallel style {rule.style!r}")
 
 
@@ -181,6 +193,9 @@ def parallelize(model: nn.Module, held: list[nn.Module], tp_mesh, *, sp: bool, r
     if shape.refusal:
         raise ConfigError(f"tp={tp}: {shape.refusal}; plan with --tp 1")
     rules = rules_for(shape.tp_plan, vocab_split=vocab_divides(shape, tp))
+    if sp and shape.tp_plan.sp_pipelines and not any(m is model for m in held):
+        raise ConfigError(f"tp={tp} with sequence parallelism: {shape.tp_plan.sp_pipelines}; drop --sp or use --pp 1")
+    late = enters_late(rules)
     held_ids = {id(sub) for m in held for sub in m.modules()}
     named = [(n, m) for n, m in model.named_modules() if id(m) in held_ids]
     split = {n for n, _ in named if (r := style_of(n, rules)) is not None and r.style in SPLIT_STYLES}
@@ -190,7 +205,7 @@ def parallelize(model: nn.Module, held: list[nn.Module], tp_mesh, *, sp: bool, r
         if rule is None:
             continue
         style = torch_style(rule, sp=sp, holds_split=any(s.startswith(name + ".") for s in split),
-                            loss_parallel=loss_parallel)
+                            loss_parallel=loss_parallel, late_entry=late)
         if style is not None:
             plan[name] = style
     if plan:

@@ -75,7 +75,7 @@ class StrategyRequest(Record):
     optimizer: Optimizer = "adamw"
 
 
-def check_tp(profile: ModelProfile, cluster: ClusterProfile, *, tp: int, sp: bool) -> None:
+def check_tp(profile: ModelProfile, cluster: ClusterProfile, *, tp: int, sp: bool, pp: int = 1) -> None:
     """ConfigError (one line, what to change) unless this model can be split tp ways (with SP) inside a node."""
     if tp < 1 or tp & (tp - 1):
         raise ConfigError(f"--tp must be a power of two, got {tp}")
@@ -88,7 +88,7 @@ def check_tp(profile: ModelProfile, cluster: ClusterProfile, *, tp: int, sp: boo
                           f"tensor-parallel group must stay inside one node; use a --tp that divides it")
     shape = profile.tensor_parallel
     why = ("the profile predates tensor-parallel plans; re-run planner profile" if shape is None
-           else shape.tp_refusal(tp, sp=sp, seq_len=profile.seq_len))
+           else shape.tp_refusal(tp, sp=sp, seq_len=profile.seq_len, pp=pp))
     if why:
         raise ConfigError(f"--tp {tp}{' --sp' if sp else ''}: {profile.name}: {why}; use --tp 1"
                           + (" or drop --sp" if sp and shape is not None and not shape.tp_refusal(tp) else ""))
@@ -112,7 +112,7 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
     refusal = profile.pipeline_refusal
     if pp > 1 and refusal:
         raise ConfigError(f"--pp {pp}: {profile.name} cannot be pipelined: {refusal}; use --pp 1")
-    check_tp(profile, cluster, tp=tp, sp=r.sp)
+    check_tp(profile, cluster, tp=tp, sp=r.sp, pp=pp)
     n_stages = pp * v
     if n_stages > len(profile.units):
         raise ConfigError(f"pp x v = {n_stages} stages, but the model has only {len(profile.units)} units")
@@ -133,7 +133,7 @@ def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
     if strategy.tp > 1:
         shape = profile.tensor_parallel
         why = ("the profile predates tensor-parallel plans" if shape is None
-               else shape.tp_refusal(strategy.tp, sp=strategy.sp, seq_len=profile.seq_len))
+               else shape.tp_refusal(strategy.tp, sp=strategy.sp, seq_len=profile.seq_len, pp=strategy.pp))
         if why:
             return f"{profile.name} cannot be split {strategy.tp} ways: {why}"
     return strategy.unsafe_reason() or strategy.split_tie(sp.units for sp in profile.shared)

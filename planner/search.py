@@ -251,7 +251,7 @@ def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partiti
     ties = tuple(sp.units for sp in profile.shared)
     pipelines = profile.pipeline_refusal is None
     points = [pt for pt in enumerate_points(gpus=gpus, global_batch=req.global_batch_size, n_units=n_units,
-                                            pipelines=pipelines, tp_pairs=tp.pairs)
+                                            pipelines=pipelines, tp_pairs=tp.pairs, sp_pipelines=tp.sp_pipelines)
               if runnable(pt.schedule, pt.zero, pt.dp)
               and (req.schedules is None or pt.pp == 1 or pt.schedule in req.schedules)
               and (req.micro_batch_sizes is None or pt.micro_batch_size in req.micro_batch_sizes)

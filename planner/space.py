@@ -38,6 +38,7 @@ class TPOptions:
     pairs: tuple[tuple[int, bool], ...] = NO_TP
     notes: tuple[str, ...] = ()
     refusal: str | None = None     # why the model gets no tensor parallelism at all (then pairs is tp=1 only)
+    sp_pipelines: bool = True      # sequence parallelism also with pipeline stages (TPPlan.sp_pipelines)
 
 
 def tp_options(shape: TPShape | None, *, devices_per_node: int, gpus: int, seq_len: int,
@@ -52,6 +53,7 @@ def tp_options(shape: TPShape | None, *, devices_per_node: int, gpus: int, seq_l
         return TPOptions(refusal=shape.refusal)
     pairs: list[tuple[int, bool]] = [(1, False)]
     notes: list[str] = []
+    sp_pipelines = True
     tp = 2
     while tp <= devices_per_node:
         if devices_per_node % tp == 0 and gpus % tp == 0 and (degrees is None or tp in degrees):
@@ -63,12 +65,16 @@ def tp_options(shape: TPShape | None, *, devices_per_node: int, gpus: int, seq_l
                 sp_why = shape.tp_refusal(tp, sp=True, seq_len=seq_len)
                 if sp_why is None:
                     pairs.append((tp, True))
+                    staged_why = shape.tp_refusal(tp, sp=True, seq_len=seq_len, pp=2)
+                    if staged_why and sp_pipelines:
+                        sp_pipelines = False
+                        notes.append(f"sequence parallelism searched at pp = 1 only: {staged_why}")
                 elif not any(n.startswith("sequence parallelism") for n in notes):   # one line says it
                     notes.append(f"sequence parallelism not searched at tp={tp}: {sp_why}")
         tp *= 2
     if degrees is not None:
         pairs = [p for p in pairs if p[0] in degrees] or pairs[:1]
-    return TPOptions(pairs=tuple(pairs), notes=tuple(notes))
+    return TPOptions(pairs=tuple(pairs), notes=tuple(notes), sp_pipelines=sp_pipelines)
 
 
 def divisors(n: int, *, at_most: int | None = None) -> list[int]:
@@ -95,16 +101,17 @@ def schedules_for(pp: int, m: int, n_units: int) -> list[tuple[str, int]]:
 
 def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_batch: int = MAX_MICRO_BATCH,
                      max_microbatches: int = MAX_MICROBATCHES, pipelines: bool = True,
-                     tp_pairs: Sequence[tuple[int, bool]] = NO_TP) -> Iterator[Point]:
+                     tp_pairs: Sequence[tuple[int, bool]] = NO_TP, sp_pipelines: bool = True) -> Iterator[Point]:
     """Every (tp, sp) of `tp_pairs` (tp_options), every (dp, pp) with dp * pp * tp = gpus, ZeRO 0-3 on dp, every
     schedule and chunking the units allow, and every micro-batch size with dp * m * mbs = B (up to max_micro_batch
     sequences, and m up to max_microbatches, the simulator's cap). Only pp <= n_units and mbs <= max_micro_batch
     are ever tried, so the work is bounded by |tp_pairs| x n_units x max_micro_batch whatever gpus and B are.
-    pipelines=False: pp = 1 only (a model the executor cannot cut into stages, ModelProfile.pipeline_refusal)."""
+    pipelines=False: pp = 1 only (a model the executor cannot cut into stages, ModelProfile.pipeline_refusal);
+    sp_pipelines=False: sequence parallelism at pp = 1 only (TPOptions.sp_pipelines)."""
     for tp, sp in tp_pairs:
         if gpus % tp:
             continue
-        for pp in divisors(gpus // tp, at_most=n_units if pipelines else 1):
+        for pp in divisors(gpus // tp, at_most=n_units if pipelines and (sp_pipelines or not sp) else 1):
             dp = gpus // tp // pp
             if global_batch % dp:
                 continue

@@ -184,7 +184,8 @@ def test_tp2_and_sp_on_2_ranks_zoo_and_hf_llama():
     gpt, llama, hf, gpt2 = cfg_for("gpt-tiny"), cfg_for("llama-tiny"), cfg_for(HF_LLAMA), cfg_for(HF_GPT2)
     items = [("train", S(tp=2), gpt), ("train", S(tp=2, sp=True, selective=True), gpt),
              ("train", S(tp=2), llama), ("train", S(tp=2, sp=True), llama),
-             ("train", S(tp=2, units=_units(hf)), hf), ("train", S(tp=2, units=_units(gpt2)), gpt2)]
+             ("train", S(tp=2, units=_units(hf)), hf), ("train", S(tp=2, sp=True, units=_units(hf)), hf),
+             ("train", S(tp=2, units=_units(gpt2)), gpt2)]
     custom = _custom_cfg()   # a plan given by --tp-plan, carried as its recorded rules
     items.append(("train", S(tp=2, units=_units(custom)), custom))
     results = run_items(2, items)
@@ -320,3 +321,9 @@ def test_tp_refusals_are_one_line():
         check_tp(llama, 2, sp=True, seq_len=15)
     check_tp(llama, 2, sp=True, seq_len=16)
     assert os.linesep not in str(ConfigError("x"))
+    # transformers' Llama enters SP at its first decoder layer: at pp = 1 only (stages recompute rotary and mask)
+    pytest.importorskip("transformers")
+    hf = resolve(HF_LLAMA).build(device="meta", dtype=torch.float32)
+    check_tp(hf, 2, sp=True, seq_len=16)
+    with pytest.raises(ConfigError, match=r"with pipeline stages \(pp > 1\).*; drop --sp$"):
+        check_tp(hf, 2, sp=True, seq_len=16, pp=2)

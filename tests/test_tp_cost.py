@@ -127,6 +127,29 @@ def test_tp_bytes_per_step_equal_the_hand_count(model, sp):
     assert tp_bytes_per_step(dataclasses.replace(s, tp=4), prof) == _hand_count(model, sp, 3)
 
 
+HF_LLAMA = ("hf:llama?num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+            "&num_key_value_heads=2&vocab_size=512&max_position_embeddings=64")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_hf_llama_enters_sp_at_its_first_layer_and_keeps_the_embedding_whole(sp):
+    """transformers' Llama under SP: the vocabulary-split embedding's output is all-reduced whole (the model makes its
+    rotary tables and mask from it), the first decoder layer's input is sliced to the sequence shard (its gradient
+    all-gathered in backward); inside the layers and at the head as the zoo Llama."""
+    pytest.importorskip("transformers")
+    prof = _meta(HF_LLAMA)
+    embed, first = prof.units[0].tp, prof.units[1].tp
+    assert (embed.whole_embed_calls, embed.whole_embed_bytes, embed.embed_calls) == (1, BSH, 0)
+    assert (first.input_calls, first.input_bytes) == (1, BSH)
+    loss = 3 / H
+    counts = ({"all_reduce": 2 * L + 1 + 2 * L + 1 + loss} if not sp else
+              {"all_gather": 2 * (2 * L + 1), "reduce_scatter": 4 * L + 1, "all_reduce": 1 + loss})
+    want = {f"tp_{op}": 3 * counts.get(op, 0) * BSH for op in TP_OPS}
+    if sp:
+        want["tp_all_reduce"] += 3 * (2 * L + 1) * H * 4   # the RMSNorm weights' gradients
+    assert tp_bytes_per_step(_strategy(prof, tp=2, sp=sp, microbatches=3), prof) == pytest.approx(want)
+
+
 def test_tp_bytes_follow_the_pipeline_rank_and_full_recompute():
     prof = _meta("gpt-tiny")
     s = _strategy(prof, tp=2, pp=2, stages=_two_stages(prof), microbatches=2, recompute=(True, False))

@@ -49,6 +49,17 @@ def test_tp_degrees_divide_the_node_and_the_model():
     assert "re-run planner profile" in tp_options(None, devices_per_node=8, gpus=8, seq_len=64).refusal
 
 
+def test_sequence_parallelism_of_a_transformers_llama_is_searched_without_pipelines_only():
+    hf = TPShape(plan="hf-llama", heads=32, kv_heads=8, ffn=14336, hidden=4096, vocab=128256, vocab_split=True)
+    opts = tp_options(hf, devices_per_node=8, gpus=16, seq_len=4096)
+    assert (2, True) in opts.pairs and not opts.sp_pipelines
+    assert [n for n in opts.notes if n.startswith("sequence parallelism searched at pp = 1 only: ")]
+    points = list(enumerate_points(gpus=16, global_batch=32, n_units=6, tp_pairs=opts.pairs,
+                                   sp_pipelines=opts.sp_pipelines))
+    assert {p.pp for p in points if p.sp} == {1} and max(p.pp for p in points if not p.sp) > 1
+    assert hf.tp_refusal(2, sp=True, seq_len=4096) is None and hf.tp_refusal(2, sp=True, seq_len=4096, pp=2)
+
+
 def test_points_split_the_devices_over_dp_tp_and_pp():
     pairs = ((1, False), (2, False), (2, True), (8, True))
     points = list(enumerate_points(gpus=16, global_batch=32, n_units=6, tp_pairs=pairs))

@@ -73,12 +73,23 @@ def test_models_without_a_plan_say_why():
     assert shape.tp_refusal(2) == shape.refusal and shape.tp_refusal(1) is None
 
 
-def test_sequence_parallelism_is_refused_for_transformers_models():
+def test_sequence_parallelism_of_transformers_models():
+    """The Llama family enters the sequence split at the first decoder layer's input (after the model has made its
+    rotary tables and mask for the whole sequence): SP is offered at pp = 1 and refused in one line with pipeline
+    stages, which recompute them from their input. GPT-2 adds position embeddings there: refused."""
     pytest.importorskip("transformers")
-    for ref in (HF_LLAMA.format(kind="llama"), HF_GPT2):
-        shape = tp_shape(_meta(ref))
-        assert shape.tp_refusal(2) is None
-        assert shape.tp_refusal(2, sp=True, seq_len=64).startswith("sequence parallelism is not offered for transformers")
+    llama, gpt2 = tp_shape(_meta(HF_LLAMA.format(kind="llama"))), tp_shape(_meta(HF_GPT2))
+    assert llama.tp_refusal(2, sp=True, seq_len=64) is None and PLANS["hf-llama"].sp == ""
+    why = llama.tp_refusal(2, sp=True, seq_len=64, pp=2)
+    assert why.startswith("sequence parallelism is not offered for transformers' Llama-family models with pipeline")
+    assert "\n" not in why and llama.tp_refusal(2, pp=2) is None
+    assert style_of("model.layers.0", PLANS["hf-llama"].rules).style == "sp_input"
+    assert style_of("model.layers.1", PLANS["hf-llama"].rules) is None
+    # a tied vocabulary leaves the embedding without a rule (not an sp_entry: the split starts at layer 0)
+    tied = rules_for(PLANS["hf-llama"], vocab_split=False)
+    assert style_of("model.embed_tokens", tied) is None and style_of("lm_head", tied).style == "region"
+    assert gpt2.tp_refusal(2) is None
+    assert gpt2.tp_refusal(2, sp=True, seq_len=64).startswith("sequence parallelism is not offered for transformers'")
 
 
 def test_hf_gpt2_splits_its_conv1d_projections_and_keeps_the_tied_vocabulary_whole():
