@@ -167,7 +167,11 @@ def main() -> None:
                                                        for k in results[0]["component_pred_over_measured"]},
                "wall_s": round(time.perf_counter() - t0, 1)}
     import torch
-    data = {"schema_version": 1, "kind": "zeropipe.benchmark.fidelity", "quick": args.quick, "targets": TARGETS,
+    full = [(m, int(g), int(b)) for m, _ in SUITE for g in (2, 4) for b in (8, 16)]
+    label = "quick run" if args.quick else "full run" if configs == full else \
+        f"run of {args.models} x {args.gpus} ranks x batch {args.batches}"
+    data = {"schema_version": 1, "kind": "zeropipe.benchmark.fidelity", "quick": args.quick, "label": label,
+            "targets": TARGETS,
             "summary": summary, "configs": results,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                         "torch": torch.__version__, "probe": {g: c.notes for g, c in clusters.items()}},
@@ -185,7 +189,8 @@ def main() -> None:
 
 def markdown(data: dict) -> str:
     s = data["summary"]
-    lines = [f"# zeropipe fidelity ({'quick' if data['quick'] else 'full'} run, {data['date']})", "",
+    label = data.get("label") or ("quick run" if data["quick"] else "full run")
+    lines = [f"# zeropipe fidelity ({label}, {data['date']})", "",
              f"Machine: {data['machine']['cpus']} CPUs, {data['machine']['platform']}, Python "
              f"{data['machine']['python']}, torch {data['machine']['torch']}; gloo ranks on this CPU.", "",
              "| model | ranks | batch | candidates | choice | best measured | regret | Kendall tau | MAPE | compute err | optimizer err | rest err | load |",
