@@ -17,10 +17,11 @@ the rest in order of a lower bound (a heap), branch-and-bound against the k-th b
   P5 recompute bound: one stage (pp = v = 1) that cannot hold one micro-batch's activations even with selective
      recompute and everything divided by tp must recompute fully: its forward runs twice;
   P6 / P7 recompute first: a pipeline rank that cannot hold its model states and its activations with selective
-     recompute (one micro-batch of its largest stage, or the activations in flight another member of the group
-     was estimated with) is costed with full recompute on its stages first: no estimate of what cannot fit; P6's
-     ranks (found before costing) run their forward twice in the point's bound, and such a point is not re-cut
-     memory-aware (the planner's policy: a rank that cannot hold one micro-batch recomputes).
+     recompute (one micro-batch of its largest stage; on pipeline rank 0 the forwards its schedule runs before its
+     first backward, all alive at once; or the activations in flight another member of the group was estimated
+     with) is costed with full recompute on its stages first: no estimate of what cannot fit; P6's ranks (found
+     before costing) run their forward twice in the point's bound, and such a point is not re-cut memory-aware
+     (the planner's policy: a rank that cannot hold its warm-up's activations recomputes).
 A point that does not fit with time-balanced stages is retried with selective recompute, full recompute on the
 stages that overflow, then the memory-aware exact DP partition. Unit times are assumed no faster at larger tp per
 FLOP (the estimate's narrow-GEMM curve) and per sample at smaller micro-batches (fixed costs spread over fewer).
