@@ -587,7 +587,7 @@ def _print_resume(step_dir, meta, the_plan, *, signed: bool, saving: bool) -> No
 
 
 def _print_run(r) -> None:
-    from cost_models.formatting import duration
+    from cost_models.formatting import duration, load_line
     from planner.report import MEASURE_COLUMNS, measure_rows
     first = f"steps {r.start_step}-{r.steps - 1}" if r.start_step else f"{r.steps} steps"
     out.print(f"ran {r.strategy_summary} on {r.world_size} ranks ({r.backend}), {first}, "
@@ -602,6 +602,8 @@ def _print_run(r) -> None:
                   f"{r.checkpoints[-1]}", highlight=False)
     out.print(_table(MEASURE_COLUMNS, measure_rows(r), title="predicted vs measured"))
     out.print(f"throughput: {r.tokens_per_s:,.0f} {r.throughput_unit}/s measured", highlight=False)
+    if r.load_1min:
+        out.print(load_line(r.load_1min, r.cpus, r.world_size), highlight=False)
 
 
 @app.command()

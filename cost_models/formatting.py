@@ -101,3 +101,13 @@ def measured(value: float, unit: str) -> str:
 def now_utc() -> str:
     """The timestamp every zeropipe file records (created_at): UTC, ISO 8601, whole seconds."""
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def load_line(load_1min: tuple[float, ...], cpus: int, ranks: int) -> str:
+    """How loaded the machine was during a run (its 1-minute load average, os.getloadavg, at the start and the end),
+    so a noisy measurement on a shared machine is not read as a bad prediction."""
+    lo, hi = min(load_1min), max(load_1min)
+    verdict = (f"more runnable work than CPUs at times: measured times include waiting for a core"
+               if hi > cpus else "below the CPU count: the measured times are the plan's own")
+    return (f"machine load during the run (1-minute average): {lo:.1f} to {hi:.1f} on {cpus} CPUs with {ranks} "
+            f"ranks; {verdict}")

@@ -192,14 +192,17 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
                       trust_checkpoint=run.trust_checkpoint, checkpoint_dir=run.checkpoint_dir,
                       checkpoint_every=run.checkpoint_every, checkpoint_keep=run.checkpoint_keep, data=run.data,
                       unit_modules=plan.model.unit_modules, init_from=run.init_from, tp_rules=plan.model.tp_rules)
+    load_before = os.getloadavg()[0]
     gathered = _start_ranks(plan, run, cfg, per_node)
     if gathered is None:
         return None
     result = summarize(plan, [RankResult.from_dict(r) for r in gathered], steps=run.steps, warmup=run.warmup,
                        backend="nccl" if torch.cuda.is_available() else "gloo")
     written = tuple(str(Path(run.checkpoint_dir) / layout.step_dir_name(s)) for s in result.ranks[0].checkpoint_steps)
+    # how loaded the machine was, beside the measured times: a shared machine's noise is not the model's error
     return dataclasses.replace(result, start_step=start, resumed_from=str(step_dir) if step_dir else None,
-                               checkpoints=written)
+                               checkpoints=written, load_1min=(load_before, os.getloadavg()[0]),
+                               cpus=os.cpu_count() or 0)
 
 
 def _start_ranks(plan: Plan, run: RunConfig, cfg: TrainConfig, per_node: int) -> list[dict] | None:

@@ -83,6 +83,8 @@ class RunFile(FileRecord):
     resumed_from: str | None = None        # the checkpoint folder the run started from
     checkpoints: tuple[str, ...] = ()      # checkpoint folders this run committed
     throughput_unit: str = "tokens"        # what tokens_per_s counts: "tokens" | "samples" (as the plan's estimate)
+    load_1min: tuple[float, ...] = ()      # the machine's 1-minute load average when the ranks started and ended
+    cpus: int = 0                          # the machine's CPUs (os.cpu_count), beside the load
 
 
 def load_run(path, plan: Plan) -> RunFile:

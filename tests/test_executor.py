@@ -100,6 +100,9 @@ def test_planner_run_writes_run_json(tmp_path, profile, reference):
     assert run["step_time_s"]["steps"] == 4 and run["step_time_s"]["median_s"] > 0
     quantities = {(c["quantity"], c["unit"]) for c in run["measures"]}
     assert ("step time", "s") in quantities and ("rank 1 parameters", "B") in quantities
+    # how loaded the machine was, beside the measurements
+    assert len(run["load_1min"]) == 2 and all(x >= 0 for x in run["load_1min"]) and run["cpus"] == os.cpu_count()
+    assert f"on {os.cpu_count()} CPUs with 2 ranks" in proc.stdout
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from cost_models.model_profiler import profile_model
 from cost_models.models.source import resolve
 from cost_models.presets import preset
 from cost_models.strategy import Strategy
-from cost_models.formatting import about, duration, fixed, flop_rate, measured, rate, size
+from cost_models.formatting import about, duration, fixed, flop_rate, load_line, measured, rate, size
 from cost_models.summaries import estimate_lines, unit_rows
 from tests.plans import GPT_TINY_UNITS, plan_for
 
@@ -98,3 +98,10 @@ def test_unit_table_prints_measured_times_with_their_unit(tiny_profiles):
         assert row[6:] == [duration(u.fwd_time.median_s), duration(u.bwd_time.median_s)]
     assert rows[-1][6] == duration(sum(u.fwd_time.median_s for u in prof.units))
     assert all(re.fullmatch(r"[\d.,]+ (µs|ms|s)", cell) for row in rows for cell in row[6:])
+
+
+def test_the_load_line_says_whether_ranks_waited_for_a_core():
+    busy = load_line((1.5, 4.25), 2, 4)
+    assert busy.startswith("machine load during the run (1-minute average): 1.5 to 4.2 on 2 CPUs with 4 ranks; ")
+    assert busy.endswith("measured times include waiting for a core")
+    assert load_line((0.3, 1.9), 2, 2).endswith("below the CPU count: the measured times are the plan's own")
