@@ -288,6 +288,14 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
     return hit
 
 
+def _working_set(c: _Context, units: tuple[str, ...], saved: list[float], stage_input: float) -> float:
+    """With full recompute, the most one unit keeps while it is recomputed in backward: its saved bytes less its
+    input, which the in-flight term already holds (the checkpoint keeps it; a norm or linear saves that same
+    storage again, measured by executor.activations as one storage)."""
+    inputs = [stage_input] + [c.profile.units[c.unit_index[n] - 1].output_bytes * c.act_scale for n in units[1:]]
+    return max(max(0.0, kept * c.act_scale - held) for kept, held in zip(saved, inputs))
+
+
 def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEstimate:
     """One stage's per-micro-batch times, activation and p2p bytes; appends its units' (fwd, bwd) to unit_fb."""
     s, profile, units = c.s, c.profile, c.s.stages[sid]
@@ -321,7 +329,8 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     return StageEstimate(stage=sid, units=units, params=sum(held), fwd_s=fwd, bwd_s=bwd, activation_bytes=act,
                          boundary_bytes=boundary, peak_in_flight=0, send_fwd_s=send_f, send_bwd_s=send_b,
                          pp_rank=s.stage_rank(sid), largest_unit_params=max(held),
-                         working_set_bytes=max(saved) * c.act_scale if recompute else 0.0, tp_comm_s=acc[-1],
+                         working_set_bytes=_working_set(c, units, saved, stage_input) if recompute else 0.0,
+                         tp_comm_s=acc[-1],
                          tp_bytes=dict(zip(TP_OPS, acc)) if s.tp > 1 else {})
 
 

@@ -354,7 +354,10 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
         for label, pred, meas in (("parameters", m.parameters, r.parameter_bytes),
                                   ("gradients", m.gradients, r.gradient_bytes),
                                   ("optimizer states", m.optimizer_states, r.optimizer_state_bytes),
+                                  ("activations", m.activations, r.activation_bytes),
                                   ("peak total", m.total_bytes, r.peak_memory_bytes)):
+            if meas < 0:   # not measured (executor.activations runs in the counted step only)
+                continue
             rows.append(Measure(quantity=f"rank {r.rank} {label}", unit="B", predicted=float(pred),
                                 measured=float(meas)))
     dp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if not k.startswith(("p2p", "tp_")))

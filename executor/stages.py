@@ -27,10 +27,10 @@ from typing import Callable, Sequence
 
 import torch
 from torch import fx, nn
-from torch.utils.checkpoint import checkpoint
 
 from cost_models.errors import ConfigError
 from cost_models.torch_private import persistent_buffers
+from executor.activations import checkpointed
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def recomputed(module: nn.Module) -> None:
     def forward_recomputed(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpointed(forward, *args, **kwargs)
     module.forward = forward_recomputed
 
 

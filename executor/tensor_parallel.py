@@ -265,13 +265,13 @@ def _core_checkpointed():
     it caches op outputs autograd would not have saved), hence the kernel alone."""
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
-    from torch.utils.checkpoint import checkpoint
+    from executor.activations import checkpointed
 
     class CoreCheckpointed(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
-                return checkpoint(func, *args, use_reentrant=False, **kwargs)
+                return checkpointed(func, *args, **kwargs)
             return func(*args, **kwargs)
     return CoreCheckpointed
 

@@ -23,6 +23,7 @@ from cost_models.schedule import DEFAULT_SCHEDULE
 from cost_models.strategy import Strategy
 from cost_models.tensor_parallel import TPRule
 from executor import checkpoint, checkpoint_layout
+from executor.activations import ActivationMeter
 from executor.data import TokenFile
 from executor.measure import CommCounter, peak_memory_bytes
 from executor.runtime import ModelSpec, build_runtime, logits_of
@@ -142,7 +143,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
     restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0
     fail_rank, fail_step, how = _injected_failure()
     per_replica = strategy.microbatches * strategy.micro_batch_size
-    progress, counter = _Progress(), None
+    progress, counter, meter = _Progress(), None, None
     batches = batch_source(cfg, example, out_shape, strategy.global_batch_size, loss)
     for step in range(cfg.start_step, cfg.steps + (1 if cfg.count_comm else 0)):
         counting = cfg.count_comm and step == cfg.steps
@@ -153,7 +154,9 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
         if injected and how != "nan":
             _fail_now(step, how)
         counter = CommCounter() if counting else None
-        replica_loss, elapsed = _timed_step(rt, x, y, device, counter, progress, poison=injected and how == "nan")
+        meter = ActivationMeter(rt.wrapped.modules) if counting else None
+        with meter or contextlib.nullcontext():
+            replica_loss, elapsed = _timed_step(rt, x, y, device, counter, progress, poison=injected and how == "nan")
         if counting:
             _count_ddp_buckets(rt, counter)
             break
@@ -166,7 +169,8 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
                       peak_memory_source=source_name, comm_bytes=dict(counter.bytes) if counter else {},
                       comm_calls=dict(counter.calls) if counter else {}, compute_s=tuple(progress.parts["compute"]),
                       sync_s=tuple(progress.parts["sync"]), optimizer_s=tuple(progress.parts["optimizer"]),
-                      restore_s=restore_s, checkpoint_steps=tuple(progress.saved), checkpoint_s=tuple(progress.save_s))
+                      restore_s=restore_s, checkpoint_steps=tuple(progress.saved), checkpoint_s=tuple(progress.save_s),
+                      activation_bytes=meter.peak if meter else -1)
 
 
 def _fail_now(step: int, how: str) -> None:

@@ -41,6 +41,8 @@ class RankResult(Record):
     restore_s: float = 0.0                 # loading the checkpoint resumed from (not in any step time)
     checkpoint_steps: tuple[int, ...] = () # steps after which a checkpoint was committed
     checkpoint_s: tuple[float, ...] = ()   # seconds each save took (not in any step time)
+    activation_bytes: int = -1             # peak bytes held for backward in the counted step (executor.activations);
+                                           # -1: not measured (no counted step, or a run.json from before)
 
 
 @record
