@@ -104,6 +104,57 @@ class ComputeProbe(Record):
 
 
 @record
+class CalibrationRun(Record):
+    """One run a calibration was fitted on: where it came from and its step time before and after the fit."""
+
+    path: str
+    created_at: str                    # the run's (run.json created_at)
+    model: str
+    strategy: str                      # Strategy.summary
+    world_size: int
+    measured_step_s: float             # slowest rank's median step
+    predicted_before_s: float          # the plan's prediction
+    predicted_after_s: float           # with this calibration (planner/calibrate.py's linear model of the estimate)
+
+
+@record
+class Calibration(Record):
+    """What real runs showed, fitted by `planner calibrate` (planner/calibrate.py) and applied by the estimate:
+    unit forward/backward times, the optimizer step and exposed data-parallel collectives scaled, the per-action
+    overhead of the pipeline runtime replaced. A factor the runs could not identify stays at its neutral value and
+    is absent from `fitted`."""
+
+    compute_scale: float = 1.0                # x every unit's forward and backward time (not TP collectives)
+    optimizer_scale: float = 1.0              # x the optimizer step
+    dp_comm_scale: float = 1.0                # x each rank's exposed data-parallel collective time
+    pipeline_action_s: float | None = None    # one pipeline action's overhead, instead of the probe's (None: keep it)
+    fitted: tuple[str, ...] = ()              # the fields above that the runs identified
+    runs: tuple[CalibrationRun, ...] = ()
+    mape_before: float = 0.0                  # step-time MAPE over the runs, the plans' predictions
+    mape_after: float = 0.0                   # the same with this calibration
+    created_at: str = ""
+
+    def describe(self) -> str:
+        """One line: which runs, when (shown wherever a calibrated estimate is)."""
+        if not self.runs:
+            return "calibrated by hand (no runs recorded)"
+        shown = ", ".join(f"{r.path} ({r.created_at})" for r in self.runs[:3])
+        more = f" and {len(self.runs) - 3} more" if len(self.runs) > 3 else ""
+        return f"calibrated by {len(self.runs)} run(s): {shown}{more}"
+
+
+def check_calibration(c: "ClusterProfile", where: str) -> None:
+    """Scales must be positive (validate_cluster has checked every number is finite and non-negative)."""
+    cal = c.calibration
+    if cal is None:
+        return
+    for name in ("compute_scale", "optimizer_scale", "dp_comm_scale"):
+        if getattr(cal, name) <= 0:
+            raise FileFormatError(f"{where}: cluster.calibration.{name} is {getattr(cal, name)!r}; need > 0; "
+                                  f"re-run planner calibrate")
+
+
+@record
 class ClusterProfile(Record):
     name: str
     source: str                        # "probe", "preset:dgx-h100", "file:path"
@@ -117,6 +168,7 @@ class ClusterProfile(Record):
     compute: ComputeProbe | None = None
     backend: str | None = None
     notes: tuple[str, ...] = ()
+    calibration: Calibration | None = None   # fitted from runs (planner calibrate); None: predictions as probed
 
     @property
     def world_size(self) -> int:
@@ -157,3 +209,4 @@ class ClusterFile(FileRecord):
         """Finite, non-negative, consistent (cost_models.validate): one line naming the field."""
         from cost_models.validate import validate_cluster   # validate imports this module
         validate_cluster(self.cluster, where)
+        check_calibration(self.cluster, where)

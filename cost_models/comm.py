@@ -1,13 +1,32 @@
 """Alpha-beta communication costs (pure functions over a ClusterProfile).
 
-Ring collectives over n ranks moving a full buffer of S bytes (bandwidth terms: the ring all-gather and
-reduce-scatter of Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH",
-IJHPCA 19(1); the ring all-reduce as reduce-scatter then all-gather, Patarasuk & Yuan 2009, "Bandwidth optimal
-all-reduce algorithms for clusters of workstations", JPDC 69(2)); latency is one alpha per phase, not per ring step:
-    all-gather, reduce-scatter:  alpha + (n-1)/n * S * beta
-    all-reduce:                  2 * (alpha + (n-1)/n * S * beta)      (reduce-scatter then all-gather)
+Ring collectives over n ranks moving a full buffer of S bytes (the ring all-gather and reduce-scatter of Thakur,
+Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH", IJHPCA 19(1): n-1 steps,
+each paying a latency; the ring all-reduce as reduce-scatter then all-gather, Patarasuk & Yuan 2009, "Bandwidth
+optimal all-reduce algorithms for clusters of workstations", JPDC 69(2)):
+    all-gather, reduce-scatter:  alpha + (n-2) * step + (n-1)/n * S * beta
+    all-reduce:                  2 * (alpha + (n-2) * step + (n-1)/n * S * beta)   (reduce-scatter then all-gather)
     point-to-point:              alpha + S * beta
-with beta = 1 / bandwidth of the link one rank drives. A group that spans k nodes with g ranks on each is costed
+with beta = 1 / bandwidth of the link one rank drives, alpha = a collective's latency over two ranks (one step) and
+step = each further ring step's latency (presets.RING_STEP_LATENCY_S by link kind). Across k nodes of g ranks the
+bandwidth is costed hierarchically (below) and the latency as NCCL's flat ring: k-1 network steps, n-k NVLink ones. The step term is NCCL's own
+cost model (src/graph/tuning.cc, ncclTopoTuneModel: a ring collective costs baseLat + nsteps x hwLat, nsteps = n-1
+for all-gather / reduce-scatter, Ring/Simple hwLat 3.4 us per NVLink step, 5.7 us per PCIe step, 9.6 us per network
+step), and what NCCL's maintainers say of measurements: "the latency of ring increases linearly with the
+communicator size, and larger messages are less affected" (github.com/NVIDIA/nccl/issues/1712). It is what makes a
+ZeRO-3 unit's gather over 1,000+ ranks latency-bound: on 128 dgx-h100 nodes a ring all-gather pays 127 network and
+896 NVLink steps, ~4.3 ms per call, against ~2.4 ms of bandwidth for a llama3-8b layer's 0.44 GB
+(benchmarks/zero3_scaling.py). Links of other kinds (a
+probed gloo loopback) have no step term: their probed fits are used for the group sizes probed.
+Byte conventions: `size_bytes` / S is always the full buffer (an all-reduce's tensor, an all-gather's output, a
+reduce-scatter's input), as executor.measure.CommCounter counts collectives and estimate.CommVolume reports them;
+what each rank sends on the wire is (n-1)/n x S for an all-gather or reduce-scatter and 2(n-1)/n x S for a ring
+all-reduce (wire_bytes; nccl-tests doc/PERFORMANCE.md derives its "busbw" from the same factors). The ZeRO paper's
+"2Psi per step" for data parallelism (Rajbhandari et al. 2020, section 7) is the wire count as n grows.
+Not modelled: nccl-tests bus bandwidth also drops with node count at a fixed message (all_gather_perf of 2 GB on
+32 DGX H100 nodes / 256 GPUs: ~200 GB/s busbw, github.com/NVIDIA/nccl/issues/1218, against the ~370 GB/s effective
+NVLink busbw NCCL reaches inside a node, github.com/NVIDIA/nccl-tests/issues/212), so at scale these times are a
+lower bound; a calibrated cluster file (probed fits) replaces the link formula. A group that spans k nodes with g ranks on each is costed
 hierarchically, as NCCL's rings over NVLink and per-GPU NICs behave: for all-gather, an inter-node all-gather of
 S/g among the k nodes on each of the g rails, then an intra-node all-gather of S among g ranks (reduce-scatter in
 the opposite order; all-reduce = reduce-scatter + all-gather). Where the cluster profile holds a probed fit for
@@ -41,6 +60,7 @@ from __future__ import annotations
 import functools
 
 from cost_models.cluster import ClusterProfile, LinkSpec
+from cost_models.presets import RING_STEP_LATENCY_S
 from cost_models.profile import TPUnit
 
 TP_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -48,10 +68,27 @@ Traffic = tuple[float, float, float, float, float, float]   # (calls, bytes) of 
 
 
 def ring_phase(link: LinkSpec, size_bytes: float, n: int) -> float:
-    """alpha + (n-1)/n * S / B: one ring all-gather or reduce-scatter of a full S-byte buffer over n ranks."""
+    """alpha + (n-2) step + (n-1)/n * S / B: one ring all-gather or reduce-scatter of a full S-byte buffer over n
+    ranks (module doc: n-1 ring steps, the first inside alpha)."""
     if n <= 1:
         return 0.0
-    return link.alpha_s + (n - 1) / n * size_bytes / link.bandwidth_Bps
+    return (link.alpha_s + (n - 2) * RING_STEP_LATENCY_S.get(link.kind, 0.0)
+            + (n - 1) / n * size_bytes / link.bandwidth_Bps)
+
+
+def wire_bytes(op: str, size_bytes: float, n: int) -> float:
+    """Bytes one rank sends on the wire for `op` on a full S-byte buffer over n ranks (ring algorithms, module doc):
+    (n-1)/n S for an all-gather or reduce-scatter, 2(n-1)/n S for an all-reduce. A hierarchical split sends the same
+    total: (g-1)/g S inside the node plus (k-1)/k S/g across nodes = (n-1)/n S for n = g k."""
+    if n <= 1:
+        return 0.0
+    return (2 if op == "all_reduce" else 1) * (n - 1) / n * size_bytes
+
+
+def dp_wire_bytes(collectives: dict[str, float], n: int) -> float:
+    """Wire bytes per rank of a step's data-parallel collectives given in the full-buffer convention
+    (estimate.CommVolume.dp_collectives: op -> bytes) over a dp group of n ranks."""
+    return sum(wire_bytes(op, size, n) for op, size in collectives.items())
 
 
 def p2p_time(cluster: ClusterProfile, size_bytes: float, *, crosses_nodes: bool) -> float:
@@ -93,8 +130,11 @@ def collective_time(cluster: ClusterProfile, op: str, size_bytes: float, n: int,
     g, k = _split(cluster, n, ranks_per_node)
     if k == 1:
         return _phase(cluster, op, size_bytes, g, "intra")
-    # Hierarchical: each of the g rails moves S/g across k nodes; inside a node g ranks move S.
-    return _phase(cluster, op, size_bytes / g, k, "inter") + _phase(cluster, op, size_bytes, g, "intra")
+    # Hierarchical: each of the g rails moves S/g across k nodes; inside a node g ranks move S. Latency as NCCL's
+    # flat ring counts it (module doc): n-1 steps, k-1 across nodes and n-k inside them, of which the intra phase
+    # charged g-1; the other (k-1)(g-1) intra-node steps are added.
+    extra = (k - 1) * (g - 1) * RING_STEP_LATENCY_S.get(cluster.intra_node.kind, 0.0)
+    return _phase(cluster, op, size_bytes / g, k, "inter") + _phase(cluster, op, size_bytes, g, "intra") + extra
 
 
 def _traffic(**ops: tuple[float, float]) -> Traffic:

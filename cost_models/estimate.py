@@ -15,6 +15,9 @@ communication behind compute unit by unit (see _overlapped_dp_time); what does n
 pipeline, each stage is one FSDP unit and torch's stage runs its gathers and the final reduction outside the
 compute, so they are exposed. CPU ranks share their cores with gloo's threads: nothing is assumed hidden there.
 
+A calibrated cluster (cluster.calibration, fitted from runs by planner/calibrate.py) scales the unit times, the
+optimizer step and the exposed data-parallel time by its factors and replaces the per-action overhead; nothing else.
+
 Tensor parallelism (tp > 1; mesh (pp, dp, tp), tp innermost as torchtitan orders it, so a TP group is tp adjacent
 ranks inside a node and a dp group's ranks are tp apart): each unit's compute is its TP rank's share
 (compute.tp_unit_times), plus its TP collectives (comm.tp_unit_traffic: Megatron's two all-reduces per layer in
@@ -31,7 +34,7 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
-from cost_models.cluster import ClusterProfile, ComputeProbe
+from cost_models.cluster import Calibration, ClusterProfile, ComputeProbe
 from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                tp_unit_traffic)
 from cost_models.compute import optimizer_step_time, tp_unit_times, unit_times, uses_measured_times
@@ -39,7 +42,7 @@ from cost_models.memory import (BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown
                                  executor_state_bytes, tp_param_share, tp_saved_bytes, zero1_partition)
 from cost_models.profile import ModelProfile, UnitProfile
 from cost_models.records import Record, record
-from cost_models.schedule import Simulation, StageCost, format_order, simulate_schedule
+from cost_models.schedule import Simulation, StageCost, format_order, get_spec, simulate_schedule
 from cost_models.strategy import Strategy
 from cost_models.tensor_parallel import vocab_divides
 
@@ -79,17 +82,19 @@ class StageEstimate(Record):
     tp_comm_s: float = 0.0         # per micro-batch: its TP collectives (forward + backward, in fwd_s / bwd_s)
     tp_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # per micro-batch: op -> full-buffer
                                    # bytes of its TP collectives (forward, recomputed forward, backward)
+    kept_bytes: float = 0.0        # of activation_bytes, what each micro-batch keeps until the step ends (_kept)
 
     def cost(self) -> StageCost:
         """The simulator's view of this stage (reports re-simulate the plan's timeline from it)."""
         return StageCost(fwd_s=self.fwd_s, bwd_s=self.bwd_s, send_fwd_s=self.send_fwd_s, send_bwd_s=self.send_bwd_s,
-                         activation_bytes=self.activation_bytes)
+                         activation_bytes=self.activation_bytes, kept_bytes=self.kept_bytes)
 
 
 @record
 class CommVolume(Record):
     p2p_bytes_per_step: float        # activations + gradients crossing stage boundaries, one pipeline
-    dp_bytes_per_rank: float         # bytes each rank moves in data-parallel collectives per step (full buffers)
+    dp_bytes_per_rank: float         # data-parallel collectives per rank per step in full-buffer bytes (as
+                                     # CommCounter counts them), not wire bytes: comm.dp_wire_bytes
     dp_collectives: dict[str, float] # op -> bytes per rank per step
     p2p_link: str
     dp_link: str
@@ -107,7 +112,8 @@ class Estimate(Record):
     tokens_per_step: int     # tokens (sequences x seq_len) for token and feature-sequence inputs; samples for others
     tokens_per_s: float
     throughput_unit: str = "tokens"   # what tokens_* count: "tokens" | "samples" (an input with no sequence axis)
-    mfu: float | None        # model FLOPs / (step time x world x peak); None where the peak is unknown
+    mfu: float | None        # model FLOPs (PaLM: 3 x forward, no recompute) / (step time x world x peak); None
+                             # where the peak is unknown
     stages: tuple[StageEstimate, ...]
     memory_per_rank: tuple[MemoryBreakdown, ...]
     capacity_bytes: int
@@ -115,6 +121,8 @@ class Estimate(Record):
     comm: CommVolume
     compute_source: str      # "measured" (profile times on this device kind) | "flops" (FLOPs / peak x efficiency)
     pipeline_order: dict[str, list[str]]
+    hfu: float | None = None # hardware FLOPs (with recompute, torch's attention backward) / the same; see _throughput
+    calibrated_by: str = ""  # "" as probed; else Calibration.describe() of the cluster's calibration (which runs)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -174,6 +182,7 @@ class _Context:
     tp_on: bool = False         # tensor parallelism or selective recompute: units are costed by TP role
     tp_vocab: bool = False      # the embedding and head split on the vocabulary at this tp
     tp_cost: tuple[tuple[float, float], ...] = ()  # per op in TP_OPS: (s per call, s per profile byte) over tp
+    calibration: Calibration = Calibration()       # the cluster's, or the neutral one
 
     @staticmethod
     def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> "_Context":
@@ -186,8 +195,12 @@ class _Context:
             ref = max(1.0, profile.micro_batch_size * profile.seq_len * (shape.hidden if shape else 1) * scale
                       * DTYPE_BYTES[profile.dtype])
             tp_cost = tuple((a, b * scale) for a, b in (linearized(cluster, op, s.tp, ref) for op in TP_OPS))
+        cal = cluster.calibration or Calibration()
+        overheads = cluster.compute or _NO_OVERHEADS
+        if cal.pipeline_action_s is not None:
+            overheads = dataclasses.replace(overheads, pipeline_action_s=cal.pipeline_action_s)
         return _Context(s=s, profile=profile, cluster=cluster, param_bytes=p_b, grad_bytes=g_b, act_scale=scale,
-                        overheads=cluster.compute or _NO_OVERHEADS,
+                        overheads=overheads, calibration=cal,
                         unit_index={u.name: i for i, u in enumerate(profile.units)},
                         tp_on=s.tp > 1 or s.selective, tp_vocab=bool(shape) and vocab_divides(shape, s.tp),
                         tp_cost=tp_cost)
@@ -237,8 +250,9 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     Adds the unit's TP bytes (per op in TP_OPS, forward again when recomputed) and collective seconds to acc."""
     s = c.s
     selective = s.selective and not recompute
-    f, b, core = tp_unit_times(u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-                               ranks_running=s.world_size, tp=s.tp, vocab=c.tp_vocab)
+    f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
+        u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
+        ranks_running=s.world_size, tp=s.tp, vocab=c.tp_vocab))
     saved = tp_saved_bytes(u.saved_bytes, u.tp, tp=s.tp, sp=s.sp, selective=selective)
     if selective:
         b += core
@@ -281,8 +295,9 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
             f, b, kept = _tp_unit(c, u, recompute, acc)
             hit = (f, b, kept, tuple(acc))
         else:
-            f, b = unit_times(u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-                              ranks_running=s.world_size)
+            f, b = (t * c.calibration.compute_scale for t in unit_times(
+                u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
+                ranks_running=s.world_size))
             hit = (f, b, float(u.saved_bytes), ())
         entry[2][key] = hit
     return hit
@@ -294,6 +309,24 @@ def _working_set(c: _Context, units: tuple[str, ...], saved: list[float], stage_
     storage again, measured by executor.activations as one storage)."""
     inputs = [stage_input] + [c.profile.units[c.unit_index[n] - 1].output_bytes * c.act_scale for n in units[1:]]
     return max(max(0.0, kept * c.act_scale - held) for kept, held in zip(saved, inputs))
+
+
+def _kept(c: _Context, sid: int, units: tuple[str, ...], recompute: bool) -> float:
+    """What each micro-batch keeps on a stage until the step ends under torch's split backward (I, then W): the saved
+    tensors of its nodes on no weight's path (model_profiler._split_kept_bytes: the unit-alone bytes, plus what a
+    unit keeps more when another unit of the stage follows it). I runs with retain_graph and W starts from the
+    intermediates I kept, so those are freed only with the graph, which a stage holds to the end of the step (the
+    last stage's outputs and losses; measured by executor.activations, torch 2.13: every stage but the first, which
+    runs one full backward at W, keeps them; gpt-tiny PP2 zb-interleaved v=1 and v=2 within 0.3% on every rank).
+    Not modelled (0) with tensor parallelism, where the unit-alone measurement does not apply, nor for a first stage
+    or with recompute outside a split backward."""
+    s = c.s
+    if sid == 0 or not get_spec(s.schedule).split_backward or recompute or c.tp_on:
+        return 0.0
+    index, profile = c.unit_index, c.profile
+    kept = sum(profile.units[index[n]].split_kept_bytes for n in units)
+    kept += sum(profile.units[index[n]].split_more_bytes for n in units[:-1])
+    return kept * c.act_scale
 
 
 def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEstimate:
@@ -312,13 +345,18 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
         saved.append(kept)
         unit_fb.append((f, b + (f if recompute else 0.0)))
     stage_input = _stage_input_bytes(c, index[units[0]])
-    if recompute:
+    # Under a split backward a recomputed stage's I recomputes the units and W still needs what they saved, and the
+    # stage keeps part of it to the step's end (_kept): measured 2.4x the recompute model's peak (llama-tiny PP2
+    # zb-interleaved, last stage recomputed). Its memory is bounded by the unrecomputed stage's instead.
+    bounded = recompute and sid > 0 and get_spec(s.schedule).split_backward
+    if recompute and not bounded:
         # Full recompute keeps each unit's input per micro-batch and one unit's working set at a time
         # (Korthikanti et al. 2022, section 4: 2sbh per layer in 16-bit instead of sbh(34 + 5as/h)).
         act = stage_input + sum(profile.units[index[n] - 1].output_bytes * c.act_scale for n in units[1:])
-        bwd += fwd
     else:
         act = sum(saved) * c.act_scale
+    if recompute:
+        bwd += fwd
     boundary = _boundary_bytes(profile, index[units[-1]]) * c.act_scale
     held = [_rank_params(c, n, units) for n in units]
     send_f, send_b = _p2p_times(c, sid, boundary, stage_input)
@@ -329,8 +367,8 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     return StageEstimate(stage=sid, units=units, params=sum(held), fwd_s=fwd, bwd_s=bwd, activation_bytes=act,
                          boundary_bytes=boundary, peak_in_flight=0, send_fwd_s=send_f, send_bwd_s=send_b,
                          pp_rank=s.stage_rank(sid), largest_unit_params=max(held),
-                         working_set_bytes=_working_set(c, units, saved, stage_input) if recompute else 0.0,
-                         tp_comm_s=acc[-1],
+                         working_set_bytes=_working_set(c, units, saved, stage_input) if recompute and not bounded
+                         else 0.0, tp_comm_s=acc[-1], kept_bytes=_kept(c, sid, units, recompute and not bounded),
                          tp_bytes=dict(zip(TP_OPS, acc)) if s.tp > 1 else {})
 
 
@@ -363,7 +401,7 @@ def _pipeline_pass(s: Strategy, stages: tuple[StageEstimate, ...], *, compact: b
     sim = simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, costs)
     if compact:
         return sim, sim
-    free = tuple(StageCost(fwd_s=x.fwd_s, bwd_s=x.bwd_s, activation_bytes=x.activation_bytes) for x in costs)
+    free = tuple(dataclasses.replace(x, send_fwd_s=0.0, send_bwd_s=0.0) for x in costs)
     return sim, simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, free)
 
 
@@ -403,7 +441,7 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
             params = [u.params if s.tp == 1 else tp_param_share(u.params, u.tp, s.tp, c.tp_vocab)
                       for u in c.profile.units]
             exposed = _overlapped_dp_time(s, params, unit_fb, coll, c.param_bytes, c.grad_bytes)
-        rank_dp.append(exposed)
+        rank_dp.append(exposed * c.calibration.dp_comm_scale)
     return rank_dp, dp_bytes
 
 
@@ -419,22 +457,45 @@ def _optimizer_pass(c: _Context, stages: tuple[StageEstimate, ...]) -> float:
                       for mine in per_rank)
     # FSDP2 keeps a shard of every tensor on every rank; ZeroRedundancyOptimizer gives each rank whole tensors
     opt_tensors_rank = opt_tensors / (s.dp if s.zero == 1 else 1)
-    return (optimizer_step_time(opt_params_rank, precision=s.precision, optimizer=s.optimizer, cluster=c.cluster)
-            + opt_tensors_rank * c.overheads.optimizer_tensor_s)
+    return c.calibration.optimizer_scale * (
+        optimizer_step_time(opt_params_rank, precision=s.precision, optimizer=s.optimizer, cluster=c.cluster)
+        + opt_tensors_rank * c.overheads.optimizer_tensor_s)
 
 
 # --- pass 5: throughput and traffic -------------------------------------------------------------------------------
 
-def _throughput(c: _Context, total: float) -> tuple[int, str, float | None]:
-    """(tokens or samples per step, which of the two, MFU)."""
+def _throughput(c: _Context, total: float) -> tuple[int, str, float | None, float | None]:
+    """(tokens or samples per step, which of the two, MFU, HFU) over step time x devices x dense peak (GPUs only).
+    MFU counts model FLOPs as PaLM does (Chowdhery et al. 2022, appendix B: 6N + 12LHQT per token, i.e. three times
+    the forward's matmul and attention FLOPs: backward = 2 x forward, no recompute). HFU counts what the devices run
+    (hardware_flops_per_step): the profile's measured backward (torch's attention backward recomputes QK^T: 2.5 x
+    its forward) and the recomputed forwards. HFU is usually the higher (a first layer whose input needs no gradient
+    runs less backward than PaLM's 2 x forward)."""
     s, profile, cluster = c.s, c.profile, c.cluster
     per_sequence = profile.input.kind in ("tokens", "features")   # "custom": no sequence axis, count samples
     tokens = s.global_batch_size * (profile.seq_len if per_sequence else 1)
-    model_flops = sum(u.fwd_flops + u.bwd_flops for u in profile.units) / profile.micro_batch_size * s.global_batch_size
+    per_sample = s.global_batch_size / profile.micro_batch_size
+    model_flops = 3 * sum(u.fwd_flops for u in profile.units) * per_sample
     peak = cluster.device.peak_flops.get(compute_dtype(s.precision))
-    # MFU: model FLOPs (no recompute) / (step time x devices x dense peak) (Chowdhery et al. 2022, PaLM, appendix B)
-    mfu = model_flops / (total * s.world_size * peak) if peak and total > 0 and cluster.device.kind == "gpu" else None
-    return tokens, "tokens" if per_sequence else "samples", mfu
+    if not (peak and total > 0 and cluster.device.kind == "gpu"):
+        return tokens, "tokens" if per_sequence else "samples", None, None
+    denom = total * s.world_size * peak
+    return (tokens, "tokens" if per_sequence else "samples", model_flops / denom,
+            hardware_flops_per_step(s, profile) / denom)
+
+
+def hardware_flops_per_step(s: Strategy, profile: ModelProfile) -> float:
+    """FLOPs the devices run per step: each unit's profiled forward + backward (FlopCounterMode, torch's own
+    backward formulas), plus its forward again in a fully recomputed stage, plus the attention core's forward under
+    selective recompute (Korthikanti et al. 2022, section 5)."""
+    flops = 0.0
+    for sid, units in enumerate(s.stages):
+        full = s.stage_recompute(sid)
+        for name in units:
+            u = profile.unit(name)
+            again = u.fwd_flops if full else (u.tp.core_flops if s.selective and u.tp is not None else 0)
+            flops += u.fwd_flops + u.bwd_flops + again
+    return flops * s.global_batch_size / profile.micro_batch_size
 
 
 def _comm_volume(c: _Context, stages: tuple[StageEstimate, ...], dp_bytes: dict[str, float]) -> CommVolume:
@@ -489,15 +550,16 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         total_s=total, tp_comm_s=s.microbatches * sum(st.tp_comm_s for st in _rank_stages(s, stages, critical)))
     stages = tuple(dataclasses.replace(st, peak_in_flight=sim.peak_in_flight.get(st.stage, 0)) for st in stages)
     memory = _memory(c, stages, sim, per_rank=per_rank)
-    tokens, unit, mfu = _throughput(c, total)
+    tokens, unit, mfu, hfu = _throughput(c, total)
     return Estimate(
         step_time_s=total, breakdown=breakdown, bubble_ratio=free.bubble_ratio, bubble_share=free.bubble_share,
-        tokens_per_step=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, throughput_unit=unit, mfu=mfu,
+        tokens_per_step=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, throughput_unit=unit, mfu=mfu, hfu=hfu,
         stages=stages, memory_per_rank=memory, capacity_bytes=cluster.device.memory_bytes,
         fits=max(m.total_bytes for m in memory) <= cluster.device.memory_bytes,
         comm=_comm_volume(c, stages, dp_bytes),
         compute_source="measured" if uses_measured_times(profile, cluster) else "flops",
-        pipeline_order=format_order(s.action_order()) if per_rank else {})
+        pipeline_order=format_order(s.action_order()) if per_rank else {},
+        calibrated_by=cluster.calibration.describe() if cluster.calibration else "")
 
 
 def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int = 0) -> dict[str, float]:

@@ -8,7 +8,14 @@ estimate_zero*_model_states_mem_needs names the same terms):
     bf16-mixed + SGD:        2 + 2 + K = 8 (4 B master + 4 B momentum)                         = 12 B
     fp32 + SGD (momentum):   4 + 4 + K = 4 (momentum)                                          = 12 B
 ZeRO over N data-parallel ranks divides: stage 1 the optimizer states, stage 2 also the gradients, stage 3 also
-the parameters: per rank (mixed Adam) 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
+the parameters: per rank (mixed Adam) 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (zero_model_state_bytes: the paper's
+formula, Figure 1).
+
+ZeRO-2 as the executor runs it holds 2Ψ + 16Ψ/N at its peak, not the paper's 2Ψ + 14Ψ/N: FSDP2 keeps every
+parameter's shard (2Ψ/N) as the optimizer's parameter and, with reshard_after_forward=False, the gathered copy (2Ψ)
+beside it from forward to backward, where DeepSpeed's ZeRO-2 keeps one replicated copy and no shard. The extra term
+is exactly P·Ψ/N (P = parameter bytes: 2 in bf16-mixed, 4 in fp32); tests/test_memory_model.py checks it, and the
+executor's measured parameter bytes (the local shard) equal executor_state_bytes (tests/test_executor.py).
 
 What the executor really holds (the mapping's approximations, stated in the report). The executor runs ZeRO-2
 and ZeRO-3 with FSDP2, which keeps parameters sharded at rest in both, so `executor_state_bytes` counts ZeRO-2's
@@ -89,7 +96,9 @@ def zero_model_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16
 
 def executor_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16-mixed",
                          optimizer: str = "adamw") -> tuple[float, float, float]:
-    """Model states as the executor holds them at rest: FSDP2 shards ZeRO-2's parameters too (module doc)."""
+    """Model states as the executor holds them at rest: FSDP2 shards ZeRO-2's parameters too (module doc), so ZeRO-2
+    is (P + G + K)Ψ/N here and its gathered PΨ is counted by comm_buffer_bytes: 2Ψ + 16Ψ/N in all for mixed Adam,
+    PΨ/N more than the paper's 2Ψ + 14Ψ/N."""
     return zero_model_state_bytes(psi, n, 3 if zero == 2 and n > 1 else zero, precision, optimizer)
 
 

@@ -20,6 +20,7 @@ profiler substitutes torch's fused CPU flash kernel (which has meta support) so 
 from __future__ import annotations
 
 import contextlib
+import copy
 import statistics
 import time
 from collections import OrderedDict
@@ -39,8 +40,8 @@ from cost_models.models.source import DTYPES, ModelSource, input_spec, source_in
 from cost_models.pipelining import pipeline_support
 from cost_models.profile import ModelProfile, SharedParam, Timing, TPUnit, UnitEdge, UnitProfile
 from cost_models.tensor_parallel import TPRule, enters_late, rules_for, style_of, tp_shape
-from cost_models.torch_private import (CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD, storage_id, tree_leaves,
-                                      tree_map)
+from cost_models.torch_private import (CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD, pipelining_split_backward,
+                                      storage_id, tree_leaves, tree_map, view_base)
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -376,7 +377,7 @@ def _attention_ops(fc: FlopCounterMode) -> set[str]:
 
 class _ModuleResult:
     def __init__(self) -> None:
-        self.fwd_flops = self.bwd_flops = self.output_bytes = self.saved_bytes = 0
+        self.fwd_flops = self.bwd_flops = self.output_bytes = self.saved_bytes = self.split_kept_bytes = self.split_more_bytes = 0
         self.fwd_times: list[float] = []
         self.bwd_times: list[float] = []
         self.fwd_times_one: list[float] = []   # the same with a micro-batch of one sample
@@ -469,7 +470,87 @@ def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, 
     res.attention = _attention_ops(fwd_fc) | _attention_ops(bwd_fc)
     del out, roots
     module.zero_grad(set_to_none=True)
+    res.split_kept_bytes, res.split_more_bytes = _split_kept_bytes(module, captured, excluded=excluded, loss=loss,
+                                                                   target=res.target)
     return res
+
+
+def _split_kept_bytes(module: nn.Module, captured, *, excluded: set[int], loss: str | None, target) -> tuple[int, int]:
+    """(alone, more): bytes of the module's saved tensors that torch's split backward leaves alive while the output is
+    still held, with the module last in its stage, and how many more when another unit follows it in the stage.
+    The input gradient (I) runs autograd.grad with retain_graph=True and the weight gradient (W) starts from the
+    intermediates I kept, so the saved tensors of nodes on no weight's path (the attention kernel's, the loss's
+    log-softmax; an activation function's when a later unit's weights follow) are freed only with the graph
+    (torch.distributed.pipelining._backward: stage_backward_input, stage_backward_weight). A last stage holds its
+    outputs and losses to the end of the step (stage.output_chunks, the schedule's _internal_losses), so there they
+    stay until then. `more` is measured on the module followed by a copy of itself (its output fed to it), so it is 0
+    for a module whose output cannot be its input; (0, 0) when its input needs no gradient (a first stage runs one
+    full backward at W)."""
+    alone = _kept_after_split(module, module, captured, excluded, loss, target)
+    twice = 0
+    args, kwargs = _fresh(captured)
+    with torch.no_grad():
+        out = module(*args, **kwargs)
+    if loss is None and isinstance(out, torch.Tensor) and len(args) == 1 and isinstance(args[0], torch.Tensor) \
+            and out.shape == args[0].shape and out.dtype == args[0].dtype:
+        pair = _Twice(module, copy.deepcopy(module))   # a copy: torch's W cannot take one weight twice
+        twice = _kept_after_split(pair, pair, captured, excluded, None, None)
+    return alone, max(0, twice - 2 * alone)
+
+
+class _Twice(nn.Module):
+    """A unit followed by another (its copy), both called with the unit's keyword arguments."""
+
+    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x, **kwargs):
+        return self.second(self.first(x, **kwargs), **kwargs)
+
+
+def _kept_after_split(run: Callable, module: nn.Module, captured, excluded: set[int], loss: str | None, target) -> int:
+    """Bytes still saved after I and W of run(*captured) (see _split_kept_bytes), its outputs still held."""
+    counts: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+
+    class Held:
+        __slots__ = ("key", "tensor")
+
+        def __init__(self, key: int, tensor: torch.Tensor) -> None:
+            self.key, self.tensor = key, tensor
+            counts[key] = counts.get(key, 0) + 1
+
+        def __del__(self) -> None:
+            counts[self.key] -= 1
+
+    def pack(t: torch.Tensor):
+        key = storage_id(t)
+        if key in excluded:
+            return t
+        sizes[key] = t.untyped_storage().nbytes()
+        return Held(key, t)
+
+    args, kwargs = _fresh(captured)
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not inputs or not params:
+        return 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor if isinstance(h, Held) else h):
+        out = run(*args, **kwargs)
+        # torch detaches the stage's outputs in place after I: a view (an output that reshapes) gets a copy
+        roots = [r if view_base(r) is None else r.clone() for r in _roots(out, loss, target)]
+    if not roots:
+        return 0
+    grads = None if loss is not None else [torch.ones_like(r) for r in roots]
+    split_backward_input, split_backward_weight = pipelining_split_backward()
+    dinputs, groups = split_backward_input(roots, grads, inputs, iter(params))
+    split_backward_weight(iter(params), groups, retain_graph=False)
+    del dinputs, groups
+    kept = sum(sizes[k] for k, n in counts.items() if n > 0)
+    del out, roots
+    module.zero_grad(set_to_none=True)
+    return kept
 
 
 def _time_into(res: _ModuleResult, module: nn.Module, captured, *, loss: str | None, warmup: int, repeats: int,
@@ -750,6 +831,8 @@ def _account_params(model: nn.Module, unit_results,
             shared_params=tuple(shared_here),
             fwd_flops=sum(r.fwd_flops for r in results), bwd_flops=sum(r.bwd_flops for r in results),
             output_bytes=results[-1].output_bytes, saved_bytes=sum(r.saved_bytes for r in results),
+            split_kept_bytes=sum(r.split_kept_bytes for r in results),
+            split_more_bytes=sum(r.split_more_bytes for r in results),
             fwd_time=_timing([r.fwd_times for r in results]) if timed else None,
             bwd_time=_timing([r.bwd_times for r in results]) if timed else None,
             fwd_time_one=_timing([r.fwd_times_one for r in results]) if timed and results[0].fwd_times_one else None,

@@ -6,6 +6,15 @@ nccl-tests README "Performance" section; DGX H100 all_reduce busbw ~360-480 GB/s
 Latency alpha (per collective): NCCL's own tuning model (src/graph/tuning.cc) charges a Ring/Simple collective a
 base latency of 8.4 us plus 3.4 us per NVLink hop, so NVLink gets 12 us; PCIe (15 us), InfiniBand (20 us) and
 Ethernet (30 us) are assumptions of the same order, stated here and overridable in a cluster file.
+Ring step latency (RING_STEP_LATENCY_S): a ring all-gather / reduce-scatter over n ranks takes n-1 steps and NCCL's
+cost model charges each step a hardware latency (src/graph/tuning.cc, hwLat, Ring / Simple protocol: NVLink 3.4 us,
+PCIe 5.7 us, network 9.6 us; baseLat 8.4 us once per collective), so a ring's latency grows linearly with its ranks
+(NCCL maintainers, github.com/NVIDIA/nccl/issues/1712). The alpha above is the two-rank collective (base + one step);
+cost_models.comm adds (n-2) steps.
+Bus bandwidth at scale: nccl-tests all_gather_perf at 2 GB on 32 DGX H100 nodes (256 GPUs) reached ~200 GB/s busbw
+(github.com/NVIDIA/nccl/issues/1218) against ~370 GB/s effective NVLink busbw inside a node (NCCL maintainer,
+github.com/NVIDIA/nccl-tests/issues/212); the presets keep one achievable figure per link, so multi-node predictions
+past a few nodes are optimistic by up to that ratio (a probed cluster file corrects it).
 Matmul efficiency (achieved / dense peak on large bf16 GEMMs) is MATMUL_EFFICIENCY unless probed: cuBLAS reaches
 about 70% of dense peak on H100/A100-class parts for large square bf16 GEMMs (NVIDIA cuBLAS/Transformer Engine
 benchmarks); a cluster file can set its own.
@@ -61,6 +70,14 @@ IB_400 = _link("infiniband-ndr", 400e9 / 8, 20e-6, "DGX H100 datasheet: 8x 400 G
 IB_200 = _link("infiniband-hdr", 200e9 / 8, 20e-6, "DGX A100 datasheet: 8x 200 Gb/s ConnectX-6, one NIC per GPU")
 # 100 Gb/s Ethernet, one NIC per node shared by its 8 GPUs: 12.5 GB/s / 8 per GPU when all communicate at once.
 ETH_100_SHARED_8 = _link("ethernet-100g", 100e9 / 8 / 8, 30e-6, "100 Gb/s Ethernet per node, shared by 8 GPUs")
+
+# Per ring step after the first, by link kind (NCCL src/graph/tuning.cc hwLat, Ring / Simple; module doc).
+# Kinds not listed (gloo-loopback, unknown) get none: their probed fits stand for the sizes probed.
+RING_STEP_LATENCY_S: dict[str, float] = {
+    "nvlink3": 3.4e-6, "nvlink4": 3.4e-6, "nvlink": 3.4e-6, "pcie4": 5.7e-6, "pcie": 5.7e-6,
+    "infiniband-ndr": 9.6e-6, "infiniband-hdr": 9.6e-6, "infiniband": 9.6e-6, "ethernet-100g": 9.6e-6,
+    "network": 9.6e-6,
+}
 
 PRESETS: dict[str, ClusterProfile] = {
     p.name: p for p in [

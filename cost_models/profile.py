@@ -132,6 +132,9 @@ class UnitProfile(Record):
     fwd_time_one: Timing | None = None   # real mode, micro-batch > 1: the same unit on one sample
     bwd_time_one: Timing | None = None
     tp: TPUnit | None = None             # what tensor parallelism splits here; None in older files (nothing splits)
+    split_kept_bytes: int = 0            # of saved_bytes, what torch's split backward (I, then W) frees only with the
+                                         # graph (model_profiler._split_kept_bytes); 0 in older files
+    split_more_bytes: int = 0            # what it keeps more there when a later unit of its stage follows it
 
 
 @record

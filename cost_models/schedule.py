@@ -350,6 +350,7 @@ class StageCost:
     send_fwd_s: float = 0.0            # p2p of its output activation to the next stage
     send_bwd_s: float = 0.0            # p2p of its input gradient to the previous stage
     activation_bytes: float = 0.0
+    kept_bytes: float = 0.0            # of those, what stays until the step ends (a last stage's split backward)
 
 
 @dataclass(frozen=True)
@@ -562,8 +563,8 @@ def _compiled(schedule: str, p: int, m: int, v: int) -> _Compiled:
 
 def _memory_timeline(c: _Compiled, start: list[float], end: list[float],
                      costs: Sequence[StageCost]) -> tuple[dict[int, int], dict[int, float]]:
-    """A micro-batch's activations live from its forward's start until its last backward piece (B, or W) ends;
-    at equal times frees come first (then the order the actions were compiled in). Per stage the most micro-batches
+    """A micro-batch's activations live from its forward's start until its last backward piece (B, or W) ends,
+    but for the part its stage keeps to the end of the step (StageCost.kept_bytes); at equal times frees come first (then the order the actions were compiled in). Per stage the most micro-batches
     alive, per rank the most bytes."""
     import numpy as np   # here, not at the top: every CLI command imports this module, few simulate
     ev_time = np.array([start[i] for i in c.grows] + [end[i] for i in c.frees])
@@ -578,8 +579,12 @@ def _memory_timeline(c: _Compiled, start: list[float], end: list[float],
         idx = np.lexsort((ev_index, ev_delta, ev_time, key))   # by owner, then time, frees first, then order
         owners, first = np.unique(key[idx], return_index=True)
         bounds = list(first[1:]) + [len(idx)]
-        values = ev_delta[idx] if weight is None else \
-            ev_delta[idx] * np.array([x.activation_bytes for x in weight])[ev_stage[idx]]
+        if weight is None:
+            values = ev_delta[idx]
+        else:   # a free gives back what the micro-batch held less what its stage keeps to the end of the step
+            grow = np.array([x.activation_bytes for x in weight])[ev_stage[idx]]
+            keep = np.array([x.kept_bytes for x in weight])[ev_stage[idx]]
+            values = np.where(ev_delta[idx] > 0, grow, keep - grow)
         for owner, lo, hi in zip(owners.tolist(), first.tolist(), bounds):
             top = np.cumsum(values[lo:hi]).max()
             out[owner] = max(0, int(top)) if weight is None else max(0.0, float(top))

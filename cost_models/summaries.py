@@ -1,6 +1,7 @@
 """Human-readable summaries of a model profile (rows of strings; the CLI renders them with rich)."""
 from __future__ import annotations
 
+from cost_models.comm import dp_wire_bytes
 from cost_models.formatting import duration, fixed, flop_rate, rate, size
 from cost_models.profile import ModelProfile, UnitProfile
 
@@ -104,11 +105,15 @@ def estimate_lines(strategy, est) -> list[str]:
              f"{s.precision}, {s.optimizer}",
              f"step time: {duration(est.step_time_s)} = compute {duration(b.compute_s)}{tp_part} + bubble "
              f"{duration(b.bubble_s)} + p2p {duration(b.p2p_s)} + data-parallel comm {duration(b.dp_comm_s)} + optimizer "
-             f"{duration(b.optimizer_s)} ({est.compute_source} compute)",
+             f"{duration(b.optimizer_s)} ({est.compute_source} compute"
+             + (f"; {est.calibrated_by}" if est.calibrated_by else "") + ")",
              f"bubble: {est.bubble_ratio:.3f} of ideal compute ((p-1)/m convention), {est.bubble_share:.1%} of rank-time idle",
-             f"throughput: {est.tokens_per_s:,.0f} {est.throughput_unit}/s" + (f", MFU {est.mfu:.1%}" if est.mfu is not None else ""),
+             f"throughput: {est.tokens_per_s:,.0f} {est.throughput_unit}/s"
+             + (f", MFU {est.mfu:.1%} (model FLOPs, PaLM convention)" if est.mfu is not None else "")
+             + (f", HFU {est.hfu:.1%} (hardware FLOPs, with recompute)" if est.hfu is not None else ""),
              f"communication per step: p2p {size(est.comm.p2p_bytes_per_step)} ({est.comm.p2p_link}), "
-             f"data-parallel {size(est.comm.dp_bytes_per_rank)} per rank ({est.comm.dp_link}: "
+             f"data-parallel {size(est.comm.dp_bytes_per_rank)} full-buffer per rank "
+             f"({size(dp_wire_bytes(est.comm.dp_collectives, s.dp))} on the wire; {est.comm.dp_link}: "
              + (", ".join(f"{k} {size(v)}" for k, v in est.comm.dp_collectives.items()) or "none") + ")"
              + (f", tensor-parallel {size(est.comm.tp_bytes_per_rank)} per rank ({est.comm.tp_link}: "
                 + (", ".join(f"{k} {size(v)}" for k, v in est.comm.tp_collectives.items() if v) or "none") + ")"

@@ -124,3 +124,22 @@ def module_view(module: nn.Module, **replace: nn.Module | None) -> nn.Module:
     for name, child in replace.items():
         view._modules[name] = child
     return view
+
+
+def pipelining_split_backward():
+    """(stage_backward_input, stage_backward_weight): how torch's pipelining splits a stage's backward into I and W
+    for the zero-bubble schedules (torch/distributed/pipelining/_backward.py); the profiler runs them on a unit to
+    see which saved tensors that split keeps."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    return stage_backward_input, stage_backward_weight
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is a view of (None if it owns its storage): a linear saves weight.t(), whose _base is the
+    parameter (torch 2.13; Tensor._base is documented only as an attribute of views)."""
+    return getattr(t, "_base", None)
+
+
+def storage_key(storage) -> int:
+    """storage_id for an UntypedStorage object itself (its StorageImpl's address)."""
+    return storage._cdata

@@ -23,10 +23,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from cost_models.torch_private import TorchDispatchMode, storage_id
+from cost_models.torch_private import TorchDispatchMode, storage_id, storage_key, tree_leaves, view_base
 
 _ACTIVE: list["ActivationMeter"] = []     # the meter of the step being measured, if any
 
@@ -38,7 +37,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one (a linear saves weight.t()), FSDP2's gathered ones included."""
-    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+    return isinstance(t, nn.Parameter) or isinstance(view_base(t), nn.Parameter)
 
 
 class _Held:
@@ -136,7 +135,7 @@ class _Recomputation(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
-                self.made.append((StorageWeakRef(storage), storage._cdata, storage.nbytes()))
+                self.made.append((StorageWeakRef(storage), storage_key(storage), storage.nbytes()))
         return out
 
     def __exit__(self, *exc):

@@ -4,14 +4,15 @@ import dataclasses
 import pytest
 
 from cost_models.cluster import CollectiveFit
-from cost_models.comm import collective_time, p2p_time, ring_phase
-from cost_models.presets import preset
+from cost_models.comm import collective_time, dp_wire_bytes, p2p_time, ring_phase, wire_bytes
+from cost_models.presets import RING_STEP_LATENCY_S, preset
 
 
 def test_ring_formulas_inside_one_node():
     c = preset("dgx-h100")
     link, S = c.intra_node, 1e9
-    ag = link.alpha_s + 7 / 8 * S / link.bandwidth_Bps
+    # 7 ring steps: the first in alpha, 6 more at NCCL's per-step NVLink latency
+    ag = link.alpha_s + 6 * RING_STEP_LATENCY_S["nvlink4"] + 7 / 8 * S / link.bandwidth_Bps
     assert collective_time(c, "all_gather", S, 8) == pytest.approx(ag)
     assert collective_time(c, "reduce_scatter", S, 8) == pytest.approx(ag)
     assert collective_time(c, "all_reduce", S, 8) == pytest.approx(2 * ag)
@@ -24,7 +25,9 @@ def test_group_spanning_nodes_is_hierarchical():
     c = preset("dgx-h100", nodes=4)
     S = 4e9
     # 32 ranks = 4 nodes x 8: each rail all-gathers S/8 across 4 nodes, then 8 ranks all-gather S in the node.
-    expected = ring_phase(c.inter_node, S / 8, 4) + ring_phase(c.intra_node, S, 8)
+    # Latency as NCCL's flat ring: 3 network steps and 28 NVLink ones, 7 of them in the intra phase.
+    expected = (ring_phase(c.inter_node, S / 8, 4) + ring_phase(c.intra_node, S, 8)
+                + 3 * 7 * RING_STEP_LATENCY_S["nvlink4"])
     assert collective_time(c, "all_gather", S, 32) == pytest.approx(expected)
     # Slower than the same group would be if NVLink spanned it all, faster than a flat ring over the NICs.
     assert ring_phase(c.intra_node, S, 32) < expected < ring_phase(c.inter_node, S, 32)
@@ -38,3 +41,47 @@ def test_probed_fit_is_used_when_present():
     assert collective_time(c, "all_gather", 1e6, 4) == pytest.approx(1e-3 + 2e-9 * 1e6)
     # no fit for 8 ranks: the link formula
     assert collective_time(c, "all_gather", 1e6, 8) == pytest.approx(ring_phase(c.intra_node, 1e6, 8))
+
+
+def test_ring_latency_grows_with_the_ranks():
+    # NCCL's model (tuning.cc): base + (n-1) steps; at a small buffer latency dominates and grows linearly with n
+    c = preset("dgx-h100", nodes=256)
+    t = {n: collective_time(c, "all_gather", 1e6, n) for n in (64, 256, 1024, 2048)}
+    assert t[64] < t[256] < t[1024] < t[2048]
+    net, nvl = RING_STEP_LATENCY_S["infiniband-ndr"], RING_STEP_LATENCY_S["nvlink4"]
+    # doubling 1024 -> 2048 ranks adds 128 network steps and 896 NVLink steps (the bandwidth term barely moves)
+    assert t[2048] - t[1024] == pytest.approx(128 * net + 896 * nvl, rel=0.02)
+
+
+def test_wire_bytes_are_the_ring_factors_of_the_full_buffer():
+    # Patarasuk & Yuan 2009: a ring all-reduce sends 2(n-1)/n of the buffer per rank; all-gather / reduce-scatter
+    # (n-1)/n (Thakur et al. 2005). The ZeRO paper's 2 Psi per step (DP, section 7) is the n -> inf limit.
+    psi = 1e9
+    assert wire_bytes("all_reduce", psi, 8) == pytest.approx(2 * 7 / 8 * psi)
+    assert wire_bytes("all_gather", psi, 8) == wire_bytes("reduce_scatter", psi, 8) == pytest.approx(7 / 8 * psi)
+    assert wire_bytes("all_reduce", psi, 1) == 0.0
+    assert dp_wire_bytes({"all_reduce": psi}, 4096) == pytest.approx(2 * psi, rel=1e-3)
+    assert dp_wire_bytes({"all_gather": 2 * psi, "reduce_scatter": psi}, 4096) == pytest.approx(3 * psi, rel=1e-3)
+
+
+def test_zero3_per_gpu_throughput_falls_at_a_fixed_global_batch(tiny_profiles):
+    # Strong scaling of ZeRO-3: per micro-batch a rank's compute stays (micro-batch 1) while each unit's two gathers
+    # and one reduce-scatter pay a ring latency that grows with the ranks; past the point where a unit's compute is
+    # shorter than its collectives, per-GPU throughput falls with every doubling.
+    from cost_models.estimate import estimate
+    from cost_models.strategy import Strategy
+    prof = tiny_profiles["gpt-tiny", True]
+    names = tuple(u.name for u in prof.units)
+    global_batch, per_gpu, per_mb = 256, {}, {}
+    for gpus in (16, 32, 64, 128, 256):
+        s = Strategy(dp=gpus, pp=1, zero=3, schedule="1f1b", microbatches=global_batch // gpus, micro_batch_size=1,
+                     stages=(names,), precision="bf16-mixed")
+        est = estimate(s, prof, preset("dgx-h100", nodes=gpus // 8))
+        per_gpu[gpus], per_mb[gpus] = est.tokens_per_s / gpus, est.step_time_s / s.microbatches
+    assert all(per_gpu[n] > per_gpu[2 * n] for n in (16, 32, 64, 128))
+    # Computed: from k to 2k nodes every exposed collective gains k network steps and k(g-1) NVLink steps (NCCL's
+    # flat ring); 3 collectives per unit with parameters, per micro-batch (the bandwidth term barely moves).
+    step = RING_STEP_LATENCY_S["infiniband-ndr"] + 7 * RING_STEP_LATENCY_S["nvlink4"]
+    collectives = 3 * sum(1 for u in prof.units if u.params)
+    for k in (4, 8, 16):
+        assert per_mb[16 * k] - per_mb[8 * k] == pytest.approx(collectives * k * step, rel=0.05)
