@@ -389,25 +389,57 @@ def plan(
     force: Force = False,
     as_json: AsJson = False,
     report: WithReport = True,
+    verify: int = typer.Option(0, "--verify", help="after the search, run the top K candidates that this machine can host for a few steps each and keep the measured best; predicted and measured of each go into plan.json (default 0: no trials)"),
+    verify_steps: int = typer.Option(3, "--verify-steps", help="timed steps per --verify candidate, after one warm-up step"),
+    verify_timeout: float = typer.Option(120.0, "--verify-timeout", help="seconds one --verify candidate may take, start-up included, before its ranks are stopped and it counts as failed"),
 ) -> None:
     """Search every strategy (tensor parallelism x ZeRO 0-3 x pipeline depth x schedule x micro-batching x
-    recompute), pick the fastest that fits, and explain why; writes plan.json."""
+    recompute), pick the fastest that fits, and explain why; writes plan.json. With --verify K, run the top K for
+    a few steps here and keep the measured best."""
     from planner.manual import load_profile_for
     from planner.request import PlanRequest, parse_degrees
     from planner.search import plan as run_plan
 
     outputs = _plan_outputs(output, force, report)
+    verify_cfg = _verify_config(verify, verify_steps, verify_timeout) if verify else None
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
-    request = PlanRequest(gpus=gpus, global_batch_size=global_batch_size, top_k=top_k, time_limit_s=time_limit,
-                          precision=precision, optimizer=optimizer, tp_degrees=parse_degrees(tp) if tp else None)
+    request = PlanRequest(gpus=gpus, global_batch_size=global_batch_size, top_k=max(top_k, verify),
+                          time_limit_s=time_limit, precision=precision, optimizer=optimizer,
+                          tp_degrees=parse_degrees(tp) if tp else None)
     result = _planning("planning", lambda on_progress: run_plan(
         pf.model, target, request, profile_path=str(profile_path), command=_command_line(), on_progress=on_progress))
+    if verify_cfg:
+        result = _verifying(result, pf.model, verify_cfg)
     write_to = outputs[0]
     if _emit_plan(result, outputs, as_json):
         return
     _print_plan(result)
+    if result.trials:
+        from planner.report import TRIAL_COLUMNS, trial_rows
+        out.print(_table(TRIAL_COLUMNS, trial_rows(result), title="verified on this machine (--verify)"))
     if write_to:
         err.print(f"wrote {write_to}", highlight=False)
+
+
+def _verify_config(k: int, steps: int, timeout_s: float):
+    """--verify's settings, refused in one line before the search if out of range (executor.verify)."""
+    from executor.verify import VerifyConfig
+    cfg = VerifyConfig(k=k, steps=steps, timeout_s=timeout_s)
+    cfg.check()
+    return cfg
+
+
+def _verifying(the_plan, profile, cfg):
+    """Run the plan's top candidates (executor.verify.verify); one line on stderr as each ends."""
+    from cost_models.formatting import duration
+    from executor.verify import verify
+
+    def ended(i: int, t) -> None:
+        how = (f"measured {duration(t.measured_s)}, predicted {duration(t.predicted_s)} (x{t.ratio:.2f})"
+               if t.measured_s is not None else t.failure)
+        err.print(f"verify {i + 1}: {t.strategy}: {how}", highlight=False, soft_wrap=True)
+    with err.status(f"verify: running up to {cfg.k} candidates, {cfg.warmup} + {cfg.steps} steps each"):
+        return verify(the_plan, profile, cfg, on_trial=ended)
 
 
 def _plan_outputs(output: Path, force: bool, report: bool) -> tuple[Path | None, bool, Path | None]:
@@ -534,6 +566,41 @@ def run(
     _print_run(result)
     if write_to:
         err.print(f"wrote {write_to}", highlight=False)
+
+
+@app.command()
+def calibrate(
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="run.json files from `planner run`, or folders holding one (the demo's folder)")],
+    plans: Annotated[Optional[list[Path]], typer.Option("--plan", help="plan.json a run ran, if it is not beside its run.json (repeat; each run is matched to its plan by strategy and prediction)")] = None,
+    output: Output = Path("cluster.json"),
+    force: Force = False,
+    as_json: AsJson = False,
+) -> None:
+    """Fit what runs measured (compute, optimizer, per-action and data-parallel costs) and write the plans' cluster
+    with that calibration; plan with it by `planner plan PROFILE --cluster cluster.json`."""
+    from cost_models.cluster import ClusterFile
+    from planner.calibrate import calibrate as run_calibrate
+    write_to, overwrite = _prepare_output(output, force)
+    cluster, fitted = run_calibrate(runs, plans or ())
+    if _emit(ClusterFile(cluster=cluster), write_to, overwrite, as_json):
+        return
+    _print_calibration(cluster.calibration, fitted)
+    if write_to:
+        err.print(f"wrote {write_to}; plan with it: planner plan PROFILE --cluster {write_to} ...", highlight=False)
+
+
+def _print_calibration(cal, fitted) -> None:
+    from cost_models.formatting import duration
+    rows = [[r.path, r.strategy, duration(r.measured_step_s), duration(r.predicted_before_s),
+             duration(r.predicted_after_s)] for r in cal.runs]
+    out.print(_table(["run", "strategy", "measured step", "predicted", "calibrated"], rows,
+                     title=f"{cal.describe()} (step time: slowest rank's median)"))
+    action = duration(cal.pipeline_action_s) if cal.pipeline_action_s is not None else "as probed"
+    out.print(f"fitted: {', '.join(fitted.fitted)}; cluster now: compute x {cal.compute_scale:.3f}, optimizer x "
+              f"{cal.optimizer_scale:.3f}, data-parallel comm x {cal.dp_comm_scale:.3f}, per pipeline action "
+              f"{action}", highlight=False)
+    out.print(f"step-time MAPE over these runs: {fitted.mape_before:.1%} as planned, {fitted.mape_after:.1%} "
+              f"calibrated (in-sample)", highlight=False)
 
 
 @app.command()

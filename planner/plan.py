@@ -40,6 +40,31 @@ class Candidate(Record):
     fits: bool
 
 
+# `planner plan --verify K`: trials measured within this share of the fastest count as equally fast, and the
+# search's predicted order decides among them (a policy: a few timed steps on a shared machine do not separate
+# strategies closer than that; it bounds the measured regret of the choice at 1 + VERIFY_TIE_REL)
+VERIFY_TIE_REL = 0.01
+
+
+@record
+class Trial(Record):
+    """One candidate of `planner plan --verify K` run for a few steps on this machine (executor.verify), in the
+    search's predicted order: what was predicted, what was measured, or why it ended without a measurement."""
+
+    strategy: str                   # Strategy.name
+    summary: str                    # Strategy.summary
+    predicted_s: float              # the search's estimate of its step time
+    measured_s: float | None        # median step time of the slowest rank over the timed steps; None: no result
+    failure: str | None = None      # one line: what ended the trial (out of memory, a hang, a rank lost, an error),
+                                    # or "not run: ..." when this machine could not host it
+    steps: int = 0                  # timed steps the measurement is the median of (after the warm-up)
+
+    @property
+    def ratio(self) -> float | None:
+        """measured / predicted (None without a measurement)."""
+        return None if self.measured_s is None or self.predicted_s <= 0 else self.measured_s / self.predicted_s
+
+
 @record
 class Provenance(Record):
     profile_path: str
@@ -126,6 +151,8 @@ class Plan(FileRecord):
     prediction: Estimate
     alternatives: tuple[Alternative, ...]
     candidates: tuple[Candidate, ...] = ()     # every costed point (fitting or not)
+    trials: tuple[Trial, ...] = ()             # `planner plan --verify K`: the candidates run here, predicted
+                                               # order; () when none were (older plans load unchanged)
     rationale: Rationale
     provenance: Provenance
 
@@ -169,6 +196,8 @@ def check_plan(plan: Plan) -> None:
     memory = plan.prediction.memory_per_rank
     if tuple(m.rank for m in memory) != tuple(range(s.world_size)):
         raise ConfigError(f"prediction.memory_per_rank has {len(memory)} entries for {s.world_size} ranks; {fix}")
+    if plan.trials and not any(t.strategy == s.name and t.measured_s is not None for t in plan.trials):
+        raise ConfigError(f"trials do not include a measurement of the chosen strategy {s.name}; {fix}")
     if plan.prediction.pipeline_order != format_order(s.action_order()):
         raise ConfigError(f"prediction.pipeline_order is not the {s.schedule} order for pp={s.pp}, "
                           f"microbatches={s.microbatches}, v={s.v}; {fix}")

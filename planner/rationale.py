@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from cost_models.cluster import ClusterProfile
+from cost_models.comm import dp_wire_bytes
 from cost_models.estimate import Estimate
 from cost_models.strategy import Strategy, family_of
 from cost_models.formatting import duration, fixed, size
@@ -33,6 +34,13 @@ def tp_traffic(est: Estimate) -> tuple[float, str, dict[str, float]]:
     """(bytes per rank per step, link, op -> bytes) of the tensor-parallel collectives; (0, "", {}) without tp."""
     comm = est.comm
     return comm.tp_bytes_per_rank, "" if comm.tp_link == "none" else comm.tp_link, dict(comm.tp_collectives)
+
+
+def _dp_bytes(est: Estimate, dp: int) -> str:
+    """Data-parallel bytes per rank per step, both conventions named: the full buffers (as the executor's CommCounter
+    counts them; CommVolume.dp_bytes_per_rank) and what goes on the wire with ring collectives (comm.dp_wire_bytes)."""
+    wire = dp_wire_bytes(est.comm.dp_collectives, dp)
+    return f"{size(est.comm.dp_bytes_per_rank)} full-buffer, {size(wire)} on the wire"
 
 
 def _states(est: Estimate) -> tuple[int, int]:
@@ -90,7 +98,7 @@ def why_lost(s: Strategy, est: Estimate, ws: Strategy, west: Estimate) -> str:
     if field == "bubble_s":
         detail += f" (bubble {est.bubble_ratio:.2f} of compute)"
     if field == "dp_comm_s":
-        detail += f" ({size(est.comm.dp_bytes_per_rank)} per rank per step, {est.comm.dp_link})"
+        detail += f" ({_dp_bytes(est, s.dp)} per rank per step, {est.comm.dp_link})"
     if field == "tp_comm_s":
         tp_bytes, tp_link, _ = tp_traffic(est)
         detail += f" ({size(tp_bytes)} per rank per step" + (f", {tp_link})" if tp_link else ")")
@@ -129,7 +137,7 @@ def _binding(ws: Strategy, west: Estimate, best: dict, fastest_unfit, cluster: C
             tp_part = f", {size(tp_bytes)} tensor-parallel over {tp_link or 'intra-node'}" if tp_bytes else ""
             return "bandwidth", (f"bandwidth binds: the best {rs.family} strategy ({rs.summary}) spends "
                                  f"{duration(_comm_s(re_))} per step in exposed communication "
-                                 f"({size(re_.comm.dp_bytes_per_rank)} per rank over {re_.comm.dp_link} links"
+                                 f"({_dp_bytes(re_, rs.dp)} per rank over {re_.comm.dp_link} links"
                                  f"{tp_part}) against {duration(_comm_s(west))} here")
     if fastest_unfit is not None and fastest_unfit.estimate.step_time_s < west.step_time_s:
         fast = fastest_unfit.estimate

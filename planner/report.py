@@ -3,7 +3,7 @@
 Sections: summary; why, with numbers (the binding resource, bubble, communication per link kind, why the others
 lost); the pipeline timeline (re-simulated from the plan's own action order and stage times); per-rank memory
 against capacity; every costed candidate as step time against peak memory; the alternatives; the mapping's
-approximations; and, given a run, predicted against measured.
+approximations; the candidates `planner plan --verify` ran, if any; and, given a run, predicted against measured.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cost_models.formatting import GIB, duration, fixed, measured, size
 from cost_models.schedule import SCHEDULES, parse_order, simulate
 from cost_models.summaries import rank_groups
-from planner.plan import Plan
+from planner.plan import VERIFY_TIE_REL, Plan
 from planner.rationale import tp_traffic
 from planner.run_record import RunFile
 
@@ -49,6 +49,8 @@ class Section:
 def sections(plan: Plan, run: RunFile | None = None) -> list[Section]:
     out = [_summary(plan), _why(plan), _timeline(plan), _memory(plan), _candidates(plan), _alternatives(plan),
            Section("How the plan maps to torch (approximations)", list(APPROXIMATIONS))]
+    if plan.trials:
+        out.append(_verified(plan))
     if run is not None:
         out.append(_measured(run))
     return out
@@ -62,7 +64,10 @@ def _summary(plan: Plan) -> Section:
         f"Chosen: {plan.strategy.summary} on {plan.gpus} x {plan.cluster.device.name} ({plan.cluster.name}), global "
         f"batch {plan.global_batch_size} sequences of {plan.model.seq_len} tokens.",
         f"Predicted step time {duration(est.step_time_s)}; throughput {est.tokens_per_s:,.0f} {est.throughput_unit}/s"
-        + (f"; MFU {est.mfu:.1%}" if est.mfu is not None else "; MFU not given (no datasheet peak for this device)")
+        + (f"; MFU {est.mfu:.1%} (model FLOPs, PaLM convention: no recompute)"
+           + (f", HFU {est.hfu:.1%} (hardware FLOPs: with recompute and torch's attention backward)"
+              if est.hfu is not None else "")
+           if est.mfu is not None else "; MFU/HFU not given (no datasheet peak for this device)")
         + ".",
         f"Peak memory per rank {fixed(peak, 'GiB')} (lowest {fixed(low, 'GiB')}) of {fixed(est.capacity_bytes, 'GiB')} "
         f"capacity: {'fits' if est.fits else 'DOES NOT FIT'}.",
@@ -154,6 +159,39 @@ def _alternatives(plan: Plan) -> Section:
               a.lost_because] for a in plan.alternatives]
     return Section("Alternatives", [], tables=[(["strategy", "pp x dp x tp", "step time", "peak GiB", "why it lost"],
                                                 rows)])
+
+
+TRIAL_COLUMNS = ["candidate", "predicted", "measured", "measured / predicted", "verdict"]
+
+
+def trial_rows(plan: Plan) -> list[list[str]]:
+    """`planner plan --verify K`'s trials, predicted order (the report and the CLI print the same rows)."""
+    chosen = next((t for t in plan.trials if t.strategy == plan.strategy.name), None)
+    rows = []
+    for t in plan.trials:
+        if t.strategy == plan.strategy.name:
+            verdict = "chosen"
+        elif t.measured_s is None:
+            verdict = t.failure if (t.failure or "").startswith("not run") else f"failed: {t.failure}"
+        elif chosen is not None and chosen.measured_s is not None and t.measured_s < chosen.measured_s:
+            verdict = f"as fast within {VERIFY_TIE_REL:.0%}; ranked lower by prediction"
+        else:
+            verdict = "slower"
+        rows.append([t.strategy, duration(t.predicted_s), "-" if t.measured_s is None else duration(t.measured_s),
+                     "-" if t.ratio is None else f"{t.ratio:.2f}", verdict])
+    return rows
+
+
+def _verified(plan: Plan) -> Section:
+    steps = max(t.steps for t in plan.trials)
+    first = plan.trials[0].strategy   # the predicted best
+    return Section("Verified", [
+        f"planner plan --verify ran {len(plan.trials)} candidate(s) on the planning machine in predicted order, "
+        f"{steps} timed steps each after a warm-up; measured: the median step time of the slowest rank. "
+        + (f"Chosen by measurement: {plan.strategy.name} in place of the predicted best, {first} (why above)."
+           if first != plan.strategy.name else f"The predicted best was kept: no other candidate ran more than "
+           f"{VERIFY_TIE_REL:.0%} faster.")],
+        tables=[(TRIAL_COLUMNS, trial_rows(plan))])
 
 
 MEASURE_COLUMNS = ["quantity", "predicted", "measured", "error"]
