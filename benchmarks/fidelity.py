@@ -59,6 +59,42 @@ def _median_after(values, warmup: int) -> float:
     return statistics.median(timed)
 
 
+def _row_parts(row: dict):
+    """A row's (PredictedParts, MeasuredParts). Rows written before the fit's parts were recorded give compute,
+    optimizer and the rest only: no per-action cost, data-parallel or bubble split, and no sync time."""
+    from cost_models.schedule import SCHEDULES
+    from planner.calibrate import MeasuredParts, PredictedParts
+    m = row["measured"]
+    measured = MeasuredParts(step_s=row["measured_s"], compute_s=m["compute"],
+                             sync_s=row.get("measured_sync_s", 0.0), optimizer_s=m["optimizer"])
+    if "parts" in row:
+        return PredictedParts.from_dict(row["parts"]), measured
+    p = row["predicted"]
+    per_chunk = 3 if SCHEDULES[row["schedule"]].split_backward else 2   # calibrate.actions_per_step
+    actions = 0 if row["pp"] * row["v"] == 1 else row["microbatches"] * row["v"] * per_chunk
+    return PredictedParts(step_s=row["predicted_s"], unit_compute_s=p["compute"], actions=actions, action_s=0.0,
+                          tp_comm_s=0.0, bubble_factor=0.0, dp_comm_s=0.0, optimizer_s=p["optimizer"]), measured
+
+
+def calibration_cv(rows: list[dict]) -> dict:
+    """Calibration cross-validated: candidates in predicted order, the even places fitted (planner/calibrate.py),
+    the odd places scored with the fitted values (calibrate.predict_after), step-time MAPE and Kendall tau on the
+    held-out half before and after."""
+    from planner.calibrate import fit, mape, predict_after
+    order = sorted(rows, key=lambda r: (r["predicted_s"], r["strategy"]))
+    train, test = [_row_parts(r) for r in order[0::2]], [_row_parts(r) for r in order[1::2]]
+    if not train or not test:
+        return {}
+    f = fit(train)
+    values = {k: getattr(f, k) for k in ("compute_scale", "optimizer_scale", "dp_comm_scale", "pipeline_action_s")}
+    before = [p.step_s for p, _ in test]
+    after = [predict_after(p, **values) for p, _ in test]
+    measured = [m.step_s for _, m in test]
+    return {"fit_on": len(train), "scored_on": len(test), "fitted": list(f.fitted), **values,
+            "mape_before": mape(before, measured), "mape_after": mape(after, measured),
+            "kendall_tau_before": kendall_tau(before, measured), "kendall_tau_after": kendall_tau(after, measured)}
+
+
 def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cluster) -> dict:
     from cost_models.estimate import estimate
     from cost_models.model_profiler import profile_model
@@ -66,14 +102,16 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
     from executor.launch import run_many
     from executor.train import TrainConfig
     from planner.request import PlanRequest
+    from planner.calibrate import predicted_parts
     from planner.search import search
 
     prof = profile_model(resolve(model), micro_batch_size=PROFILE_BATCH, seq_len=SEQ_LEN, dtype="fp32", threads=1,
                          repeats=5, warmup=2)
     found = search(prof, cluster, PlanRequest(gpus=gpus, global_batch_size=batch, precision="fp32", prune=False, max_v=2))
     candidates = [(c.strategy, estimate(c.strategy, prof, cluster)) for c in found.feasible]
+    # count_comm: one more, untimed step, in which the activation bytes held for backward are measured too
     cfg = TrainConfig(model_source=model, seq_len=SEQ_LEN, input_kind=prof.input.kind, steps=steps, warmup=warmup,
-                      count_comm=False)
+                      count_comm=True)
     t0 = time.perf_counter()
     measured = run_many(gpus, [s for s, _ in candidates], cfg)
     run_s = time.perf_counter() - t0
@@ -84,7 +122,7 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
         optimizer = max(_median_after(r.optimizer_s, warmup) for r in ranks)
         mem = {}
         for cat, attr in (("parameters", "parameter_bytes"), ("gradients", "gradient_bytes"),
-                          ("optimizer_states", "optimizer_state_bytes")):
+                          ("optimizer_states", "optimizer_state_bytes"), ("activations", "activation_bytes")):
             errs = []
             for r in ranks:
                 pred = getattr(est.memory_per_rank[r.rank], cat)
@@ -99,6 +137,8 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
                      "predicted": {"compute": b.compute_s, "optimizer": b.optimizer_s,
                                    "rest": est.step_time_s - b.compute_s - b.optimizer_s},
                      "measured": {"compute": compute, "optimizer": optimizer, "rest": step - compute - optimizer},
+                     "measured_sync_s": max(_median_after(r.sync_s or (0.0,), warmup) for r in ranks),  # in rest
+                     "parts": predicted_parts(est, s, cluster).to_dict(),   # what calibration_cv fits
                      "memory_error": mem})
     pred = [r["predicted_s"] for r in rows]
     meas = [r["measured_s"] for r in rows]
@@ -123,7 +163,7 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
             "regret": meas[choice] / min(meas), "kendall_tau": kendall_tau(pred, meas), "mape": statistics.mean(ape),
             "component_mape": comp, "component_pred_over_measured": bias,
             "memory_error_max": {c: max(r["memory_error"][c] for r in rows) for c in rows[0]["memory_error"]},
-            "rows": rows}
+            "calibration_cv": calibration_cv(rows), "rows": rows}
 
 
 def main() -> None:
@@ -165,6 +205,7 @@ def main() -> None:
                "component_pred_over_measured_median": {k: statistics.median(r["component_pred_over_measured"][k]
                                                                             for r in results)
                                                        for k in results[0]["component_pred_over_measured"]},
+               **_cv_summary(results),
                "wall_s": round(time.perf_counter() - t0, 1)}
     import torch
     full = [(m, int(g), int(b)) for m, _ in SUITE for g in (2, 4) for b in (8, 16)]
@@ -212,7 +253,42 @@ def markdown(data: dict) -> str:
             for tp, t in r.get("by_tp", {}).items():
                 lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch_size']} | {tp} | {t['candidates']} | "
                              f"{t['mape']:.0%} | {t['best_predicted']} | {t['best_measured']} ({t['best_measured_s'] * 1e3:.1f}) |")
+    lines += _cv_lines(data)
     return "\n".join(lines) + "\n"
+
+
+def _cv_summary(results: list[dict]) -> dict:
+    """Cross-validated calibration over the configurations: mean MAPE and min tau, before and after."""
+    cv = [r["calibration_cv"] for r in results if r.get("calibration_cv")]
+    if not cv:
+        return {}
+    return {"calibration_cv": {"mape_before_mean": statistics.mean(c["mape_before"] for c in cv),
+                               "mape_after_mean": statistics.mean(c["mape_after"] for c in cv),
+                               "kendall_tau_before_min": min(c["kendall_tau_before"] for c in cv),
+                               "kendall_tau_after_min": min(c["kendall_tau_after"] for c in cv)}}
+
+
+def _cv_lines(data: dict) -> list[str]:
+    """The md section for calibration_cv (fit on even places in predicted order, scored on odd ones)."""
+    rows = [r for r in data["configs"] if r.get("calibration_cv")]
+    if not rows:
+        return []
+    lines = ["", "Calibration, cross-validated (planner/calibrate.py fitted on every other candidate in predicted "
+             "order, scored on the rest):", "",
+             "| model | ranks | batch | fit / scored | fitted | compute x | optimizer x | MAPE before | MAPE after | tau before | tau after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["calibration_cv"]
+        lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch_size']} | {c['fit_on']} / {c['scored_on']} | "
+                     f"{', '.join(c['fitted'])} | {c['compute_scale']:.2f} | {c['optimizer_scale']:.2f} | "
+                     f"{c['mape_before']:.0%} | {c['mape_after']:.0%} | {c['kendall_tau_before']:+.2f} | "
+                     f"{c['kendall_tau_after']:+.2f} |")
+    s = data["summary"].get("calibration_cv")
+    if s:
+        lines += ["", f"Cross-validated: step-time MAPE {s['mape_before_mean']:.0%} before, {s['mape_after_mean']:.0%} "
+                  f"after calibration (target <= 10%); Kendall tau min {s['kendall_tau_before_min']:+.2f} before, "
+                  f"{s['kendall_tau_after_min']:+.2f} after."]
+    return lines
 
 
 if __name__ == "__main__":
