@@ -313,19 +313,22 @@ def _working_set(c: _Context, units: tuple[str, ...], saved: list[float], stage_
 
 def _kept(c: _Context, sid: int, units: tuple[str, ...], recompute: bool) -> float:
     """What each micro-batch keeps on a stage until the step ends under torch's split backward (I, then W): the saved
-    tensors of its nodes on no weight's path (model_profiler._split_kept_bytes: the unit-alone bytes, plus what a
-    unit keeps more when another unit of the stage follows it). I runs with retain_graph and W starts from the
+    tensors of its nodes on no weight's path, measured in context by model_profiler._split_kept_in_stages (a last
+    stage from its first unit to the loss; a middle stage as its first unit alone plus each later one after the
+    unit before it). I runs with retain_graph and W starts from the
     intermediates I kept, so those are freed only with the graph, which a stage holds to the end of the step (the
     last stage's outputs and losses; measured by executor.activations, torch 2.13: every stage but the first, which
     runs one full backward at W, keeps them; gpt-tiny PP2 zb-interleaved v=1 and v=2 within 0.3% on every rank).
-    Not modelled (0) with tensor parallelism, where the unit-alone measurement does not apply, nor for a first stage
+    Not modelled (0) with tensor parallelism, where the profile's single-rank measurement does not apply, nor for a first stage
     or with recompute outside a split backward."""
     s = c.s
     if sid == 0 or not get_spec(s.schedule).split_backward or recompute or c.tp_on:
         return 0.0
     index, profile = c.unit_index, c.profile
-    kept = sum(profile.units[index[n]].split_kept_bytes for n in units)
-    kept += sum(profile.units[index[n]].split_more_bytes for n in units[:-1])
+    first = profile.units[index[units[0]]]
+    if sid == s.n_stages - 1 and first.split_suffix_bytes is not None:
+        return first.split_suffix_bytes * c.act_scale
+    kept = first.split_kept_bytes + sum(profile.units[index[n]].split_after_bytes for n in units[1:])
     return kept * c.act_scale
 
 

@@ -377,7 +377,9 @@ def _attention_ops(fc: FlopCounterMode) -> set[str]:
 
 class _ModuleResult:
     def __init__(self) -> None:
-        self.fwd_flops = self.bwd_flops = self.output_bytes = self.saved_bytes = self.split_kept_bytes = self.split_more_bytes = 0
+        self.fwd_flops = self.bwd_flops = self.output_bytes = self.saved_bytes = self.split_kept_bytes = 0
+        self.split_after_bytes: int | None = None   # _split_kept_in_stages; None: as split_kept_bytes
+        self.split_suffix_bytes: int | None = None
         self.fwd_times: list[float] = []
         self.bwd_times: list[float] = []
         self.fwd_times_one: list[float] = []   # the same with a micro-batch of one sample
@@ -470,47 +472,110 @@ def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, 
     res.attention = _attention_ops(fwd_fc) | _attention_ops(bwd_fc)
     del out, roots
     module.zero_grad(set_to_none=True)
-    res.split_kept_bytes, res.split_more_bytes = _split_kept_bytes(module, captured, excluded=excluded, loss=loss,
-                                                                   target=res.target)
+    res.split_kept_bytes = _kept_after_split(module, module, captured, excluded, loss, res.target)
     return res
 
 
-def _split_kept_bytes(module: nn.Module, captured, *, excluded: set[int], loss: str | None, target) -> tuple[int, int]:
-    """(alone, more): bytes of the module's saved tensors that torch's split backward leaves alive while the output is
-    still held, with the module last in its stage, and how many more when another unit follows it in the stage.
-    The input gradient (I) runs autograd.grad with retain_graph=True and the weight gradient (W) starts from the
-    intermediates I kept, so the saved tensors of nodes on no weight's path (the attention kernel's, the loss's
-    log-softmax; an activation function's when a later unit's weights follow) are freed only with the graph
-    (torch.distributed.pipelining._backward: stage_backward_input, stage_backward_weight). A last stage holds its
-    outputs and losses to the end of the step (stage.output_chunks, the schedule's _internal_losses), so there they
-    stay until then. `more` is measured on the module followed by a copy of itself (its output fed to it), so it is 0
-    for a module whose output cannot be its input; (0, 0) when its input needs no gradient (a first stage runs one
-    full backward at W)."""
-    alone = _kept_after_split(module, module, captured, excluded, loss, target)
-    twice = 0
-    args, kwargs = _fresh(captured)
-    with torch.no_grad():
-        out = module(*args, **kwargs)
-    if loss is None and isinstance(out, torch.Tensor) and len(args) == 1 and isinstance(args[0], torch.Tensor) \
-            and out.shape == args[0].shape and out.dtype == args[0].dtype:
-        pair = _Twice(module, copy.deepcopy(module))   # a copy: torch's W cannot take one weight twice
-        twice = _kept_after_split(pair, pair, captured, excluded, None, None)
-    return alone, max(0, twice - 2 * alone)
+class _Chain(nn.Module):
+    """Units in a row, each fed the one before's output and called with its own captured keyword arguments."""
 
-
-class _Twice(nn.Module):
-    """A unit followed by another (its copy), both called with the unit's keyword arguments."""
-
-    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+    def __init__(self, modules: list[nn.Module], kwargs: list[dict[str, Any]]) -> None:
         super().__init__()
-        self.first, self.second = first, second
+        self.parts = nn.ModuleList(modules)
+        self.part_kwargs = kwargs
 
-    def forward(self, x, **kwargs):
-        return self.second(self.first(x, **kwargs), **kwargs)
+    def forward(self, *args, **kwargs):
+        x = self.parts[0](*args, **kwargs)
+        for module, kw in zip(self.parts[1:], self.part_kwargs[1:]):
+            x = module(x, **kw)
+        return x
+
+
+SUFFIXES_MEASURED = 4   # last-stage starts measured exactly; earlier ones extrapolated (a chain of like blocks)
+
+
+def _split_kept_in_stages(model: nn.Module, unit_defs, capture: _Capture, results_by_unit, *, excluded: set[int],
+                          loss: str | None) -> None:
+    """Set what torch's split backward keeps per micro-batch of a stage that starts at each unit (_kept_after_split
+    on the chain of units): split_after_bytes for a unit after the one before it in a middle stage (the pair less
+    the first), split_suffix_bytes for a last stage starting there (the chain to the loss). Which nodes sit on no
+    weight's path depends on what is up- and downstream (gpt-tiny: a block alone keeps its attention kernel's
+    tensors, also its GELU's input when another block follows; mlp-deep's blocks keep nothing in a middle stage and
+    their GELU's input in a last stage), hence measured in context. The last SUFFIXES_MEASURED starts are measured,
+    earlier ones extrapolated by the last measured step. Where the units do not chain (a module's one positional
+    input is not the previous module's output) a unit keeps its alone value."""
+    n = len(unit_defs)
+    spans, flat = [], []             # unit -> its modules' range in flat; flat: (module, its captured kwargs)
+    for _, mods, _ in results_by_unit:
+        spans.append((len(flat), len(flat) + len(mods)))
+        flat += [(model.get_submodule(m), _fresh(((), capture.inputs[m][1]))[1]) for m in mods]
+    names = [m for _, mods, _ in results_by_unit for m in mods]
+    fed = [j > 0 and _feeds(capture, names[j - 1], names[j]) for j in range(len(flat))]
+
+    def chain(a: int, b: int) -> _Chain | None:   # units a..b as one module, if they chain
+        lo, hi = spans[a][0], spans[b][1]
+        return _Chain([m for m, _ in flat[lo:hi]], [k for _, k in flat[lo:hi]]) if all(fed[lo + 1:hi]) else None
+
+    def kept(a: int, b: int, with_loss: bool) -> int | None:
+        run = chain(a, b)
+        target = results_by_unit[-1][2][-1].target if with_loss else None
+        return None if run is None else _kept_after_split(run, run, capture.inputs[names[spans[a][0]]], excluded,
+                                                          loss if with_loss else None, target)
+    for i in range(1, n):
+        pair = kept(i - 1, i, False) if fed[spans[i][0]] else None
+        if pair is not None:
+            results_by_unit[i][2][0].split_after_bytes = max(0, pair - results_by_unit[i - 1][2][0].split_kept_bytes)
+    suffix: dict[int, int] = {}
+    for a in range(n - 1, 0, -1):
+        if a + 1 < n and not fed[spans[a + 1][0]]:
+            break                    # the chain to the last unit ends here
+        if n - a > SUFFIXES_MEASURED and a + 2 in suffix:
+            suffix[a] = max(0, 2 * suffix[a + 1] - suffix[a + 2])
+        else:
+            value = kept(a, n - 1, True)
+            if value is None:
+                break
+            suffix[a] = value
+    for a, value in suffix.items():
+        results_by_unit[a][2][0].split_suffix_bytes = value
+
+
+def _feeds(capture: _Capture, prev: str, name: str) -> bool:
+    """Module `name`'s one positional input is module `prev`'s output."""
+    args, _ = capture.inputs[name]
+    return (len(args) == 1 and isinstance(args[0], torch.Tensor)
+            and storage_id(args[0]) in capture.outputs.get(prev, ()))
+
+
+_SPLIT_MEMO: dict[tuple, int] = {}   # _kept_after_split by _split_signature, per profile run (_measure_units)
+
+
+def _split_signature(module: nn.Module, captured, loss: str | None) -> tuple:
+    """What _kept_after_split depends on: the modules' classes and parameter shapes, the input shapes and the loss
+    (a model's repeated blocks share one measurement: 80 layers are measured once, not 80 times)."""
+    parts = list(module.parts) if isinstance(module, _Chain) else [module]
+    shapes = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tree_leaves(captured)
+                   if isinstance(t, torch.Tensor))
+    return (tuple((type(m).__qualname__, tuple((n, tuple(p.shape)) for n, p in m.named_parameters())) for m in parts),
+            shapes, loss)
 
 
 def _kept_after_split(run: Callable, module: nn.Module, captured, excluded: set[int], loss: str | None, target) -> int:
-    """Bytes still saved after I and W of run(*captured) (see _split_kept_bytes), its outputs still held."""
+    key = _split_signature(module, captured, loss)
+    if key not in _SPLIT_MEMO:
+        _SPLIT_MEMO[key] = _measure_kept_after_split(run, module, captured, excluded, loss, target)
+    return _SPLIT_MEMO[key]
+
+
+def _measure_kept_after_split(run: Callable, module: nn.Module, captured, excluded: set[int], loss: str | None,
+                              target) -> int:
+    """Bytes of the saved tensors of run(*captured) that torch's split backward leaves alive while the output is
+    still held. The input gradient (I) runs autograd.grad with retain_graph=True and the weight gradient (W) starts
+    from the intermediates I kept, so the saved tensors of nodes on no weight's path (the attention kernel's, the
+    loss's log-softmax, an activation function's between two units) are freed only with the graph
+    (torch.distributed.pipelining._backward: stage_backward_input, stage_backward_weight), which a stage holds to the
+    end of the step (measured: executor.activations). 0 when the input needs no gradient (a first stage runs one
+    full backward at W)."""
     counts: dict[int, int] = {}
     sizes: dict[int, int] = {}
 
@@ -667,6 +732,7 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
     progress = _Progress({m: capture.fwd_flops.get(m, 0) for _, mods in unit_defs for m in mods}, timed=timed,
                          warmup=warmup, repeats=repeats, batch=batch, on_progress=on_progress)
     last = unit_defs[-1][1][-1]
+    _SPLIT_MEMO.clear()
     results_by_unit: UnitResults = []
     attention: set[str] = set(_attention_ops(model_fc))
     for name, mods in unit_defs:
@@ -679,6 +745,7 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
             progress.counted(m, time.perf_counter() - t0)
             attention |= results[-1].attention
         results_by_unit.append((name, mods, results))
+    _split_kept_in_stages(model, unit_defs, capture, results_by_unit, excluded=excluded, loss=loss)
     if timed:
         seconds = progress.timing_starts()
         if on_estimate:
@@ -832,7 +899,9 @@ def _account_params(model: nn.Module, unit_results,
             fwd_flops=sum(r.fwd_flops for r in results), bwd_flops=sum(r.bwd_flops for r in results),
             output_bytes=results[-1].output_bytes, saved_bytes=sum(r.saved_bytes for r in results),
             split_kept_bytes=sum(r.split_kept_bytes for r in results),
-            split_more_bytes=sum(r.split_more_bytes for r in results),
+            split_after_bytes=(results[0].split_after_bytes if results[0].split_after_bytes is not None
+                               else sum(r.split_kept_bytes for r in results)),
+            split_suffix_bytes=results[0].split_suffix_bytes,
             fwd_time=_timing([r.fwd_times for r in results]) if timed else None,
             bwd_time=_timing([r.bwd_times for r in results]) if timed else None,
             fwd_time_one=_timing([r.fwd_times_one for r in results]) if timed and results[0].fwd_times_one else None,

@@ -55,7 +55,10 @@ def test_quick_fidelity_run(tmp_path):
     for row in config["rows"]:
         assert row["measured_s"] > 0 and row["predicted_s"] > 0
         assert set(row["predicted"]) == set(row["measured"]) == {"compute", "optimizer", "rest"}
-    # parameters, gradients and optimizer states are counted, not timed: the memory model must be exact here
-    assert all(v < 0.05 for v in data["summary"]["memory_error_max"].values())
+    # parameters, gradients and optimizer states are counted, not timed: the memory model must be exact here;
+    # activations (executor.activations, every schedule including the split-backward ones) within the 10% target
+    errors = data["summary"]["memory_error_max"]
+    assert all(errors[k] < 0.05 for k in ("parameters", "gradients", "optimizer_states"))
+    assert 0 <= errors["activations"] <= 0.10
     md = (tmp_path / "fidelity-quick.md").read_text()
     assert "| mlp-deep | 2 | 8 |" in md and "Summary: regret max" in md
