@@ -39,7 +39,8 @@ from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_
                                tp_unit_traffic)
 from cost_models.compute import optimizer_step_time, tp_unit_times, unit_times, uses_measured_times
 from cost_models.memory import (BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, comm_buffer_bytes,
-                                 executor_state_bytes, tp_param_share, tp_saved_bytes, zero1_partition)
+                                 executor_state_bytes, saved_at, tp_param_share, tp_saved_bytes,
+                                 zero1_partition)
 from cost_models.profile import ModelProfile, UnitProfile
 from cost_models.records import Record, record
 from cost_models.schedule import Simulation, StageCost, format_order, get_spec, simulate_schedule
@@ -253,7 +254,7 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
         u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
         ranks_running=s.world_size, tp=s.tp, vocab=c.tp_vocab))
-    saved = tp_saved_bytes(u.saved_bytes, u.tp, tp=s.tp, sp=s.sp, selective=selective)
+    saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective)
     if selective:
         b += core
     if s.tp > 1 and u.tp is not None:
@@ -298,9 +299,13 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
             f, b = (t * c.calibration.compute_scale for t in unit_times(
                 u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
                 ranks_running=s.world_size))
-            hit = (f, b, float(u.saved_bytes), ())
+            hit = (f, b, _saved(c, u), ())
         entry[2][key] = hit
     return hit
+
+
+def _saved(c: _Context, u: UnitProfile) -> float:
+    return saved_at(u, micro_batch_size=c.s.micro_batch_size, profile_batch=c.profile.micro_batch_size)
 
 
 def _working_set(c: _Context, units: tuple[str, ...], saved: list[float], stage_input: float) -> float:
@@ -319,17 +324,32 @@ def _kept(c: _Context, sid: int, units: tuple[str, ...], recompute: bool) -> flo
     intermediates I kept, so those are freed only with the graph, which a stage holds to the end of the step (the
     last stage's outputs and losses; measured by executor.activations, torch 2.13: every stage but the first, which
     runs one full backward at W, keeps them; gpt-tiny PP2 zb-interleaved v=1 and v=2 within 0.3% on every rank).
-    Not modelled (0) with tensor parallelism, where the profile's single-rank measurement does not apply, nor for a first stage
-    or with recompute outside a split backward."""
+    Not modelled (0) for a first stage or with recompute outside a split backward."""
     s = c.s
-    if sid == 0 or not get_spec(s.schedule).split_backward or recompute or c.tp_on:
+    if sid == 0 or not get_spec(s.schedule).split_backward or recompute:
         return 0.0
     index, profile = c.unit_index, c.profile
-    first = profile.units[index[units[0]]]
+    parts = [profile.units[index[n]] for n in units]
+    first = parts[0]
     if sid == s.n_stages - 1 and first.split_suffix_bytes is not None:
-        return first.split_suffix_bytes * c.act_scale
-    kept = first.split_kept_bytes + sum(profile.units[index[n]].split_after_bytes for n in units[1:])
+        alone = sum(u.split_kept_bytes for u in parts)
+        share = sum(u.split_kept_bytes * _tp_kept_share(c, u) for u in parts) / alone if alone else 1.0
+        return first.split_suffix_bytes * share * c.act_scale
+    kept = (first.split_kept_bytes * _tp_kept_share(c, first)
+            + sum(u.split_after_bytes * _tp_kept_share(c, u) for u in parts[1:]))
     return kept * c.act_scale
+
+
+def _tp_kept_share(c: _Context, u: UnitProfile) -> float:
+    """The share of a unit's split-backward kept bytes (measured on one rank) one TP rank keeps: what is on no
+    weight's path is the attention core and the activation between the split linears (a norm's or a linear's input
+    is on its weight's path), which TP splits: 1/tp in a unit with split roles, all of it in a replicated one (a
+    last stage's suffix weighs its units by their kept bytes alone). Measured with executor.activations: gpt-embed
+    PP2 zb-interleaved x TP2 (+SP) 16x1 within 1%, gpt-wide v=2 within ..."""
+    tu = u.tp
+    if c.s.tp == 1 or tu is None or not (tu.saved_split or tu.saved_core):
+        return 1.0
+    return 1.0 / c.s.tp
 
 
 def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEstimate:

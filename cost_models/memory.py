@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import heapq
 
-from cost_models.profile import TPUnit
+from cost_models.profile import TPUnit, UnitProfile
 from cost_models.records import Record, record
 
 GB = 1e9
@@ -147,6 +147,13 @@ def tp_param_share(params: float, tu: TPUnit | None, tp: int, vocab: bool) -> fl
     if tu is None or tp == 1:
         return params
     return params - (tu.split_params + (tu.vocab_params if vocab else 0)) * (1 - 1 / tp)
+
+
+def saved_at(u: UnitProfile, *, micro_batch_size: int, profile_batch: int) -> float:
+    """A unit's saved bytes at `micro_batch_size`, expressed at the profile's scale (times estimate.activation_scale
+    gives bytes): the part that grows with the batch scales, the fixed part (UnitProfile.saved_fixed_bytes) does not.
+    Its least value over batches (a lower bound, for the search's pruning) is saved_bytes - saved_fixed_bytes."""
+    return u.saved_bytes + u.saved_fixed_bytes * (profile_batch / micro_batch_size - 1)
 
 
 def tp_saved_bytes(saved: float, tu: TPUnit | None, *, tp: int, sp: bool, selective: bool) -> float:

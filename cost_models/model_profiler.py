@@ -380,6 +380,7 @@ class _ModuleResult:
         self.fwd_flops = self.bwd_flops = self.output_bytes = self.saved_bytes = self.split_kept_bytes = 0
         self.split_after_bytes: int | None = None   # _split_kept_in_stages; None: as split_kept_bytes
         self.split_suffix_bytes: int | None = None
+        self.saved_fixed_bytes = 0                  # _saved_fixed
         self.fwd_times: list[float] = []
         self.bwd_times: list[float] = []
         self.fwd_times_one: list[float] = []   # the same with a micro-batch of one sample
@@ -430,9 +431,41 @@ def _one_sample(captured, batch: int):
                     captured)
 
 
+def _saved_by_storage(module: nn.Module, captured, *, excluded: set[int], loss: str | None) -> int:
+    """Bytes the module saves for backward on `captured` (forward only), counted as _count_module counts them."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = storage_id(t)
+        if key not in excluded and key not in saved:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    args, kwargs = _fresh(captured)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*args, **kwargs)
+        if loss is not None:
+            _roots(out, loss, synthetic_target(loss, out))
+    return sum(saved.values())
+
+
+def _saved_fixed(module: nn.Module, captured, saved: int, *, batch: int, excluded: set[int],
+                 loss: str | None) -> int:
+    """The part of `saved` (bytes saved at `batch` samples) that does not grow with the batch: with `one` saved on
+    one sample, saved = fixed + per_sample x batch gives fixed = (batch x one - saved) / (batch - 1). An embedding
+    saves its position ids whatever the batch (gpt-wide: 512 bytes on one sample, 1,280 on four), which a
+    stage holding only the embedding would mispredict by 60% at one sample. 0 when the batch is one."""
+    if batch <= 1:
+        return 0
+    # a copy: a slice of the captured batch would count the batch's whole storage
+    sample = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, _one_sample(captured, batch))
+    one = _saved_by_storage(module, sample, excluded=excluded, loss=loss)
+    return max(0, min(saved, round((batch * one - saved) / (batch - 1))))
+
+
 def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, Any]], *, excluded: set[int],
                   loss: str | None, name: str = "", rules: tuple[TPRule, ...] | None = None,
-                  seq_len: int = 0) -> _ModuleResult:
+                  seq_len: int = 0, batch: int = 1) -> _ModuleResult:
     """Run one module alone on its captured input, forward and backward once: FLOPs, saved bytes, output bytes
     (and, for the last unit, the synthetic loss target its timed runs reuse); with the model's TP rules, what
     tensor parallelism splits (_TPWatch; `name` is the module's name in the model, which the rules match)."""
@@ -464,6 +497,7 @@ def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, 
     res.tp = watch[0].counts if watch else {}
     res.output_bytes = sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     res.saved_bytes = sum(saved.values())
+    res.saved_fixed_bytes = _saved_fixed(module, captured, res.saved_bytes, batch=batch, excluded=excluded, loss=loss)
     res.fwd_flops = fwd_fc.get_total_flops()
     with _flop_counter() as bwd_fc:
         if roots:
@@ -740,7 +774,7 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
         results = []
         for m in mods:
             t0 = time.perf_counter()
-            results.append(_count_module(model.get_submodule(m), capture.inputs[m], excluded=excluded,
+            results.append(_count_module(model.get_submodule(m), capture.inputs[m], excluded=excluded, batch=batch,
                                          loss=loss if m == last else None, name=m, rules=rules, seq_len=seq_len))
             progress.counted(m, time.perf_counter() - t0)
             attention |= results[-1].attention
@@ -902,6 +936,7 @@ def _account_params(model: nn.Module, unit_results,
             split_after_bytes=(results[0].split_after_bytes if results[0].split_after_bytes is not None
                                else sum(r.split_kept_bytes for r in results)),
             split_suffix_bytes=results[0].split_suffix_bytes,
+            saved_fixed_bytes=sum(r.saved_fixed_bytes for r in results),
             fwd_time=_timing([r.fwd_times for r in results]) if timed else None,
             bwd_time=_timing([r.bwd_times for r in results]) if timed else None,
             fwd_time_one=_timing([r.fwd_times_one for r in results]) if timed and results[0].fwd_times_one else None,

@@ -137,6 +137,8 @@ class UnitProfile(Record):
     split_after_bytes: int = 0           # the same when the unit before it is in its stage (the pair, measured)
     split_suffix_bytes: int | None = None  # what a last stage starting here keeps per micro-batch (to the loss);
                                          # None: not measured (units that do not chain), summed per unit instead
+    saved_fixed_bytes: int = 0           # of saved_bytes, what does not grow with the batch (position ids, masks):
+                                         # from a second count on one sample (memory.saved_at); 0 in older files
 
 
 @record

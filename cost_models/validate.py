@@ -152,6 +152,8 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
                   f"param_tensors = their count ({len(u.param_numels)})", fix)
         for name in ("fwd_time", "bwd_time", "fwd_time_one", "bwd_time_one"):
             _check_timing(getattr(u, name), f"{at}.{name}", where, fix)
+        if not 0 <= u.saved_fixed_bytes <= u.saved_bytes:   # a part of saved_bytes (model_profiler._saved_fixed)
+            _fail(where, f"{at}.saved_fixed_bytes", u.saved_fixed_bytes, f"0 to saved_bytes ({u.saved_bytes})", fix)
         if u.tp is not None:
             _check_tp_unit(u, f"{at}.tp", where, fix)
     # model_profiler.profile_model: unassigned_params = total_params - sum(units' params), by construction

@@ -12,7 +12,10 @@ What is counted, by storage (views share one), parameters left out, as the profi
   ends (what it keeps for the region's backward; its temporaries are gone by then). Checkpoint's own hooks hide
   those from saved_tensors_hooks, so a dispatch mode passed as the recompute context (torch.utils.checkpoint's
   context_fn) sees the ops instead.
-The peak of that sum over the step is the measured activation bytes. Gradients, communication buffers and
+A saved view of the step's own input batch or targets (a micro-batch is a slice of the rank's batch, which the
+training loop holds for the whole step anyway) counts as the bytes it spans, not as the batch's whole storage,
+as the profiler counts a unit's input (a tensor of its own). The peak of that sum over the step is the measured
+activation bytes. Gradients, communication buffers and
 temporaries are not activations: they are other rows of the estimate (buffers) or not modelled.
 """
 from __future__ import annotations
@@ -45,7 +48,7 @@ class _Held:
 
     __slots__ = ("meter", "key", "tensor")
 
-    def __init__(self, meter: "ActivationMeter", key: int, tensor: torch.Tensor) -> None:
+    def __init__(self, meter: "ActivationMeter", key: Any, tensor: torch.Tensor) -> None:
         self.meter, self.key, self.tensor = meter, key, tensor
 
     def __del__(self) -> None:
@@ -60,9 +63,10 @@ class ActivationMeter:
     """Peak activation bytes over the steps run inside it (see the module doc). `modules`: the rank's modules, whose
     parameters (gathered or not) are left out of what a recomputation keeps."""
 
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
+    def __init__(self, modules: Iterable[nn.Module], *, batch: Iterable[torch.Tensor] = ()) -> None:
         self.modules = list(modules)
-        self.live: dict[int, list[int]] = {}      # storage -> [handles alive, bytes]
+        self.batch = {storage_id(_local(t)) for t in batch}   # storages of the step's inputs and targets
+        self.live: dict[Any, list[int]] = {}      # storage (or batch storage and span) -> [handles alive, bytes]
         self.total = 0
         self.peak = 0
         self._lock = threading.Lock()             # on GPUs autograd frees saved tensors on its device threads
@@ -83,21 +87,24 @@ class ActivationMeter:
         local = _local(t)
         return t if local.device.type == "meta" else _Held(self, self.hold(local), t)
 
-    def hold(self, local: torch.Tensor) -> int:
-        """Count `local`'s storage (once however many handles hold it); returns its key for release()."""
-        key = storage_id(local)
+    def hold(self, local: torch.Tensor) -> Any:
+        """Count `local`'s storage (once however many handles hold it; a slice of the batch: the bytes it spans);
+        returns its key for release()."""
+        key: Any = storage_id(local)
+        if key in self.batch:
+            key = (key, local.storage_offset(), _span_bytes(local))
         with self._lock:
             entry = self.live.get(key)
             if entry is not None:
                 entry[0] += 1
             else:
-                nbytes = local.untyped_storage().nbytes()
+                nbytes = key[2] if isinstance(key, tuple) else local.untyped_storage().nbytes()
                 self.live[key] = [1, nbytes]
                 self.total += nbytes
                 self.peak = max(self.peak, self.total)
         return key
 
-    def release(self, key: int) -> None:
+    def release(self, key: Any) -> None:
         with self._lock:
             entry = self.live.get(key)
             if entry is None:
@@ -114,6 +121,13 @@ class ActivationMeter:
 
     def parameter_storages(self) -> set[int]:
         return {storage_id(_local(p)) for m in self.modules for p in m.parameters()}
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a view's first element to its last in its storage (its own bytes when it is a dense slice)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
 class _Recomputation(TorchDispatchMode):
@@ -167,7 +181,7 @@ def checkpointed(fn: Callable, *args, **kwargs):
     meter = _ACTIVE[-1] if _ACTIVE else None
     if meter is None:
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-    no_grad: list[int] = []
+    no_grad: list[Any] = []
     args = tuple(_held_input(meter, a, no_grad) for a in args)
     kwargs = {k: _held_input(meter, v, no_grad) for k, v in kwargs.items()}
     out = checkpoint(fn, *args, use_reentrant=False,
@@ -188,7 +202,7 @@ def _once(fn: Callable[[], Any]) -> Callable[[], None]:
     return call
 
 
-def _held_input(meter: ActivationMeter, x: Any, no_grad: list[int]) -> Any:
+def _held_input(meter: ActivationMeter, x: Any, no_grad: list[Any]) -> Any:
     """Count a tensor input the checkpoint will keep; released once its gradient has been made (the keys of inputs
     that get none go into `no_grad`)."""
     if not isinstance(x, torch.Tensor) or _is_parameter(x) or _local(x).device.type == "meta":

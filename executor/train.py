@@ -154,7 +154,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
         if injected and how != "nan":
             _fail_now(step, how)
         counter = CommCounter() if counting else None
-        meter = ActivationMeter(rt.wrapped.modules) if counting else None
+        meter = ActivationMeter(rt.wrapped.modules, batch=(x, y)) if counting else None
         with meter or contextlib.nullcontext():
             replica_loss, elapsed = _timed_step(rt, x, y, device, counter, progress, poison=injected and how == "nan")
         if counting:

@@ -43,8 +43,8 @@ from cost_models.errors import ConfigError, InfeasibleError
 from cost_models.estimate import Estimate, activation_scale, estimate, tied_copies
 from cost_models.formatting import fixed, now_utc
 from cost_models.limits import MAX_MICROBATCHES
-from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, executor_state_bytes, zero_model_state_bytes
-from cost_models.profile import ModelProfile
+from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, executor_state_bytes, saved_at, zero_model_state_bytes
+from cost_models.profile import ModelProfile, UnitProfile
 from cost_models.schedule import SCHEDULES, forwards_before_backward, get_spec, placement
 from cost_models.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
@@ -85,7 +85,7 @@ class _Partitions:
         """Saved-for-backward bytes per stage of the cut `stages(k)` less the attention core (what selective
         recompute keeps), per micro-batch at the profile's batch and dtype."""
         if ("kept", k) not in self.fb:
-            where = {u.name: u.saved_bytes - (u.tp.saved_core if u.tp else 0) for u in self.profile.units}
+            where = {u.name: _least_saved(u) for u in self.profile.units}
             self.fb["kept", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
         return self.fb["kept", k]
 
@@ -131,10 +131,17 @@ def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterPr
         costs=tuple(unit_cost), n_stages=point.pp * point.v,
         # every tied parameter a unit uses, wherever the cut puts its owner (an upper bound)
         state_bytes=tuple((u.params + sum(tied_copies(profile, u.name, ()))) * per_param for u in profile.units),
-        act_bytes=tuple(u.saved_bytes * act_scale for u in profile.units),
+        act_bytes=tuple(saved_at(u, micro_batch_size=point.micro_batch_size, profile_batch=profile.micro_batch_size)
+                        * act_scale for u in profile.units),
         in_flight=tuple(max(1, st.peak_in_flight) for st in est.stages),
         capacity=(cluster.device.memory_bytes - OVERHEAD_BYTES[cluster.device.kind]) / point.v)
     return stages_from_ranges([u.name for u in profile.units], dp_partition(problem))
+
+
+def _least_saved(u: UnitProfile) -> float:
+    """The least a unit saves per micro-batch at the profile's scale with selective recompute (the attention core
+    dropped), at any micro-batch (memory.saved_at: the fixed part left out): the pruning bounds' activation term."""
+    return u.saved_bytes - u.saved_fixed_bytes - (u.tp.saved_core if u.tp else 0)
 
 
 def _overflow(est: Estimate, cap: int) -> set[int]:
@@ -471,7 +478,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     memo: dict = {}
     # one micro-batch's activations with selective recompute (the attention core dropped), all divided by tp at
     # best: the least a stage holds without full recompute (P5)
-    kept = sum(u.saved_bytes - (u.tp.saved_core if u.tp else 0) for u in profile.units)
+    kept = sum(_least_saved(u) for u in profile.units)
     scales = {mbs: activation_scale(profile, micro_batch_size=mbs, precision=req.precision)
               for mbs in {pt.micro_batch_size for pt in points}}
     acts = {mbs: kept * scale for mbs, scale in scales.items()}

@@ -43,7 +43,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def profile():
-    return profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
+    # at micro-batch 2, so that runs at 1 and 4 check the scaling of activations too (memory.saved_at)
+    return profile_model(resolve("gpt-tiny"), micro_batch_size=2, seq_len=16, meta=True, dtype="fp32")
 
 
 def check(strategies, results, reference, profile):
@@ -82,7 +83,13 @@ def test_two_ranks_every_zero_stage_and_pipeline_schedule(reference, profile):
 @pytest.mark.slow
 def test_four_ranks_zero_pipeline_and_hybrids(reference, profile):
     strategies = [S(4, 1, z) for z in range(4)] + [S(1, 4, m=4), S(2, 2, 1, m=2), S(2, 2, 2, m=2),
-                                                   S(2, 2, 3, m=2), S(2, 2, 2, schedule="zb-interleaved", m=2)]
+                                                   S(2, 2, 3, m=2), S(2, 2, 2, schedule="zb-interleaved", m=2),
+                                                   # one sample per micro-batch, a stage of the embedding alone,
+                                                   # and what a split backward keeps under TP (estimate._kept)
+                                                   S(1, 4, m=8, stages=(UNITS[:1], UNITS[1:3], UNITS[3:5], UNITS[5:])),
+                                                   dataclasses.replace(S(1, 2, schedule="zb-interleaved", m=8), tp=2),
+                                                   dataclasses.replace(S(1, 2, schedule="zb-interleaved", v=2, m=8),
+                                                                       tp=2, sp=True)]
     results = [[r.to_dict() for r in ranks] for ranks in run_many(4, strategies, CFG)]
     check(strategies, results, reference, profile)
     # sharding is real: ZeRO-3 ranks hold a quarter of ZeRO-0's parameters
