@@ -9,10 +9,12 @@ A  profile:    `planner profile`'s per-unit medians (each unit alone on its capt
 B  in model:   one process, 1 thread, the whole model's forward, loss and backward, timed end to end, and per unit
                by module hooks (forward pre/post, full backward pre/post).
 C  two at once: B in two processes started together (two CPU ranks on this machine's cores, no collectives).
+D1 executor:   D on one rank (dp=1: no DDP, no collectives): the executor's own cost beside B.
 D  executor:   `run_many` on 2 gloo ranks, ZeRO-0 dp=2, one micro-batch per step: the run's compute_s (time inside
                forward/backward, DDP's bucket all-reduce included), per micro-batch.
 E  estimate:   the estimate's compute_s for that plan on this machine's probed cluster (probe_local, 2 ranks): A times
-               the probe's contention factor for 2 ranks (cost_models.compute.contention).
+               the probe's contention factor for 2 ranks (cost_models.compute.contention); "E + all-reduce" adds
+               the estimate's exposed data-parallel time (DDP's all-reduce, which D's compute_s contains).
 The table prints the medians with [min - max] over repeats and the machine's 1-minute load beside them; JSON goes to
 benchmarks/results/compute_gap.json.
 """
@@ -112,24 +114,24 @@ def _profile(model_name: str) -> dict:
     return {"total_s": sum(f + b for f, b in units.values()), "units": units, "profile": prof}
 
 
-def _executor(model_name: str, prof, steps: int) -> float:
+def _executor(model_name: str, prof, steps: int, ranks: int = 2) -> float:
     from cost_models.strategy import Strategy
     from executor.launch import run_many
     from executor.train import TrainConfig
-    s = Strategy(dp=2, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=BATCH,
+    s = Strategy(dp=ranks, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=BATCH,
                  stages=(tuple(u.name for u in prof.units),), precision="fp32", optimizer="adamw")
     cfg = TrainConfig(model_source=model_name, seq_len=SEQ_LEN, input_kind=prof.input.kind, steps=steps, warmup=2,
                       count_comm=False)
-    ranks = run_many(2, [s], cfg)[0]
-    return max(statistics.median(r.compute_s[2:]) for r in ranks)
+    return max(statistics.median(r.compute_s[2:]) for r in run_many(ranks, [s], cfg)[0])
 
 
-def _estimate(prof, cluster) -> float:
+def _estimate(prof, cluster) -> tuple[float, float]:
     from cost_models.estimate import estimate
     from cost_models.strategy import Strategy
     s = Strategy(dp=2, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=BATCH,
                  stages=(tuple(u.name for u in prof.units),), precision="fp32", optimizer="adamw")
-    return estimate(s, prof, cluster).breakdown.compute_s
+    b = estimate(s, prof, cluster).breakdown
+    return b.compute_s, b.dp_comm_s
 
 
 def _spread(values: list[float]) -> dict:
@@ -138,7 +140,8 @@ def _spread(values: list[float]) -> dict:
 
 def measure(model_name: str, repeats: int, iters: int) -> dict:
     rows: dict[str, list[float]] = {"A profile": [], "B in model": [], "B unit sum": [], "C two at once": [],
-                                    "D executor": [], "E estimate": []}
+                                    "D1 executor 1 rank": [], "D executor": [], "E estimate": [],
+                                    "E + all-reduce": []}
     from cost_models.cluster_source import probe_local
     loads = []
     units_a = units_b = None
@@ -152,8 +155,11 @@ def measure(model_name: str, repeats: int, iters: int) -> dict:
         rows["B unit sum"].append(sum(f + bw for f, bw in b["units"].values()))
         units_b = b["units"]
         rows["C two at once"].append(max(r["total_s"] for r in _two_at_once(model_name, iters)))
+        rows["D1 executor 1 rank"].append(_executor(model_name, a["profile"], steps=iters, ranks=1))
         rows["D executor"].append(_executor(model_name, a["profile"], steps=iters))
-        rows["E estimate"].append(_estimate(a["profile"], probe_local(ranks=2, dtype="fp32", sizes=None)))
+        compute, dp_comm = _estimate(a["profile"], probe_local(ranks=2, dtype="fp32", sizes=None))
+        rows["E estimate"].append(compute)
+        rows["E + all-reduce"].append(compute + dp_comm)
     loads.append(os.getloadavg()[0])
     return {"model": model_name, "micro_batch_size": BATCH, "seq_len": SEQ_LEN,
             "rows": {k: _spread(v) for k, v in rows.items()}, "load_1min": [min(loads), max(loads)],
@@ -168,11 +174,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compute_gap.json"))
     args = ap.parse_args()
     results = [measure(m, args.repeats, args.iters) for m in args.models.split(",")]
-    print(f"{'model':10} {'way':14} {'median':>9} {'[min - max]':>21} {'/ A':>6}   load")
+    print(f"{'model':10} {'way':18} {'median':>9} {'[min - max]':>21} {'/ A':>6}   load")
     for r in results:
         base = r["rows"]["A profile"]["median_s"]
         for way, t in r["rows"].items():
-            print(f"{r['model']:10} {way:14} {t['median_s'] * 1e3:8.2f}ms [{t['min_s'] * 1e3:7.2f} - "
+            print(f"{r['model']:10} {way:18} {t['median_s'] * 1e3:8.2f}ms [{t['min_s'] * 1e3:7.2f} - "
                   f"{t['max_s'] * 1e3:7.2f} ms] {t['median_s'] / base:6.2f}   {r['load_1min'][0]:.1f}-"
                   f"{r['load_1min'][1]:.1f}")
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "results": results}
