@@ -101,6 +101,7 @@ class ComputeProbe(Record):
     pipeline_action_s: float = 0.0     # one pipelining schedule action, beyond its compute and p2p
     fsdp_unit_s: float = 0.0           # one FSDP2 unit per micro-batch, beyond compute and collective latency
     optimizer_tensor_s: float = 0.0    # AdamW step per parameter tensor
+    optimizer_dtensor_s: float = 0.0   # the same per DTensor parameter (FSDP2, TP); 0: as optimizer_tensor_s
 
 
 @record

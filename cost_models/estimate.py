@@ -481,9 +481,13 @@ def _optimizer_pass(c: _Context, stages: tuple[StageEstimate, ...]) -> float:
                       for mine in per_rank)
     # FSDP2 keeps a shard of every tensor on every rank; ZeroRedundancyOptimizer gives each rank whole tensors
     opt_tensors_rank = opt_tensors / (s.dp if s.zero == 1 else 1)
+    # FSDP2's shards (ZeRO-2/3) and a TP model's parameters are DTensors: every op of their update is dispatched
+    # by DTensor (measured on 2 CPU ranks: 0.30-0.32 ms per tensor against 0.035 for a plain one)
+    dtensors = (s.zero >= 2 or s.tp > 1) and c.overheads.optimizer_dtensor_s > 0
+    per_tensor = c.overheads.optimizer_dtensor_s if dtensors else c.overheads.optimizer_tensor_s
     return c.calibration.optimizer_scale * (
         optimizer_step_time(opt_params_rank, precision=s.precision, optimizer=s.optimizer, cluster=c.cluster)
-        + opt_tensors_rank * c.overheads.optimizer_tensor_s)
+        + opt_tensors_rank * per_tensor)
 
 
 # --- pass 5: throughput and traffic -------------------------------------------------------------------------------

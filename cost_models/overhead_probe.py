@@ -8,7 +8,10 @@ Small models on CPU ranks spend as much time in per-call overhead as in arithmet
     reduce-scatter (which the alpha-beta fits already cost): fully_shard on K tiny layers against the same layers
     unsharded, per layer;
   * `optimizer_tensor_s`: AdamW's step per parameter tensor when tensors are small (memory bandwidth does not
-    cover it).
+    cover it);
+  * `optimizer_dtensor_s`: the same per DTensor parameter (FSDP2's shards, tensor-parallel weights): every op of
+    the update goes through DTensor's dispatch (sharding propagation in Python), measured 10-20x the plain
+    tensor's cost on CPU ranks (README, Fidelity).
 Every rank takes part (the collectives need it); the values are medians over repeats, taken on rank 0.
 """
 from __future__ import annotations
@@ -36,6 +39,20 @@ def _median_time(fn, repeats: int = REPEATS, warmup: int = 2) -> float:
 
 def optimizer_tensor_seconds(device: torch.device) -> float:
     params = [nn.Parameter(torch.randn(64, device=device)) for _ in range(64)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return _median_time(opt.step) / len(params)
+
+
+def optimizer_dtensor_seconds(device: torch.device) -> float:
+    """AdamW's step per DTensor parameter, each sharded over all ranks as FSDP2 shards it (all ranks call this)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    params = [nn.Parameter(distribute_tensor(torch.randn(64 * mesh.size(), device=device), mesh, [Shard(0)]))
+              for _ in range(64)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -102,6 +119,8 @@ def overhead_probe(device: torch.device, fits: dict[tuple[str, int], tuple[float
     rank = dist.get_rank()
     alpha = lambda op, n: fits.get((op, n), (0.0, 0.0))[0]  # noqa: E731
     out = {"optimizer_tensor_s": optimizer_tensor_seconds(device)}
+    dist.barrier()
+    out["optimizer_dtensor_s"] = optimizer_dtensor_seconds(device)
     dist.barrier()
     out["fsdp_unit_s"] = fsdp_unit_seconds(device, alpha("all_gather", world), alpha("reduce_scatter", world))
     dist.barrier()

@@ -156,3 +156,36 @@ def test_zero2_as_the_executor_holds_it_is_the_paper_plus_one_parameter_shard(pr
     for zero in (0, 1, 3):
         assert executor_state_bytes(psi, n, zero, precision, optimizer) == zero_model_state_bytes(
             psi, n, zero, precision, optimizer)
+
+
+def test_the_optimizer_step_of_dtensor_parameters_costs_the_probed_dtensor_rate(tiny_profiles):
+    """FSDP2's shards (ZeRO-2/3) and TP parameters are DTensors, whose every update op DTensor dispatches: the
+    estimate charges the probe's per-DTensor cost per tensor there, the plain per-tensor cost for ZeRO-0/1 (and the
+    plain one where a cluster file has no DTensor figure). Measured on 2 CPU ranks: 0.30-0.32 ms per DTensor, 0.035
+    ms per plain tensor; gpt-wide ZeRO-2 dp=2: 12.4 ms measured, 10.5 predicted, 2.5 before."""
+    import dataclasses as dc
+    from cost_models.cluster import ComputeProbe
+    from cost_models.estimate import estimate
+    from cost_models.presets import preset
+    from cost_models.strategy import Strategy
+    prof = tiny_profiles["gpt-tiny", True]
+    units = tuple(u.name for u in prof.units)
+    tensors = sum(u.param_tensors for u in prof.units)
+    base = preset("dgx-a100")
+    plain, per_dtensor = 3e-5, 3e-4
+
+    def cluster(dtensor_s):
+        probe = ComputeProbe(dtype="fp32", matmul_n=512, ranks=2, threads_per_rank=1, flops_per_rank=1e12,
+                             flops_alone=1e12, optimizer_tensor_s=plain, optimizer_dtensor_s=dtensor_s)
+        return dc.replace(base, compute=probe, device=dc.replace(base.device, kind="cpu"))
+
+    def opt(zero, dtensor_s, tp=1):
+        s = Strategy(dp=2, pp=1, tp=tp, zero=zero, microbatches=1, micro_batch_size=2, stages=(units,),
+                     schedule="1f1b", precision="fp32", optimizer="adamw")
+        return estimate(s, prof, cluster(dtensor_s)).breakdown.optimizer_s
+
+    for zero in (2, 3):
+        assert opt(zero, per_dtensor) - opt(zero, 0.0) == pytest.approx(tensors * (per_dtensor - plain), rel=1e-6)
+    assert opt(0, per_dtensor) == opt(0, 0.0)
+    assert opt(1, per_dtensor) == opt(1, 0.0)
+    assert opt(0, per_dtensor, tp=2) > opt(0, 0.0, tp=2) + (tensors / 2) * (per_dtensor - plain)   # TP: DTensors too
