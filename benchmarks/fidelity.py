@@ -1,6 +1,9 @@
 """Fidelity: run every feasible candidate the planner considers, for real, and measure how true its predictions
-and its choice are. Targets (reported, not asserted): regret <= 1.05, step-time MAPE <= 15%, Kendall tau >= 0.8,
-memory error <= 10% for parameters, gradients and optimizer states.
+and its choice are. Targets (issue 18; reported, not asserted): regret <= 1.10, <= 1.03 with `planner plan --verify 3`
+(here: the best measured of the 3 best predicted, as a verify run with these measurements would pick), step-time
+MAPE <= 15% at 2 ranks and <= 20% at 4, Kendall tau >= 0.8, cross-validated MAPE after calibration <= 10%,
+memory error <= 10% for parameters, gradients, optimizer states and activations (held for backward, measured per rank
+by executor.activations in one extra, untimed step).
 
     python benchmarks/fidelity.py            # 3 models x 2 global batches x world sizes 2 and 4 (~25 min here)
     python benchmarks/fidelity.py --quick    # 2 ranks, one model, one batch (~1 min): CI's smoke test
@@ -30,7 +33,15 @@ sys.path.insert(0, str(ROOT))
 
 SUITE = (("mlp-deep", "deep and narrow"), ("gpt-wide", "wide and shallow"), ("gpt-embed", "embedding-heavy"))
 SEQ_LEN, PROFILE_BATCH = 32, 4
-TARGETS = {"regret": 1.05, "mape": 0.15, "kendall_tau": 0.8, "memory_error": 0.10}
+TARGETS = {"regret": 1.10, "regret_verify3": 1.03, "mape_2_ranks": 0.15, "mape_4_ranks": 0.20, "kendall_tau": 0.8,
+           "calibrated_cv_mape": 0.10, "memory_error": 0.10}
+
+
+def verified_regret(rows: list[dict], k: int) -> float:
+    """Regret of `planner plan --verify k` had its trials measured what this run measured: the best measured of the
+    k best predicted, over the best measured of all."""
+    top = sorted(rows, key=lambda r: (r["predicted_s"], r["strategy"]))[:k]
+    return min(r["measured_s"] for r in top) / min(r["measured_s"] for r in rows)
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
@@ -160,7 +171,7 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
     return {"model": model, "gpus": gpus, "global_batch_size": batch, "candidates": len(rows), "run_s": round(run_s, 1),
             "by_tp": by_tp,
             "choice": rows[choice]["strategy"], "best_measured": rows[min(range(len(rows)), key=meas.__getitem__)]["strategy"],
-            "regret": meas[choice] / min(meas), "kendall_tau": kendall_tau(pred, meas), "mape": statistics.mean(ape),
+            "regret": meas[choice] / min(meas), "regret_verify3": verified_regret(rows, 3), "kendall_tau": kendall_tau(pred, meas), "mape": statistics.mean(ape),
             "component_mape": comp, "component_pred_over_measured": bias,
             "memory_error_max": {c: max(r["memory_error"][c] for r in rows) for c in rows[0]["memory_error"]},
             "calibration_cv": calibration_cv(rows), "rows": rows}
@@ -176,7 +187,12 @@ def main() -> None:
     ap.add_argument("--gpus", default="2,4", help="world sizes, comma-separated")
     ap.add_argument("--batches", default="8,16", help="global batch sizes, comma-separated")
     ap.add_argument("--name", default="", help="output file name (default fidelity, fidelity-quick with --quick)")
+    ap.add_argument("--markdown-from", default="",
+                    help="re-derive the summary, the calibration's cross-validation and the .md of this JSON (no runs)")
     args = ap.parse_args()
+    if args.markdown_from:
+        _rewrite(Path(args.markdown_from))
+        return
     from cost_models.cluster_source import probe_local
 
     configs = [("mlp-deep", 2, 8)] if args.quick else [
@@ -195,18 +211,7 @@ def main() -> None:
         for tp, t in res["by_tp"].items():
             print(f"    tp={tp}: {t['candidates']:>3} candidates, MAPE {t['mape']:.0%}, best predicted {t['best_predicted']}, "
                   f"best measured {t['best_measured']} ({t['best_measured_s'] * 1e3:.1f} ms)", flush=True)
-    summary = {"regret_max": max(r["regret"] for r in results),
-               "kendall_tau_min": min(r["kendall_tau"] for r in results),
-               "mape_mean": statistics.mean(r["mape"] for r in results),
-               "memory_error_max": {c: max(r["memory_error_max"][c] for r in results)
-                                    for c in results[0]["memory_error_max"]},
-               "component_mape_mean": {k: statistics.mean(r["component_mape"][k] for r in results)
-                                       for k in results[0]["component_mape"]},
-               "component_pred_over_measured_median": {k: statistics.median(r["component_pred_over_measured"][k]
-                                                                            for r in results)
-                                                       for k in results[0]["component_pred_over_measured"]},
-               **_cv_summary(results),
-               "wall_s": round(time.perf_counter() - t0, 1)}
+    summary = {**_summary(results), "wall_s": round(time.perf_counter() - t0, 1)}
     import torch
     full = [(m, int(g), int(b)) for m, _ in SUITE for g in (2, 4) for b in (8, 16)]
     label = "quick run" if args.quick else "full run" if configs == full else \
@@ -222,10 +227,50 @@ def main() -> None:
     name = args.name or ("fidelity-quick" if args.quick else "fidelity")
     (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     (out / f"{name}.md").write_text(markdown(data))
-    print(f"summary: regret max {summary['regret_max']:.3f} (target <= 1.05), Kendall tau min "
-          f"{summary['kendall_tau_min']:+.2f} (>= 0.8), MAPE {summary['mape_mean']:.0%} (<= 15%), memory error max "
-          + ", ".join(f"{k} {v:.1%}" for k, v in summary["memory_error_max"].items()) + " (<= 10%)")
+    print("summary: " + _summary_line(summary))
     print(f"wrote {out / (name + '.json')} and .md")
+
+
+def _summary(results: list[dict]) -> dict:
+    def mape_at(ranks: int) -> float | None:
+        at = [r["mape"] for r in results if r["gpus"] == ranks]
+        return statistics.mean(at) if at else None
+    return {"regret_max": max(r["regret"] for r in results),
+            "regret_verify3_max": max(verified_regret(r["rows"], 3) for r in results),
+            "kendall_tau_min": min(r["kendall_tau"] for r in results),
+            "mape_mean": statistics.mean(r["mape"] for r in results),
+            "mape_2_ranks": mape_at(2), "mape_4_ranks": mape_at(4),
+            "memory_error_max": {c: max(r["memory_error_max"][c] for r in results)
+                                 for c in results[0]["memory_error_max"]},
+            "component_mape_mean": {k: statistics.mean(r["component_mape"][k] for r in results)
+                                    for k in results[0]["component_mape"]},
+            "component_pred_over_measured_median": {k: statistics.median(r["component_pred_over_measured"][k]
+                                                                         for r in results)
+                                                    for k in results[0]["component_pred_over_measured"]},
+            **_cv_summary(results)}
+
+
+def _summary_line(s: dict) -> str:
+    mape = "; ".join(f"at {n} ranks {s[f'mape_{n}_ranks']:.0%} (<= {TARGETS[f'mape_{n}_ranks']:.0%})"
+                     for n in (2, 4) if s.get(f"mape_{n}_ranks") is not None)
+    return (f"regret max {s['regret_max']:.3f} (target <= {TARGETS['regret']:.2f}), with --verify 3 "
+            f"{s['regret_verify3_max']:.3f} (<= {TARGETS['regret_verify3']}); Kendall tau min "
+            f"{s['kendall_tau_min']:+.2f} (>= {TARGETS['kendall_tau']}); step-time MAPE {mape}; memory error max "
+            + ", ".join(f"{k} {v:.1%}" for k, v in s["memory_error_max"].items())
+            + f" (<= {TARGETS['memory_error']:.0%})")
+
+
+def _rewrite(path: Path) -> None:
+    """--markdown-from: the summary and the .md again from a JSON this script wrote (new metrics, no new runs)."""
+    data = json.loads(path.read_text())
+    for r in data["configs"]:
+        r["regret_verify3"] = verified_regret(r["rows"], 3)
+        r["calibration_cv"] = calibration_cv(r["rows"])      # planner/calibrate.py as it is now
+    data["targets"] = TARGETS
+    data["summary"] = {**_summary(data["configs"]), "wall_s": data["summary"].get("wall_s")}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.with_suffix(".md").write_text(markdown(data))
+    print("summary: " + _summary_line(data["summary"]))
 
 
 def markdown(data: dict) -> str:
@@ -234,16 +279,16 @@ def markdown(data: dict) -> str:
     lines = [f"# zeropipe fidelity ({label}, {data['date']})", "",
              f"Machine: {data['machine']['cpus']} CPUs, {data['machine']['platform']}, Python "
              f"{data['machine']['python']}, torch {data['machine']['torch']}; gloo ranks on this CPU.", "",
-             "| model | ranks | batch | candidates | choice | best measured | regret | Kendall tau | MAPE | compute err | optimizer err | rest err | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | ranks | batch | candidates | choice | best measured | regret | regret, verify 3 | Kendall tau | MAPE | compute err | optimizer err | rest err | activations err max | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["configs"]:
         c = r["component_mape"]
         lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch_size']} | {r['candidates']} | {r['choice']} | "
-                     f"{r['best_measured']} | {r['regret']:.3f} | {r['kendall_tau']:+.2f} | {r['mape']:.0%} | "
-                     f"{c['compute']:.0%} | {c['optimizer']:.0%} | {c['rest']:.0%} | {r.get('load_1min', float('nan')):.1f} |")
-    lines += ["", f"Summary: regret max {s['regret_max']:.3f} (target <= 1.05); Kendall tau min {s['kendall_tau_min']:+.2f} "
-              f"(>= 0.8); step-time MAPE {s['mape_mean']:.0%} (<= 15%); memory error max "
-              + ", ".join(f"{k} {v:.1%}" for k, v in s["memory_error_max"].items()) + " (<= 10%).",
+                     f"{r['best_measured']} | {r['regret']:.3f} | {verified_regret(r['rows'], 3):.3f} | "
+                     f"{r['kendall_tau']:+.2f} | {r['mape']:.0%} | "
+                     f"{c['compute']:.0%} | {c['optimizer']:.0%} | {c['rest']:.0%} | "
+                     f"{r['memory_error_max'].get('activations', float('nan')):.1%} | {r.get('load_1min', float('nan')):.1f} |")
+    lines += ["", f"Summary: {_summary_line(s)}.",
               "Predicted / measured, median over configurations: "
               + ", ".join(f"{k} {v:.2f}" for k, v in s["component_pred_over_measured_median"].items()) + "."]
     if any(len(r.get("by_tp", {})) > 1 for r in data["configs"]):

@@ -2,30 +2,33 @@
 
 The fit is a pure function over plain data (benchmarks call it): each run is a pair of what the plan predicted
 (PredictedParts, read off its Estimate) and what the run measured (MeasuredParts, the slowest rank's median of each
-timed part). Four things can be fitted, each to the measurement it explains:
+timed part). Four values can be fitted:
 
-    compute + sync = compute_scale x U + pipeline_action_s x A + dp_comm_scale x D + T     (weighted least squares)
-    optimizer      = optimizer_scale x O                                                    (least squares through 0)
+    optimizer      = optimizer_scale x O                         (least squares through 0, on its own measurement)
+    step           = C + compute_scale x (1 + b) U + pipeline_action_s x (1 + b) A + dp_comm_scale x D
+                                                                  (weighted least squares, the others as planned)
 
 U: the critical rank's unit forward/backward time; A: its pipeline actions per step (the schedule runtime's fixed
 cost per action, probed by cost_models/overhead_probe.py, is refitted); D: its exposed data-parallel collective
-time; T: its tensor-parallel collectives (kept as predicted); O: the optimizer step. The measured side adds the
-executor's "sync" part to "compute" because data-parallel collectives land in one or the other (DDP and FSDP run
-them inside forward/backward, pipelined ZeRO-0/1 after it: executor/runtime.py). Each equation is weighted by
-1 / measured step time, so every run counts by its relative error (what MAPE scores). Only what the runs identify
-is fitted: the per-action and data-parallel terms need more runs than terms and columns that are not collinear
-(condition number below COND_MAX), and values that make physical sense (positive scales, a non-negative
-per-action cost); otherwise they keep the plan's values and compute_scale absorbs the difference. run.json times
+time; b: the bubble's share of compute (the bubble stretches with the stage times it waits on); C: the rest of the
+step as predicted (TP collectives, p2p, the fitted optimizer). Each equation is weighted by 1 / measured step time,
+so every run counts by its relative error (what MAPE scores). The step-time equation is fitted, rather than the
+executor's compute and sync parts, because those split differently from the estimate's (DDP and FSDP run
+data-parallel collectives inside forward/backward, ZeroRedundancyOptimizer inside its step), and a fit to the parts
+then scored on the step extrapolated badly (fidelity's cross-validation: MAPE 27% -> 35%). Which of the per-action
+and data-parallel terms are fitted is chosen by k-fold cross-validation over the runs (the set with the lowest
+held-out MAPE, compute_scale always in it), among sets whose columns the runs tell apart (condition number below
+COND_MAX) and whose values make physical sense (positive scales, a non-negative per-action cost). run.json times
 forward and backward together, so one compute factor is fitted, not one each.
 
-The calibrated step time, as the estimate recomputes it, is modelled linearly for the residuals (predict_after):
-the pipeline bubble stretches with the stage times it waits on (bubble_s / compute_s stays the same), p2p does not.
-Exact without a pipeline on CPU ranks; on GPUs without a pipeline, collectives hide behind compute unit by unit, so
-a compute factor also changes the exposed data-parallel time and the linear model is an approximation there.
+The calibrated step time, as the estimate recomputes it, is that linear model (predict_after). Exact without a
+pipeline on CPU ranks; on GPUs without a pipeline, collectives hide behind compute unit by unit, so a compute
+factor also changes the exposed data-parallel time and the linear model is an approximation there.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 from pathlib import Path
 from typing import Sequence
@@ -40,7 +43,8 @@ from planner.plan import Plan
 from planner.run_record import RankResult, RunFile
 
 COND_MAX = 100.0          # condition number above which the extra terms are not told apart from compute
-TERMS = ("compute_scale", "pipeline_action_s", "dp_comm_scale")   # the compute+sync equation's unknowns, in order
+TERMS = ("compute_scale", "pipeline_action_s", "dp_comm_scale")   # the step-time equation's unknowns, in order
+CV_FOLDS = 5              # folds of the cross-validation that picks the terms
 _NEUTRAL_SCALE = 1.0
 
 
@@ -124,7 +128,9 @@ def measured_parts(ranks: Sequence[RankResult], warmup: int, where: str = "run")
 # --- the fit ------------------------------------------------------------------------------------------------------
 
 def _column(p: PredictedParts, term: str) -> float:
-    columns = {"compute_scale": p.unit_compute_s, "pipeline_action_s": float(p.actions), "dp_comm_scale": p.dp_comm_s}
+    stretch = 1.0 + p.bubble_factor
+    columns = {"compute_scale": stretch * p.unit_compute_s, "pipeline_action_s": stretch * p.actions,
+               "dp_comm_scale": p.dp_comm_s}
     return columns[term]
 
 
@@ -132,16 +138,23 @@ def _neutral(p: PredictedParts, term: str) -> float:
     return p.action_s if term == "pipeline_action_s" else _NEUTRAL_SCALE
 
 
-def _solve(pairs: Sequence[tuple[PredictedParts, MeasuredParts]], terms: tuple[str, ...]) -> dict[str, float] | None:
-    """Weighted least squares of the compute+sync equation over `terms` (the others at the plans' values); None
+def _rest(p: PredictedParts, optimizer_scale: float) -> float:
+    """The step as predict_after gives it with every TERMS value at 0 (C in the module doc)."""
+    return (p.step_s - sum(_neutral(p, t) * _column(p, t) for t in TERMS)
+            + (optimizer_scale - 1.0) * p.optimizer_s)
+
+
+def _solve(pairs: Sequence[tuple[PredictedParts, MeasuredParts]], terms: tuple[str, ...],
+           optimizer_scale: float) -> dict[str, float] | None:
+    """Weighted least squares of the step-time equation over `terms` (the others at the plans' values); None
     when the columns are not told apart or a value makes no physical sense."""
     import numpy as np
     rows, ys = [], []
     for p, m in pairs:
         w = 1.0 / m.step_s
-        fixed = p.tp_comm_s + sum(_neutral(p, t) * _column(p, t) for t in TERMS if t not in terms)
+        fixed = _rest(p, optimizer_scale) + sum(_neutral(p, t) * _column(p, t) for t in TERMS if t not in terms)
         rows.append([w * _column(p, t) for t in terms])
-        ys.append(w * (m.compute_s + m.sync_s - fixed))
+        ys.append(w * (m.step_s - fixed))
     x, y = np.array(rows), np.array(ys)
     norms = np.linalg.norm(x, axis=0)
     if (norms == 0).any() or np.linalg.cond(x / norms) > COND_MAX:
@@ -151,17 +164,45 @@ def _solve(pairs: Sequence[tuple[PredictedParts, MeasuredParts]], terms: tuple[s
     return sol if ok else None
 
 
-def _compute_terms(pairs: Sequence[tuple[PredictedParts, MeasuredParts]]) -> dict[str, float]:
-    """The largest identifiable set of terms, compute_scale always among them (extras need more runs than terms)."""
+def _held_out_mape(pairs: Sequence[tuple[PredictedParts, MeasuredParts]], terms: tuple[str, ...],
+                   optimizer_scale: float) -> float | None:
+    """Mean step-time error of `terms` fitted on k - 1 folds and scored on the k-th (k = min(5, runs)); None when
+    a fold leaves no more runs than terms or a fold's fit fails."""
+    k = min(CV_FOLDS, len(pairs))
+    errors = []
+    for fold in range(k):
+        train = [pr for i, pr in enumerate(pairs) if i % k != fold]
+        if len(train) <= len(terms):
+            return None
+        sol = _solve(train, terms, optimizer_scale)
+        if sol is None:
+            return None
+        errors += [abs(_predict(p, sol, optimizer_scale) - m.step_s) / m.step_s
+                   for i, (p, m) in enumerate(pairs) if i % k == fold]
+    return statistics.mean(errors)
+
+
+def _predict(p: PredictedParts, sol: dict[str, float], optimizer_scale: float) -> float:
+    return predict_after(p, compute_scale=sol["compute_scale"], optimizer_scale=optimizer_scale,
+                         dp_comm_scale=sol.get("dp_comm_scale", 1.0), pipeline_action_s=sol.get("pipeline_action_s"))
+
+
+def _compute_terms(pairs: Sequence[tuple[PredictedParts, MeasuredParts]], optimizer_scale: float) -> dict[str, float]:
+    """compute_scale with the extra terms whose set predicts held-out runs best (module doc); compute_scale alone
+    when there are too few runs to cross-validate more."""
     extras = [t for t in TERMS[1:] if any(_column(p, t) > 0 for p, _ in pairs)]
-    subsets = [("compute_scale", *extras)] + [("compute_scale", t) for t in extras if len(extras) > 1]
-    for terms in (subsets if extras else []) + [("compute_scale",)]:
-        if len(terms) > 1 and len(pairs) <= len(terms):
-            continue
-        sol = _solve(pairs, terms)
+    sets = [("compute_scale", *chosen) for n in range(1, len(extras) + 1)
+            for chosen in itertools.combinations(extras, n)]
+    scored = [(err, len(terms), terms) for terms in sets
+              if (err := _held_out_mape(pairs, terms, optimizer_scale)) is not None]
+    alone = _held_out_mape(pairs, ("compute_scale",), optimizer_scale)
+    if alone is not None:
+        scored.append((alone, 1, ("compute_scale",)))
+    for _, _, terms in sorted(scored) + [(0.0, 1, ("compute_scale",))]:
+        sol = _solve(pairs, terms, optimizer_scale)
         if sol is not None:
             return sol
-    raise ConfigError("the runs' measured compute is below what the plans fix (tensor-parallel collectives, "
+    raise ConfigError("the runs' measured step is below what the plans fix (tensor-parallel collectives, p2p, "
                       "per-action costs): nothing to scale; calibrate with runs that ran their plans' compute")
 
 
@@ -191,8 +232,8 @@ def fit(pairs: Sequence[tuple[PredictedParts, MeasuredParts]]) -> Fit:
         raise ConfigError("no runs to calibrate from; pass the run.json files `planner run` wrote")
     if any(m.step_s <= 0 for _, m in pairs):
         raise ConfigError("a run has no positive step time; calibrate from runs that timed their steps")
-    sol = _compute_terms(pairs)
     opt = _optimizer_scale(pairs)
+    sol = _compute_terms(pairs, opt if opt is not None else 1.0)
     values = {"compute_scale": sol["compute_scale"], "optimizer_scale": opt if opt is not None else 1.0,
               "dp_comm_scale": sol.get("dp_comm_scale", 1.0), "pipeline_action_s": sol.get("pipeline_action_s")}
     fitted = tuple(t for t in ("compute_scale", "optimizer_scale", "dp_comm_scale", "pipeline_action_s")

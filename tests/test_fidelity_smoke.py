@@ -52,6 +52,9 @@ def test_quick_fidelity_run(tmp_path):
     assert config["mape"] == pytest.approx(sum(abs(p - m) / m for p, m in zip(pred, meas)) / len(meas))
     chosen = min(config["rows"], key=lambda r: (r["predicted_s"], r["strategy"]))
     assert config["choice"] == chosen["strategy"] and config["regret"] == pytest.approx(chosen["measured_s"] / min(meas))
+    top3 = sorted(config["rows"], key=lambda r: (r["predicted_s"], r["strategy"]))[:3]
+    assert config["regret_verify3"] == pytest.approx(min(r["measured_s"] for r in top3) / min(meas))
+    assert 1.0 <= config["regret_verify3"] <= config["regret"]
     for row in config["rows"]:
         assert row["measured_s"] > 0 and row["predicted_s"] > 0
         assert set(row["predicted"]) == set(row["measured"]) == {"compute", "optimizer", "rest"}
