@@ -141,7 +141,7 @@ def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterPr
 def _least_saved(u: UnitProfile) -> float:
     """The least a unit saves per micro-batch at the profile's scale with selective recompute (the attention core
     dropped), at any micro-batch (memory.saved_at: the fixed part left out): the pruning bounds' activation term."""
-    return u.saved_bytes - u.saved_fixed_bytes - (u.tp.saved_core if u.tp else 0)
+    return max(0.0, u.saved_bytes - u.saved_fixed_bytes - (u.tp.saved_core if u.tp else 0))
 
 
 def _overflow(est: Estimate, cap: int) -> set[int]:
