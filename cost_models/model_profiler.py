@@ -431,24 +431,6 @@ def _one_sample(captured, batch: int):
                     captured)
 
 
-def _saved_by_storage(module: nn.Module, captured, *, excluded: set[int], loss: str | None) -> int:
-    """Bytes the module saves for backward on `captured` (forward only), counted as _count_module counts them."""
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = storage_id(t)
-        if key not in excluded and key not in saved:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
-
-    args, kwargs = _fresh(captured)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(*args, **kwargs)
-        if loss is not None:
-            _roots(out, loss, synthetic_target(loss, out))
-    return sum(saved.values())
-
-
 def _saved_fixed(module: nn.Module, captured, saved: int, *, batch: int, excluded: set[int],
                  loss: str | None) -> int:
     """The part of `saved` (bytes saved at `batch` samples) that does not grow with the batch: with `one` saved on
@@ -459,7 +441,7 @@ def _saved_fixed(module: nn.Module, captured, saved: int, *, batch: int, exclude
         return 0
     # a copy: a slice of the captured batch would count the batch's whole storage
     sample = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, _one_sample(captured, batch))
-    one = _saved_by_storage(module, sample, excluded=excluded, loss=loss)
+    one = _count_module(module, sample, excluded=excluded, loss=loss).saved_bytes
     return max(0, min(saved, round((batch * one - saved) / (batch - 1))))
 
 
@@ -497,7 +479,6 @@ def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, 
     res.tp = watch[0].counts if watch else {}
     res.output_bytes = sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     res.saved_bytes = sum(saved.values())
-    res.saved_fixed_bytes = _saved_fixed(module, captured, res.saved_bytes, batch=batch, excluded=excluded, loss=loss)
     res.fwd_flops = fwd_fc.get_total_flops()
     with _flop_counter() as bwd_fc:
         if roots:
@@ -506,6 +487,8 @@ def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, 
     res.attention = _attention_ops(fwd_fc) | _attention_ops(bwd_fc)
     del out, roots
     module.zero_grad(set_to_none=True)
+    # after this count's backward: a second count on one sample, not two graphs alive at once
+    res.saved_fixed_bytes = _saved_fixed(module, captured, res.saved_bytes, batch=batch, excluded=excluded, loss=loss)
     res.split_kept_bytes = _kept_after_split(module, module, captured, excluded, loss, res.target)
     return res
 

@@ -15,8 +15,8 @@ What is counted, by storage (views share one), parameters left out, as the profi
 A saved view of the step's own input batch or targets (a micro-batch is a slice of the rank's batch, which the
 training loop holds for the whole step anyway) counts as the bytes it spans, not as the batch's whole storage,
 as the profiler counts a unit's input (a tensor of its own). The peak of that sum over the step is the measured
-activation bytes. Gradients, communication buffers and
-temporaries are not activations: they are other rows of the estimate (buffers) or not modelled.
+activation bytes. Gradients, communication buffers and temporaries are not activations: they are other rows of the
+estimate (buffers) or not modelled.
 """
 from __future__ import annotations
 

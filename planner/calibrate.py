@@ -191,13 +191,9 @@ def _compute_terms(pairs: Sequence[tuple[PredictedParts, MeasuredParts]], optimi
     """compute_scale with the extra terms whose set predicts held-out runs best (module doc); compute_scale alone
     when there are too few runs to cross-validate more."""
     extras = [t for t in TERMS[1:] if any(_column(p, t) > 0 for p, _ in pairs)]
-    sets = [("compute_scale", *chosen) for n in range(1, len(extras) + 1)
-            for chosen in itertools.combinations(extras, n)]
+    sets = [("compute_scale", *chosen) for n in range(len(extras) + 1) for chosen in itertools.combinations(extras, n)]
     scored = [(err, len(terms), terms) for terms in sets
               if (err := _held_out_mape(pairs, terms, optimizer_scale)) is not None]
-    alone = _held_out_mape(pairs, ("compute_scale",), optimizer_scale)
-    if alone is not None:
-        scored.append((alone, 1, ("compute_scale",)))
     for _, _, terms in sorted(scored) + [(0.0, 1, ("compute_scale",))]:
         sol = _solve(pairs, terms, optimizer_scale)
         if sol is not None:
