@@ -41,8 +41,10 @@ class LinkSpec(Record):
 @record
 class Sample(Record):
     size_bytes: int                    # the full buffer: all_reduce buffer, all_gather output, reduce_scatter input, p2p message
-    seconds: float                     # median over repeats of the slowest rank
+    seconds: float                     # expected time over repeats of the slowest rank (cluster_probe.expected_seconds:
+                                       # their mean less the slowest; files before 2026-12-05 hold the median)
     spread_s: float = 0.0              # max - min over repeats
+    median_s: float | None = None      # their median (None in older files)
 
 
 @record
@@ -98,10 +100,22 @@ class ComputeProbe(Record):
     flops_alone: float                 # one rank running alone
     copy_Bps: float = 0.0              # memory bandwidth one rank gets (bytes read + written) while all ranks copy
     # fixed per-call costs of the runtime (cost_models/overhead_probe.py); 0 where not probed (presets)
-    pipeline_action_s: float = 0.0     # one pipelining schedule action, beyond its compute and p2p
+    pipeline_action_s: float = 0.0     # one pipelining schedule action, beyond its compute and p2p (GPipe, 1F1B)
+    pipeline_runtime_action_s: float = 0.0   # the same in torch's multi-stage runtime (interleaved 1F1B); 0: as above
+    pipeline_split_action_s: float = 0.0     # the same with a split backward (F, I, W: zero-bubble); 0: as above
     fsdp_unit_s: float = 0.0           # one FSDP2 unit per micro-batch, beyond compute and collective latency
     optimizer_tensor_s: float = 0.0    # AdamW step per parameter tensor
     optimizer_dtensor_s: float = 0.0   # the same per DTensor parameter (FSDP2, TP); 0: as optimizer_tensor_s
+
+
+def action_seconds(probe: "ComputeProbe", *, multi_stage: bool, split_backward: bool) -> float:
+    """One pipeline action's overhead for a schedule of that kind (torch's single-stage classes, its multi-stage
+    runtime, that runtime with the backward split); a kind not probed (older cluster files) costs as the first."""
+    if multi_stage:
+        value = probe.pipeline_split_action_s if split_backward else probe.pipeline_runtime_action_s
+        if value > 0:
+            return value
+    return probe.pipeline_action_s
 
 
 @record

@@ -8,8 +8,21 @@ torchrun on every node, and rank 0 writes the cluster file:
         -m cost_models.cluster_probe -o cluster.json
 
 Groups measured: inside node 0, the first g ranks for g = 2, 4, ... up to the ranks per node ("intra"); across
-nodes, one rank per node ("inter"). Each (op, group, size) is timed `repeats` times after `warmup`, each repeat
-taken as the slowest member's time, and the median kept. NCCL is used when GPUs are present, gloo otherwise.
+nodes, one rank per node ("inter"). Each (op, group, size) is timed `repeats` times (at least
+COLLECTIVE_REPEATS) after `warmup`, each repeat taken as the slowest member's time, and their mean kept, less the
+slowest repeat (below). NCCL is used when GPUs are present, gloo otherwise.
+
+Why the mean and not the median: a step issues many collectives and pays the sum of their times, whose expectation
+is the sum of their means (linearity of expectation), whatever the distribution. On CPU ranks that share cores in a
+VM, small collectives' times are heavy-tailed: measured here (gloo, 2 ranks on 2 cores, 4 KiB all-reduce after a
+0.5 ms matmul burst, 80 repeats) median 0.31-0.68 ms, mean 1.5-1.6 ms, a quarter of them 3-4 ms (a scheduler
+time slice: the rank's communication thread waits for a core). Fitted on medians, the alpha of a 2-rank all-reduce
+was 0.29 ms while a tensor-parallel step's all-reduces took 1.5 ms each (torch.profiler: wait_tensor, 48 calls),
+and the estimate's TP and pipeline steps came out 30-50% short. System noise acts on collectives through its tail,
+not its median (Hoefler, Schneider, Lumsdaine, "Characterizing the Influence of System Noise on Large-Scale
+Applications by Simulation", SC 2010; Petrini, Kerbyson, Pakin, "The Case of the Missing Supercomputer
+Performance", SC 2003). The slowest repeat is still dropped: one burst from another process (which the median
+used to absorb) should not set a size's cost. The median is kept beside the mean in the cluster file.
 """
 from __future__ import annotations
 
@@ -19,7 +32,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -35,6 +48,9 @@ from cost_models.records import Record, record
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
 KIB, MIB = 2**10, 2**20
 DEFAULT_SIZES = tuple(4 * KIB * 4**i for i in range(8))  # 4 KiB .. 64 MiB
+# at least this many timed repeats per collective and size: with a tail of about 1 in 4 repeats (module doc), 12
+# give the mean to within about a quarter (64 MiB x 4 ops x 12 repeats: about 3 s more than 5 repeats on 2 CPU ranks)
+COLLECTIVE_REPEATS = 12
 
 
 @record
@@ -94,8 +110,9 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
     peer = members[1] if rank == members[0] else members[0]
     buffers = [(torch.ones(_buffer_numel(s, g), device=device), torch.ones(_buffer_numel(s, g) // g, device=device))
                for s in sizes]
+    burst, burst_s = _compute_burst(device) if op == "send_recv" else (None, 0.0)
     out = []
-    for i in range(cfg.warmup + cfg.repeats):
+    for i in range(cfg.warmup + _collective_repeats(cfg)):
         row = []
         for full, part in buffers:
             dist.barrier(group=group)
@@ -107,19 +124,49 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
                 _reduce_scatter(part, full, group)
             elif op == "all_reduce":
                 dist.all_reduce(full, group=group)
-            else:  # send_recv: ping-pong between the two members, one-way time = round trip / 2
+            else:  # send_recv: ping-pong; the second member computes a short burst before it replies, so each
+                # message finds its receiver blocked in recv, as a pipeline stage waits on its peer's compute (on
+                # CPU ranks that wake-up is most of a small message's cost: module doc). One way = (round trip -
+                # burst) / 2.
                 if rank == members[0]:
                     dist.send(full, peer)
                     dist.recv(full, peer)
                 else:
                     dist.recv(full, peer)
+                    burst()
                     dist.send(full, peer)
             _sync(device)
             elapsed = time.perf_counter() - t0
-            row.append(elapsed / 2 if op == "send_recv" else elapsed)
+            row.append(max(0.0, elapsed - burst_s) / 2 if op == "send_recv" else elapsed)
         if i >= cfg.warmup:
             out.append(row)
     return out
+
+
+def _compute_burst(device: torch.device) -> tuple[Callable[[], None], float]:
+    """A short compute burst (about 0.3 ms of matmul on a CPU rank) and its median seconds, measured here."""
+    a = torch.randn(256, 256, device=device)
+
+    def burst() -> None:
+        a @ a
+        _sync(device)
+    times = []
+    for _ in range(12):
+        t0 = time.perf_counter()
+        burst()
+        times.append(time.perf_counter() - t0)
+    return burst, statistics.median(times[2:])
+
+
+def _collective_repeats(cfg: ProbeConfig) -> int:
+    return max(cfg.repeats, COLLECTIVE_REPEATS)
+
+
+def expected_seconds(times: list[float]) -> float:
+    """What one more call is expected to take (module doc): the mean of the repeats, less the slowest when there are
+    four or more (one burst from another process is not this op's cost)."""
+    kept = sorted(times)[:-1] if len(times) >= 4 else list(times)
+    return statistics.fmean(kept)
 
 
 def _matmul_rate(n: int, dtype: torch.dtype, seconds: float, device: torch.device) -> float:
@@ -173,7 +220,8 @@ def _probe_groups(world: int, local_world: int) -> list[tuple[str, list[int]]]:
 
 def _measure_collectives(cfg: ProbeConfig, groups: list[tuple[str, list[int]]],
                          device: torch.device) -> list[dict[str, Any]]:
-    """One row per (op, scope, group size, buffer size): the median over repeats of the slowest member's time."""
+    """One row per (op, scope, group size, buffer size): the expected time over repeats of the slowest member's
+    time (expected_seconds), and their median."""
     rank = dist.get_rank()
     # new_group is collective over the whole world: every rank creates every group, in the same order.
     handles = [(dist.new_group(ranks=members), dist.new_group(ranks=members[:2])) for _, members in groups]
@@ -183,7 +231,7 @@ def _measure_collectives(cfg: ProbeConfig, groups: list[tuple[str, list[int]]],
             if op == "send_recv" and scope == "intra" and len(members) != 2:
                 continue  # p2p is pairwise: measured once per scope
             active, active_group = (members[:2], pair_group) if op == "send_recv" else (members, group)
-            local = torch.zeros(cfg.repeats, len(cfg.sizes), dtype=torch.float64)
+            local = torch.zeros(_collective_repeats(cfg), len(cfg.sizes), dtype=torch.float64)
             if rank in active:
                 local = torch.tensor(_time_op(op, cfg.sizes, active, active_group, cfg, device), dtype=torch.float64)
             # slowest member per repeat: a collective is done when its last rank is done
@@ -193,7 +241,8 @@ def _measure_collectives(cfg: ProbeConfig, groups: list[tuple[str, list[int]]],
             for size, times in zip(cfg.sizes, per_size):
                 raw.append({"op": op, "scope": scope, "group_size": len(active),
                             "size_bytes": _buffer_numel(size, len(active)) * 4,
-                            "seconds": statistics.median(times), "spread_s": max(times) - min(times)})
+                            "seconds": expected_seconds(times), "median_s": statistics.median(times),
+                            "spread_s": max(times) - min(times)})
     return raw
 
 
@@ -291,7 +340,8 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
         alpha, beta, r2 = fit_alpha_beta([r["size_bytes"] for r in rows], [r["seconds"] for r in rows])
         fits.append(CollectiveFit(op=op, group_size=g, scope=scope, alpha_s=alpha, beta_s_per_byte=beta, r2=r2,
                                   samples=tuple(Sample(size_bytes=r["size_bytes"], seconds=r["seconds"],
-                                                       spread_s=r["spread_s"]) for r in rows)))
+                                                       spread_s=r["spread_s"], median_s=r.get("median_s"))
+                                                for r in rows)))
     together = statistics.median(raw["flops_together"])
     compute = ComputeProbe(dtype=dtype, matmul_n=raw["matmul_n"], ranks=raw["world"],
                            threads_per_rank=raw["threads_per_rank"], flops_per_rank=together, flops_alone=raw["flops_alone"],

@@ -34,7 +34,7 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
-from cost_models.cluster import Calibration, ClusterProfile, ComputeProbe
+from cost_models.cluster import Calibration, ClusterProfile, ComputeProbe, action_seconds
 from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                tp_unit_traffic)
 from cost_models.compute import optimizer_step_time, tp_unit_times, unit_times, uses_measured_times
@@ -198,8 +198,9 @@ class _Context:
             tp_cost = tuple((a, b * scale) for a, b in (linearized(cluster, op, s.tp, ref) for op in TP_OPS))
         cal = cluster.calibration or Calibration()
         overheads = cluster.compute or _NO_OVERHEADS
-        if cal.pipeline_action_s is not None:
-            overheads = dataclasses.replace(overheads, pipeline_action_s=cal.pipeline_action_s)
+        if cal.pipeline_action_s is not None:   # one fitted per-action cost, whatever the schedule's kind
+            overheads = dataclasses.replace(overheads, pipeline_action_s=cal.pipeline_action_s,
+                                            pipeline_runtime_action_s=0.0, pipeline_split_action_s=0.0)
         return _Context(s=s, profile=profile, cluster=cluster, param_bytes=p_b, grad_bytes=g_b, act_scale=scale,
                         overheads=overheads, calibration=cal,
                         unit_index={u.name: i for i, u in enumerate(profile.units)},
@@ -386,7 +387,7 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     send_f, send_b = _p2p_times(c, sid, boundary, stage_input)
     if s.n_stages > 1:
         # torch's schedule runtime costs a fixed amount per action (probed); a split backward runs as I and W
-        per_action = c.overheads.pipeline_action_s
+        per_action = action_seconds(c.overheads, multi_stage=s.spec.multi_stage, split_backward=s.spec.split_backward)
         fwd, bwd = fwd + per_action, bwd + per_action * (2 if s.spec.split_backward else 1)
     return StageEstimate(stage=sid, units=units, params=sum(held), fwd_s=fwd, bwd_s=bwd, activation_bytes=act,
                          boundary_bytes=boundary, peak_in_flight=0, send_fwd_s=send_f, send_bwd_s=send_b,

@@ -1,9 +1,15 @@
 """Fixed per-call costs of the runtime pieces the executor uses, measured on this cluster's ranks.
 
 Small models on CPU ranks spend as much time in per-call overhead as in arithmetic, so the cost model needs:
-  * `pipeline_action_s`: one action (forward, backward, or input/weight backward) of torch.distributed.pipelining's
-    schedule runtime, beyond its compute and its p2p: a 2-rank GPipe step over a tiny stage, minus the same
-    stage's compute run plainly, divided by the actions;
+  * `pipeline_action_s`: one action (forward or backward) of torch.distributed.pipelining's single-stage schedules
+    (GPipe, 1F1B), beyond its compute and its p2p: a 2-rank GPipe step over a tiny stage, minus the same stage's
+    compute run plainly, divided by the actions;
+  * `pipeline_runtime_action_s`, `pipeline_split_action_s`: the same for the multi-stage classes, which torch runs
+    through its action-list runtime (a separate send or receive action per message, each waited on): 2-rank
+    Interleaved1F1B and InterleavedZeroBubble (forward, input and weight backward) over two tiny stages per rank.
+    Measured here: 0.6-0.7 and 0.3-0.5 ms per action against 0.2-0.3 for GPipe; fidelity runs had shown the
+    interleaved and zero-bubble candidates' time outside compute growing 0.5-1 ms per action while the estimate
+    charged GPipe's;
   * `fsdp_unit_s`: one FSDP2 unit's forward + backward beyond its compute and the latency of its all-gather and
     reduce-scatter (which the alpha-beta fits already cost): fully_shard on K tiny layers against the same layers
     unsharded, per layer;
@@ -86,20 +92,27 @@ def fsdp_unit_seconds(device: torch.device, alpha_gather: float, alpha_reduce: f
     return max(0.0, (t_fsdp - t_plain) / LAYERS - 2 * alpha_gather - alpha_reduce)
 
 
-def pipeline_action_seconds(device: torch.device, pair_group, in_pair: bool, alpha_p2p: float) -> float:
-    """Per schedule action, beyond compute and p2p latency (ranks 0 and 1 run a 2-stage GPipe; the rest wait)."""
+def pipeline_action_seconds(device: torch.device, pair_group, in_pair: bool, alpha_p2p: float,
+                            torch_class: str = "ScheduleGPipe") -> float:
+    """Per schedule action, beyond compute and p2p latency: ranks 0 and 1 run `torch_class` over tiny Linear stages
+    (one per rank for ScheduleGPipe; two per rank, stage s on rank s mod 2, for the multi-stage classes, which torch
+    runs through its action-list runtime); the rest wait."""
     if not in_pair:
         return 0.0
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed import pipelining
 
     rank = dist.get_rank(group=pair_group)
-    layer = nn.Linear(WIDTH, WIDTH).to(device)
+    cls = getattr(pipelining.schedules, torch_class)
+    chunks = 1 if torch_class == "ScheduleGPipe" else 2
+    layers = [nn.Linear(WIDTH, WIDTH).to(device) for _ in range(chunks)]
     x = torch.randn(MICRO * 2, WIDTH, device=device)
-    t_plain = _median_time(lambda: layer(x[:2]).sum().backward()) * MICRO
-    stage = PipelineStage(layer, rank, 2, device, group=pair_group,
-                          input_args=(torch.empty(2, WIDTH, device=device, requires_grad=rank > 0),),
-                          output_args=(torch.empty(2, WIDTH, device=device, requires_grad=True),))
-    sched = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=lambda out, y: F.mse_loss(out, y))
+    t_plain = _median_time(lambda: [layer(x[:2]).sum().backward() for layer in layers]) * MICRO
+    stages = [pipelining.PipelineStage(layer, rank + 2 * c, 2 * chunks, device, group=pair_group,
+                                       input_args=(torch.empty(2, WIDTH, device=device,
+                                                               requires_grad=rank + 2 * c > 0),),
+                                       output_args=(torch.empty(2, WIDTH, device=device, requires_grad=True),))
+              for c, layer in enumerate(layers)]
+    sched = cls(stages[0] if chunks == 1 else stages, n_microbatches=MICRO, loss_fn=lambda out, y: F.mse_loss(out, y))
 
     def step():
         if rank == 0:
@@ -107,10 +120,13 @@ def pipeline_action_seconds(device: torch.device, pair_group, in_pair: bool, alp
         else:
             sched.step(target=torch.zeros(MICRO * 2, WIDTH, device=device))
     t_pipe = _median_time(step)
-    # a rank's step: 2 * MICRO actions, MICRO sends or receives each way; the other stage's first forward and
-    # last backward are on the critical path too (two more actions)
-    actions = 2 * MICRO + 2
-    return max(0.0, (t_pipe - t_plain - 2 * MICRO * alpha_p2p) / actions)
+    # a rank's step: per micro-batch and stage chunk a forward and a backward (I and W when split); the other
+    # rank's first forward and last backward are on the critical path too (two more). Messages a rank sends: one
+    # per micro-batch each way with one chunk; with two (stages 0-3 over ranks 0, 1), three per micro-batch
+    split = "ZeroBubble" in torch_class
+    actions = (3 if split else 2) * chunks * MICRO + 2
+    sends = (2 if chunks == 1 else 3) * MICRO
+    return max(0.0, (t_pipe - t_plain - sends * alpha_p2p) / actions)
 
 
 def overhead_probe(device: torch.device, fits: dict[tuple[str, int], tuple[float, float]]) -> dict[str, float]:
@@ -125,6 +141,9 @@ def overhead_probe(device: torch.device, fits: dict[tuple[str, int], tuple[float
     out["fsdp_unit_s"] = fsdp_unit_seconds(device, alpha("all_gather", world), alpha("reduce_scatter", world))
     dist.barrier()
     pair = dist.new_group(ranks=[0, 1])
-    out["pipeline_action_s"] = pipeline_action_seconds(device, pair, rank in (0, 1), alpha("send_recv", 2))
-    dist.barrier()
+    for field, torch_class in (("pipeline_action_s", "ScheduleGPipe"),
+                               ("pipeline_runtime_action_s", "ScheduleInterleaved1F1B"),
+                               ("pipeline_split_action_s", "ScheduleInterleavedZeroBubble")):
+        out[field] = pipeline_action_seconds(device, pair, rank in (0, 1), alpha("send_recv", 2), torch_class)
+        dist.barrier()
     return out

@@ -64,6 +64,11 @@ class ScheduleSpec:
     unsafe: Guard = lambda zero, dp: None
     same_rank_tie: str | None = None   # why a parameter shared by two stages on one rank trains wrongly, if it does
 
+    @property
+    def multi_stage(self) -> bool:
+        """Whether torch runs it as a PipelineScheduleMulti (its action-list runtime), not a single-stage class."""
+        return self.torch_class not in ("ScheduleGPipe", "Schedule1F1B")
+
     def stage_rank(self, stage: int, p: int) -> int:
         """The pipeline rank that runs `stage` (torch's generate_stage_to_rank_mapping, style loop / v)."""
         chunk, pos = divmod(stage, p)

@@ -33,7 +33,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from cost_models.cluster import Calibration, CalibrationRun, ClusterProfile
+from cost_models.cluster import Calibration, CalibrationRun, ClusterProfile, action_seconds
 from cost_models.errors import ConfigError, FileFormatError
 from cost_models.estimate import Estimate
 from cost_models.formatting import duration, now_utc
@@ -100,7 +100,8 @@ def predicted_parts(est: Estimate, s: Strategy, cluster: ClusterProfile) -> Pred
     """The parts of a (full) estimate of `s` on `cluster` that the fit scales."""
     b = est.breakdown
     cal = cluster.calibration
-    probe = cluster.compute.pipeline_action_s if cluster.compute else 0.0
+    probe = action_seconds(cluster.compute, multi_stage=s.spec.multi_stage,
+                           split_backward=s.spec.split_backward) if cluster.compute else 0.0
     action_s = cal.pipeline_action_s if cal and cal.pipeline_action_s is not None else probe
     actions = actions_per_step(s)
     unit_compute = max(0.0, b.compute_s - b.tp_comm_s - actions * action_s)

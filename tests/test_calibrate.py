@@ -101,6 +101,32 @@ def test_the_per_action_cost_replaces_the_probed_one(setup):
     assert after.breakdown.compute_s - before.breakdown.compute_s == pytest.approx(4 * PROBED_ACTION_S * actions)
 
 
+def test_each_kind_of_schedule_pays_its_own_probed_per_action_cost(setup):
+    """torch's multi-stage runtime (interleaved 1F1B; zero-bubble with its split backward) costs more per action
+    than its single-stage classes (overhead_probe): each kind is charged its own probe, and a calibrated value
+    replaces all three."""
+    from planner.request import PlanRequest
+    from planner.search import search
+    prof, cluster, _ = setup
+    found = search(prof, cluster, PlanRequest(gpus=8, global_batch_size=32, precision="fp32", prune=False,
+                                              tp_degrees=(1,), max_v=2))
+    pick = {name: next(c.strategy for c in found.feasible if c.strategy.schedule == name and c.strategy.pp > 1)
+            for name in ("1f1b", "interleaved-1f1b", "zb-interleaved")}
+    runtime, split = 7 * PROBED_ACTION_S, 3 * PROBED_ACTION_S
+    probed = dataclasses.replace(cluster, compute=dataclasses.replace(
+        cluster.compute, pipeline_runtime_action_s=runtime, pipeline_split_action_s=split))
+    for name, per_action in (("1f1b", PROBED_ACTION_S), ("interleaved-1f1b", runtime), ("zb-interleaved", split)):
+        s = pick[name]
+        parts = predicted_parts(estimate(s, prof, probed), s, probed)
+        assert parts.action_s == per_action
+        base = estimate(s, prof, cluster)   # runtime and split not probed: every kind pays the single-stage cost
+        assert (estimate(s, prof, probed).breakdown.compute_s - base.breakdown.compute_s ==
+                pytest.approx((per_action - PROBED_ACTION_S) * parts.actions))
+        cal = dataclasses.replace(probed, calibration=Calibration(pipeline_action_s=5 * PROBED_ACTION_S))
+        assert (estimate(s, prof, cal).breakdown.compute_s - base.breakdown.compute_s ==
+                pytest.approx(4 * PROBED_ACTION_S * parts.actions))
+
+
 def test_cluster_file_round_trip_keeps_the_calibration(tmp_path, setup):
     _, cluster, _ = setup
     cal = Calibration(compute_scale=1.5, pipeline_action_s=2e-4, fitted=("compute_scale", "pipeline_action_s"))

@@ -3,7 +3,7 @@ import statistics
 
 import pytest
 
-from cost_models.cluster_probe import ProbeConfig, build_cluster_profile, run_local_probe
+from cost_models.cluster_probe import ProbeConfig, build_cluster_profile, expected_seconds, run_local_probe
 from cost_models.fit import fit_alpha_beta
 
 SIZES = tuple(64 * 1024 * 2**i for i in range(9))      # 64 KiB .. 16 MiB
@@ -14,6 +14,17 @@ def test_fit_recovers_a_known_line():
     sizes = [1e3, 1e4, 1e5, 1e6, 1e7]
     alpha, beta, r2 = fit_alpha_beta(sizes, [2e-4 + 5e-10 * s for s in sizes])
     assert alpha == pytest.approx(2e-4) and beta == pytest.approx(5e-10) and r2 == pytest.approx(1.0)
+
+
+def test_expected_time_keeps_the_tail_and_drops_one_burst():
+    # a heavy tail (a quarter of the calls wait a time slice) is what a step pays on average: kept in the mean
+    tail = [0.3e-3] * 9 + [3.5e-3] * 3
+    assert expected_seconds(tail) == pytest.approx((9 * 0.3e-3 + 2 * 3.5e-3) / 11)
+    assert expected_seconds(tail) > 2.5 * statistics.median(tail)
+    # one burst from another process is not the op's cost: the slowest repeat is left out
+    assert expected_seconds([1e-3] * 11 + [90e-3]) == pytest.approx(1e-3)
+    # too few repeats to tell a burst from the tail: the plain mean
+    assert expected_seconds([1e-3, 2e-3, 6e-3]) == pytest.approx(3e-3)
 
 
 @pytest.mark.slow
@@ -27,6 +38,7 @@ def test_probe_fits_predict_held_out_sizes(ranks):
     errors = []
     for f in prof.fits:
         assert 0.0 <= f.r2 <= 1.0 and len(f.samples) == len(SIZES)
+        assert all(s.median_s is not None and s.spread_s >= 0 for s in f.samples)
         train = [s for s in f.samples if s.size_bytes not in HELD_OUT]
         alpha, beta, r2 = fit_alpha_beta([s.size_bytes for s in train], [s.seconds for s in train])
         for s in f.samples:
@@ -39,5 +51,10 @@ def test_probe_fits_predict_held_out_sizes(ranks):
     assert statistics.median(errors) <= 0.30
     assert prof.world_size == ranks and prof.device.kind == "cpu" and prof.intra_node.kind == "gloo-loopback"
     assert prof.compute.ranks == ranks and prof.compute.flops_per_rank > 0 and prof.compute.threads_per_rank == 1
+    # per-action costs of torch's single-stage schedules and of its multi-stage runtime (with and without a split
+    # backward): measured, so non-negative and well under a step (a broken subtraction shows as negative or huge)
+    for cost in (prof.compute.pipeline_action_s, prof.compute.pipeline_runtime_action_s,
+                 prof.compute.pipeline_split_action_s):
+        assert 0.0 <= cost < 0.05
     assert prof.device.peak_flops["fp32"] == prof.compute.flops_per_rank
     assert any("share" in n for n in prof.notes)
