@@ -4,7 +4,8 @@ Two sources, in order of trust:
   1. measured: the profile was taken in real mode on the device kind the cluster has (CPU ranks here). Each unit
      was timed at the profile's micro-batch B and at one sample, giving t(b) = t1 + (tB - t1) (b - 1) / (B - 1):
      a fixed per-call cost (kernel launches, Python) plus per-sample work; with one timing only, t scales with b
-     as FLOPs do. Then contention: a CPU rank that
+     as FLOPs do. Times scale by the profile's in_model_factor (units timed alone run with a warm cache; the
+     whole model timed end to end does not). Then contention: a CPU rank that
      shares cores runs slower. The compute probe gives both sides: one rank alone does `flops_alone`, one of
      `ranks` running at once does `flops_per_rank`, so the machine has effectively
      cores_eff = ranks * flops_per_rank / flops_alone rank-threads, and N ranks slow each other by
@@ -46,13 +47,19 @@ def contention(cluster: ClusterProfile, ranks_running: int) -> float:
     return max(1.0, ranks_running / cores_eff)
 
 
+def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_running: int) -> float:
+    """A measured unit time's slowdown on a rank: contention, a profile taken with more threads than a rank has,
+    and the units' cache advantage when timed alone (profile.in_model_factor)."""
+    threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1)
+    return contention(cluster, ranks_running) * max(1.0, threads) * profile.in_model_factor
+
+
 def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, *, micro_batch_size: int,
                precision: str, ranks_running: int) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch of `micro_batch_size` through `unit`."""
     scale = micro_batch_size / profile.micro_batch_size
     if uses_measured_times(profile, cluster):
-        threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1)
-        factor = contention(cluster, ranks_running) * max(1.0, threads)
+        factor = _measured_factor(profile, cluster, ranks_running)
         return (_at_batch(unit.fwd_time, unit.fwd_time_one, profile.micro_batch_size, micro_batch_size) * factor,
                 _at_batch(unit.bwd_time, unit.bwd_time_one, profile.micro_batch_size, micro_batch_size) * factor)
     dtype = COMPUTE_DTYPE.get(precision, "bf16")
@@ -78,8 +85,7 @@ def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProf
     split = min(1.0, (tu.split_flops + (tu.vocab_flops if vocab else 0)) / flops) if tu and tp > 1 else 0.0
     core = (tu.core_flops / flops) if tu else 0.0
     if uses_measured_times(profile, cluster):
-        threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1)
-        factor = contention(cluster, ranks_running) * max(1.0, threads)
+        factor = _measured_factor(profile, cluster, ranks_running)
         share = 1 - split + split / tp
         out = []
         for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)):

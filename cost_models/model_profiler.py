@@ -10,7 +10,10 @@ How (each unit is measured alone, on the exact input it receives inside the whol
     torch.utils.flop_counter.FlopCounterMode for FLOPs and torch.autograd.graph.saved_tensors_hooks for the bytes
     kept for backward, deduplicated by storage, parameters and buffers excluded;
  4. in real mode, once every unit is counted, forward and backward are timed (warm-up, then the median of
-    repeats, with min and max); step 3's run of each unit, timed too, says how long step 4 will take.
+    repeats, with min and max); step 3's run of each unit, timed too, says how long step 4 will take;
+ 5. in real mode, the whole model's forward, loss and backward timed end to end, over the units' sum: a unit
+    timed alone, again and again, finds its weights and inputs in cache, as it does not inside the model
+    (ModelProfile.in_model_factor).
 The last unit is run with the training loss attached, because an LM's loss keeps float logits for backward.
 
 Meta mode builds the model on the meta device: exact counts and bytes for models of any size, no weights, no times.
@@ -763,17 +766,47 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
             attention |= results[-1].attention
         results_by_unit.append((name, mods, results))
     _split_kept_in_stages(model, unit_defs, capture, results_by_unit, excluded=excluded, loss=loss)
+    in_model = 1.0
     if timed:
         seconds = progress.timing_starts()
         if on_estimate:
             on_estimate(seconds)
-        for name, mods, results in results_by_unit:
-            progress.unit(f"timing {name}")
-            for m, res in zip(mods, results):
-                _time_into(res, model.get_submodule(m), capture.inputs[m], loss=loss if m == last else None,
-                           warmup=warmup, repeats=repeats, batch=batch, tick=lambda share, m=m: progress.tick(m, share))
+        in_model = _time_units(model, inputs, results_by_unit, capture, progress, loss=loss, last=last, batch=batch,
+                               warmup=warmup, repeats=repeats)
     progress.done()
-    return results_by_unit, model_fc.get_total_flops(), attention, edges
+    return results_by_unit, model_fc.get_total_flops(), attention, edges, in_model
+
+
+def _time_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_unit: "UnitResults", capture: _Capture,
+                progress: "_Progress", *, loss: str, last: str, batch: int, warmup: int, repeats: int) -> float:
+    """Step 4 of the module doc into each module's result, then step 5: the whole model's in_model_factor."""
+    for name, mods, results in results_by_unit:
+        progress.unit(f"timing {name}")
+        for m, res in zip(mods, results):
+            _time_into(res, model.get_submodule(m), capture.inputs[m], loss=loss if m == last else None,
+                       warmup=warmup, repeats=repeats, batch=batch, tick=lambda share, m=m: progress.tick(m, share))
+    progress.unit("timing the whole model")
+    return _in_model_factor(model, inputs, results_by_unit, loss=loss, warmup=warmup, repeats=repeats)
+
+
+def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_unit: "UnitResults", *,
+                     loss: str, warmup: int, repeats: int) -> float:
+    """The whole model's forward, loss and backward, timed end to end (median of repeats), over the sum of its
+    units' medians (ModelProfile.in_model_factor). 1.0 where the model's output is neither a tensor nor has
+    .logits (no loss to take here)."""
+    target = results_by_unit[-1][2][-1].target
+    units_s = sum(statistics.median(r.fwd_times) + statistics.median(r.bwd_times)
+                  for _, _, results in results_by_unit for r in results)
+
+    class _Logits(nn.Module):   # the loss is taken on an output object's .logits (transformers' causal LMs)
+        def forward(self, *args):
+            out = model(*args)
+            return out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if target is None or units_s <= 0 or not isinstance(_Logits()(*inputs), torch.Tensor):
+        return 1.0
+    fwd, bwd = _time_module(_Logits(), (inputs, {}), loss, target, warmup, repeats, lambda: None)
+    model.zero_grad(set_to_none=True)
+    return statistics.median([f + b for f, b in zip(fwd, bwd)]) / units_s
 
 
 def _data_flow_edges(unit_defs, capture: _Capture) -> tuple[UnitEdge, ...]:
@@ -860,7 +893,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         if meta:
             stack.enter_context(_FusedAttentionOnMeta())
         rules = model_tp_rules(model)
-        unit_results, model_fwd_flops, attention, edges = _measure_units(
+        unit_results, model_fwd_flops, attention, edges, in_model = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
             repeats=repeats, rules=rules, seq_len=seq_len, on_progress=on_progress, on_estimate=on_estimate)
     unit_profiles, shared = _account_params(model, unit_results, rules)
@@ -876,7 +909,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         total_params=total_params, total_param_bytes=sum(_nbytes(p) for p in model.parameters()),
         unassigned_params=total_params - assigned, shared=tuple(shared),
         model_fwd_flops=model_fwd_flops, attention_kernels=tuple(sorted(attention)), edges=edges, pipelining=pipelining,
-        tensor_parallel=tp_shape(model),
+        tensor_parallel=tp_shape(model), in_model_factor=in_model,
         largest_unit=largest.name, device=device, threads=torch.get_num_threads(), torch_version=torch.__version__,
         command=command, created_at=now_utc(),
     )

@@ -184,6 +184,12 @@ class ModelProfile(Record):
                                          # "" in files written before it was recorded (pipelines offered as before)
     tensor_parallel: TPShape | None = None  # cost_models.tensor_parallel: the model's TP plan and dimensions; None in
                                          # files written before it was recorded (no TP offered: re-profile)
+    # real mode: the whole model's forward + loss + backward timed end to end (median), over the sum of its units'
+    # medians. Units are timed alone, each repeated on its own input, so their weights and activations sit in
+    # cache; inside the model the units before evict them (benchmarks/compute_gap.py, gpt-wide micro-batch 4, one
+    # thread: whole model 15.3 ms, units 14.0 ms). compute.unit_times scales measured times by it; 1.0 in meta
+    # profiles and in files written before it was recorded.
+    in_model_factor: float = 1.0
     device: str
     threads: int
     torch_version: str
