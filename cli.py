@@ -390,7 +390,7 @@ def plan(
     as_json: AsJson = False,
     report: WithReport = True,
     verify: int = typer.Option(0, "--verify", help="after the search, run the top K candidates that this machine can host for a few steps each and keep the measured best; predicted and measured of each go into plan.json (default 0: no trials)"),
-    verify_steps: int = typer.Option(3, "--verify-steps", help="timed steps per --verify candidate, after one warm-up step"),
+    verify_steps: int = typer.Option(3, "--verify-steps", help="timed steps per --verify candidate, after two warm-up steps"),
     verify_timeout: float = typer.Option(120.0, "--verify-timeout", help="seconds one --verify candidate may take, start-up included, before its ranks are stopped and it counts as failed"),
 ) -> None:
     """Search every strategy (tensor parallelism x ZeRO 0-3 x pipeline depth x schedule x micro-batching x
@@ -521,8 +521,8 @@ def _print_plan(p) -> None:
 @app.command()
 def run(
     plan_path: PlanArg,
-    steps: int = typer.Option(5, "--steps", help="training steps to run"),
-    warmup: int = typer.Option(1, "--warmup", help="first steps left out of the timing"),
+    steps: int = typer.Option(6, "--steps", help="training steps to run"),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="first steps left out of the timing (default 2, fewer when the run makes 2 or fewer steps)"),
     output: Output = Path("run.json"),
     force: Force = False,
     nnodes: int = typer.Option(1, "--nnodes", help="nodes (run the same command on each)"),

@@ -14,7 +14,7 @@ from cost_models.fileio import write_atomic
 from cost_models.model_profiler import ProgressFn, profile_model
 from cost_models.models.source import resolve
 from cost_models.profile import ProfileFile
-from executor.launch import RunConfig, launch
+from executor.launch import WARMUP_STEPS, RunConfig, launch
 from planner.plan import Plan
 from planner.run_record import RunFile
 from planner.report import render_html, render_markdown
@@ -26,7 +26,7 @@ DEMO_MICRO_BATCH = 4
 DEMO_SEQ_LEN = 64
 DEMO_RANKS = 4
 DEMO_GLOBAL_BATCH = 64    # sequences per step
-DEMO_STEPS = 5
+DEMO_STEPS = 6
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def run_demo(out_dir: Path, *, command: str = "", on_progress: ProgressFn | None
     result.save(plan_path, overwrite=True)
     if on_status:
         on_status(f"running the plan on {DEMO_RANKS} ranks for {DEMO_STEPS} steps")
-    run = launch(result, RunConfig(steps=DEMO_STEPS, warmup=1))
+    run = launch(result, RunConfig(steps=DEMO_STEPS, warmup=WARMUP_STEPS))
     run_path = out_dir / "run.json"
     run.save(run_path, overwrite=True)
     report_path = write_atomic(out_dir / "report.html", render_html(result, run), overwrite=True)

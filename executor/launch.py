@@ -126,6 +126,13 @@ def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | Non
         dist.destroy_process_group()
 
 
+# Untimed steps before a run's timed ones. The second step is still slow: measured on 2 CPU ranks (gpt-wide, batch
+# 8), step 2 took 1.2-2x the steady steps under DDP (its buckets are rebuilt after the first step), TP2, ZeRO-3 and
+# PP2 (48.5 ms against 23-35 for ZeRO-0 dp=2; 62.5 against 41-52 for TP2), so one warm-up step biased every
+# measured median up.
+WARMUP_STEPS = 2
+
+
 @record
 class RunConfig(Record):
     """How `planner run` runs a plan (its flags): how long, with what seed and learning rate, on which nodes, and
@@ -133,7 +140,8 @@ class RunConfig(Record):
     step k runs steps k .. steps - 1, with the checkpoint's seed and learning rate unless given."""
 
     steps: int
-    warmup: int                          # untimed steps at the start of this run
+    warmup: int | None = None            # untimed steps at the start of this run; None: WARMUP_STEPS, fewer where
+                                         # the run makes no more steps than that (one step stays timed)
     seed: int | None = None              # None: the checkpoint's when resuming, else 0
     lr: float | None = None              # None: the checkpoint's when resuming, else 1e-3
     nnodes: int = 1
@@ -151,7 +159,7 @@ class RunConfig(Record):
 
     def check(self, world_size: int) -> None:
         """The flags' own constraints, as one-line ConfigErrors, before anything is read or started."""
-        if self.steps < 1 or self.warmup < 0:
+        if self.steps < 1 or (self.warmup is not None and self.warmup < 0):
             raise ConfigError("--steps must be >= 1 and --warmup >= 0")
         if world_size % self.nnodes:
             raise ConfigError(f"the plan's {world_size} ranks do not divide into {self.nnodes} nodes")
@@ -181,6 +189,8 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
     if run.resume:
         step_dir, meta = _resume_point(run.resume, plan, run.steps, trusted=run.trust_checkpoint, on_resume=on_resume)
         start, seed, lr = meta.step, meta.seed if seed is None else seed, meta.lr if lr is None else lr
+    if run.warmup is None:
+        run = dataclasses.replace(run, warmup=max(0, min(WARMUP_STEPS, run.steps - start - 1)))
     if run.warmup >= run.steps - start:
         raise ConfigError(f"--warmup {run.warmup} leaves no timed step of the {run.steps - start} this run makes; "
                           f"use fewer warm-up steps")

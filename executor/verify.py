@@ -24,7 +24,7 @@ from cost_models.formatting import duration
 from cost_models.profile import ModelProfile
 from cost_models.records import Record, record
 from cost_models.strategy import Strategy
-from executor.launch import RunConfig, check_fits_here, launch
+from executor.launch import WARMUP_STEPS, RunConfig, check_fits_here, launch
 from executor.train import INJECT_FAILURE_ENV
 from planner.plan import VERIFY_TIE_REL, Alternative, Plan, Trial
 from planner.rationale import by_hand, why_lost
@@ -47,7 +47,7 @@ class VerifyConfig(Record):
 
     k: int                     # candidates to run (0: none, the predicted choice stands)
     steps: int = 3             # timed steps per candidate
-    warmup: int = 1            # untimed steps before them
+    warmup: int = WARMUP_STEPS # untimed steps before them
     timeout_s: float = 120.0   # wall-clock limit of one candidate, start-up included (the watchdog)
 
     def check(self) -> None:

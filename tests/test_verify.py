@@ -162,7 +162,8 @@ def test_verify_runs_k_hostable_candidates_in_predicted_order_and_reports_each(s
     names = [searched.strategy.name] + [a.strategy.name for a in searched.alternatives]
     # the one this machine cannot host is recorded, not run, and does not count toward K
     assert [c[0] for c in calls] == [names[0], names[1], names[3]]
-    assert calls[0][1:] == (3, 1, 7.5)   # warm-up + timed steps; collectives time out at a quarter of the limit
+    assert calls[0][1:] == (2 + V.WARMUP_STEPS, V.WARMUP_STEPS, 7.5)   # warm-up + timed steps; collectives time
+    # out at a quarter of the limit
     assert seen == [(0, names[0], None, "rank 1 failed: OutOfMemoryError: out of memory"),
                     (1, names[1], pytest.approx(0.03), None), (2, names[2], None, "not run: needs 9 GiB, 1 free"),
                     (3, names[3], pytest.approx(0.02), None)]
