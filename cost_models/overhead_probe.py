@@ -94,9 +94,9 @@ def fsdp_unit_seconds(device: torch.device, alpha_gather: float, alpha_reduce: f
 
 def pipeline_action_seconds(device: torch.device, pair_group, in_pair: bool, alpha_p2p: float,
                             torch_class: str = "ScheduleGPipe") -> float:
-    """Per schedule action, beyond compute and p2p latency: ranks 0 and 1 run `torch_class` over tiny Linear stages
-    (one per rank for ScheduleGPipe; two per rank, stage s on rank s mod 2, for the multi-stage classes, which torch
-    runs through its action-list runtime); the rest wait."""
+    """Per schedule action, beyond compute and p2p latency: the two ranks of `pair_group` run `torch_class` over tiny
+    Linear stages (one per rank for ScheduleGPipe; two per rank, stage s on rank s mod 2, for the multi-stage
+    classes, which torch runs through its action-list runtime); a rank in no pair waits."""
     if not in_pair:
         return 0.0
     from torch.distributed import pipelining
@@ -140,10 +140,12 @@ def overhead_probe(device: torch.device, fits: dict[tuple[str, int], tuple[float
     dist.barrier()
     out["fsdp_unit_s"] = fsdp_unit_seconds(device, alpha("all_gather", world), alpha("reduce_scatter", world))
     dist.barrier()
-    pair = dist.new_group(ranks=[0, 1])
+    # ranks 2i and 2i+1 form pair i, and every pair runs the schedule at once (a plan's pipeline ranks all run)
+    pairs = [dist.new_group(ranks=[i, i + 1]) for i in range(0, world - 1, 2)]
+    pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
     for field, torch_class in (("pipeline_action_s", "ScheduleGPipe"),
                                ("pipeline_runtime_action_s", "ScheduleInterleaved1F1B"),
                                ("pipeline_split_action_s", "ScheduleInterleavedZeroBubble")):
-        out[field] = pipeline_action_seconds(device, pair, rank in (0, 1), alpha("send_recv", 2), torch_class)
+        out[field] = pipeline_action_seconds(device, pair, pair is not None, alpha("send_recv", 2), torch_class)
         dist.barrier()
     return out
