@@ -91,12 +91,16 @@ def calibration_cv(rows: list[dict]) -> dict:
     """Calibration cross-validated: candidates in predicted order, the even places fitted (planner/calibrate.py),
     the odd places scored with the fitted values (calibrate.predict_after), step-time MAPE and Kendall tau on the
     held-out half before and after."""
+    from cost_models.errors import PlannerError
     from planner.calibrate import fit, mape, predict_after
     order = sorted(rows, key=lambda r: (r["predicted_s"], r["strategy"]))
     train, test = [_row_parts(r) for r in order[0::2]], [_row_parts(r) for r in order[1::2]]
     if not train or not test:
         return {}
-    f = fit(train)
+    try:
+        f = fit(train)
+    except PlannerError as exc:   # what `planner calibrate` would tell its user, recorded instead of a table row
+        return {"fit_on": len(train), "scored_on": len(test), "not_fitted": str(exc)}
     values = {k: getattr(f, k) for k in ("compute_scale", "optimizer_scale", "dp_comm_scale", "pipeline_action_s")}
     before = [p.step_s for p, _ in test]
     after = [predict_after(p, **values) for p, _ in test]
@@ -305,7 +309,7 @@ def markdown(data: dict) -> str:
 
 def _cv_summary(results: list[dict]) -> dict:
     """Cross-validated calibration over the configurations: mean MAPE and min tau, before and after."""
-    cv = [r["calibration_cv"] for r in results if r.get("calibration_cv")]
+    cv = [r["calibration_cv"] for r in results if r.get("calibration_cv", {}).get("fitted") is not None]
     if not cv:
         return {}
     return {"calibration_cv": {"mape_before_mean": statistics.mean(c["mape_before"] for c in cv),
@@ -325,6 +329,10 @@ def _cv_lines(data: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["calibration_cv"]
+        if "not_fitted" in c:
+            lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch_size']} | {c['fit_on']} / {c['scored_on']} | "
+                         f"not fitted: {c['not_fitted']} | | | | | | |")
+            continue
         lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch_size']} | {c['fit_on']} / {c['scored_on']} | "
                      f"{', '.join(c['fitted'])} | {c['compute_scale']:.2f} | {c['optimizer_scale']:.2f} | "
                      f"{c['mape_before']:.0%} | {c['mape_after']:.0%} | {c['kendall_tau_before']:+.2f} | "
