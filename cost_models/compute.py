@@ -38,7 +38,7 @@ def uses_measured_times(profile: ModelProfile, cluster: ClusterProfile) -> bool:
             and all(u.fwd_time is not None for u in profile.units))
 
 
-def contention(cluster: ClusterProfile, ranks_running: int) -> float:
+def contention(cluster: ClusterProfile, ranks_running: float) -> float:
     """How much slower each of `ranks_running` CPU ranks computes than one rank alone (1.0 on GPUs)."""
     c = cluster.compute
     if cluster.device.kind != "cpu" or c is None or c.flops_alone <= 0:
@@ -47,7 +47,7 @@ def contention(cluster: ClusterProfile, ranks_running: int) -> float:
     return max(1.0, ranks_running / cores_eff)
 
 
-def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_running: int) -> float:
+def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_running: float) -> float:
     """A measured unit time's slowdown on a rank: contention, a profile taken with more threads than a rank has,
     and the units' cache advantage when timed alone (profile.in_model_factor)."""
     threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1)
@@ -55,7 +55,7 @@ def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_runni
 
 
 def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, *, micro_batch_size: int,
-               precision: str, ranks_running: int) -> tuple[float, float]:
+               precision: str, ranks_running: float) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch of `micro_batch_size` through `unit`."""
     scale = micro_batch_size / profile.micro_batch_size
     if uses_measured_times(profile, cluster):
@@ -77,7 +77,7 @@ def gemm_width_efficiency(width: int, tp: int) -> float:
 
 
 def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, *, micro_batch_size: int,
-                  precision: str, ranks_running: int, tp: int, vocab: bool) -> tuple[float, float, float]:
+                  precision: str, ranks_running: float, tp: int, vocab: bool) -> tuple[float, float, float]:
     """(forward, backward, attention-core forward) seconds of one micro-batch through `unit` on one of tp ranks
     (module doc), without the collectives; the core's forward is what selective recompute adds to the backward."""
     tu = unit.tp

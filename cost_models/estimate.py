@@ -254,7 +254,7 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     selective = s.selective and not recompute
     f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
         u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-        ranks_running=s.world_size, tp=s.tp, vocab=c.tp_vocab))
+        ranks_running=busy_ranks(s), tp=s.tp, vocab=c.tp_vocab))
     saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective)
     if selective:
         b += core
@@ -277,6 +277,17 @@ _UNIT_COSTS: dict[tuple[int, int], tuple[ModelProfile, ClusterProfile, dict]] = 
 _UNIT_COST_PAIRS = 4
 
 
+def busy_ranks(s: Strategy) -> float:
+    """How many ranks compute at once, on average over a step: all of them without a pipeline; with one, each
+    pipeline rank is busy n / (n + p - 1) of the time for n = m x v micro-batch chunks (the bubble fraction
+    (p - 1) / (m + p - 1) of GPipe, Huang et al. 2019, section 2.3, and (p - 1) / (v m) interleaved, Narayanan et
+    al. 2021, section 2.2). CPU ranks that share cores slow each other by how many compute at once
+    (compute.contention): a 4-stage pipeline of one micro-batch on 4 ranks over 2 cores runs one stage at a time,
+    at full speed (mlp-deep PP4 1x8: compute predicted at 2x contention, 6.8 ms, measured 2.5)."""
+    n = s.microbatches * s.v
+    return s.dp * s.tp * s.pp * n / (n + s.pp - 1)
+
+
 def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, float, tuple[float, ...]]:
     """(forward, backward, saved bytes at the profile's scale, TP bytes per op + TP seconds or ()) of one
     micro-batch through unit `name` (_tp_unit with tensor parallelism or selective recompute, else unit_times)."""
@@ -287,7 +298,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
         if len(_UNIT_COSTS) >= _UNIT_COST_PAIRS:
             _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
         entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {})
-    key = (name, s.micro_batch_size, s.precision, s.world_size, s.tp, s.sp, s.selective, recompute, c.tp_on,
+    key = (name, s.micro_batch_size, s.precision, busy_ranks(s), s.tp, s.sp, s.selective, recompute, c.tp_on,
            c.tp_vocab, s.optimizer)
     hit = entry[2].get(key)
     if hit is None:
@@ -299,7 +310,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
         else:
             f, b = (t * c.calibration.compute_scale for t in unit_times(
                 u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-                ranks_running=s.world_size))
+                ranks_running=busy_ranks(s)))
             hit = (f, b, _saved(c, u), ())
         entry[2][key] = hit
     return hit
@@ -444,8 +455,8 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
     per_node = max(1, cluster.devices_per_node // s.tp)
     dp_rpn = math.gcd(s.dp, per_node) if s.dp > per_node else None
 
-    def coll(op: str, size: float) -> float:   # a CollFn
-        return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn)
+    def coll(op: str, size: float, back_to_back: bool = False) -> float:   # a CollFn
+        return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn, back_to_back=back_to_back)
 
     dp_bytes: dict[str, float] = {}
     rank_dp: list[float] = []
@@ -453,8 +464,8 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
         mine = _rank_stages(s, stages, r)
         units = [(_rank_params(c, n, st.units), c.profile.unit(n).param_tensors) for st in mine for n in st.units]
         exposed = 0.0
-        for op, count, size in _dp_collectives(s, units, c.param_bytes, c.grad_bytes):
-            exposed += count * coll(op, size)
+        for op, count, size, back_to_back in _dp_collectives(s, units, c.param_bytes, c.grad_bytes):
+            exposed += count * coll(op, size, back_to_back)
             if r == 0:
                 dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
         if s.dp > 1 and s.zero >= 2:
@@ -622,32 +633,35 @@ def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int
 DDP_BUCKET_BYTES = 25 * 2**20   # DistributedDataParallel's default bucket_cap_mb
 
 
-def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int, g_b: int) -> list[tuple[str, int, float]]:
-    """(op, times per step, full buffer bytes) of every collective one pipeline rank's dp group issues per step,
-    as the executor issues them (module doc): each message pays the latency alpha, so the count matters as much
-    as the bytes. `units` holds (parameters, parameter tensors) of the units on this rank."""
+def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int,
+                    g_b: int) -> list[tuple[str, int, float, bool]]:
+    """(op, times per step, full buffer bytes, back to back) of every collective one pipeline rank's dp group
+    issues per step, as the executor issues them (module doc): each message pays the latency alpha, so the count
+    matters as much as the bytes. Per-tensor runs (all_reduce_grads, ZeroRedundancyOptimizer's broadcasts) go
+    back to back, with no compute between them (CollectiveFit.predict). `units` holds (parameters, parameter
+    tensors) of the units on this rank."""
     if s.dp == 1:
         return []
     m, pipelined = s.microbatches, s.pp > 1
     total = sum(n for n, _ in units)
     tensors = [(n / max(1, t), max(1, t)) for n, t in units]   # (elements per tensor, tensors) per unit
-    out: list[tuple[str, int, float]] = []
+    out: list[tuple[str, int, float, bool]] = []
     if s.zero <= 1:
         if pipelined:   # all_reduce_grads: one all-reduce per parameter tensor
-            out += [("all_reduce", count, size * g_b) for size, count in tensors]
-        else:           # DDP: one all-reduce per gradient bucket
+            out += [("all_reduce", count, size * g_b, True) for size, count in tensors]
+        else:           # DDP: one all-reduce per gradient bucket, as backward reaches it
             buckets = max(1, math.ceil(total * g_b / DDP_BUCKET_BYTES))
-            out.append(("all_reduce", buckets, total * g_b / buckets))
+            out.append(("all_reduce", buckets, total * g_b / buckets, False))
         if s.zero == 1:  # ZeroRedundancyOptimizer broadcasts every updated parameter tensor from its owner
-            out += [("all_gather", count, size * p_b) for size, count in tensors]
+            out += [("all_gather", count, size * p_b, True) for size, count in tensors]
         return out
     gathers = 2 * m if s.zero == 3 else (1 if pipelined else m)
     reduces = 1 if pipelined else m
     if pipelined:   # one FSDP unit per stage: one gather and one reduce-scatter of the whole stage each time
-        return [("all_gather", gathers, total * p_b), ("reduce_scatter", reduces, total * g_b)]
+        return [("all_gather", gathers, total * p_b, False), ("reduce_scatter", reduces, total * g_b, False)]
     # without a pipeline every unit is its own FSDP unit
-    return ([("all_gather", gathers, n * p_b) for n, _ in units]
-            + [("reduce_scatter", reduces, n * g_b) for n, _ in units])
+    return ([("all_gather", gathers, n * p_b, False) for n, _ in units]
+            + [("reduce_scatter", reduces, n * g_b, False) for n, _ in units])
 
 
 def _overlapped_dp_time(s: Strategy, params: list[float], unit_fb: list[tuple[float, float]], coll: CollFn,

@@ -410,8 +410,8 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     per_node = max(1, cluster.devices_per_node // pt.tp)
     rpn = math.gcd(pt.dp, per_node) if pt.dp > per_node else None
 
-    def coll(op: str, size: float) -> float:
-        return collective_time(cluster, op, size, pt.dp, ranks_per_node=rpn)
+    def coll(op: str, size: float) -> float:   # the lesser of the two fits (CollectiveFit.predict): a bound
+        return min(collective_time(cluster, op, size, pt.dp, ranks_per_node=rpn, back_to_back=b) for b in (0, 1))
 
     gather, scatter = coll("all_gather", params * p_b), coll("reduce_scatter", params * g_b)
     if pt.pp == 1:
@@ -660,8 +660,9 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
     benchmark runs them all); request.schedules / micro_batch_sizes / max_v / tp_degrees narrow the space."""
     req = request
     gpus = req.resolved_gpus(cluster)
+    # one rank computing: no plan's units run faster (estimate.busy_ranks >= 1), so the bounds stay lower bounds
     unit_fb = [unit_times(u, profile, cluster, micro_batch_size=profile.micro_batch_size, precision=req.precision,
-                          ranks_running=gpus) for u in profile.units]
+                          ranks_running=1) for u in profile.units]
     parts = _Partitions(profile, unit_fb)
     unit_cost = parts.unit_cost
     tp = search_tp(profile, cluster, gpus, req)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cost_models.compute import unit_times
 from cost_models.estimate import estimate
 from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, zero_model_state_bytes
 from cost_models.presets import preset
@@ -108,6 +109,37 @@ def test_measured_times_move_to_other_micro_batches_affinely(tiny_profiles):
         doubled, _ = unit_times(u, dataclasses.replace(prof, in_model_factor=2 * k), cpu, micro_batch_size=b,
                                 precision="fp32", ranks_running=1)
         assert doubled == pytest.approx(2 * fwd)
+
+
+def test_cpu_contention_counts_the_ranks_that_compute_at_once(tiny_profiles):
+    """4 CPU ranks on 2 cores slow each other 2x when all compute; a pipeline's ranks are busy n / (n + p - 1) of
+    the step (GPipe's bubble), so a 4-stage pipeline of one micro-batch computes at full speed."""
+    from cost_models.cluster import ClusterProfile, ComputeProbe, DeviceSpec, LinkSpec
+    from cost_models.estimate import busy_ranks
+    prof = tiny_profiles["mlp-deep", False]
+    cpu = ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=4,
+                         device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**34, peak_flops={"fp32": 1e10},
+                                           matmul_efficiency=1.0, source="test"),
+                         intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"),
+                         compute=ComputeProbe(dtype="fp32", matmul_n=8, ranks=4, threads_per_rank=prof.threads,
+                                              flops_per_rank=0.5e10, flops_alone=1e10))   # 2 cores' worth
+    names = [u.name for u in prof.units]
+    quarter = len(names) // 4
+    stages = tuple(tuple(names[i * quarter:(i + 1) * quarter if i < 3 else len(names)]) for i in range(4))
+    pipe = lambda m: Strategy(dp=1, pp=4, zero=0, schedule="gpipe", microbatches=m, micro_batch_size=8 // m,
+                              stages=stages, precision="fp32")
+    flat = Strategy(dp=4, pp=1, zero=0, schedule="gpipe", microbatches=1, micro_batch_size=2,
+                    stages=(tuple(names),), precision="fp32")
+    assert busy_ranks(pipe(1)) == 1.0 and busy_ranks(flat) == 4.0
+    assert busy_ranks(pipe(8)) == pytest.approx(4 * 8 / 11)
+    one, eight = estimate(pipe(1), prof, cpu), estimate(pipe(8), prof, cpu)
+    alone = sum(unit_times(u, prof, cpu, micro_batch_size=8, precision="fp32", ranks_running=1)[0]
+                for u in prof.units if u.name in stages[0])
+    assert one.stages[0].fwd_s == pytest.approx(alone)   # one stage at a time: no contention
+    per_sample_8 = eight.stages[0].fwd_s   # 8 micro-batches of 1: 2.9 ranks busy on 2 cores -> 1.45x
+    assert per_sample_8 == pytest.approx(1.45 * sum(
+        unit_times(u, prof, cpu, micro_batch_size=1, precision="fp32", ranks_running=1)[0]
+        for u in prof.units if u.name in stages[0]), rel=0.01)
 
 
 _RANK_RSS = """
