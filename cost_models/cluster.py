@@ -6,6 +6,8 @@ group communicates at once: an inter-node NIC shared by a node's devices is divi
 """
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 from typing import Any, Literal
 
@@ -59,8 +61,22 @@ class CollectiveFit(Record):
     r2: float
     samples: tuple[Sample, ...] = ()
 
-    def predict(self, size_bytes: float) -> float:
+    def predict(self, size_bytes: float, *, back_to_back: bool = False) -> float:
+        """The expected time of one call (the fit). `back_to_back`: one of a run of calls issued with no compute
+        between them (a pipeline rank's per-tensor all-reduces, ZeroRedundancyOptimizer's broadcasts): the fit of
+        the repeats' medians, where the samples hold them (cluster_probe's module doc: a small collective's tail
+        comes from ranks waiting for a core while others compute, which such a run does not do)."""
+        if back_to_back and self._median_line is not None:
+            alpha, beta = self._median_line
+            return alpha + beta * size_bytes
         return self.alpha_s + self.beta_s_per_byte * size_bytes
+
+    @functools.cached_property
+    def _median_line(self) -> tuple[float, float] | None:
+        from cost_models.fit import fit_alpha_beta
+        if len(self.samples) < 2 or any(s.median_s is None or s.median_s <= 0 for s in self.samples):
+            return None
+        return fit_alpha_beta([s.size_bytes for s in self.samples], [s.median_s for s in self.samples])[:2]
 
 
 @record

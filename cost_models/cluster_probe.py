@@ -33,7 +33,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 import torch
@@ -111,7 +111,6 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
     peer = members[1] if rank == members[0] else members[0]
     buffers = [(torch.ones(_buffer_numel(s, g), device=device), torch.ones(_buffer_numel(s, g) // g, device=device))
                for s in sizes]
-    burst, burst_s = _compute_burst(device) if op == "send_recv" else (None, 0.0)
     out = []
     for i in range(cfg.warmup + _collective_repeats(cfg)):
         row = []
@@ -125,38 +124,19 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
                 _reduce_scatter(part, full, group)
             elif op == "all_reduce":
                 dist.all_reduce(full, group=group)
-            else:  # send_recv: ping-pong; the second member computes a short burst before it replies, so each
-                # message finds its receiver blocked in recv, as a pipeline stage waits on its peer's compute (on
-                # CPU ranks that wake-up is most of a small message's cost: module doc). One way = (round trip -
-                # burst) / 2.
+            else:  # send_recv: ping-pong between the two members, one-way time = round trip / 2
                 if rank == members[0]:
                     dist.send(full, peer)
                     dist.recv(full, peer)
                 else:
                     dist.recv(full, peer)
-                    burst()
                     dist.send(full, peer)
             _sync(device)
             elapsed = time.perf_counter() - t0
-            row.append(max(0.0, elapsed - burst_s) / 2 if op == "send_recv" else elapsed)
+            row.append(elapsed / 2 if op == "send_recv" else elapsed)
         if i >= cfg.warmup:
             out.append(row)
     return out
-
-
-def _compute_burst(device: torch.device) -> tuple[Callable[[], None], float]:
-    """A short compute burst (about 0.3 ms of matmul on a CPU rank) and its median seconds, measured here."""
-    a = torch.randn(256, 256, device=device)
-
-    def burst() -> None:
-        a @ a
-        _sync(device)
-    times = []
-    for _ in range(12):
-        t0 = time.perf_counter()
-        burst()
-        times.append(time.perf_counter() - t0)
-    return burst, statistics.median(times[2:])
 
 
 def _collective_repeats(cfg: ProbeConfig) -> int:
@@ -246,7 +226,9 @@ def _measure_collectives(cfg: ProbeConfig, groups: list[tuple[str, list[int]]], 
             if op == "send_recv" and scope == "intra" and len(members) != 2:
                 continue  # p2p is pairwise: measured once per scope
             local = torch.zeros(_collective_repeats(cfg), len(cfg.sizes), dtype=torch.float64)
-            for sib, group, pair_group in sibling_groups:
+            # p2p alone: a pipeline's stage ranks hand over in turn, and timed beside its sibling pairs on 4 CPU
+            # ranks sharing 2 cores it cost 1.3 ms per message, 2-3x what mlp-deep's PP4 steps showed
+            for sib, group, pair_group in sibling_groups[:1] if op == "send_recv" else sibling_groups:
                 active, active_group = (sib[:2], pair_group) if op == "send_recv" else (sib, group)
                 if rank in active:
                     local = torch.tensor(_time_op(op, cfg.sizes, active, active_group, cfg, device),

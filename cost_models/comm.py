@@ -109,32 +109,36 @@ def _split(cluster: ClusterProfile, n: int, ranks_per_node: int | None) -> tuple
     return g, n // g
 
 
-def _phase(cluster: ClusterProfile, op: str, size_bytes: float, n: int, scope: str) -> float:
+def _phase(cluster: ClusterProfile, op: str, size_bytes: float, n: int, scope: str, back_to_back: bool = False) -> float:
     fit = cluster.fit(op, n, scope)
     if fit is not None:
-        return fit.predict(size_bytes)
+        return fit.predict(size_bytes, back_to_back=back_to_back)
     link = cluster.inter_node if scope == "inter" and cluster.inter_node else cluster.intra_node
     return ring_phase(link, size_bytes, n)
 
 
 def collective_time(cluster: ClusterProfile, op: str, size_bytes: float, n: int, *,
-                    ranks_per_node: int | None = None) -> float:
-    """Seconds for `op` in {all_gather, reduce_scatter, all_reduce} over n ranks, S = full buffer bytes."""
+                    ranks_per_node: int | None = None, back_to_back: bool = False) -> float:
+    """Seconds for `op` in {all_gather, reduce_scatter, all_reduce} over n ranks, S = full buffer bytes.
+    `back_to_back`: one of a run of calls with no compute between them (CollectiveFit.predict)."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
     if op == "all_reduce":
-        return (collective_time(cluster, "reduce_scatter", size_bytes, n, ranks_per_node=ranks_per_node)
-                + collective_time(cluster, "all_gather", size_bytes, n, ranks_per_node=ranks_per_node))
+        return (collective_time(cluster, "reduce_scatter", size_bytes, n, ranks_per_node=ranks_per_node,
+                                back_to_back=back_to_back)
+                + collective_time(cluster, "all_gather", size_bytes, n, ranks_per_node=ranks_per_node,
+                                  back_to_back=back_to_back))
     if op not in ("all_gather", "reduce_scatter"):
         raise ValueError(f"unknown collective {op}")
     g, k = _split(cluster, n, ranks_per_node)
     if k == 1:
-        return _phase(cluster, op, size_bytes, g, "intra")
+        return _phase(cluster, op, size_bytes, g, "intra", back_to_back)
     # Hierarchical: each of the g rails moves S/g across k nodes; inside a node g ranks move S. Latency as NCCL's
     # flat ring counts it (module doc): n-1 steps, k-1 across nodes and n-k inside them, of which the intra phase
     # charged g-1; the other (k-1)(g-1) intra-node steps are added.
     extra = (k - 1) * (g - 1) * RING_STEP_LATENCY_S.get(cluster.intra_node.kind, 0.0)
-    return _phase(cluster, op, size_bytes / g, k, "inter") + _phase(cluster, op, size_bytes, g, "intra") + extra
+    return (_phase(cluster, op, size_bytes / g, k, "inter", back_to_back)
+            + _phase(cluster, op, size_bytes, g, "intra", back_to_back) + extra)
 
 
 def _traffic(**ops: tuple[float, float]) -> Traffic:

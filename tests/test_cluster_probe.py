@@ -27,6 +27,20 @@ def test_expected_time_keeps_the_tail_and_drops_one_burst():
     assert expected_seconds([1e-3, 2e-3, 6e-3]) == pytest.approx(3e-3)
 
 
+def test_a_run_of_back_to_back_calls_is_costed_on_the_medians():
+    from cost_models.cluster import CollectiveFit, Sample
+    sizes = [4096, 65536, 1048576]
+    median = [2e-4 + 1e-9 * s for s in sizes]
+    samples = tuple(Sample(size_bytes=s, seconds=3 * m, median_s=m) for s, m in zip(sizes, median))
+    fit = CollectiveFit(op="all_reduce", group_size=2, scope="intra", alpha_s=6e-4, beta_s_per_byte=3e-9, r2=1.0,
+                        samples=samples)
+    assert fit.predict(1e5) == pytest.approx(6e-4 + 3e-4)                     # one call: the expected time
+    assert fit.predict(1e5, back_to_back=True) == pytest.approx(2e-4 + 1e-4)  # in a run: the medians' line
+    older = CollectiveFit(op="all_reduce", group_size=2, scope="intra", alpha_s=6e-4, beta_s_per_byte=3e-9, r2=1.0,
+                          samples=tuple(Sample(size_bytes=s, seconds=m) for s, m in zip(sizes, median)))
+    assert older.predict(1e5, back_to_back=True) == older.predict(1e5)     # no medians recorded: one line
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_probe_fits_predict_held_out_sizes(ranks):
