@@ -44,7 +44,7 @@ class LinkSpec(Record):
 class Sample(Record):
     size_bytes: int                    # the full buffer: all_reduce buffer, all_gather output, reduce_scatter input, p2p message
     seconds: float                     # expected time over repeats of the slowest rank (cluster_probe.expected_seconds:
-                                       # their mean less the slowest; files before 2026-12-05 hold the median)
+                                       # their mean less the slowest); the median in files without median_s
     spread_s: float = 0.0              # max - min over repeats
     median_s: float | None = None      # their median (None in older files)
 
