@@ -14,7 +14,7 @@ from cost_models.models.source import resolve
 from cost_models.presets import preset
 from cost_models.strategy import Strategy
 from executor.train import TrainConfig, single_process_losses
-from executor.launch import run_many
+from executor.launch import WARMUP_STEPS, run_many
 from tests.plans import plan_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +115,9 @@ def test_planner_run_writes_run_json(tmp_path, profile, reference):
     run = json.loads(out.read_text())
     assert run["kind"] == "zeropipe.run" and run["world_size"] == 2 and len(run["ranks"]) == 2
     assert run["losses"] == pytest.approx(reference, rel=1e-4)
-    assert run["step_time_s"]["steps"] == 4 and run["step_time_s"]["median_s"] > 0
+    # 5 steps, the default warm-up left out of the timing
+    assert run["step_time_s"]["steps"] == 5 - WARMUP_STEPS and run["warmup"] == WARMUP_STEPS
+    assert run["step_time_s"]["median_s"] > 0
     quantities = {(c["quantity"], c["unit"]) for c in run["measures"]}
     assert ("step time", "s") in quantities and ("rank 1 parameters", "B") in quantities
     # how loaded the machine was, beside the measurements
