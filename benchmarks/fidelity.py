@@ -183,11 +183,12 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
 
 
 def main() -> None:
+    from executor.launch import WARMUP_STEPS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 ranks, one model, one batch size (the CI smoke test)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for fidelity.json / .md")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2, help="untimed first steps (executor.launch.WARMUP_STEPS)")
+    ap.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="untimed first steps")
     ap.add_argument("--models", default=",".join(m for m, _ in SUITE), help="comma-separated, of the suite's")
     ap.add_argument("--gpus", default="2,4", help="world sizes, comma-separated")
     ap.add_argument("--batches", default="8,16", help="global batch sizes, comma-separated")

@@ -802,8 +802,11 @@ def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results
         def forward(self, *args):
             out = model(*args)
             return out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
-    if target is None or units_s <= 0 or not isinstance(_Logits()(*inputs), torch.Tensor):
+    if target is None or units_s <= 0:
         return 1.0
+    with torch.no_grad():
+        if not isinstance(_Logits()(*inputs), torch.Tensor):
+            return 1.0
     fwd, bwd = _time_module(_Logits(), (inputs, {}), loss, target, warmup, repeats, lambda: None)
     model.zero_grad(set_to_none=True)
     return statistics.median([f + b for f, b in zip(fwd, bwd)]) / units_s

@@ -89,16 +89,20 @@ def test_pipeline_activations_follow_the_schedule(tiny_profiles):
     assert rec.stages[0].bwd_s > est.stages[0].bwd_s
 
 
-def test_measured_times_move_to_other_micro_batches_affinely(tiny_profiles):
-    from cost_models.compute import unit_times
+def _cpu_cluster(prof, *, ranks: int, cores: int):
+    """CPU ranks as the compute probe would describe `ranks` of them sharing `cores` cores."""
     from cost_models.cluster import ClusterProfile, ComputeProbe, DeviceSpec, LinkSpec
+    return ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=ranks,
+                          device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**34, peak_flops={"fp32": 1e10},
+                                            matmul_efficiency=1.0, source="test"),
+                          intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"),
+                          compute=ComputeProbe(dtype="fp32", matmul_n=8, ranks=ranks, threads_per_rank=prof.threads,
+                                               flops_per_rank=1e10 * min(1.0, cores / ranks), flops_alone=1e10))
+
+
+def test_measured_times_move_to_other_micro_batches_affinely(tiny_profiles):
     prof = tiny_profiles["gpt-tiny", False]      # real mode at micro-batch 2, timed at 2 and at 1
-    cpu = ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=1,
-                         device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**30, peak_flops={"fp32": 1e10},
-                                           matmul_efficiency=1.0, source="test"),
-                         intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"),
-                         compute=ComputeProbe(dtype="fp32", matmul_n=8, ranks=1, threads_per_rank=prof.threads,
-                                              flops_per_rank=1e10, flops_alone=1e10))
+    cpu = _cpu_cluster(prof, ranks=1, cores=1)
     u = prof.unit("blocks.1")
     t1, t2 = u.fwd_time_one.median_s, u.fwd_time.median_s
     k = prof.in_model_factor   # the whole model timed end to end over its units' sum (model_profiler step 5)
@@ -114,15 +118,9 @@ def test_measured_times_move_to_other_micro_batches_affinely(tiny_profiles):
 def test_cpu_contention_counts_the_ranks_that_compute_at_once(tiny_profiles):
     """4 CPU ranks on 2 cores slow each other 2x when all compute; a pipeline's ranks are busy n / (n + p - 1) of
     the step (GPipe's bubble), so a 4-stage pipeline of one micro-batch computes at full speed."""
-    from cost_models.cluster import ClusterProfile, ComputeProbe, DeviceSpec, LinkSpec
     from cost_models.estimate import busy_ranks
     prof = tiny_profiles["mlp-deep", False]
-    cpu = ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=4,
-                         device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**34, peak_flops={"fp32": 1e10},
-                                           matmul_efficiency=1.0, source="test"),
-                         intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"),
-                         compute=ComputeProbe(dtype="fp32", matmul_n=8, ranks=4, threads_per_rank=prof.threads,
-                                              flops_per_rank=0.5e10, flops_alone=1e10))   # 2 cores' worth
+    cpu = _cpu_cluster(prof, ranks=4, cores=2)
     names = [u.name for u in prof.units]
     quarter = len(names) // 4
     stages = tuple(tuple(names[i * quarter:(i + 1) * quarter if i < 3 else len(names)]) for i in range(4))
@@ -136,8 +134,8 @@ def test_cpu_contention_counts_the_ranks_that_compute_at_once(tiny_profiles):
     alone = sum(unit_times(u, prof, cpu, micro_batch_size=8, precision="fp32", ranks_running=1)[0]
                 for u in prof.units if u.name in stages[0])
     assert one.stages[0].fwd_s == pytest.approx(alone)   # one stage at a time: no contention
-    per_sample_8 = eight.stages[0].fwd_s   # 8 micro-batches of 1: 2.9 ranks busy on 2 cores -> 1.45x
-    assert per_sample_8 == pytest.approx(1.45 * sum(
+    # 8 micro-batches of 1: 32 / 11 = 2.9 ranks busy on 2 cores -> 1.45x one rank alone
+    assert eight.stages[0].fwd_s == pytest.approx(1.45 * sum(
         unit_times(u, prof, cpu, micro_batch_size=1, precision="fp32", ranks_running=1)[0]
         for u in prof.units if u.name in stages[0]), rel=0.01)
 
