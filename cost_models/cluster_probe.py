@@ -27,6 +27,8 @@ used to absorb) should not set a size's cost. The median is kept beside the mean
 """
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import os
 import platform
@@ -317,8 +319,8 @@ def run_local_probe(ranks: int, cfg: ProbeConfig) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    if ranks < 2:
-        raise ConfigError(f"--ranks must be >= 2 to probe collectives, got {ranks}")
+    if ranks < 1:
+        raise ConfigError(f"--ranks must be >= 1, got {ranks}")
     try:
         with elastic_job("probe", ranks) as (config, _):
             results = elastic_launch(config, probe_worker)(cfg.to_dict())
@@ -379,12 +381,24 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
             kind = pair.kind if pair else "unknown"
         links[scope] = LinkSpec(kind=kind, bandwidth_Bps=1.0 / p2p.beta_s_per_byte, alpha_s=p2p.alpha_s,
                                 source=f"measured: send/recv fit, R^2 {p2p.r2:.3f}")
+    if "intra" not in links and raw["world"] == 1:
+        links["intra"] = _unmeasured_link(gpu)
+        notes.append(f"one {'GPU' if gpu else 'rank'} here: no collective or link to measure (intra-node: nominal)")
     if "intra" not in links:
         raise ProfileError("the probe could not fit point-to-point bandwidth; rerun with more --probe-sizes")
     return ClusterProfile(name=f"local ({raw['world']} x {device.name})", source="probe", nodes=raw["nodes"],
                           devices_per_node=local_world, device=device, intra_node=links["intra"],
                           inter_node=links.get("inter"), fits=tuple(sorted(fits, key=lambda f: (f.scope, f.op, f.group_size))),
                           topology=topology, compute=compute, backend=raw["backend"], notes=tuple(notes))
+
+
+def _unmeasured_link(gpu: bool) -> LinkSpec:
+    """The link of a one-device machine, which has no peer to measure against: plans for that one device never
+    use it; a plan scaled past it (--nodes) prices it as PCIe 4.0 (cost_models.presets.PCIE4, cited there), the
+    slowest intra-node link a GPU server has. CPU ranks keep gloo's loopback kind."""
+    from cost_models.presets import PCIE4
+    return dataclasses.replace(PCIE4, kind=PCIE4.kind if gpu else "gloo-loopback",
+                               source=f"not measured (no second device): {PCIE4.source}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -46,8 +46,8 @@ def check_cluster_args(spec: str, *, nodes: int | None, ranks: int | None) -> No
                           "(python -m cost_models.cluster_probe, see README)")
     if spec != "local" and ranks is not None:
         raise ConfigError("--ranks applies to --cluster local only")
-    if ranks is not None and ranks < 2:
-        raise ConfigError(f"--ranks must be >= 2 to probe collectives, got {ranks}")
+    if ranks is not None and ranks < 1:
+        raise ConfigError(f"--ranks must be >= 1, got {ranks}")
 
 
 def resolve_cluster(spec: str, *, nodes: int | None = None, ranks: int | None = None, dtype: str = "fp32",
@@ -71,12 +71,13 @@ def resolve_cluster(spec: str, *, nodes: int | None = None, ranks: int | None = 
 
 
 def probe_local(*, ranks: int | None, dtype: str, sizes: tuple[int, ...] | None, repeats: int = 5,
-                on_status: StatusFn | None = None) -> ClusterProfile:
-    """Detect GPUs through NVML (or say there are none), then probe collectives and matmul on local ranks."""
+                on_status: StatusFn | None = None, gpus: bool = True) -> ClusterProfile:
+    """Detect GPUs through NVML (or say there are none), then probe collectives and matmul on local ranks.
+    `gpus=False`: CPU ranks whatever NVML sees (the caller has hidden the GPUs from torch)."""
     from cost_models.cluster_probe import DEFAULT_SIZES, ProbeConfig, build_cluster_profile, run_local_probe
     from cost_models.nvml_topology import detect_topology
 
-    topology, note = detect_topology()
+    topology, note = detect_topology() if gpus else (None, None)
     notes = [note] if note else []
     if note and on_status:
         on_status(note)

@@ -72,3 +72,25 @@ def test_probe_fits_predict_held_out_sizes(ranks):
         assert 0.0 <= cost < 0.05
     assert prof.device.peak_flops["fp32"] == prof.compute.flops_per_rank
     assert any("share" in n for n in prof.notes)
+
+
+@pytest.mark.slow
+def test_one_rank_probes_compute_and_prices_no_link_it_could_not_measure():
+    """A one-GPU machine has no peer: its probe keeps the compute and per-call figures, names its link as not
+    measured, and a plan for that one device runs without communication."""
+    from cost_models.estimate import estimate
+    from cost_models.presets import PCIE4
+    from cost_models.strategy import Strategy
+    raw = run_local_probe(1, ProbeConfig(sizes=SIZES[:3], repeats=3, matmul_seconds=0.2))
+    assert raw["world"] == 1 and raw["raw"] == []
+    prof = build_cluster_profile(raw, topology=None, notes=[], dtype="fp32")
+    assert prof.world_size == 1 and prof.fits == () and prof.compute.flops_per_rank > 0
+    assert prof.intra_node.bandwidth_Bps == PCIE4.bandwidth_Bps and prof.intra_node.source.startswith("not measured")
+    assert any("no collective or link to measure" in n for n in prof.notes)
+    from cost_models.model_profiler import profile_model
+    from cost_models.models.source import resolve
+    meta = profile_model(resolve("gpt-tiny"), micro_batch_size=2, seq_len=16, meta=True, dtype="fp32")
+    est = estimate(Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=2,
+                            stages=(tuple(u.name for u in meta.units),), precision="fp32"), meta, prof)
+    assert est.comm.dp_bytes_per_rank == 0 and est.step_time_s > 0
+
