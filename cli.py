@@ -153,6 +153,7 @@ def profile(
     seq_len: int = typer.Option(..., "--seq-len", "-s", help="tokens per sequence"),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp32 | fp16 (parameters and activations)"),
     meta: bool = typer.Option(False, "--meta", help="build on the meta device: exact counts, no weights, no timings"),
+    device: str = typer.Option("auto", "--device", help="real mode: auto (the GPU when torch sees one, else CPU) | cpu | cuda"),
     units: Optional[str] = typer.Option(None, "--units", help="pipeline units as module names: 'a+b,c,d' ('+' joins modules of one unit)"),
     input_fn: Optional[str] = typer.Option(None, "--input", help="package.module:function(batch_size, seq_len) -> input, for module:factory models"),
     tp_plan: Optional[str] = typer.Option(None, "--tp-plan", help="package.module:function(model) -> [(pattern, style[, parts])]: a tensor-parallel plan, recorded in the profile"),
@@ -192,7 +193,7 @@ def profile(
                           f"one forward and backward of each, just run); --meta counts without timing in seconds",
                           highlight=False)
         prof = profile_model(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
-                             units=units, warmup=warmup, repeats=repeats, threads=threads, command=_command_line(),
+                             device=device, units=units, warmup=warmup, repeats=repeats, threads=threads, command=_command_line(),
                              on_progress=on_progress, on_estimate=on_estimate)
     if cluster == "local":
         cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats)

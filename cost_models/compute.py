@@ -1,7 +1,7 @@
 """A unit's forward and backward time on the target device (pure functions).
 
 Two sources, in order of trust:
-  1. measured: the profile was taken in real mode on the device kind the cluster has (CPU ranks here). Each unit
+  1. measured: the profile was taken in real mode on the device the cluster has (CPU ranks, or its GPU model). Each unit
      was timed at the profile's micro-batch B and at one sample, giving t(b) = t1 + (tB - t1) (b - 1) / (B - 1):
      a fixed per-call cost (kernel launches, Python) plus per-sample work; with one timing only, t scales with b
      as FLOPs do. Times scale by the profile's in_model_factor (units timed alone run with a warm cache; the
@@ -34,7 +34,10 @@ COMPUTE_DTYPE = {"bf16-mixed": "bf16", "fp32": "fp32"}
 
 
 def uses_measured_times(profile: ModelProfile, cluster: ClusterProfile) -> bool:
-    return (profile.mode == "real" and profile.device == cluster.device.kind
+    """Measured times hold for the device they were measured on: CPU ranks, or GPUs of the profile's own model (an
+    H200's times would mislead for an A100 cluster, which gets the FLOPs route)."""
+    same_gpu = profile.device != "gpu" or not profile.device_name or profile.device_name == cluster.device.name
+    return (profile.mode == "real" and profile.device == cluster.device.kind and same_gpu
             and all(u.fwd_time is not None for u in profile.units))
 
 

@@ -408,17 +408,26 @@ def _roots(out, loss: str | None, target):
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def _sync() -> None:
+    """Wait for queued GPU kernels, so a host clock times them (CUDA launches are asynchronous); nothing on CPU."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time_module(module: nn.Module, captured, loss: str | None, target, warmup: int,
                  repeats: int, tick: Callable[[], None]) -> tuple[list[float], list[float]]:
     """Forward and backward seconds of each repeat after `warmup` untimed runs; `tick()` after every run."""
     fwd, bwd = [], []
     for i in range(warmup + repeats):
         args, kwargs = _fresh(captured)
+        _sync()
         t0 = time.perf_counter()
         roots = _roots(module(*args, **kwargs), loss, target)
+        _sync()
         t1 = time.perf_counter()
         if roots:
             torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+        _sync()
         t2 = time.perf_counter()
         module.zero_grad(set_to_none=True)
         if i >= warmup:
@@ -834,22 +843,35 @@ def _data_flow_edges(unit_defs, capture: _Capture) -> tuple[UnitEdge, ...]:
     return tuple(UnitEdge(src=a, dst=b, bytes=n) for (a, b), n in sorted(found.items()))
 
 
-def _check_fits_in_memory(source: ModelSource, dtype: torch.dtype) -> None:
+def _real_device(device: str) -> str:
+    """Where real mode runs: `auto` is the GPU when there is one (its times are what GPU ranks run at), else CPU."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {device}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no GPU here; use --device cpu, or --meta to count without timing")
+    return "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+
+
+def _check_fits_in_memory(source: ModelSource, dtype: torch.dtype, device: str) -> None:
     meta_model = source.build(device="meta", dtype=dtype)
     param_bytes = sum(_nbytes(p) for p in meta_model.parameters())
     # parameters + gradients + a working margin of the same size: a floor, not an estimate of the activations.
-    need, avail = 3 * param_bytes, psutil.virtual_memory().available
+    need = 3 * param_bytes
+    avail = torch.cuda.mem_get_info()[0] if device == "cuda" else psutil.virtual_memory().available
+    where = "the GPU" if device == "cuda" else "this machine"
     if need > avail:
-        raise ProfileError(f"real-mode profiling of {source.name} needs about {fixed(need, 'GiB', 1)}, this machine has "
+        raise ProfileError(f"real-mode profiling of {source.name} needs about {fixed(need, 'GiB', 1)}, {where} has "
                            f"{fixed(avail, 'GiB', 1)} available; add --meta to profile it without weights")
 
 
 def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str = "fp32",
-                  meta: bool = False, units: str | list[str] | None = None, warmup: int = 2, repeats: int = 5,
-                  threads: int | None = None, command: str = "", on_progress: ProgressFn | None = None,
+                  meta: bool = False, device: str = "auto", units: str | list[str] | None = None, warmup: int = 2,
+                  repeats: int = 5, threads: int | None = None, command: str = "", on_progress: ProgressFn | None = None,
                   on_estimate: Callable[[float], None] | None = None) -> ModelProfile:
     """Measure `source` at one micro-batch of (micro_batch_size, seq_len) and return its ModelProfile.
 
+    `device` (real mode): auto (the GPU when torch sees one, else the CPU), cpu or cuda; a GPU profile records
+    its device's name, and the planner uses its times for clusters of that GPU only (compute.uses_measured_times).
     `threads` sets torch's thread count while measuring (and restores it): real-mode times are only comparable
     with a run whose ranks use as many (executor CPU ranks use one). `on_progress(done, total, what)` reports the
     share of the expected time done (see _Progress: a constant total, done == total at the end);
@@ -862,13 +884,13 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
         torch.set_num_threads(threads)
     try:
         return _profile(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
-                        units=units, warmup=warmup, repeats=repeats, command=command, on_progress=on_progress,
+                        device=device, units=units, warmup=warmup, repeats=repeats, command=command, on_progress=on_progress,
                         on_estimate=on_estimate)
     finally:
         torch.set_num_threads(previous)
 
 
-def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str, meta: bool, units,
+def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str, meta: bool, device: str, units,
              warmup: int, repeats: int, command: str, on_progress: ProgressFn | None,
              on_estimate: Callable[[float], None] | None) -> ModelProfile:
     if micro_batch_size <= 0:
@@ -880,9 +902,9 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
     if repeats < 1 or warmup < 0:
         raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
     torch_dtype = DTYPES[dtype]
-    device = "meta" if meta else "cpu"
+    device = "meta" if meta else _real_device(device)
     if not meta:
-        _check_fits_in_memory(source, torch_dtype)
+        _check_fits_in_memory(source, torch_dtype, device)
 
     model = source.build(device=device, dtype=torch_dtype)
     model.train()
@@ -913,7 +935,9 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         unassigned_params=total_params - assigned, shared=tuple(shared),
         model_fwd_flops=model_fwd_flops, attention_kernels=tuple(sorted(attention)), edges=edges, pipelining=pipelining,
         tensor_parallel=tp_shape(model), in_model_factor=in_model,
-        largest_unit=largest.name, device=device, threads=torch.get_num_threads(), torch_version=torch.__version__,
+        largest_unit=largest.name, device="gpu" if device == "cuda" else device,
+        device_name=torch.cuda.get_device_name() if device == "cuda" else "", threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
         command=command, created_at=now_utc(),
     )
 

@@ -190,7 +190,8 @@ class ModelProfile(Record):
     # thread: whole model 15.3 ms, units 14.0 ms). compute.unit_times scales measured times by it; 1.0 in meta
     # profiles and in files written before it was recorded.
     in_model_factor: float = 1.0
-    device: str
+    device: str                          # where real mode ran: "cpu" | "gpu" (a cluster's device kinds) | "meta"
+    device_name: str = ""                # a GPU profile's torch.cuda.get_device_name(); "" on CPU and in older files
     threads: int
     torch_version: str
     command: str

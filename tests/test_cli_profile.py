@@ -45,6 +45,9 @@ def test_user_errors_are_one_line_exit_2():
         ("--model", "gpt-tiny", "-b", "0", "-s", "8"): "--micro-batch-size must be positive",
         ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--dtype", "fp8"): "--dtype must be one of",
         ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--threads", "0"): "--threads must be >= 1",
+        ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--device", "tpu"): "--device must be auto, cpu or cuda",
+        # the suite hides GPUs (conftest), as CI has none
+        ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--device", "cuda"): "--device cuda: torch sees no GPU here",
     }
     for args, message in cases.items():
         res = run("profile", *args, "--cluster", "none", "-o", "-")

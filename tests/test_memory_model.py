@@ -115,6 +115,22 @@ def test_measured_times_move_to_other_micro_batches_affinely(tiny_profiles):
         assert doubled == pytest.approx(2 * fwd)
 
 
+def test_a_gpu_profiles_times_hold_for_its_own_gpu_model_only(tiny_profiles):
+    """A real profile taken on one GPU model prices units by its times on clusters of that model; another GPU model
+    gets FLOPs / (peak x efficiency), however the kinds match. (The profile's fields are set by hand: CI has no GPU.)"""
+    from cost_models.compute import uses_measured_times
+    h100 = preset("dgx-h100")
+    on_h100 = dataclasses.replace(tiny_profiles["gpt-tiny", False], device="gpu", device_name=h100.device.name)
+    on_h200 = dataclasses.replace(on_h100, device_name="NVIDIA H200")
+    assert uses_measured_times(on_h100, h100) and not uses_measured_times(on_h200, h100)
+    u = on_h100.unit("blocks.1")
+    assert unit_times(u, on_h100, h100, micro_batch_size=2, precision="bf16-mixed", ranks_running=8)[0] == \
+        pytest.approx(u.fwd_time.median_s * on_h100.in_model_factor)
+    rate = h100.device.peak_flops["bf16"] * h100.device.matmul_efficiency
+    assert unit_times(u, on_h200, h100, micro_batch_size=2, precision="bf16-mixed", ranks_running=8)[0] == \
+        pytest.approx(u.fwd_flops / rate)
+
+
 def test_cpu_contention_counts_the_ranks_that_compute_at_once(tiny_profiles):
     """4 CPU ranks on 2 cores slow each other 2x when all compute; a pipeline's ranks are busy n / (n + p - 1) of
     the step (GPipe's bubble), so a 4-stage pipeline of one micro-batch computes at full speed."""
