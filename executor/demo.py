@@ -1,11 +1,12 @@
 """`planner demo`: the main job end to end on a built-in default, on this machine.
 
-Profile the model (real mode, gpt-tiny) and this machine (4 gloo ranks), plan for those 4 ranks (every ZeRO stage,
+Profile the model (real mode, gpt-tiny) and this machine (4 CPU ranks over gloo, GPUs or not), plan for those 4 ranks (every ZeRO stage,
 pipeline depth, schedule and micro-batching, with the rationale), then run the plan for a few steps with real
 torch.distributed code, compare predicted with measured, and write the report (HTML and Markdown) with both.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,14 +40,29 @@ class DemoResult:
     report_path: Path
 
 
+def _cpu_ranks_only() -> int:
+    """Hide the GPUs from this process and the ranks it starts; returns how many NVML saw (0 without a driver).
+    The demo's 4 ranks need none, and a machine with fewer than 4 GPUs could not host them as GPU ranks (seen on a
+    one-GPU H200: the probe's rank 1 failed, 'invalid device ordinal'). torch reads CUDA_VISIBLE_DEVICES once, at
+    its first CUDA call, which the demo has not made yet."""
+    from cost_models.nvml_topology import detect_topology
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    topology, _ = detect_topology()
+    return len(topology.gpus) if topology else 0
+
+
 def run_demo(out_dir: Path, *, command: str = "", on_progress: ProgressFn | None = None,
              on_status: StatusFn | None = None) -> DemoResult:
     """Profile the demo model (one thread, as each rank runs) and this machine, then plan; files in out_dir
     (the demo's own, rewritten on every run)."""
+    gpus = _cpu_ranks_only()
+    if gpus and on_status:
+        on_status(f"the demo runs {DEMO_RANKS} CPU ranks (gloo) and leaves this machine's {gpus} GPU(s) alone; "
+                  f"planner profile / plan / run use them")
     # executor ranks run one thread each: measure the units the way they will run
     prof = profile_model(resolve(DEMO_MODEL), micro_batch_size=DEMO_MICRO_BATCH, seq_len=DEMO_SEQ_LEN, dtype="fp32",
-                         threads=1, command=command, on_progress=on_progress)
-    cluster = probe_local(ranks=DEMO_RANKS, dtype="fp32", sizes=None, on_status=on_status)
+                         device="cpu", threads=1, command=command, on_progress=on_progress)
+    cluster = probe_local(ranks=DEMO_RANKS, dtype="fp32", sizes=None, on_status=on_status, gpus=False)
     profile_path = out_dir / "profile.json"
     ProfileFile(model=prof, cluster=cluster).save(profile_path, overwrite=True)
     if on_status:

@@ -5,6 +5,10 @@ import torch
 
 # Two cores here: one thread per process keeps timings and multi-process tests from fighting over them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite's ranks are CPU ranks over gloo, as CI has them: on a machine with GPUs, hide them from torch (before
+# its first CUDA call) so the same assertions hold there; the GPU paths are checked by benchmarks/gpu_check.sh on a
+# GPU machine.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 torch.set_num_threads(1)
 
 
