@@ -38,9 +38,9 @@ from cost_models.cluster import Calibration, ClusterProfile, ComputeProbe, actio
 from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                tp_unit_traffic)
 from cost_models.compute import optimizer_step_time, tp_unit_times, unit_times, uses_measured_times
-from cost_models.memory import (BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, comm_buffer_bytes,
-                                 executor_state_bytes, saved_at, tp_param_share, tp_saved_bytes,
-                                 zero1_partition)
+from cost_models.memory import (BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, autocast_copy_bytes,
+                                 comm_buffer_bytes, executor_state_bytes, held_bytes_per_param, saved_at,
+                                 torch_mixed, tp_param_share, tp_saved_bytes, zero1_partition)
 from cost_models.profile import ModelProfile, UnitProfile
 from cost_models.records import Record, record
 from cost_models.schedule import Simulation, StageCost, format_order, get_spec, simulate_schedule
@@ -715,15 +715,17 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
     s = c.s
     params = sum(st.params for st in mine)
     largest = max(st.largest_unit_params for st in mine)
-    p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer)
+    mixed = torch_mixed(s.precision, c.cluster.device.kind, s.pp)
+    p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer, mixed=mixed)
     buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
                                 param_bytes=c.param_bytes, grad_bytes=c.grad_bytes)
+    buffers += autocast_copy_bytes(params, mixed=mixed, zero=s.zero, dp=s.dp)
     activations = peak_activations + max(st.working_set_bytes for st in mine)
     shares = None
     numels = [n for st in mine for u in st.units
               for n in _unit_numels(c.profile, u, st.units, tp=s.tp, vocab=c.tp_vocab)]
     if s.zero == 1 and s.dp > 1 and numels:
-        k_b = BYTES_PER_PARAM[(s.precision, s.optimizer)][2]
+        k_b = held_bytes_per_param(s.precision, s.optimizer, mixed=mixed)[2]
         shares = [k_b * n for n in zero1_partition(numels, s.dp)]
     base = MemoryBreakdown(rank=0, stages=tuple(st.stage for st in mine), parameters=int(p), gradients=int(g),
                            optimizer_states=int(o), activations=int(activations), buffers=int(buffers),

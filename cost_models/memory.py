@@ -54,6 +54,11 @@ BYTES_PER_PARAM: dict[tuple[str, str], tuple[int, int, int]] = {
     ("bf16-mixed", "adamw"): (2, 2, 12), ("bf16-mixed", "adam"): (2, 2, 12), ("bf16-mixed", "sgd"): (2, 2, 8),
     ("fp32", "adamw"): (4, 4, 8), ("fp32", "adam"): (4, 4, 8), ("fp32", "sgd"): (4, 4, 4),
 }
+# bf16-mixed as the executor runs it on GPUs without a pipeline (executor.zero.mixed_precision, torchtitan's
+# recipe): the fp32 parameters are the master weights and each gradient takes its parameter's dtype, so the
+# optimizer holds only its moments. The same 16 (Adam) and 12 (SGD) bytes as the paper's split; the bf16 copies
+# compute uses are buffers (FSDP2's gathered parameters, autocast's cast weights: autocast_copy_bytes).
+TORCH_MIXED_BYTES: dict[str, tuple[int, int, int]] = {"adamw": (4, 4, 8), "adam": (4, 4, 8), "sgd": (4, 4, 4)}
 # Per-process overhead. GPU: CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers, about 1 GiB in practice
 # (PyTorch "CUDA semantics" notes; nvidia-smi shows ~0.5 GiB for an idle context). CPU: a gloo rank's peak RSS after
 # importing the executor and init_process_group, ~300 MiB on torch 2.13 (measured by tests/test_memory_model.py,
@@ -94,12 +99,35 @@ def zero_model_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16
     return (psi * p / (n if zero >= 3 else 1), psi * g / (n if zero >= 2 else 1), psi * k / (n if zero >= 1 else 1))
 
 
+def torch_mixed(precision: str, device_kind: str, pp: int) -> bool:
+    """Whether the executor runs this plan in torch's mixed precision (fp32 master parameters, bf16 compute):
+    bf16-mixed on GPUs without a pipeline (executor.zero.mixed_precision). Elsewhere the paper's bytes stand: CPU
+    ranks run fp32, and GPU pipelines plain bf16, which holds less than they are charged (README, Fidelity)."""
+    return precision == "bf16-mixed" and device_kind == "gpu" and pp == 1
+
+
+def held_bytes_per_param(precision: str, optimizer: str, *, mixed: bool = False) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer state) bytes per parameter as the executor holds them (`mixed`: torch_mixed)."""
+    return TORCH_MIXED_BYTES[optimizer] if mixed else BYTES_PER_PARAM[(precision, optimizer)]
+
+
 def executor_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16-mixed",
-                         optimizer: str = "adamw") -> tuple[float, float, float]:
+                         optimizer: str = "adamw", *, mixed: bool = False) -> tuple[float, float, float]:
     """Model states as the executor holds them at rest: FSDP2 shards ZeRO-2's parameters too (module doc), so ZeRO-2
     is (P + G + K)Ψ/N here and its gathered PΨ is counted by comm_buffer_bytes: 2Ψ + 16Ψ/N in all for mixed Adam,
-    PΨ/N more than the paper's 2Ψ + 14Ψ/N."""
-    return zero_model_state_bytes(psi, n, 3 if zero == 2 and n > 1 else zero, precision, optimizer)
+    PΨ/N more than the paper's 2Ψ + 14Ψ/N. `mixed` (torch_mixed): torch's split of the same bytes."""
+    if not mixed:
+        return zero_model_state_bytes(psi, n, 3 if zero == 2 and n > 1 else zero, precision, optimizer)
+    p, g, k = TORCH_MIXED_BYTES[optimizer]
+    sharded = zero >= 2 and n > 1
+    return psi * p / (n if sharded else 1), psi * g / (n if sharded else 1), psi * k / (n if zero >= 1 else 1)
+
+
+def autocast_copy_bytes(stage_params: float, *, mixed: bool, zero: int, dp: int) -> float:
+    """torch.autocast's bf16 copies of the weights (mixed precision where FSDP2 does not cast): each weight a
+    forward casts is cached until the forward ends and saved for its backward, 2 bytes per parameter (an upper
+    bound: norms and biases are not cast)."""
+    return 2.0 * stage_params if mixed and (zero < 2 or dp == 1) else 0.0
 
 
 def zero1_partition(numels: list[int], n: int) -> list[int]:

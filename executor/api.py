@@ -34,6 +34,7 @@ from cost_models.strategy import Strategy
 from executor.runtime import LossFn, ModelSpec, Runtime, build_runtime
 from executor.stages import UnitMap
 from executor.weights import load_weights, weights_format
+from executor.zero import mixed_precision
 from planner.plan import Plan, check_plan
 
 
@@ -47,7 +48,9 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
     folder (config.json + safetensors) or a `planner run` checkpoint whose weights replace the model's own
     initialisation (each rank reads only what it holds). `example_input` is one micro-batch of model input;
     pipelines need it for their static shapes (default: token ids of the plan's micro-batch size and sequence
-    length when the plan is a Plan whose model takes tokens).
+    length when the plan is a Plan whose model takes tokens). A bf16-mixed plan without a pipeline computes in
+    bf16 on GPUs (FSDP2's MixedPrecisionPolicy or torch.autocast, in Runtime.step): build the model in fp32, its
+    parameters are the master weights (executor.zero.mixed_precision).
     """
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
@@ -68,7 +71,8 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
     rt = build_runtime(strategy, ModelSpec(build=model_fn, units=units, tp_rules=tp_rules), loss_fn=loss_fn,
                        optimizer_fn=optimizer_fn,
                        example=example_input, seed=seed, device=device,
-                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), loading=init_from is not None)
+                       local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), loading=init_from is not None,
+                       compute=mixed_precision(strategy.precision, device, strategy.pp).compute)
     if init_from is not None:
         load_weights(rt.params_by_name, rt.buffers_by_name, Path(init_from))
     return rt

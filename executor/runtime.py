@@ -98,7 +98,7 @@ class Runtime:
             loss = torch.stack([tensor_parallel.local_value(l.detach()) for l in losses]).mean() if losses else None
         t0 = time.perf_counter()
         if self.wrapped.manual_grad_sync:
-            all_reduce_grads(self.wrapped.params, self.dp_group)
+            all_reduce_grads(self.wrapped.params, self.dp_group, self.wrapped.reduce_dtype)
         for name, group in self.tie_groups:
             p = self.params_by_name[name]
             if p.grad is not None:
@@ -122,11 +122,17 @@ class Runtime:
                 sync = module.no_sync()  # DDP all-reduces once, on the last micro-batch
             t0 = time.perf_counter()
             with sync, tensor_parallel.loss_context(self.sharded_logits):
-                loss = self.loss_fn(logits_of(module(x)), y) / m
-                loss.backward()
+                with self._autocast(x):
+                    loss = self.loss_fn(logits_of(module(x)), y) / m
+                loss.backward()   # outside autocast, as torch's AMP recipe has it (backward runs forward's dtypes)
             self.timings["compute"] += time.perf_counter() - t0
             total += tensor_parallel.local_value(loss.detach()).cpu()
         return total
+
+    def _autocast(self, x: torch.Tensor):
+        """Mixed precision's autocast where FSDP2 does not cast (executor.zero.mixed_precision)."""
+        dtype = self.wrapped.autocast
+        return torch.autocast(x.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """One optimizer step; returns the replica's loss where this rank can see it (the last stage)."""
@@ -156,13 +162,15 @@ class ModelSpec:
 
 def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optimizer_fn, example: torch.Tensor | None,
                   seed: int = 0, device: torch.device | None = None, local_ranks: int = 1,
-                  loading: bool = False, builtin_cross_entropy: bool = False) -> Runtime:
+                  loading: bool = False, builtin_cross_entropy: bool = False,
+                  compute: torch.dtype | None = None) -> Runtime:
     """Apply `strategy` to the model of `spec` on this rank of an initialised process group.
 
     The model is built on meta first (names, ties, the stages' static shapes from `example`, one micro-batch of
     input; pipelines need it), then for real with its own initialisation (executor.materialize), keeping only this
     rank's share. `loading`: pretrained weights will be loaded into it (executor.weights), so nothing is drawn and,
-    under FSDP2, no rank ever holds more than its shards."""
+    under FSDP2, no rank ever holds more than its shards. `compute`: mixed precision's compute dtype
+    (executor.zero.mixed_precision; pp = 1 only)."""
     s = strategy
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != s.world_size:
@@ -195,7 +203,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     _recompute(s, model, held, stage_ids, spec.units)
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,
-                   tp=s.tp)
+                   tp=s.tp, compute=compute if s.pp == 1 else None)
     if _shards_later(s, mode):
         _allocate_shards(wrapped, optimizer_fn, device, model=model, mode=mode, seed=seed, dp_rank=dp_rank, dp=s.dp)
     schedule = None

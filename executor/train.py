@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from cost_models.errors import ConfigError
 from cost_models.models.losses import compute_loss
-from cost_models.models.source import DTYPES, meta_forward_context, resolve
+from cost_models.models.source import meta_forward_context, resolve
 from cost_models.records import Record, record
 from cost_models.schedule import DEFAULT_SCHEDULE
 from cost_models.strategy import Strategy
@@ -29,6 +29,7 @@ from executor.measure import CommCounter, peak_memory_bytes
 from executor.runtime import ModelSpec, build_runtime, logits_of
 from executor.stages import UnitMap, canonical_names, state_maps
 from executor.weights import load_weights
+from executor.zero import Precision, mixed_precision
 from planner.plan import Plan
 from planner.run_record import RankResult
 
@@ -97,12 +98,15 @@ def batch_source(cfg: TrainConfig, example: torch.Tensor, out_shape: tuple[int, 
     return lambda step: synthetic_batch(cfg, example, out_shape, global_batch, step, loss)
 
 
+def _precision(strategy: Strategy) -> Precision:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return mixed_precision(strategy.precision, device, strategy.pp)
+
+
 def _setup(cfg: TrainConfig, strategy: Strategy):
     """(model spec, one micro-batch of example input, the output's shape, the loss kind) for the plan's model."""
     source = resolve(cfg.model_source)
-    dtype = DTYPES["fp32" if strategy.precision == "fp32" else "bf16"]
-    if strategy.precision != "fp32" and not torch.cuda.is_available():
-        dtype = torch.float32  # bf16-mixed on CPU ranks runs in fp32 (the planner plans CPU demos in fp32)
+    dtype = _precision(strategy).build
     spec = ModelSpec(build=lambda: source.build(device=None, dtype=dtype, seed=cfg.seed),
                      units=UnitMap.of([u for st in strategy.stages for u in st], cfg.unit_modules),
                      tp_rules=cfg.tp_rules)
@@ -137,7 +141,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
                        optimizer_fn=optimizer_for(strategy, cfg.lr), example=example, seed=cfg.seed, device=device,
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                        loading=bool(cfg.init_from and not cfg.resume_from),
-                       builtin_cross_entropy=loss == "cross_entropy")
+                       builtin_cross_entropy=loss == "cross_entropy", compute=_precision(strategy).compute)
     if cfg.init_from and not cfg.resume_from:
         load_weights(rt.params_by_name, rt.buffers_by_name, Path(cfg.init_from), trusted=cfg.trust_checkpoint)
     restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0

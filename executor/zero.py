@@ -37,6 +37,33 @@ from torch import nn
 OptimizerFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """How a plan's precision runs on this device (mixed_precision)."""
+
+    build: torch.dtype                   # the dtype the model's parameters are built in
+    compute: torch.dtype | None = None   # mixed precision: the dtype forward and backward compute in
+
+
+def mixed_precision(precision: str, device: torch.device, pp: int) -> Precision:
+    """bf16-mixed on GPUs as torchtitan runs it (torchtitan/distributed/utils.py maybe_enable_amp, and the FSDP2
+    MixedPrecisionPolicy of its parallelize functions): the parameters stay fp32 (the master weights; gradients
+    and Adam's moments follow their dtype) and compute runs in bf16, through FSDP2's MixedPrecisionPolicy where
+    FSDP2 holds the parameters (ZeRO-2/3), else under torch.autocast. Gradients are reduced in bf16, the
+    2 bytes per parameter the cost model charges (Rajbhandari et al. 2020 reduce fp16 gradients; torchtitan's
+    default reduces in fp32).
+
+    Not yet for pipelines (pp > 1): their stages exchange activations through receive buffers allocated ahead in
+    one dtype (executor.pipeline stage_io), and under autocast a stage's output dtype depends on its last op (a
+    residual add stays fp32, a Linear's output is bf16); their models are built in plain bf16 (no fp32 master
+    weights). CPU ranks run bf16-mixed plans in fp32: bf16 matmuls on CPU run far below fp32's rate."""
+    if precision == "fp32" or device.type != "cuda":
+        return Precision(build=torch.float32)
+    if pp > 1:
+        return Precision(build=torch.bfloat16)
+    return Precision(build=torch.float32, compute=torch.bfloat16)
+
+
 @dataclass
 class Wrapped:
     modules: list[nn.Module]            # what the schedule / loop calls (DDP, FSDP or plain stages)
@@ -44,21 +71,27 @@ class Wrapped:
     manual_grad_sync: bool               # all-reduce gradients over dp after backward (pipelined ZeRO-0/1)
     ddp: bool = False
     params: list[nn.Parameter] = field(default_factory=list)
+    autocast: torch.dtype | None = None      # run forward under torch.autocast in this dtype (mixed precision)
+    reduce_dtype: torch.dtype | None = None  # manual_grad_sync: all-reduce gradients cast to this dtype
 
 
 def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn,
-         unit_groups: list[list[nn.Module]] | None = None, tp: int = 1) -> Wrapped:
+         unit_groups: list[list[nn.Module]] | None = None, tp: int = 1, compute: torch.dtype | None = None) -> Wrapped:
     """Apply the mapping to this rank's modules (pp = 1: the model itself; else its stages) and build the optimizer
     over its (local) parameters. `unit_groups` (pp = 1): the modules of each unit, sharded one FSDP2 group each.
-    `tp` > 1: the modules are already split over the tp mesh (executor.tensor_parallel)."""
+    `tp` > 1: the modules are already split over the tp mesh (executor.tensor_parallel). `compute`: mixed
+    precision's compute dtype (mixed_precision): FSDP2 casts for it, else Wrapped.autocast asks the caller to."""
     dp = dp_mesh.size() if dp_mesh is not None else 1
     if dp == 1:
         params = [p for st in modules for p in st.parameters()]
-        return Wrapped(modules=list(modules), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params)
+        return Wrapped(modules=list(modules), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params,
+                       autocast=compute)
     group = dp_mesh.get_group()
     if zero >= 2:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         raf = zero == 3
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if compute else MixedPrecisionPolicy()
+        fully_shard = functools.partial(fully_shard, mp_policy=mp)
         if pp == 1:
             # One FSDP group per pipeline unit: gather one at a time, prefetch the next. A unit holding a parameter
             # shared with another unit (a tied embedding) is left to the root's group: FSDP2 would otherwise shard
@@ -76,6 +109,9 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
     if pp == 1 and tp == 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
         wrapped: list[nn.Module] = [DDP(st, process_group=group, gradient_as_bucket_view=True) for st in modules]
+        if compute is not None:   # reduce in the compute dtype (mixed_precision)
+            for d in wrapped:
+                d.register_comm_hook((group, compute), _low_precision_reduce)
         manual = False
     else:
         wrapped, manual = list(modules), True
@@ -88,7 +124,8 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
         optimizer = _zero_optimizer(tp)(params, optimizer_class=type(template), process_group=group, **kwargs)
     else:
         optimizer = optimizer_fn(params)
-    return Wrapped(modules=wrapped, optimizer=optimizer, manual_grad_sync=manual, ddp=not manual, params=params)
+    return Wrapped(modules=wrapped, optimizer=optimizer, manual_grad_sync=manual, ddp=not manual, params=params,
+                   autocast=compute, reduce_dtype=compute)
 
 
 def _zero_optimizer(tp: int) -> type:
@@ -147,11 +184,32 @@ def _shared_param_ids(groups: list[list[nn.Module]]) -> set[int]:
     return shared
 
 
-def all_reduce_grads(params: list[nn.Parameter], group) -> None:
-    """Average gradients over the data-parallel group (the pipelined ZeRO-0/1 mapping)."""
+def _low_precision_reduce(state, bucket):
+    """A DDP communication hook (state: (group, dtype)): all-reduce the bucket's gradients cast to dtype (their
+    mean), then copy them back. torch's bf16_compress_hook does the same but refuses anything but NCCL >= 2.10
+    (torch 2.13), gloo included."""
+    group, dtype = state
+    low = bucket.buffer().to(dtype).div_(dist.get_world_size(group))
+    future = dist.all_reduce(low, group=group, async_op=True).get_future()
+
+    def back(fut):
+        out = bucket.buffer()
+        out.copy_(fut.value()[0])
+        return out
+    return future.then(back)
+
+
+def all_reduce_grads(params: list[nn.Parameter], group, dtype: torch.dtype | None = None) -> None:
+    """Average gradients over the data-parallel group (the pipelined ZeRO-0/1 mapping), in `dtype` if given."""
     for p in params:
         if p.grad is not None:   # a tensor-parallel gradient: its local shard (the dp peers hold the same slice)
-            dist.all_reduce(_local(p.grad), op=dist.ReduceOp.AVG, group=group)
+            grad = _local(p.grad)
+            if dtype is None or grad.dtype == dtype:
+                dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=group)
+            else:
+                low = grad.to(dtype)
+                dist.all_reduce(low, op=dist.ReduceOp.AVG, group=group)
+                grad.copy_(low)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
