@@ -4,6 +4,7 @@
 # `planner run` of it (NCCL, bf16-mixed as torch's mixed precision, CUDA memory) and of the same plan in fp32,
 # the demo (CPU ranks: it leaves the GPUs alone) and the quick tests (they hide the GPUs, as CI has none).
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]   (default gpu-check/); every command's output lands in OUT_DIR/log.
+# QUICK=1 stops after predicted against measured (no demo, no tests).
 set -u
 OUT=${1:-gpu-check}
 mkdir -p "$OUT"
@@ -26,7 +27,7 @@ step "planner profile-cluster ($GPUS GPUs)"
 timeout 120 planner profile-cluster -o "$OUT/cluster.json" -f
 step "planner profile $MODEL on the GPU"
 timeout 150 planner profile --model "$MODEL" -b "$B" -s "$S" --dtype bf16 --cluster "$OUT/cluster.json" -o "$OUT/profile.json" -f | tail -8
-python3 -c "import json; m=json.load(open('$OUT/profile.json'))['model']; print('profile device', m['device'], m.get('device_name'), 'in_model_factor', round(m['in_model_factor'], 3))"
+python3 -c "import json; m=json.load(open('$OUT/profile.json'))['model']; print('profile device', m['device'], m.get('device_name'), 'in_model_factor', round(m['in_model_factor'], 3), 'mixed_factor', round(m.get('mixed_factor', 1), 3), 'transient MiB', {u['name']: round(u.get('transient_bytes', 0) / 2**20) for u in m['units'][:2] + m['units'][-1:]})"
 step "planner plan -B $GLOBAL --gpus $GPUS"
 timeout 90 planner plan "$OUT/profile.json" -B "$GLOBAL" --gpus "$GPUS" -o "$OUT/plan.json" -f --no-report | tail -25
 step "planner run plan.json (bf16-mixed)"
@@ -57,6 +58,7 @@ for name in ("run.json", "run32.json"):
         unit = 1e3 if m["unit"] == "s" else 2**-20
         print(f"  {m['quantity']:<40} predicted {m['predicted']*unit:12.1f}  measured {m['measured']*unit:12.1f}  {'ms' if m['unit']=='s' else 'MiB'}")
 PY
+if [ "${QUICK:-0}" = 1 ]; then step "done (QUICK=1)"; exit 0; fi
 step "planner demo (CPU ranks)"
 (cd "$(mktemp -d)" && timeout 120 planner demo | tail -30)
 step "quick tests (GPUs hidden)"

@@ -255,18 +255,25 @@ def _measure_compute(cfg: ProbeConfig, device: torch.device) -> dict[str, Any]:
     n = cfg.matmul_n or (8192 if device.type == "cuda" else 512)
     dist.barrier()
     together = torch.tensor([_matmul_rate(n, dtype, cfg.matmul_seconds, device)], dtype=torch.float64)
-    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    gathered = [_on(torch.zeros(1, dtype=torch.float64), device) for _ in range(world)]  # NCCL: on the GPU
     dist.all_gather(gathered, _on(together, device))
     dist.barrier()
     alone = _matmul_rate(n, dtype, cfg.matmul_seconds, device) if dist.get_rank() == 0 else 0.0
     dist.barrier()
+    # GPUs also in fp32 (plans in fp32 compute there, at a fraction of the bf16 rate; torch leaves TF32 off);
+    # CPU ranks probe fp32 already
+    on_gpu = device.type == "cuda" and dtype != torch.float32
+    fp32 = _matmul_rate(n, torch.float32, cfg.matmul_seconds, device) if on_gpu else 0.0
+    fp32s = [_on(torch.zeros(1, dtype=torch.float64), device) for _ in range(world)]  # NCCL: on the GPU
+    dist.all_gather(fp32s, _on(torch.tensor([fp32], dtype=torch.float64), device))
+    dist.barrier()
     # 64 MiB per buffer: far beyond any cache, so this is DRAM / HBM bandwidth with all ranks copying.
     copy = torch.tensor([_copy_rate(16 * MIB, cfg.matmul_seconds, device)], dtype=torch.float64)
-    copies = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    copies = [_on(torch.zeros(1, dtype=torch.float64), device) for _ in range(world)]  # NCCL: on the GPU
     dist.all_gather(copies, _on(copy, device))
     dist.barrier()
     return {"matmul_n": n, "flops_together": [float(t.item()) for t in gathered], "flops_alone": alone,
-            "copy_Bps": [float(t.item()) for t in copies]}
+            "copy_Bps": [float(t.item()) for t in copies], "flops_fp32_together": [float(t.item()) for t in fp32s]}
 
 
 def _intra_fits(raw: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[float, float]]:
@@ -330,12 +337,10 @@ def run_local_probe(ranks: int, cfg: ProbeConfig) -> dict[str, Any]:
     return results[0]
 
 
-def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, notes: list[str], dtype: str) -> ClusterProfile:
-    """Fit every (op, scope, group) series and describe the device and links the fits imply."""
-    from cost_models.presets import PRESETS
-
+def _fits(raw: list[dict[str, Any]]) -> list[CollectiveFit]:
+    """One alpha-beta fit per (op, scope, group size) series of the probe's rows."""
     series: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-    for r in raw["raw"]:
+    for r in raw:
         series.setdefault((r["op"], r["scope"], r["group_size"]), []).append(r)
     fits = []
     for (op, scope, g), rows in series.items():
@@ -344,6 +349,14 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
                                   samples=tuple(Sample(size_bytes=r["size_bytes"], seconds=r["seconds"],
                                                        spread_s=r["spread_s"], median_s=r.get("median_s"))
                                                 for r in rows)))
+    return fits
+
+
+def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, notes: list[str], dtype: str) -> ClusterProfile:
+    """Fit every (op, scope, group) series and describe the device and links the fits imply."""
+    from cost_models.presets import PRESETS
+
+    fits = _fits(raw["raw"])
     together = statistics.median(raw["flops_together"])
     compute = ComputeProbe(dtype=dtype, matmul_n=raw["matmul_n"], ranks=raw["world"],
                            threads_per_rank=raw["threads_per_rank"], flops_per_rank=together, flops_alone=raw["flops_alone"],
@@ -358,8 +371,12 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
                             memory_bandwidth_Bps=known.memory_bandwidth_Bps)
     else:
         mem = int(raw["device_memory"]) if gpu else psutil.virtual_memory().total // local_world
+        rates = {dtype: together}
+        fp32 = statistics.median(raw.get("flops_fp32_together") or [0.0])
+        if fp32 > 0:
+            rates["fp32"] = fp32
         device = DeviceSpec(name=raw["device_name"], kind="gpu" if gpu else "cpu", memory_bytes=mem,
-                            peak_flops={dtype: together}, matmul_efficiency=1.0,
+                            peak_flops=rates, matmul_efficiency=1.0,
                             source="measured: matmul rate of one rank while all ranks run (no datasheet peak)",
                             memory_bandwidth_Bps=compute.copy_Bps)
         if not gpu:

@@ -1,7 +1,8 @@
 """A unit's forward and backward time on the target device (pure functions).
 
 Two sources, in order of trust:
-  1. measured: the profile was taken in real mode on the device the cluster has (CPU ranks, or its GPU model). Each unit
+  1. measured: the profile was taken in real mode on the device the cluster has (CPU ranks, or its GPU model), in
+     the dtype the plan computes in (executed_dtype). Each unit
      was timed at the profile's micro-batch B and at one sample, giving t(b) = t1 + (tB - t1) (b - 1) / (B - 1):
      a fixed per-call cost (kernel launches, Python) plus per-sample work; with one timing only, t scales with b
      as FLOPs do. Times scale by the profile's in_model_factor (units timed alone run with a warm cache; the
@@ -33,11 +34,20 @@ GEMM_N_HALF = 128   # columns per rank at which a GEMM runs at half its large-si
 COMPUTE_DTYPE = {"bf16-mixed": "bf16", "fp32": "fp32"}
 
 
-def uses_measured_times(profile: ModelProfile, cluster: ClusterProfile) -> bool:
-    """Measured times hold for the device they were measured on: CPU ranks, or GPUs of the profile's own model (an
-    H200's times would mislead for an A100 cluster, which gets the FLOPs route)."""
+def executed_dtype(precision: str, device_kind: str) -> str:
+    """The dtype a plan's units compute in: CPU ranks run every plan in fp32 (executor.zero.mixed_precision), GPUs
+    in the plan's compute dtype."""
+    return "fp32" if device_kind == "cpu" else COMPUTE_DTYPE.get(precision, "bf16")
+
+
+def uses_measured_times(profile: ModelProfile, cluster: ClusterProfile, precision: str) -> bool:
+    """Measured times hold for the device and dtype they were measured in: CPU ranks, or GPUs of the profile's own
+    model (an H200's times would mislead for an A100 cluster) computing in the profile's dtype. On an H200 a
+    gpt2-small plan in fp32 priced from its bf16 profile was predicted at 101 ms and ran 590 ms; the FLOPs route
+    prices it at the probe's fp32 matmul rate."""
     same_gpu = profile.device != "gpu" or not profile.device_name or profile.device_name == cluster.device.name
     return (profile.mode == "real" and profile.device == cluster.device.kind and same_gpu
+            and profile.dtype == executed_dtype(precision, cluster.device.kind)
             and all(u.fwd_time is not None for u in profile.units))
 
 
@@ -50,19 +60,22 @@ def contention(cluster: ClusterProfile, ranks_running: float) -> float:
     return max(1.0, ranks_running / cores_eff)
 
 
-def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_running: float) -> float:
+def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_running: float, mixed: bool) -> float:
     """A measured unit time's slowdown on a rank: contention, a profile taken with more threads than a rank has,
-    and the units' cache advantage when timed alone (profile.in_model_factor)."""
+    the units' cache advantage when timed alone (profile.in_model_factor), and under torch's mixed precision
+    (memory.torch_mixed) its casts and fp32 ops (profile.mixed_factor)."""
     threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1)
-    return contention(cluster, ranks_running) * max(1.0, threads) * profile.in_model_factor
+    mixed_factor = profile.mixed_factor if mixed else 1.0
+    return contention(cluster, ranks_running) * max(1.0, threads) * profile.in_model_factor * mixed_factor
 
 
 def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, *, micro_batch_size: int,
-               precision: str, ranks_running: float) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch of `micro_batch_size` through `unit`."""
+               precision: str, ranks_running: float, mixed: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch of `micro_batch_size` through `unit`; `mixed`: the plan runs
+    in torch's mixed precision (memory.torch_mixed)."""
     scale = micro_batch_size / profile.micro_batch_size
-    if uses_measured_times(profile, cluster):
-        factor = _measured_factor(profile, cluster, ranks_running)
+    if uses_measured_times(profile, cluster, precision):
+        factor = _measured_factor(profile, cluster, ranks_running, mixed)
         return (_at_batch(unit.fwd_time, unit.fwd_time_one, profile.micro_batch_size, micro_batch_size) * factor,
                 _at_batch(unit.bwd_time, unit.bwd_time_one, profile.micro_batch_size, micro_batch_size) * factor)
     dtype = COMPUTE_DTYPE.get(precision, "bf16")
@@ -80,15 +93,16 @@ def gemm_width_efficiency(width: int, tp: int) -> float:
 
 
 def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, *, micro_batch_size: int,
-                  precision: str, ranks_running: float, tp: int, vocab: bool) -> tuple[float, float, float]:
+                  precision: str, ranks_running: float, tp: int, vocab: bool,
+                  mixed: bool = False) -> tuple[float, float, float]:
     """(forward, backward, attention-core forward) seconds of one micro-batch through `unit` on one of tp ranks
     (module doc), without the collectives; the core's forward is what selective recompute adds to the backward."""
     tu = unit.tp
     flops = max(1, unit.fwd_flops)
     split = min(1.0, (tu.split_flops + (tu.vocab_flops if vocab else 0)) / flops) if tu and tp > 1 else 0.0
     core = (tu.core_flops / flops) if tu else 0.0
-    if uses_measured_times(profile, cluster):
-        factor = _measured_factor(profile, cluster, ranks_running)
+    if uses_measured_times(profile, cluster, precision):
+        factor = _measured_factor(profile, cluster, ranks_running, mixed)
         share = 1 - split + split / tp
         out = []
         for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)):
@@ -97,7 +111,7 @@ def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProf
         fwd_work = _affine(unit.fwd_time, unit.fwd_time_one, profile.micro_batch_size, micro_batch_size)[1]
         return out[0], out[1], fwd_work * core / tp * factor
     fwd, bwd = unit_times(unit, profile, cluster, micro_batch_size=micro_batch_size, precision=precision,
-                          ranks_running=ranks_running)
+                          ranks_running=ranks_running, mixed=mixed)
     width = profile.tensor_parallel.hidden if profile.tensor_parallel else 0
     share = 1 - split + split / (tp * gemm_width_efficiency(width, tp))
     return fwd * share, bwd * share, fwd * core / (tp * gemm_width_efficiency(width, tp))

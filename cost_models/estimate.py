@@ -184,6 +184,7 @@ class _Context:
     tp_vocab: bool = False      # the embedding and head split on the vocabulary at this tp
     tp_cost: tuple[tuple[float, float], ...] = ()  # per op in TP_OPS: (s per call, s per profile byte) over tp
     calibration: Calibration = Calibration()       # the cluster's, or the neutral one
+    mixed: bool = False         # torch's mixed precision (memory.torch_mixed): fp32 masters, bf16 compute
 
     @staticmethod
     def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> "_Context":
@@ -205,7 +206,7 @@ class _Context:
                         overheads=overheads, calibration=cal,
                         unit_index={u.name: i for i, u in enumerate(profile.units)},
                         tp_on=s.tp > 1 or s.selective, tp_vocab=bool(shape) and vocab_divides(shape, s.tp),
-                        tp_cost=tp_cost)
+                        tp_cost=tp_cost, mixed=torch_mixed(s.precision, cluster.device.kind, s.pp))
 
 
 def compute_dtype(precision: str) -> str:
@@ -254,7 +255,7 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     selective = s.selective and not recompute
     f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
         u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-        ranks_running=busy_ranks(s), tp=s.tp, vocab=c.tp_vocab))
+        ranks_running=busy_ranks(s), tp=s.tp, vocab=c.tp_vocab, mixed=c.mixed))
     saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective)
     if selective:
         b += core
@@ -299,7 +300,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
             _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
         entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {})
     key = (name, s.micro_batch_size, s.precision, busy_ranks(s), s.tp, s.sp, s.selective, recompute, c.tp_on,
-           c.tp_vocab, s.optimizer)
+           c.tp_vocab, s.optimizer, c.mixed)
     hit = entry[2].get(key)
     if hit is None:
         u = c.profile.unit(name)
@@ -310,7 +311,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
         else:
             f, b = (t * c.calibration.compute_scale for t in unit_times(
                 u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-                ranks_running=busy_ranks(s)))
+                ranks_running=busy_ranks(s), mixed=c.mixed))
             hit = (f, b, _saved(c, u), ())
         entry[2][key] = hit
     return hit
@@ -597,7 +598,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         stages=stages, memory_per_rank=memory, capacity_bytes=cluster.device.memory_bytes,
         fits=max(m.total_bytes for m in memory) <= cluster.device.memory_bytes,
         comm=_comm_volume(c, stages, dp_bytes),
-        compute_source="measured" if uses_measured_times(profile, cluster) else "flops",
+        compute_source="measured" if uses_measured_times(profile, cluster, s.precision) else "flops",
         pipeline_order=format_order(s.action_order()) if per_rank else {},
         calibrated_by=cluster.calibration.describe() if cluster.calibration else "")
 
@@ -715,11 +716,15 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
     s = c.s
     params = sum(st.params for st in mine)
     largest = max(st.largest_unit_params for st in mine)
-    mixed = torch_mixed(s.precision, c.cluster.device.kind, s.pp)
+    mixed = c.mixed
     p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer, mixed=mixed)
     buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
                                 param_bytes=c.param_bytes, grad_bytes=c.grad_bytes)
     buffers += autocast_copy_bytes(params, mixed=mixed, zero=s.zero, dp=s.dp)
+    # the largest transient of its units (profile.UnitProfile.transient_bytes, measured on GPUs): an LM head's
+    # backward runs while every micro-batch in flight still holds its activations. Under tensor parallelism taken
+    # as split tp ways (the vocabulary-split head's logits, the column-split MLP's intermediate): an approximation
+    buffers += max(c.profile.unit(u).transient_bytes for st in mine for u in st.units) * c.act_scale / s.tp
     activations = peak_activations + max(st.working_set_bytes for st in mine)
     shares = None
     numels = [n for st in mine for u in st.units

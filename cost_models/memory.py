@@ -27,6 +27,9 @@ the same bytes under another label). Buffers, the unsharded tensors FSDP2 holds 
     backward: the full parameters, and one unit's gradients;
   * under a pipeline, torch's stage defers FSDP gradient sync to the end of the step, so ZeRO-2/3 stages hold
     the unsharded parameters and gradients of the whole stage while micro-batches run.
+Also among the buffers: torch.autocast's bf16 weight copies under mixed precision (autocast_copy_bytes), and the
+largest transient a rank's units allocate in forward + backward beyond what they keep (an LM head's float logits
+and their gradient; measured by the profiler on GPUs, profile.UnitProfile.transient_bytes).
 Overhead: a fixed per-process amount, OVERHEAD_BYTES by device kind.
 
 Tensor parallelism over t ranks (Shoeybi et al. 2019, "Megatron-LM", section 3): the parameters of the split

@@ -139,6 +139,9 @@ class UnitProfile(Record):
                                          # None: not measured (units that do not chain), summed per unit instead
     saved_fixed_bytes: int = 0           # of saved_bytes, what does not grow with the batch (position ids, masks):
                                          # from a second count on one sample (memory.saved_at); 0 in older files
+    transient_bytes: int = 0             # GPU real mode: the peak the unit's forward + backward allocates beyond what
+                                         # it saves, outputs and leaves as gradients (an LM head's float logits and
+                                         # their gradient); 0 on CPU (no allocator statistics), meta and older files
 
 
 @record
@@ -190,6 +193,11 @@ class ModelProfile(Record):
     # thread: whole model 15.3 ms, units 14.0 ms). compute.unit_times scales measured times by it; 1.0 in meta
     # profiles and in files written before it was recorded.
     in_model_factor: float = 1.0
+    # real mode on a GPU in bf16: the whole model with fp32 parameters under torch.autocast (torch's mixed precision,
+    # as the executor runs bf16-mixed: memory.torch_mixed) timed end to end, over the same in plain bf16 (its casts
+    # of the weights, fp32 norms, softmax and loss). compute.unit_times scales by it under mixed precision; 1.0
+    # elsewhere and in files written before it was recorded.
+    mixed_factor: float = 1.0
     device: str                          # where real mode ran: "cpu" | "gpu" (a cluster's device kinds) | "meta"
     device_name: str = ""                # a GPU profile's torch.cuda.get_device_name(); "" on CPU and in older files
     threads: int

@@ -140,8 +140,9 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
     _check_non_negative(p, path, where, fix)  # before the sums below, which a negative part would confuse
     if not p.units:
         _fail(where, f"{path}.units", [], "at least one unit", fix)
-    if not 0 < p.in_model_factor <= 10:   # a whole model timed 10x its units' sum is a broken measurement
-        _fail(where, f"{path}.in_model_factor", p.in_model_factor, "a ratio in (0, 10]", fix)
+    for name in ("in_model_factor", "mixed_factor"):   # a whole model timed 10x its reference is a broken measurement
+        if not 0 < getattr(p, name) <= 10:
+            _fail(where, f"{path}.{name}", getattr(p, name), "a ratio in (0, 10]", fix)
     names: dict[str, int] = {}
     for i, u in enumerate(p.units):
         at = f"{path}.units[{i}]"

@@ -660,9 +660,10 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
     benchmark runs them all); request.schedules / micro_batch_sizes / max_v / tp_degrees narrow the space."""
     req = request
     gpus = req.resolved_gpus(cluster)
-    # one rank computing: no plan's units run faster (estimate.busy_ranks >= 1), so the bounds stay lower bounds
+    # one rank computing: no plan's units run faster (estimate.busy_ranks >= 1), so the bounds stay lower bounds;
+    # mixed precision's factor only where it makes units faster, for the same reason
     unit_fb = [unit_times(u, profile, cluster, micro_batch_size=profile.micro_batch_size, precision=req.precision,
-                          ranks_running=1) for u in profile.units]
+                          ranks_running=1, mixed=profile.mixed_factor < 1) for u in profile.units]
     parts = _Partitions(profile, unit_fb)
     unit_cost = parts.unit_cost
     tp = search_tp(profile, cluster, gpus, req)

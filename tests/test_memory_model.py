@@ -122,12 +122,12 @@ def test_a_gpu_profiles_times_hold_for_its_own_gpu_model_only(tiny_profiles):
     h100 = preset("dgx-h100")
     on_h100 = dataclasses.replace(tiny_profiles["gpt-tiny", False], device="gpu", device_name=h100.device.name)
     on_h200 = dataclasses.replace(on_h100, device_name="NVIDIA H200")
-    assert uses_measured_times(on_h100, h100) and not uses_measured_times(on_h200, h100)
+    assert uses_measured_times(on_h100, h100, "fp32") and not uses_measured_times(on_h200, h100, "fp32")
     u = on_h100.unit("blocks.1")
-    assert unit_times(u, on_h100, h100, micro_batch_size=2, precision="bf16-mixed", ranks_running=8)[0] == \
+    assert unit_times(u, on_h100, h100, micro_batch_size=2, precision="fp32", ranks_running=8)[0] == \
         pytest.approx(u.fwd_time.median_s * on_h100.in_model_factor)
-    rate = h100.device.peak_flops["bf16"] * h100.device.matmul_efficiency
-    assert unit_times(u, on_h200, h100, micro_batch_size=2, precision="bf16-mixed", ranks_running=8)[0] == \
+    rate = h100.device.peak_flops["fp32"] * h100.device.matmul_efficiency
+    assert unit_times(u, on_h200, h100, micro_batch_size=2, precision="fp32", ranks_running=8)[0] == \
         pytest.approx(u.fwd_flops / rate)
 
 

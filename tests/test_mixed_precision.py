@@ -119,3 +119,40 @@ def test_mixed_precision_computes_in_bf16_and_keeps_fp32_masters_on_two_ranks(ti
             assert mixed["losses"] != pytest.approx(plain["losses"], rel=1e-6), s.zero   # bf16 did run
             expected = executor_state_bytes(psi, 2, s.zero, "bf16-mixed", "adamw", mixed=True)
             assert tuple(mixed["states"]) == pytest.approx(expected, rel=1e-6), (s.zero, rank)
+
+
+def test_gpu_profile_times_price_only_their_own_dtype_and_mixed_plans_pay_the_measured_autocast_factor(tiny_profiles):
+    """A bf16 profile timed on a GPU (fields set by hand: CI has none) prices bf16-mixed plans with its unit times,
+    times its mixed_factor where torch's mixed precision runs (no pipeline), and fp32 plans by FLOPs at the fp32
+    rate: on an H200 an fp32 gpt2-small plan priced from bf16 times was predicted at 101 ms and ran 590 ms."""
+    h100 = preset("dgx-h100")
+    gpu = dataclasses.replace(tiny_profiles["gpt-tiny", False], device="gpu", device_name=h100.device.name,
+                              dtype="bf16")
+    slower = dataclasses.replace(gpu, mixed_factor=2.0)
+    flat, piped = S(dp=1), S(dp=1, pp=2)
+    base, mixed = estimate(flat, gpu, h100), estimate(flat, slower, h100)
+    assert base.compute_source == mixed.compute_source == "measured"
+    assert mixed.stages[0].fwd_s == pytest.approx(2 * base.stages[0].fwd_s)
+    assert mixed.stages[0].bwd_s == pytest.approx(2 * base.stages[0].bwd_s)
+    # a pipeline runs plain bf16: no autocast, no factor
+    assert estimate(piped, slower, h100).stages[0].fwd_s == pytest.approx(estimate(piped, gpu, h100).stages[0].fwd_s)
+    fp32 = estimate(S(dp=1, precision="fp32"), slower, h100)
+    assert fp32.compute_source == "flops"
+    rate = h100.device.peak_flops["fp32"] * h100.device.matmul_efficiency
+    assert fp32.stages[0].fwd_s == pytest.approx(sum(u.fwd_flops for u in gpu.units) / rate)
+
+
+def test_a_measured_transient_adds_to_the_ranks_that_hold_its_unit(tiny_profiles):
+    """The profiler measures transients on GPUs only; set by hand here: 1 MiB in the head at the profile's
+    micro-batch, twice that at a micro-batch twice as large, only on the pipeline rank holding the head."""
+    prof = tiny_profiles["gpt-tiny", True]
+    with_head = dataclasses.replace(prof, units=tuple(
+        dataclasses.replace(u, transient_bytes=2**20 if u.name == "head" else 0) for u in prof.units))
+    cluster = preset("dgx-h100")
+    flat = S(dp=1, precision="fp32")
+    for s, factor in ((flat, 1), (dataclasses.replace(flat, micro_batch_size=4), 2)):
+        before, after = estimate(s, prof, cluster), estimate(s, with_head, cluster)
+        assert after.memory_per_rank[0].buffers - before.memory_per_rank[0].buffers == factor * 2**20
+    piped = S(dp=1, pp=2, precision="fp32")
+    before, after = estimate(piped, prof, cluster).memory_per_rank, estimate(piped, with_head, cluster).memory_per_rank
+    assert after[0].buffers == before[0].buffers and after[1].buffers - before[1].buffers == 2**20
