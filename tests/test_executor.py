@@ -154,13 +154,16 @@ def test_run_refuses_a_plan_this_machine_cannot_host(tmp_path):
     from planner.request import PlanRequest
     from planner.search import plan as make_plan
     prof = profile_model(resolve("llama2-7b"), micro_batch_size=1, seq_len=64, meta=True, dtype="bf16")
-    big = make_plan(prof, preset("dgx-h100", nodes=8), PlanRequest(gpus=64, global_batch_size=64))
+    ranks = 64   # more than executor.launch.check_fits_here lets one machine's cores host: max(8, 4 x cores)
+    while ranks <= max(8, 4 * (os.cpu_count() or 1)):   # (on a 16-core machine 64 ranks pass, and memory refuses)
+        ranks *= 2
+    big = make_plan(prof, preset("dgx-h100", nodes=ranks // 8), PlanRequest(gpus=ranks, global_batch_size=ranks))
     path = tmp_path / "plan.json"
     from cost_models.fileio import dumps, write_atomic
     write_atomic(path, dumps(big.to_dict()))
     res = CliRunner().invoke(app, ["run", str(path), "-o", "-"])
     assert res.exit_code == 2
-    assert res.stderr.strip().startswith("error: the plan puts 64 ranks on this node")
+    assert res.stderr.strip().startswith(f"error: the plan puts {ranks} ranks on this node")
     small = make_plan(prof, preset("dgx-h100"), PlanRequest(gpus=2, global_batch_size=8))
     write_atomic(path, dumps(small.to_dict()), overwrite=True)
     res = CliRunner().invoke(app, ["run", str(path), "-o", "-"])
