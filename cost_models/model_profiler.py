@@ -370,8 +370,57 @@ def _derive_units(model: nn.Module, list_name: str, order: list[str]) -> list[tu
     return units
 
 
+def _counts_gqa() -> bool:
+    """Whether torch's SDPA FLOP formula takes grouped-query K/V (fewer heads than the query): torch 2.13's does;
+    torch 2.11's asserts 'query/key/value shapes are incompatible' (seen profiling HF Llama, Mistral and Qwen2 on
+    an H200 with torch 2.11)."""
+    try:
+        sdpa_flop_count((1, 4, 2, 8), (1, 2, 2, 8), (1, 2, 2, 8))
+    except AssertionError:
+        return False
+    return True
+
+
+COUNTS_GQA = _counts_gqa()
+
+
+class _ExpandGQA(TorchFunctionMode):
+    """For a torch whose FLOP formulas refuse grouped-query attention: give SDPA K/V repeated to the query's heads,
+    which computes the same attention with the same FLOPs as the formulas count them where they take GQA."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention and len(args) >= 3:
+            q, k, v = args[:3]
+            if k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
+                rep = q.shape[-3] // k.shape[-3]
+                kwargs.pop("enable_gqa", None)
+                args = (q, k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3), *args[3:7])
+        return func(*args, **kwargs)
+
+
+class _FlopCounter(FlopCounterMode):
+    """FlopCounterMode with this module's formulas, repeating grouped-query K/V where torch cannot count them."""
+
+    def __init__(self, expand_gqa: bool) -> None:
+        super().__init__(display=False, custom_mapping=_FLOP_MAPPING)
+        self._expand = _ExpandGQA() if expand_gqa else None
+
+    def __enter__(self):
+        if self._expand:
+            self._expand.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._expand:
+                self._expand.__exit__(*exc)
+
+
 def _flop_counter() -> FlopCounterMode:
-    return FlopCounterMode(display=False, custom_mapping=_FLOP_MAPPING)
+    return _FlopCounter(expand_gqa=not COUNTS_GQA)
 
 
 def _attention_ops(fc: FlopCounterMode) -> set[str]:

@@ -44,3 +44,30 @@ def test_hf_errors_are_one_line():
         resolve("hf:gpt2?n_layer")
     with pytest.raises(ModelSourceError, match="transformers cannot make a config"):
         resolve("hf:not-a-model-type")
+
+
+@pytest.mark.parametrize("meta", [True, False])
+def test_grouped_query_attention_counts_the_same_where_torch_cannot_count_it(monkeypatch, meta):
+    """torch 2.11's SDPA FLOP formula refuses K/V with fewer heads than the query (HF Llama, Mistral and Qwen2 failed
+    to profile on a GPU machine with torch 2.11); there the profiler repeats K/V to the query's heads. Forced on
+    here, with a torch that counts GQA natively: the same FLOPs per unit."""
+    import torch.nn.functional as F
+
+    import cost_models.model_profiler as mp
+    src = resolve(LLAMA)
+    native = profile_model(src, micro_batch_size=2, seq_len=16, meta=meta, repeats=1, warmup=0)
+    monkeypatch.setattr(mp, "COUNTS_GQA", False)
+    grouped = []   # SDPA calls the model made with fewer K/V heads than query heads: what gets repeated
+    forward = mp._ExpandGQA.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention and args[1].shape[-3] < args[0].shape[-3]:
+            grouped.append(args[1].shape[-3])
+        return forward(self, func, types, args, kwargs)
+    monkeypatch.setattr(mp._ExpandGQA, "__torch_function__", spy)
+    expanded = profile_model(src, micro_batch_size=2, seq_len=16, meta=meta, repeats=1, warmup=0)
+    assert grouped and set(grouped) == {2}      # 2 key/value heads for 4 query heads
+    assert native.model_fwd_flops == expanded.model_fwd_flops > 0
+    for a, b in zip(native.units, expanded.units):
+        assert (a.fwd_flops, a.bwd_flops) == (b.fwd_flops, b.bwd_flops), a.name
+    assert native.attention_kernels == expanded.attention_kernels and native.attention_kernels
