@@ -151,7 +151,7 @@ def profile(
     model: str = typer.Option(..., "--model", "-m", help="zoo name (see `planner models`), package.module:factory, or hf:TYPE[?k=v&...]"),
     micro_batch_size: int = typer.Option(..., "--micro-batch-size", "-b", help="sequences per micro-batch"),
     seq_len: int = typer.Option(..., "--seq-len", "-s", help="tokens per sequence"),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp32 | fp16 (parameters and activations)"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, where ranks run fp32; bf16 on a GPU and with --meta) | bf16 | fp32 | fp16"),
     meta: bool = typer.Option(False, "--meta", help="build on the meta device: exact counts, no weights, no timings"),
     device: str = typer.Option("auto", "--device", help="real mode: auto (the GPU when torch sees one, else CPU) | cpu | cuda"),
     units: Optional[str] = typer.Option(None, "--units", help="pipeline units as module names: 'a+b,c,d' ('+' joins modules of one unit)"),
@@ -196,7 +196,7 @@ def profile(
                              device=device, units=units, warmup=warmup, repeats=repeats, threads=threads, command=_command_line(),
                              on_progress=on_progress, on_estimate=on_estimate)
     if cluster == "local":
-        cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats)
+        cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=prof.dtype, sizes=sizes, repeats=repeats)
     if _emit(ProfileFile(model=prof, cluster=cluster_prof), write_to, overwrite, as_json):
         return
     out.print(_table(UNIT_COLUMNS, unit_rows(prof),

@@ -250,30 +250,28 @@ def _measure_collectives(cfg: ProbeConfig, groups: list[tuple[str, list[int]]], 
 
 def _measure_compute(cfg: ProbeConfig, device: torch.device) -> dict[str, Any]:
     """Matmul rate of every rank with all busy and of rank 0 alone, and every rank's copy bandwidth."""
-    world = dist.get_world_size()
-    dtype = _DTYPES[cfg.dtype]
+    dtype = _DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32   # CPU ranks run every plan in fp32
     n = cfg.matmul_n or (8192 if device.type == "cuda" else 512)
     dist.barrier()
-    together = torch.tensor([_matmul_rate(n, dtype, cfg.matmul_seconds, device)], dtype=torch.float64)
-    gathered = [_on(torch.zeros(1, dtype=torch.float64), device) for _ in range(world)]  # NCCL: on the GPU
-    dist.all_gather(gathered, _on(together, device))
-    dist.barrier()
+    together = _gathered(_matmul_rate(n, dtype, cfg.matmul_seconds, device), device)
     alone = _matmul_rate(n, dtype, cfg.matmul_seconds, device) if dist.get_rank() == 0 else 0.0
     dist.barrier()
     # GPUs also in fp32 (plans in fp32 compute there, at a fraction of the bf16 rate; torch leaves TF32 off);
     # CPU ranks probe fp32 already
     on_gpu = device.type == "cuda" and dtype != torch.float32
-    fp32 = _matmul_rate(n, torch.float32, cfg.matmul_seconds, device) if on_gpu else 0.0
-    fp32s = [_on(torch.zeros(1, dtype=torch.float64), device) for _ in range(world)]  # NCCL: on the GPU
-    dist.all_gather(fp32s, _on(torch.tensor([fp32], dtype=torch.float64), device))
-    dist.barrier()
+    fp32s = _gathered(_matmul_rate(n, torch.float32, cfg.matmul_seconds, device) if on_gpu else 0.0, device)
     # 64 MiB per buffer: far beyond any cache, so this is DRAM / HBM bandwidth with all ranks copying.
-    copy = torch.tensor([_copy_rate(16 * MIB, cfg.matmul_seconds, device)], dtype=torch.float64)
-    copies = [_on(torch.zeros(1, dtype=torch.float64), device) for _ in range(world)]  # NCCL: on the GPU
-    dist.all_gather(copies, _on(copy, device))
+    copies = _gathered(_copy_rate(16 * MIB, cfg.matmul_seconds, device), device)
+    return {"matmul_n": n, "flops_together": together, "flops_alone": alone, "copy_Bps": copies,
+            "flops_fp32_together": fp32s}
+
+
+def _gathered(value: float, device: torch.device) -> list[float]:
+    """Every rank's `value`, in rank order (collective; the tensors on the GPU for NCCL), then a barrier."""
+    parts = [_on(torch.zeros(1, dtype=torch.float64), device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, _on(torch.tensor([value], dtype=torch.float64), device))
     dist.barrier()
-    return {"matmul_n": n, "flops_together": [float(t.item()) for t in gathered], "flops_alone": alone,
-            "copy_Bps": [float(t.item()) for t in copies], "flops_fp32_together": [float(t.item()) for t in fp32s]}
+    return [float(t.item()) for t in parts]
 
 
 def _intra_fits(raw: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[float, float]]:
@@ -357,11 +355,12 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
     from cost_models.presets import PRESETS
 
     fits = _fits(raw["raw"])
+    gpu = raw["backend"] == "nccl"
+    dtype = dtype if gpu else "fp32"   # CPU ranks probe (and run) fp32 whatever was asked (_measure_compute)
     together = statistics.median(raw["flops_together"])
     compute = ComputeProbe(dtype=dtype, matmul_n=raw["matmul_n"], ranks=raw["world"],
                            threads_per_rank=raw["threads_per_rank"], flops_per_rank=together, flops_alone=raw["flops_alone"],
                            copy_Bps=statistics.median(raw["copy_Bps"]), **raw.get("overheads", {}))
-    gpu = raw["backend"] == "nccl"
     local_world = raw["local_world"]
     known = next((p.device for p in PRESETS.values() if gpu and p.device.name.split("-")[0] in raw["device_name"]), None)
     if known is not None and dtype in known.peak_flops:

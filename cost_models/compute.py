@@ -31,13 +31,17 @@ from cost_models.profile import ModelProfile, UnitProfile
 
 GEMM_N_HALF = 128   # columns per rank at which a GEMM runs at half its large-size rate (module doc)
 
-COMPUTE_DTYPE = {"bf16-mixed": "bf16", "fp32": "fp32"}
 
 
 def executed_dtype(precision: str, device_kind: str) -> str:
     """The dtype a plan's units compute in: CPU ranks run every plan in fp32 (executor.zero.mixed_precision), GPUs
     in the plan's compute dtype."""
-    return "fp32" if device_kind == "cpu" else COMPUTE_DTYPE.get(precision, "bf16")
+    return "fp32" if device_kind == "cpu" else compute_dtype(precision)
+
+
+def compute_dtype(precision: str) -> str:
+    """The dtype activations are computed and kept in: fp32, or bf16 under mixed precision."""
+    return "fp32" if precision == "fp32" else "bf16"
 
 
 def uses_measured_times(profile: ModelProfile, cluster: ClusterProfile, precision: str) -> bool:
@@ -64,7 +68,9 @@ def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_runni
     """A measured unit time's slowdown on a rank: contention, a profile taken with more threads than a rank has,
     the units' cache advantage when timed alone (profile.in_model_factor), and under torch's mixed precision
     (memory.torch_mixed) its casts and fp32 ops (profile.mixed_factor)."""
-    threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1)
+    # CPU ranks only: a GPU's kernels do not run slower for the host threads the probe's ranks were given
+    cpu = cluster.device.kind == "cpu"
+    threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1) if cpu else 1.0
     mixed_factor = profile.mixed_factor if mixed else 1.0
     return contention(cluster, ranks_running) * max(1.0, threads) * profile.in_model_factor * mixed_factor
 
@@ -78,7 +84,7 @@ def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile
         factor = _measured_factor(profile, cluster, ranks_running, mixed)
         return (_at_batch(unit.fwd_time, unit.fwd_time_one, profile.micro_batch_size, micro_batch_size) * factor,
                 _at_batch(unit.bwd_time, unit.bwd_time_one, profile.micro_batch_size, micro_batch_size) * factor)
-    dtype = COMPUTE_DTYPE.get(precision, "bf16")
+    dtype = executed_dtype(precision, cluster.device.kind)
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
     rate = peak * cluster.device.matmul_efficiency
     return unit.fwd_flops * scale / rate, unit.bwd_flops * scale / rate

@@ -37,7 +37,8 @@ from typing import Callable, Sequence
 from cost_models.cluster import Calibration, ClusterProfile, ComputeProbe, action_seconds
 from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                tp_unit_traffic)
-from cost_models.compute import optimizer_step_time, tp_unit_times, unit_times, uses_measured_times
+from cost_models.compute import (compute_dtype, optimizer_step_time, tp_unit_times, unit_times,
+                                  uses_measured_times)
 from cost_models.memory import (BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, autocast_copy_bytes,
                                  comm_buffer_bytes, executor_state_bytes, held_bytes_per_param, saved_at,
                                  torch_mixed, tp_param_share, tp_saved_bytes, zero1_partition)
@@ -185,10 +186,12 @@ class _Context:
     tp_cost: tuple[tuple[float, float], ...] = ()  # per op in TP_OPS: (s per call, s per profile byte) over tp
     calibration: Calibration = Calibration()       # the cluster's, or the neutral one
     mixed: bool = False         # torch's mixed precision (memory.torch_mixed): fp32 masters, bf16 compute
+    autocast: bool = False      # ... through torch.autocast (no FSDP2 casting for it): unit times pay mixed_factor
 
     @staticmethod
     def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> "_Context":
         p_b, g_b, _ = BYTES_PER_PARAM[(s.precision, s.optimizer)]
+        mixed = torch_mixed(s.precision, cluster.device.kind, s.pp)
         scale = activation_scale(profile, micro_batch_size=s.micro_batch_size, precision=s.precision)
         shape = profile.tensor_parallel
         tp_cost: tuple[tuple[float, float], ...] = ()
@@ -206,12 +209,8 @@ class _Context:
                         overheads=overheads, calibration=cal,
                         unit_index={u.name: i for i, u in enumerate(profile.units)},
                         tp_on=s.tp > 1 or s.selective, tp_vocab=bool(shape) and vocab_divides(shape, s.tp),
-                        tp_cost=tp_cost, mixed=torch_mixed(s.precision, cluster.device.kind, s.pp))
-
-
-def compute_dtype(precision: str) -> str:
-    """The dtype activations are computed and kept in: fp32, or bf16 under mixed precision."""
-    return "fp32" if precision == "fp32" else "bf16"
+                        tp_cost=tp_cost, mixed=mixed,
+                        autocast=mixed and (s.zero < 2 or s.dp == 1))
 
 
 def activation_scale(profile: ModelProfile, *, micro_batch_size: int, precision: str) -> float:
@@ -255,7 +254,7 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     selective = s.selective and not recompute
     f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
         u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-        ranks_running=busy_ranks(s), tp=s.tp, vocab=c.tp_vocab, mixed=c.mixed))
+        ranks_running=busy_ranks(s), tp=s.tp, vocab=c.tp_vocab, mixed=c.autocast))
     saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective)
     if selective:
         b += core
@@ -300,7 +299,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
             _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
         entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {})
     key = (name, s.micro_batch_size, s.precision, busy_ranks(s), s.tp, s.sp, s.selective, recompute, c.tp_on,
-           c.tp_vocab, s.optimizer, c.mixed)
+           c.tp_vocab, s.optimizer, c.autocast)
     hit = entry[2].get(key)
     if hit is None:
         u = c.profile.unit(name)
@@ -311,7 +310,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
         else:
             f, b = (t * c.calibration.compute_scale for t in unit_times(
                 u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-                ranks_running=busy_ranks(s), mixed=c.mixed))
+                ranks_running=busy_ranks(s), mixed=c.autocast))
             hit = (f, b, _saved(c, u), ())
         entry[2][key] = hit
     return hit
@@ -565,6 +564,14 @@ def _tp_step_bytes(s: Strategy, stages: tuple[StageEstimate, ...], pp_rank: int)
 
 # --- the estimate -------------------------------------------------------------------------------------------------
 
+def executed(strategy: Strategy, cluster: ClusterProfile) -> Strategy:
+    """The strategy as the executor runs it: CPU ranks run every plan in fp32 (executor.zero.mixed_precision), so a
+    bf16-mixed plan on CPU ranks is priced, and its bytes counted, as fp32 (it measured 2x the bf16 bytes)."""
+    if cluster.device.kind == "cpu" and strategy.precision != "fp32":
+        return dataclasses.replace(strategy, precision="fp32")
+    return strategy
+
+
 def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *, compact: bool = False,
              per_rank: bool | None = None) -> Estimate:
     """Predict one training step of `strategy` (validated against the profile's units) on `cluster`.
@@ -575,7 +582,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     listings alone: one memory entry per global rank and every rank's action order, or neither (they grow with
     dp x pp and m x pp x v; a plan's alternatives need the split, not the listings)."""
     per_rank = not compact if per_rank is None else per_rank
-    s = strategy
+    s = executed(strategy, cluster)
     s.validate(tuple(u.name for u in profile.units))
     c = _Context.of(s, profile, cluster)
     stages, unit_fb = _stage_pass(c)
@@ -720,7 +727,7 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
     p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer, mixed=mixed)
     buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
                                 param_bytes=c.param_bytes, grad_bytes=c.grad_bytes)
-    buffers += autocast_copy_bytes(params, mixed=mixed, zero=s.zero, dp=s.dp)
+    buffers += autocast_copy_bytes(params, autocast=c.autocast)
     # the largest transient of its units (profile.UnitProfile.transient_bytes, measured on GPUs): an LM head's
     # backward runs while every micro-batch in flight still holds its activations. Under tensor parallelism taken
     # as split tp ways (the vocabulary-split head's logits, the column-split MLP's intermediate): an approximation

@@ -95,10 +95,11 @@ class MemoryBreakdown(Record):
         return super().from_dict({k: v for k, v in data.items() if k != "total_bytes"})
 
 
-def zero_model_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16-mixed",
-                           optimizer: str = "adamw") -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer states) bytes per rank for psi parameters under ZeRO-`zero` over n ranks."""
-    p, g, k = BYTES_PER_PARAM[(precision, optimizer)]
+def zero_model_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16-mixed", optimizer: str = "adamw",
+                           *, per_param: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer states) bytes per rank for psi parameters under ZeRO-`zero` over n ranks
+    (`per_param`: another split than the paper's, held_bytes_per_param)."""
+    p, g, k = per_param or BYTES_PER_PARAM[(precision, optimizer)]
     return (psi * p / (n if zero >= 3 else 1), psi * g / (n if zero >= 2 else 1), psi * k / (n if zero >= 1 else 1))
 
 
@@ -119,18 +120,15 @@ def executor_state_bytes(psi: float, n: int, zero: int, precision: str = "bf16-m
     """Model states as the executor holds them at rest: FSDP2 shards ZeRO-2's parameters too (module doc), so ZeRO-2
     is (P + G + K)Ψ/N here and its gathered PΨ is counted by comm_buffer_bytes: 2Ψ + 16Ψ/N in all for mixed Adam,
     PΨ/N more than the paper's 2Ψ + 14Ψ/N. `mixed` (torch_mixed): torch's split of the same bytes."""
-    if not mixed:
-        return zero_model_state_bytes(psi, n, 3 if zero == 2 and n > 1 else zero, precision, optimizer)
-    p, g, k = TORCH_MIXED_BYTES[optimizer]
-    sharded = zero >= 2 and n > 1
-    return psi * p / (n if sharded else 1), psi * g / (n if sharded else 1), psi * k / (n if zero >= 1 else 1)
+    return zero_model_state_bytes(psi, n, 3 if zero == 2 and n > 1 else zero, precision, optimizer,
+                                  per_param=held_bytes_per_param(precision, optimizer, mixed=mixed))
 
 
-def autocast_copy_bytes(stage_params: float, *, mixed: bool, zero: int, dp: int) -> float:
-    """torch.autocast's bf16 copies of the weights (mixed precision where FSDP2 does not cast): each weight a
-    forward casts is cached until the forward ends and saved for its backward, 2 bytes per parameter (an upper
-    bound: norms and biases are not cast)."""
-    return 2.0 * stage_params if mixed and (zero < 2 or dp == 1) else 0.0
+def autocast_copy_bytes(stage_params: float, *, autocast: bool) -> float:
+    """torch.autocast's bf16 copies of the weights (mixed precision where FSDP2 does not cast: ZeRO-0/1, or one
+    data-parallel rank): each weight a forward casts is cached until the forward ends and saved for its backward,
+    2 bytes per parameter (an upper bound: norms and biases are not cast)."""
+    return 2.0 * stage_params if autocast else 0.0
 
 
 def zero1_partition(numels: list[int], n: int) -> list[int]:

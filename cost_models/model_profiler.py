@@ -386,7 +386,9 @@ COUNTS_GQA = _counts_gqa()
 
 class _ExpandGQA(TorchFunctionMode):
     """For a torch whose FLOP formulas refuse grouped-query attention: give SDPA K/V repeated to the query's heads,
-    which computes the same attention with the same FLOPs as the formulas count them where they take GQA."""
+    which computes the same attention with the same FLOPs as the formulas count them where they take GQA. The
+    counting pass then saves the repeated K/V: on such a torch a GQA model's saved bytes count K/V at the query's
+    head count (an overestimate of that share)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -936,8 +938,6 @@ def _data_flow_edges(unit_defs, capture: _Capture) -> tuple[UnitEdge, ...]:
 
 def _real_device(device: str) -> str:
     """Where real mode runs: `auto` is the GPU when there is one (its times are what GPU ranks run at), else CPU."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda, got {device}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no GPU here; use --device cpu, or --meta to count without timing")
     return "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
@@ -961,6 +961,7 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
                   on_estimate: Callable[[float], None] | None = None) -> ModelProfile:
     """Measure `source` at one micro-batch of (micro_batch_size, seq_len) and return its ModelProfile.
 
+    `dtype` auto: fp32 on CPU (CPU ranks run every plan in fp32), bf16 on a GPU and in meta mode.
     `device` (real mode): auto (the GPU when torch sees one, else the CPU), cpu or cuda; a GPU profile records
     its device's name, and the planner uses its times for clusters of that GPU only (compute.uses_measured_times).
     `threads` sets torch's thread count while measuring (and restores it): real-mode times are only comparable
@@ -977,6 +978,10 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
         return _profile(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
                         device=device, units=units, warmup=warmup, repeats=repeats, command=command,
                         on_progress=on_progress, on_estimate=on_estimate)
+    except torch.cuda.OutOfMemoryError:
+        raise ProfileError(f"the GPU ran out of memory profiling {source.name} at micro-batch {micro_batch_size} x "
+                           f"{seq_len}; use a smaller --micro-batch-size or --seq-len, --device cpu, or --meta to "
+                           f"count without running") from None
     finally:
         torch.set_num_threads(previous)
 
@@ -988,12 +993,17 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         raise ConfigError(f"--micro-batch-size must be positive, got {micro_batch_size}")
     if seq_len <= 0:
         raise ConfigError(f"--seq-len must be positive, got {seq_len}")
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    if dtype not in DTYPES and dtype != "auto":
+        raise ConfigError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {dtype}")
     if repeats < 1 or warmup < 0:
         raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
-    torch_dtype = DTYPES[dtype]
+    if device not in ("auto", "cpu", "cuda"):   # checked in meta mode too: a wrong --device is a mistake either way
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {device}")
     device = "meta" if meta else _real_device(device)
+    # auto: what ranks will compute in: CPU ranks run every plan in fp32, GPUs (and meta profiles, which plan for
+    # them) bf16
+    dtype = ("fp32" if device == "cpu" else "bf16") if dtype == "auto" else dtype
+    torch_dtype = DTYPES[dtype]
     if not meta:
         _check_fits_in_memory(source, torch_dtype, device)
 

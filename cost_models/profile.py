@@ -195,8 +195,9 @@ class ModelProfile(Record):
     in_model_factor: float = 1.0
     # real mode on a GPU in bf16: the whole model with fp32 parameters under torch.autocast (torch's mixed precision,
     # as the executor runs bf16-mixed: memory.torch_mixed) timed end to end, over the same in plain bf16 (its casts
-    # of the weights, fp32 norms, softmax and loss). compute.unit_times scales by it under mixed precision; 1.0
-    # elsewhere and in files written before it was recorded.
+    # of the weights, fp32 norms, softmax and loss). compute.unit_times scales by it where the plan runs through
+    # autocast (ZeRO-0/1 or one data-parallel rank; FSDP2's casting runs plain bf16); 1.0 elsewhere and in files
+    # written before it was recorded.
     mixed_factor: float = 1.0
     device: str                          # where real mode ran: "cpu" | "gpu" (a cluster's device kinds) | "meta"
     device_name: str = ""                # a GPU profile's torch.cuda.get_device_name(); "" on CPU and in older files

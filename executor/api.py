@@ -50,7 +50,8 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
     pipelines need it for their static shapes (default: token ids of the plan's micro-batch size and sequence
     length when the plan is a Plan whose model takes tokens). A bf16-mixed plan without a pipeline computes in
     bf16 on GPUs (FSDP2's MixedPrecisionPolicy or torch.autocast, in Runtime.step): build the model in fp32, its
-    parameters are the master weights (executor.zero.mixed_precision).
+    parameters are the master weights (executor.zero.mixed_precision). With a pipeline, build it in bf16: pipelines
+    run plain bf16 for now, as the estimate prices them.
     """
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)

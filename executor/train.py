@@ -214,7 +214,9 @@ def _count_ddp_buckets(rt, counter: CommCounter) -> None:
     # DDP's reducer all-reduces its buckets from autograd's thread: on CPU that is this thread and the counter saw
     # them; on GPUs it is a device thread the counter does not see, so count the buckets here
     if rt.wrapped.ddp and "all_reduce" not in counter.calls:
-        counter.add("all_reduce", sum(p.numel() * p.element_size() for p in rt.wrapped.params))
+        low = rt.wrapped.reduce_dtype   # mixed precision reduces in its compute dtype (executor.zero)
+        size = (lambda p: low.itemsize) if low is not None else (lambda p: p.element_size())
+        counter.add("all_reduce", sum(p.numel() * size(p) for p in rt.wrapped.params))
 
 
 def _finish_step(rt, cfg: TrainConfig, plan: Plan | None, step: int, device: torch.device, progress: _Progress,

@@ -28,6 +28,15 @@ def test_profile_json_and_file(tmp_path):
     assert data["model"]["threads"] == 1   # timed as each CPU rank runs, whatever the machine's default
 
 
+def test_dtype_auto_is_what_the_ranks_compute_in():
+    """CPU ranks run every plan in fp32, so a CPU profile defaults to fp32; meta profiles (for GPU clusters) to bf16."""
+    for extra, dtype in (((), "fp32"), (("--meta",), "bf16")):
+        res = run("profile", "--model", "mlp-deep", "-b", "2", "-s", "4", "--repeats", "1", "--warmup", "0",
+                  "--cluster", "none", "-o", "-", "--json", *extra)
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["model"]["dtype"] == dtype, extra
+
+
 def test_existing_output_is_not_overwritten(tmp_path):
     out = tmp_path / "profile.json"
     out.write_text("mine")
@@ -43,9 +52,10 @@ def test_user_errors_are_one_line_exit_2():
         ("--model", "no-such-model", "-b", "1", "-s", "8"): "unknown model 'no-such-model'",
         ("--model", "tests.custom_models:broken_model", "-b", "1", "-s", "8"): "ValueError: out of coffee",
         ("--model", "gpt-tiny", "-b", "0", "-s", "8"): "--micro-batch-size must be positive",
-        ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--dtype", "fp8"): "--dtype must be one of",
+        ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--dtype", "fp8"): "--dtype must be auto or one of",
         ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--threads", "0"): "--threads must be >= 1",
         ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--device", "tpu"): "--device must be auto, cpu or cuda",
+        ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--meta", "--device", "tpu"): "--device must be auto, cpu or",
         # the suite hides GPUs (conftest), as CI has none
         ("--model", "gpt-tiny", "-b", "1", "-s", "8", "--device", "cuda"): "--device cuda: torch sees no GPU here",
     }

@@ -126,6 +126,10 @@ def test_a_gpu_profiles_times_hold_for_its_own_gpu_model_only(tiny_profiles):
     u = on_h100.unit("blocks.1")
     assert unit_times(u, on_h100, h100, micro_batch_size=2, precision="fp32", ranks_running=8)[0] == \
         pytest.approx(u.fwd_time.median_s * on_h100.in_model_factor)
+    # host threads slow CPU ranks only: a GPU profile taken with 16 of them prices the same
+    threaded = dataclasses.replace(on_h100, threads=16)
+    assert unit_times(u, threaded, h100, micro_batch_size=2, precision="fp32", ranks_running=8)[0] == \
+        pytest.approx(u.fwd_time.median_s * on_h100.in_model_factor)
     rate = h100.device.peak_flops["fp32"] * h100.device.matmul_efficiency
     assert unit_times(u, on_h200, h100, micro_batch_size=2, precision="fp32", ranks_running=8)[0] == \
         pytest.approx(u.fwd_flops / rate)

@@ -48,9 +48,12 @@ def test_the_estimate_splits_mixed_bytes_as_torch_holds_them_on_gpus(tiny_profil
     assert zero3.buffers == pytest.approx(2 * 2 * largest + 2 * largest, rel=0.01)
     piped = estimate(S(dp=1, pp=2), prof, gpu).memory_per_rank[0]   # plain bf16 stages keep the paper's split
     assert piped.optimizer_states == 6 * piped.parameters and piped.gradients == piped.parameters
+    # CPU ranks run bf16-mixed plans in fp32, and the estimate counts what they hold: the fp32 plan's bytes
     cpu = dataclasses.replace(gpu, device=dataclasses.replace(gpu.device, kind="cpu"))
-    on_cpu = estimate(S(dp=1), prof, cpu).memory_per_rank[0]
-    assert (on_cpu.parameters, on_cpu.optimizer_states, on_cpu.buffers) == (2 * psi, 12 * psi, 0)
+    on_cpu = estimate(S(dp=1), prof, cpu)
+    assert on_cpu.memory_per_rank == estimate(S(dp=1, precision="fp32"), prof, cpu).memory_per_rank
+    mem = on_cpu.memory_per_rank[0]
+    assert (mem.parameters, mem.gradients, mem.optimizer_states, mem.buffers) == (4 * psi, 4 * psi, 8 * psi, 0)
 
 
 def _mixed_runs(items: list[tuple[dict, bool]]) -> list | None:
@@ -134,6 +137,9 @@ def test_gpu_profile_times_price_only_their_own_dtype_and_mixed_plans_pay_the_me
     assert base.compute_source == mixed.compute_source == "measured"
     assert mixed.stages[0].fwd_s == pytest.approx(2 * base.stages[0].fwd_s)
     assert mixed.stages[0].bwd_s == pytest.approx(2 * base.stages[0].bwd_s)
+    # FSDP2 casts the ZeRO-3 shards to bf16 itself, as plain bf16 runs: no autocast, no factor
+    fsdp = S(dp=2, zero=3)
+    assert estimate(fsdp, slower, h100).stages[0].fwd_s == pytest.approx(estimate(fsdp, gpu, h100).stages[0].fwd_s)
     # a pipeline runs plain bf16: no autocast, no factor
     assert estimate(piped, slower, h100).stages[0].fwd_s == pytest.approx(estimate(piped, gpu, h100).stages[0].fwd_s)
     fp32 = estimate(S(dp=1, precision="fp32"), slower, h100)
