@@ -122,6 +122,8 @@ class ComputeProbe(Record):
     fsdp_unit_s: float = 0.0           # one FSDP2 unit per micro-batch, beyond compute and collective latency
     optimizer_tensor_s: float = 0.0    # AdamW step per parameter tensor
     optimizer_dtensor_s: float = 0.0   # the same per DTensor parameter (FSDP2, TP); 0: as optimizer_tensor_s
+    rank_rss_bytes: int = 0            # CPU ranks: a probe rank's peak RSS after init_process_group, before any
+                                       # tensor (memory.overhead_bytes); 0 on GPUs, in presets and older files
 
 
 def action_seconds(probe: "ComputeProbe", *, multi_stage: bool, split_backward: bool) -> float:

@@ -46,6 +46,7 @@ from cost_models.elastic import elastic_job, init_process_group, root_failure
 from cost_models.errors import ConfigError, ProfileError
 from cost_models.fit import fit_alpha_beta
 from cost_models.formatting import fixed
+from cost_models.host import peak_rss_bytes
 from cost_models.records import Record, record
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
@@ -292,6 +293,7 @@ def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
     use_cuda = device.type == "cuda"
     backend = "nccl" if use_cuda else "gloo"
     init_process_group(backend, cfg.timeout_s)
+    baseline = 0 if use_cuda else peak_rss_bytes()[0]   # before the probe's own buffers
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -303,7 +305,8 @@ def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
         return {"raw": raw, "world": world, "local_world": local_world, "nodes": world // local_world,
                 "backend": backend, "device_name": torch.cuda.get_device_name(device) if use_cuda else _cpu_name(),
                 "device_memory": torch.cuda.get_device_properties(device).total_memory if use_cuda else None,
-                **compute, "overheads": overheads, "threads_per_rank": torch.get_num_threads()}
+                **compute, "overheads": overheads, "threads_per_rank": torch.get_num_threads(),
+                "rank_rss_bytes": baseline}
     finally:
         dist.destroy_process_group()
 
@@ -360,7 +363,8 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
     together = statistics.median(raw["flops_together"])
     compute = ComputeProbe(dtype=dtype, matmul_n=raw["matmul_n"], ranks=raw["world"],
                            threads_per_rank=raw["threads_per_rank"], flops_per_rank=together, flops_alone=raw["flops_alone"],
-                           copy_Bps=statistics.median(raw["copy_Bps"]), **raw.get("overheads", {}))
+                           copy_Bps=statistics.median(raw["copy_Bps"]), rank_rss_bytes=raw.get("rank_rss_bytes", 0),
+                           **raw.get("overheads", {}))
     local_world = raw["local_world"]
     known = next((p.device for p in PRESETS.values() if gpu and p.device.name.split("-")[0] in raw["device_name"]), None)
     if known is not None and dtype in known.peak_flops:

@@ -39,8 +39,8 @@ from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_
                                tp_unit_traffic)
 from cost_models.compute import (compute_dtype, optimizer_step_time, tp_unit_times, unit_times,
                                   uses_measured_times)
-from cost_models.memory import (BYTES_PER_PARAM, OVERHEAD_BYTES, MemoryBreakdown, autocast_copy_bytes,
-                                 comm_buffer_bytes, executor_state_bytes, held_bytes_per_param, saved_at,
+from cost_models.memory import (BYTES_PER_PARAM, MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes,
+                                 executor_state_bytes, held_bytes_per_param, overhead_bytes, saved_at,
                                  torch_mixed, tp_param_share, tp_saved_bytes, zero1_partition)
 from cost_models.profile import ModelProfile, UnitProfile
 from cost_models.records import Record, record
@@ -741,5 +741,5 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
         shares = [k_b * n for n in zero1_partition(numels, s.dp)]
     base = MemoryBreakdown(rank=0, stages=tuple(st.stage for st in mine), parameters=int(p), gradients=int(g),
                            optimizer_states=int(o), activations=int(activations), buffers=int(buffers),
-                           overhead=OVERHEAD_BYTES[c.cluster.device.kind])
+                           overhead=int(overhead_bytes(c.cluster)))
     return base, shares

@@ -30,7 +30,8 @@ the same bytes under another label). Buffers, the unsharded tensors FSDP2 holds 
 Also among the buffers: torch.autocast's bf16 weight copies under mixed precision (autocast_copy_bytes), and the
 largest transient a rank's units allocate in forward + backward beyond what they keep (an LM head's float logits
 and their gradient; measured by the profiler on GPUs, profile.UnitProfile.transient_bytes).
-Overhead: a fixed per-process amount, OVERHEAD_BYTES by device kind.
+Overhead: a fixed per-process amount: on CPU ranks the probe's measured rank baseline plus the executor's imports
+(overhead_bytes), else OVERHEAD_BYTES by device kind.
 
 Tensor parallelism over t ranks (Shoeybi et al. 2019, "Megatron-LM", section 3): the parameters of the split
 linears (and of a vocabulary-split embedding and head) are divided by t, so is everything ZeRO then divides by dp
@@ -48,8 +49,13 @@ from __future__ import annotations
 
 import heapq
 
+from typing import TYPE_CHECKING
+
 from cost_models.profile import TPUnit, UnitProfile
 from cost_models.records import Record, record
+
+if TYPE_CHECKING:
+    from cost_models.cluster import ClusterProfile
 
 GB = 1e9
 # bytes per parameter: (parameter, gradient, optimizer state K) by (precision, optimizer); see the module doc.
@@ -67,6 +73,20 @@ TORCH_MIXED_BYTES: dict[str, tuple[int, int, int]] = {"adamw": (4, 4, 8), "adam"
 # importing the executor and init_process_group, ~300 MiB on torch 2.13 (measured by tests/test_memory_model.py,
 # test_cpu_overhead_is_a_gloo_ranks_rss_before_any_model).
 OVERHEAD_BYTES = {"gpu": 2**30, "cpu": 310 * 2**20}
+# An executor rank imports more than a probe rank before either holds a tensor (executor, planner and their
+# dependencies): measured here, torch 2.13 CPU, one gloo rank after init_process_group: 302 MiB with executor.train
+# imported, 224 MiB with cost_models.cluster_probe (tests/test_memory_model.py measures both).
+EXECUTOR_IMPORTS_BYTES = 78 * 2**20
+
+
+def overhead_bytes(cluster: "ClusterProfile") -> float:
+    """A rank's fixed bytes: on CPU ranks the probe's measured rank baseline plus the executor's imports where the
+    cluster was probed (a CUDA build of torch maps ~300 MiB more: a 4-rank demo on a GPU machine measured 672 MiB
+    per rank against the constant's 310), else OVERHEAD_BYTES by device kind."""
+    probe = cluster.compute
+    if cluster.device.kind == "cpu" and probe is not None and probe.rank_rss_bytes > 0:
+        return probe.rank_rss_bytes + EXECUTOR_IMPORTS_BYTES
+    return OVERHEAD_BYTES[cluster.device.kind]
 
 
 @record

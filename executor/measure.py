@@ -1,10 +1,9 @@
 """What a rank measures: bytes moved by collectives and p2p, and process memory."""
 from __future__ import annotations
 
-import resource
-
 import torch
 
+from cost_models.host import peak_rss_bytes
 from cost_models.torch_private import TorchDispatchMode
 
 # c10d op name -> what the product reports it as (full-buffer convention of cost_models.comm)
@@ -66,17 +65,3 @@ def peak_memory_bytes() -> tuple[int, str]:
         return int(torch.cuda.max_memory_allocated()), "cuda max_memory_allocated"
     return peak_rss_bytes()
 
-
-def peak_rss_bytes() -> tuple[int, str]:
-    """This process's own peak RSS. Linux keeps getrusage's ru_maxrss across execve (the kernel folds the old
-    address space's high-water mark into the process's maxrss), so a rank the launcher spawned would report the
-    launcher's peak if it was larger (measured: a child of an 800 MiB parent reads 813 MiB there, VmHWM 13 MiB);
-    /proc/self/status's VmHWM belongs to this address space alone (proc(5)). ru_maxrss where there is no /proc."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024, "peak RSS (VmHWM)"
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS (getrusage ru_maxrss)"

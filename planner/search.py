@@ -43,7 +43,7 @@ from cost_models.errors import ConfigError, InfeasibleError
 from cost_models.estimate import Estimate, activation_scale, estimate, tied_copies
 from cost_models.formatting import fixed, now_utc
 from cost_models.limits import MAX_MICROBATCHES
-from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, executor_state_bytes, saved_at, zero_model_state_bytes
+from cost_models.memory import BYTES_PER_PARAM, executor_state_bytes, overhead_bytes, saved_at, zero_model_state_bytes
 from cost_models.profile import ModelProfile, UnitProfile
 from cost_models.schedule import SCHEDULES, forwards_before_backward, get_spec, placement
 from cost_models.strategy import Strategy
@@ -134,7 +134,7 @@ def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterPr
         act_bytes=tuple(saved_at(u, micro_batch_size=point.micro_batch_size, profile_batch=profile.micro_batch_size)
                         * act_scale for u in profile.units),
         in_flight=tuple(max(1, st.peak_in_flight) for st in est.stages),
-        capacity=(cluster.device.memory_bytes - OVERHEAD_BYTES[cluster.device.kind]) / point.v)
+        capacity=(cluster.device.memory_bytes - overhead_bytes(cluster)) / point.v)
     return stages_from_ranges([u.name for u in profile.units], dp_partition(problem))
 
 
@@ -471,7 +471,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     """P1 (module doc) drops points whose model states cannot fit; the rest get P2's time bound (P5's recompute
     added where it must run), least first."""
     largest_unit = max(u.params for u in profile.units)
-    overhead, cap = OVERHEAD_BYTES[cluster.device.kind], cluster.device.memory_bytes
+    overhead, cap = overhead_bytes(cluster), cluster.device.memory_bytes
     out = _Bounds(survivors=[], pruned=0, min_state=math.inf, memory_limited=None)
     # the schedule's part is the same for every ZeRO stage (keyed by group, and by (group, P6's stages))
     group_bound: dict[tuple, tuple[_RankBound, ...]] = {}
@@ -620,7 +620,7 @@ def _branch_and_bound(frontier: _Frontier, bounds: _Bounds, profile: ModelProfil
     """Cost points least bound first until none left can enter the top k (module doc). Returns the feasible and
     infeasible attempts, the feasible step times (sorted) and how many estimates were made; what is left in the
     frontier was pruned."""
-    room = cluster.device.memory_bytes - OVERHEAD_BYTES[cluster.device.kind]
+    room = cluster.device.memory_bytes - overhead_bytes(cluster)
     feasible: list[_Costed] = []
     infeasible: list[_Costed] = []
     times: list[float] = []

@@ -65,6 +65,8 @@ def test_probe_fits_predict_held_out_sizes(ranks):
     assert statistics.median(errors) <= 0.30
     assert prof.world_size == ranks and prof.device.kind == "cpu" and prof.intra_node.kind == "gloo-loopback"
     assert prof.compute.ranks == ranks and prof.compute.flops_per_rank > 0 and prof.compute.threads_per_rank == 1
+    # a rank's baseline, measured before any probe buffer: torch and gloo mapped, ~224 MiB here (test_memory_model)
+    assert 100 * 2**20 < prof.compute.rank_rss_bytes < 1024 * 2**20, prof.compute.rank_rss_bytes / 2**20
     # per-action costs of torch's single-stage schedules and of its multi-stage runtime (with and without a split
     # backward): measured, so non-negative and well under a step (a broken subtraction shows as negative or huge)
     for cost in (prof.compute.pipeline_action_s, prof.compute.pipeline_runtime_action_s,

@@ -170,6 +170,24 @@ dist.destroy_process_group()
 """
 
 
+_PROBE_RSS = _RANK_RSS.replace("import executor.train   # everything a rank imports before it builds its stages",
+                               "import cost_models.cluster_probe   # what a probe rank imports")
+
+
+@pytest.mark.slow
+def test_a_probe_ranks_baseline_plus_the_executors_imports_is_an_executor_ranks():
+    """memory.overhead_bytes: the probe measures its rank's RSS after init_process_group, and an executor rank holds
+    EXECUTOR_IMPORTS_BYTES more before any tensor (this torch build; a CUDA build moves both alike)."""
+    from cost_models.memory import EXECUTOR_IMPORTS_BYTES
+    rss = {}
+    for name, code in (("executor", _RANK_RSS), ("probe", _PROBE_RSS)):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rss[name] = int(proc.stdout.split()[-1])
+    assert rss["probe"] + EXECUTOR_IMPORTS_BYTES == pytest.approx(rss["executor"], rel=0.1), rss
+
+
 @pytest.mark.slow
 def test_cpu_overhead_is_a_gloo_ranks_rss_before_any_model():
     # The measurement behind OVERHEAD_BYTES["cpu"] (about 300 MiB here, torch 2.13 CPU); a factor of 1.5 either way
