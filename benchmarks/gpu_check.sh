@@ -40,6 +40,9 @@ s = json.load(open(f"{out}/plan.json"))["strategy"]
 cmd = ["planner", "estimate", f"{out}/profile.json", "--dp", str(s["dp"]), "--pp", str(s["pp"]), "--tp", str(s["tp"]),
        "--zero", str(s["zero"]), "-m", str(s["microbatches"]), "-b", str(s["micro_batch_size"]), "--precision", "fp32",
        "--schedule", s["schedule"], "--v", str(s["v"]), "--cluster", f"{out}/cluster.json", "-o", f"{out}/plan32.json", "-f"]
+rec = s.get("recompute") or []
+cmd += ["--recompute", "selective" if s.get("selective") else "full" if rec and all(rec) else
+        ",".join(str(i) for i, r in enumerate(rec) if r) or "none"] + (["--sp"] if s.get("sp") else [])
 print(" ".join(cmd)); subprocess.run(cmd, check=False)
 PY
 timeout 120 planner run "$OUT/plan32.json" --steps 10 -o "$OUT/run32.json"
