@@ -32,7 +32,6 @@ from cost_models.profile import ModelProfile, UnitProfile
 GEMM_N_HALF = 128   # columns per rank at which a GEMM runs at half its large-size rate (module doc)
 
 
-
 def executed_dtype(precision: str, device_kind: str) -> str:
     """The dtype a plan's units compute in: CPU ranks run every plan in fp32 (executor.zero.mixed_precision), GPUs
     in the plan's compute dtype."""

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 from cost_models.cluster import Calibration, ClusterProfile, ComputeProbe, action_seconds
 from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                tp_unit_traffic)
-from cost_models.compute import (compute_dtype, optimizer_step_time, tp_unit_times, unit_times,
+from cost_models.compute import (compute_dtype, executed_dtype, optimizer_step_time, tp_unit_times, unit_times,
                                   uses_measured_times)
 from cost_models.memory import (BYTES_PER_PARAM, MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes,
                                  executor_state_bytes, held_bytes_per_param, overhead_bytes, saved_at,
@@ -567,9 +567,8 @@ def _tp_step_bytes(s: Strategy, stages: tuple[StageEstimate, ...], pp_rank: int)
 def executed(strategy: Strategy, cluster: ClusterProfile) -> Strategy:
     """The strategy as the executor runs it: CPU ranks run every plan in fp32 (executor.zero.mixed_precision), so a
     bf16-mixed plan on CPU ranks is priced, and its bytes counted, as fp32 (it measured 2x the bf16 bytes)."""
-    if cluster.device.kind == "cpu" and strategy.precision != "fp32":
-        return dataclasses.replace(strategy, precision="fp32")
-    return strategy
+    run = executed_dtype(strategy.precision, cluster.device.kind)
+    return dataclasses.replace(strategy, precision="fp32") if run == "fp32" != strategy.precision else strategy
 
 
 def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *, compact: bool = False,
@@ -723,8 +722,7 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
     s = c.s
     params = sum(st.params for st in mine)
     largest = max(st.largest_unit_params for st in mine)
-    mixed = c.mixed
-    p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer, mixed=mixed)
+    p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer, mixed=c.mixed)
     buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
                                 param_bytes=c.param_bytes, grad_bytes=c.grad_bytes)
     buffers += autocast_copy_bytes(params, autocast=c.autocast)
@@ -737,7 +735,7 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
     numels = [n for st in mine for u in st.units
               for n in _unit_numels(c.profile, u, st.units, tp=s.tp, vocab=c.tp_vocab)]
     if s.zero == 1 and s.dp > 1 and numels:
-        k_b = held_bytes_per_param(s.precision, s.optimizer, mixed=mixed)[2]
+        k_b = held_bytes_per_param(s.precision, s.optimizer, mixed=c.mixed)[2]
         shares = [k_b * n for n in zero1_partition(numels, s.dp)]
     base = MemoryBreakdown(rank=0, stages=tuple(st.stage for st in mine), parameters=int(p), gradients=int(g),
                            optimizer_states=int(o), activations=int(activations), buffers=int(buffers),

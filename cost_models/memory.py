@@ -81,8 +81,8 @@ EXECUTOR_IMPORTS_BYTES = 78 * 2**20
 
 def overhead_bytes(cluster: "ClusterProfile") -> float:
     """A rank's fixed bytes: on CPU ranks the probe's measured rank baseline plus the executor's imports where the
-    cluster was probed (a CUDA build of torch maps ~300 MiB more: a 4-rank demo on a GPU machine measured 672 MiB
-    per rank against the constant's 310), else OVERHEAD_BYTES by device kind."""
+    cluster was probed (the constant misses other builds of torch: the 4-rank demo on a GPU machine, CUDA build of
+    torch 2.11, measured a 672 MiB peak per rank against the constant's 310), else OVERHEAD_BYTES by device kind."""
     probe = cluster.compute
     if cluster.device.kind == "cpu" and probe is not None and probe.rank_rss_bytes > 0:
         return probe.rank_rss_bytes + EXECUTOR_IMPORTS_BYTES
