@@ -52,7 +52,7 @@ def main() -> None:
         if loss is not None and rt.dp_rank == 0:
             print(f"rank {torch.distributed.get_rank()} step {step}: loss {float(loss):.4f} "
                   f"(dp={s.dp} pp={s.pp} ZeRO-{s.zero} {s.schedule})", flush=True)
-    torch.distributed.destroy_process_group()
+    rt.close()   # waits for every rank, then ends the process group
 
 
 if __name__ == "__main__":

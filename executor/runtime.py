@@ -141,6 +141,15 @@ class Runtime:
         self.optimizer.zero_grad(set_to_none=True)
         return loss
 
+    def close(self) -> None:
+        """End this rank's part of the job: wait for every rank, then tear down the process group. Without the
+        barrier a rank that finishes first closes its gloo connections while a peer still reads from them, and the
+        peer's gloo thread aborts the process (SIGABRT, seen once in CI on the torchrun example); executor.launch
+        gathers results before it destroys the group for the same reason."""
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
     def state_dict(self, *, with_rng: bool = True) -> dict:
         """This rank's share of the training state under canonical names (executor.checkpoint's layout)."""
         return checkpoint.state_dict(self.params_by_name, self.buffers_by_name, self.optimizer,
