@@ -213,11 +213,16 @@ class _Context:
                         autocast=mixed and (s.zero < 2 or s.dp == 1))
 
 
+def dtype_ratio(profile: ModelProfile, precision: str) -> float:
+    """The compute dtype's element size over the profile's."""
+    return DTYPE_BYTES[compute_dtype(precision)] / DTYPE_BYTES[profile.dtype]
+
+
 def activation_scale(profile: ModelProfile, *, micro_batch_size: int, precision: str) -> float:
-    """Factor from the profile's saved-activation bytes to a micro-batch of `micro_batch_size` in the compute dtype
-    (activations scale linearly with the batch and with the element size)."""
-    return ((micro_batch_size / profile.micro_batch_size)
-            * DTYPE_BYTES[compute_dtype(precision)] / DTYPE_BYTES[profile.dtype])
+    """Factor from the profile's activation bytes to a micro-batch of `micro_batch_size` in the compute dtype
+    (activations scale linearly with the batch and with the element size; memory.saved_at corrects saved bytes
+    for the parts that do neither)."""
+    return (micro_batch_size / profile.micro_batch_size) * dtype_ratio(profile, precision)
 
 
 def _crosses_nodes(rank_a: int, rank_b: int, cluster: ClusterProfile) -> bool:
@@ -317,7 +322,8 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
 
 
 def _saved(c: _Context, u: UnitProfile) -> float:
-    return saved_at(u, micro_batch_size=c.s.micro_batch_size, profile_batch=c.profile.micro_batch_size)
+    return saved_at(u, micro_batch_size=c.s.micro_batch_size, profile_batch=c.profile.micro_batch_size,
+                    dtype_ratio=dtype_ratio(c.profile, c.s.precision))
 
 
 def _working_set(c: _Context, units: tuple[str, ...], saved: list[float], stage_input: float) -> float:

@@ -435,6 +435,8 @@ class _ModuleResult:
         self.split_after_bytes: int | None = None   # _split_kept_in_stages; None: as split_kept_bytes
         self.split_suffix_bytes: int | None = None
         self.saved_fixed_bytes = 0                  # _saved_fixed
+        self.saved_other_bytes = 0                  # of saved_bytes, storages not in the model's float dtype
+        self.saved_other_fixed_bytes = 0            # of saved_fixed_bytes, the same (_saved_fixed)
         self.transient_bytes = 0                    # _count_module, on GPUs
         self.fwd_times: list[float] = []
         self.bwd_times: list[float] = []
@@ -495,35 +497,45 @@ def _one_sample(captured, batch: int):
                     captured)
 
 
-def _saved_fixed(module: nn.Module, captured, saved: int, *, batch: int, excluded: set[int],
-                 loss: str | None) -> int:
-    """The part of `saved` (bytes saved at `batch` samples) that does not grow with the batch: with `one` saved on
-    one sample, saved = fixed + per_sample x batch gives fixed = (batch x one - saved) / (batch - 1). An embedding
-    saves its position ids whatever the batch (gpt-wide: 512 bytes on one sample, 1,280 on four), which a
-    stage holding only the embedding would mispredict by 60% at one sample. 0 when the batch is one."""
+def _saved_fixed(module: nn.Module, captured, saved: int, other: int, *, batch: int, excluded: set[int],
+                 loss: str | None, dtype: torch.dtype | None) -> tuple[int, int]:
+    """The part of `saved` (bytes saved at `batch` samples) that does not grow with the batch, and of that the part
+    in another dtype than the model's (`other`: the same at `batch`): with `one` saved on one sample,
+    saved = fixed + per_sample x batch gives fixed = (batch x one - saved) / (batch - 1). An embedding saves its
+    position ids whatever the batch (gpt-wide: 512 bytes on one sample, 1,280 on four), which a stage holding only
+    the embedding would mispredict by 60% at one sample. (0, 0) when the batch is one."""
     if batch <= 1:
-        return 0
+        return 0, 0
     # a copy: a slice of the captured batch would count the batch's whole storage
     sample = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, _one_sample(captured, batch))
-    one = _count_module(module, sample, excluded=excluded, loss=loss).saved_bytes
-    return max(0, min(saved, round((batch * one - saved) / (batch - 1))))
+    one = _count_module(module, sample, excluded=excluded, loss=loss, dtype=dtype)
+
+    def fixed(at_batch: int, at_one: int) -> int:
+        return max(0, min(at_batch, round((batch * at_one - at_batch) / (batch - 1))))
+    fixed_all, fixed_other = fixed(saved, one.saved_bytes), fixed(other, one.saved_other_bytes)
+    # parts of parts (profile.UnitProfile, validate): other's fixed part within the fixed bytes, its growing part
+    # within the growing bytes; rounding and noise in either count must not break that
+    return fixed_all, min(max(fixed_other, other - saved + fixed_all), other, fixed_all)
 
 
 def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, Any]], *, excluded: set[int],
                   loss: str | None, name: str = "", rules: tuple[TPRule, ...] | None = None,
-                  seq_len: int = 0, batch: int = 1) -> _ModuleResult:
+                  seq_len: int = 0, batch: int = 1, dtype: torch.dtype | None = None) -> _ModuleResult:
     """Run one module alone on its captured input, forward and backward once: FLOPs, saved bytes, output bytes
     (and, for the last unit, the synthetic loss target its timed runs reuse); with the model's TP rules, what
-    tensor parallelism splits (_TPWatch; `name` is the module's name in the model, which the rules match)."""
+    tensor parallelism splits (_TPWatch; `name` is the module's name in the model, which the rules match). Saved
+    storages not in `dtype`, the model's (token ids, masks, fp32 statistics), are counted apart too."""
     res = _ModuleResult()
-
     saved: dict[int, int] = {}
+    other: dict[int, int] = {}
     watch: list[_TPWatch] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_id(t)
         if key not in excluded and key not in saved:
             saved[key] = t.untyped_storage().nbytes()
+            if dtype is not None and t.dtype != dtype:
+                other[key] = saved[key]
             if watch:
                 watch[0].save(t, saved[key])
         elif watch and key in saved:
@@ -548,6 +560,7 @@ def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, 
     res.tp = watch[0].counts if watch else {}
     res.output_bytes = sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     res.saved_bytes = sum(saved.values())
+    res.saved_other_bytes = sum(other.values())
     res.fwd_flops = fwd_fc.get_total_flops()
     with _flop_counter() as bwd_fc:
         if roots:
@@ -561,7 +574,8 @@ def _count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, 
     del out, roots
     module.zero_grad(set_to_none=True)
     # after this count's backward: a second count on one sample, not two graphs alive at once
-    res.saved_fixed_bytes = _saved_fixed(module, captured, res.saved_bytes, batch=batch, excluded=excluded, loss=loss)
+    res.saved_fixed_bytes, res.saved_other_fixed_bytes = _saved_fixed(
+        module, captured, res.saved_bytes, res.saved_other_bytes, batch=batch, excluded=excluded, loss=loss, dtype=dtype)
     res.split_kept_bytes = _kept_after_split(module, module, captured, excluded, loss, res.target)
     return res
 
@@ -825,13 +839,15 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
     _SPLIT_MEMO.clear()
     results_by_unit: UnitResults = []
     attention: set[str] = set(_attention_ops(model_fc))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     for name, mods in unit_defs:
         progress.unit(f"counting {name}")
         results = []
         for m in mods:
             t0 = time.perf_counter()
             results.append(_count_module(model.get_submodule(m), capture.inputs[m], excluded=excluded, batch=batch,
-                                         loss=loss if m == last else None, name=m, rules=rules, seq_len=seq_len))
+                                         loss=loss if m == last else None, name=m, rules=rules, seq_len=seq_len,
+                                         dtype=dtype))
             progress.counted(m, time.perf_counter() - t0)
             attention |= results[-1].attention
         results_by_unit.append((name, mods, results))
@@ -1085,6 +1101,8 @@ def _account_params(model: nn.Module, unit_results,
                                else sum(r.split_kept_bytes for r in results)),
             split_suffix_bytes=results[0].split_suffix_bytes,
             saved_fixed_bytes=sum(r.saved_fixed_bytes for r in results),
+            saved_other_dtype_bytes=sum(r.saved_other_bytes for r in results),
+            saved_other_fixed_bytes=sum(r.saved_other_fixed_bytes for r in results),
             transient_bytes=max(r.transient_bytes for r in results),   # its modules run one after another
             fwd_time=_timing([r.fwd_times for r in results]) if timed else None,
             bwd_time=_timing([r.bwd_times for r in results]) if timed else None,

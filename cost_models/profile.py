@@ -139,6 +139,10 @@ class UnitProfile(Record):
                                          # None: not measured (units that do not chain), summed per unit instead
     saved_fixed_bytes: int = 0           # of saved_bytes, what does not grow with the batch (position ids, masks):
                                          # from a second count on one sample (memory.saved_at); 0 in older files
+    saved_other_dtype_bytes: int = 0     # of saved_bytes, storages in another dtype than the profile's (token ids,
+                                         # masks, a bf16 model's fp32 statistics): a plan in another compute dtype
+                                         # does not rescale them (memory.saved_at); 0 in older files
+    saved_other_fixed_bytes: int = 0     # of saved_other_dtype_bytes, what does not grow with the batch
     transient_bytes: int = 0             # GPU real mode: the peak the unit's forward + backward allocates beyond what
                                          # it saves, outputs and leaves as gradients (an LM head's float logits and
                                          # their gradient); 0 on CPU (no allocator statistics), meta and older files

@@ -155,8 +155,7 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
                   f"param_tensors = their count ({len(u.param_numels)})", fix)
         for name in ("fwd_time", "bwd_time", "fwd_time_one", "bwd_time_one"):
             _check_timing(getattr(u, name), f"{at}.{name}", where, fix)
-        if not 0 <= u.saved_fixed_bytes <= u.saved_bytes:   # a part of saved_bytes (model_profiler._saved_fixed)
-            _fail(where, f"{at}.saved_fixed_bytes", u.saved_fixed_bytes, f"0 to saved_bytes ({u.saved_bytes})", fix)
+        _check_saved_parts(u, at, where, fix)
         if u.tp is not None:
             _check_tp_unit(u, f"{at}.tp", where, fix)
     # model_profiler.profile_model: unassigned_params = total_params - sum(units' params), by construction
@@ -188,6 +187,21 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
             if unit not in names:
                 _fail(where, f"{path}.shared[{i}].units[{j}]", unit, "the name of one of the units", fix)
 
+
+
+def _check_saved_parts(u, at: str, where: str, fix: str) -> None:
+    """A unit's parts of saved_bytes (model_profiler._count_module, _saved_fixed) within it and each other."""
+    if not 0 <= u.saved_fixed_bytes <= u.saved_bytes:   # a part of saved_bytes (model_profiler._saved_fixed)
+        _fail(where, f"{at}.saved_fixed_bytes", u.saved_fixed_bytes, f"0 to saved_bytes ({u.saved_bytes})", fix)
+    if not 0 <= u.saved_other_dtype_bytes <= u.saved_bytes:   # a part of saved_bytes (_count_module)
+        _fail(where, f"{at}.saved_other_dtype_bytes", u.saved_other_dtype_bytes,
+              f"0 to saved_bytes ({u.saved_bytes})", fix)
+    # of the other-dtype bytes, the fixed part within the fixed bytes and the growing part within the growing ones
+    low = max(0, u.saved_other_dtype_bytes - u.saved_bytes + u.saved_fixed_bytes)
+    if not low <= u.saved_other_fixed_bytes <= min(u.saved_other_dtype_bytes, u.saved_fixed_bytes):
+        _fail(where, f"{at}.saved_other_fixed_bytes", u.saved_other_fixed_bytes,
+              f"{low} to {min(u.saved_other_dtype_bytes, u.saved_fixed_bytes)} (within saved_fixed_bytes, "
+              f"and saved_other_dtype_bytes' growing part within the growing bytes)", fix)
 
 def _check_tp_unit(u: UnitProfile, path: str, where: str, fix: str) -> None:
     """model_profiler gives every saved storage at most one role and flags each counted tensor once (TPUnit)."""

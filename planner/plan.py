@@ -126,6 +126,9 @@ class ModelRef(Record):
                                                      # the one module of its name
     pipelining: str = ""                             # the profile's (cost_models.pipelining); "" = not recorded
     tp_rules: tuple[TPRule, ...] = ()                # a custom tensor-parallel plan's rules (TPShape.rules)
+    dtype: str = ""                                  # the profile's dtype; "" in older plans
+    saved_other_dtype_bytes: int = 0                 # what the profile's units save in other dtypes, per profiled
+                                                     # micro-batch (UnitProfile.saved_other_dtype_bytes)
 
 
 def model_ref(profile: ModelProfile) -> ModelRef:
@@ -133,7 +136,8 @@ def model_ref(profile: ModelProfile) -> ModelRef:
     return ModelRef(name=profile.name, source=profile.source, seq_len=profile.seq_len, input_kind=profile.input.kind,
                     units=tuple(u.name for u in profile.units), unit_modules=tuple(u.modules for u in profile.units),
                     pipelining=profile.pipelining,
-                    tp_rules=profile.tensor_parallel.rules if profile.tensor_parallel else ())
+                    tp_rules=profile.tensor_parallel.rules if profile.tensor_parallel else (), dtype=profile.dtype,
+                    saved_other_dtype_bytes=sum(u.saved_other_dtype_bytes for u in profile.units))
 
 
 @record

@@ -40,7 +40,7 @@ from cost_models.cluster import ClusterProfile
 from cost_models.comm import collective_time
 from cost_models.compute import optimizer_step_time, unit_times
 from cost_models.errors import ConfigError, InfeasibleError
-from cost_models.estimate import Estimate, activation_scale, estimate, tied_copies
+from cost_models.estimate import Estimate, activation_scale, dtype_ratio, estimate, tied_copies
 from cost_models.formatting import fixed, now_utc
 from cost_models.limits import MAX_MICROBATCHES
 from cost_models.memory import BYTES_PER_PARAM, executor_state_bytes, overhead_bytes, saved_at, zero_model_state_bytes
@@ -68,8 +68,9 @@ class _Partitions:
     """Stage cuts per stage count, balanced on predicted unit time (independent of micro-batch size: times scale
     linearly), computed once per stage count."""
 
-    def __init__(self, profile: ModelProfile, unit_fb: list[tuple[float, float]]) -> None:
+    def __init__(self, profile: ModelProfile, unit_fb: list[tuple[float, float]], *, dtype_ratio: float = 1.0) -> None:
         self.profile, self.unit_fb, self.cache, self.bottlenecks = profile, unit_fb, {}, {}
+        self.dtype_ratio = dtype_ratio   # the plan's compute dtype's element size over the profile's
         self.unit_cost = [f + b for f, b in unit_fb]
         self.names = [u.name for u in profile.units]
         self.fb: dict = {}   # k -> (forward, backward) per stage; ('params', k) -> parameters per stage
@@ -83,9 +84,9 @@ class _Partitions:
 
     def stage_kept(self, k: int) -> list[float]:
         """Saved-for-backward bytes per stage of the cut `stages(k)` less the attention core (what selective
-        recompute keeps), per micro-batch at the profile's batch and dtype."""
+        recompute keeps), per micro-batch at the profile's batch and dtype (times activation_scale: bytes)."""
         if ("kept", k) not in self.fb:
-            where = {u.name: _least_saved(u) for u in self.profile.units}
+            where = {u.name: _least_saved(u, self.dtype_ratio) for u in self.profile.units}
             self.fb["kept", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
         return self.fb["kept", k]
 
@@ -131,17 +132,20 @@ def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterPr
         costs=tuple(unit_cost), n_stages=point.pp * point.v,
         # every tied parameter a unit uses, wherever the cut puts its owner (an upper bound)
         state_bytes=tuple((u.params + sum(tied_copies(profile, u.name, ()))) * per_param for u in profile.units),
-        act_bytes=tuple(saved_at(u, micro_batch_size=point.micro_batch_size, profile_batch=profile.micro_batch_size)
-                        * act_scale for u in profile.units),
+        act_bytes=tuple(saved_at(u, micro_batch_size=point.micro_batch_size, profile_batch=profile.micro_batch_size,
+                                 dtype_ratio=dtype_ratio(profile, precision)) * act_scale for u in profile.units),
         in_flight=tuple(max(1, st.peak_in_flight) for st in est.stages),
         capacity=(cluster.device.memory_bytes - overhead_bytes(cluster)) / point.v)
     return stages_from_ranges([u.name for u in profile.units], dp_partition(problem))
 
 
-def _least_saved(u: UnitProfile) -> float:
+def _least_saved(u: UnitProfile, dtype_ratio: float) -> float:
     """The least a unit saves per micro-batch at the profile's scale with selective recompute (the attention core
-    dropped), at any micro-batch (memory.saved_at: the fixed part left out): the pruning bounds' activation term."""
-    return max(0.0, u.saved_bytes - u.saved_fixed_bytes - (u.tp.saved_core if u.tp else 0))
+    dropped), at any micro-batch (memory.saved_at: the fixed part left out, the growing part not in the profile's
+    dtype counted at its own size): the pruning bounds' activation term."""
+    grow_other = u.saved_other_dtype_bytes - u.saved_other_fixed_bytes
+    return max(0.0, u.saved_bytes - u.saved_fixed_bytes - grow_other * (1 - 1 / dtype_ratio)
+               - (u.tp.saved_core if u.tp else 0))
 
 
 def _overflow(est: Estimate, cap: int) -> set[int]:
@@ -478,7 +482,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     memo: dict = {}
     # one micro-batch's activations with selective recompute (the attention core dropped), all divided by tp at
     # best: the least a stage holds without full recompute (P5)
-    kept = sum(_least_saved(u) for u in profile.units)
+    kept = sum(_least_saved(u, dtype_ratio(profile, req.precision)) for u in profile.units)
     scales = {mbs: activation_scale(profile, micro_batch_size=mbs, precision=req.precision)
               for mbs in {pt.micro_batch_size for pt in points}}
     acts = {mbs: kept * scale for mbs, scale in scales.items()}
@@ -664,7 +668,7 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
     # mixed precision's factor only where it makes units faster, for the same reason
     unit_fb = [unit_times(u, profile, cluster, micro_batch_size=profile.micro_batch_size, precision=req.precision,
                           ranks_running=1, mixed=profile.mixed_factor < 1) for u in profile.units]
-    parts = _Partitions(profile, unit_fb)
+    parts = _Partitions(profile, unit_fb, dtype_ratio=dtype_ratio(profile, req.precision))
     unit_cost = parts.unit_cost
     tp = search_tp(profile, cluster, gpus, req)
     points = _points(profile, gpus, req, parts, tp)

@@ -160,3 +160,23 @@ def test_candidates_chart_spreads_a_100x_range_over_log_axes(pipeline_plan):
     # linear from zero: half the capacity sits twice as high above the axis as a quarter of it
     assert (bottom - xy["c0"][1]) == pytest.approx(2 * (bottom - xy["c1"][1]), abs=0.02)
     assert "GiB (log)" not in svg
+
+
+@pytest.mark.parametrize("profile_dtype, precision, warned", [("bf16", "fp32", False), ("fp32", "bf16-mixed", True),
+                                                              ("bf16", "bf16-mixed", None)])
+def test_memory_says_how_activations_were_scaled_from_a_profile_in_another_dtype(profile_dtype, precision, warned):
+    """The report's memory section names the profile's dtype and the bytes that kept their size; from fp32 to bf16
+    it says what the profile cannot see (a bf16 run's fp32 statistics) and how to get exact activations."""
+    from cost_models.presets import preset
+    from planner.request import PlanRequest
+    from planner.search import plan as make_plan
+    prof = profile_model(resolve("gpt-tiny"), micro_batch_size=2, seq_len=16, meta=True, dtype=profile_dtype)
+    page = render_markdown(make_plan(prof, preset("dgx-a100"), PlanRequest(gpus=2, global_batch_size=8,
+                                                                            precision=precision)))
+    other = sum(u.saved_other_dtype_bytes for u in prof.units)
+    if warned is None:
+        assert "Activations are scaled" not in page
+        return
+    assert f"Activations are scaled from {'an' if profile_dtype == 'fp32' else 'a'} {profile_dtype} profile" in page
+    assert f"the {size(other)} its units save in other dtypes" in page and other > 0
+    assert ("profile with --dtype bf16 for exact activations" in page) == warned
