@@ -23,13 +23,14 @@ reduce-scatter's input), as executor.measure.CommCounter counts collectives and 
 what each rank sends on the wire is (n-1)/n x S for an all-gather or reduce-scatter and 2(n-1)/n x S for a ring
 all-reduce (wire_bytes; nccl-tests doc/PERFORMANCE.md derives its "busbw" from the same factors). The ZeRO paper's
 "2Psi per step" for data parallelism (Rajbhandari et al. 2020, section 7) is the wire count as n grows.
-Not modelled: nccl-tests bus bandwidth also drops with node count at a fixed message (all_gather_perf of 2 GB on
-32 DGX H100 nodes / 256 GPUs: ~200 GB/s busbw, github.com/NVIDIA/nccl/issues/1218, against the ~370 GB/s effective
-NVLink busbw NCCL reaches inside a node, github.com/NVIDIA/nccl-tests/issues/212), so at scale these times are a
-lower bound; a calibrated cluster file (probed fits) replaces the link formula. A group that spans k nodes with g ranks on each is costed
+At scale, against published nccl-tests figures (presets' module doc, tests/test_comm.py: within 12%): the
+hierarchical ring below gives all-gather's drop with node count (32 DGX H100 nodes, 2 GB: 179 GB/s busbw
+predicted, ~200 measured, github.com/NVIDIA/nccl/issues/1218); an all-reduce across nodes is NCCL's tree where
+that is faster (tree_all_reduce_time: 361 GB/s predicted, ~340 measured there; the sum of a reduce-scatter and
+an all-gather had given 166). A group that spans k nodes with g ranks on each is costed
 hierarchically, as NCCL's rings over NVLink and per-GPU NICs behave: for all-gather, an inter-node all-gather of
 S/g among the k nodes on each of the g rails, then an intra-node all-gather of S among g ranks (reduce-scatter in
-the opposite order; all-reduce = reduce-scatter + all-gather). Where the cluster profile holds a probed fit for
+the opposite order; all-reduce = reduce-scatter + all-gather, or the tree where faster). Where the cluster profile holds a probed fit for
 exactly this collective and group size, the fit is used instead of the link formula.
 
 Tensor-parallel traffic (tp_unit_traffic): Megatron-LM's f and g operators (Shoeybi et al. 2019, section 3) put
@@ -58,6 +59,7 @@ alone would all-reduce per linear: Llama's wq, wk, wv three times).
 from __future__ import annotations
 
 import functools
+import math
 
 from cost_models.cluster import ClusterProfile, LinkSpec
 from cost_models.presets import RING_STEP_LATENCY_S
@@ -124,10 +126,14 @@ def collective_time(cluster: ClusterProfile, op: str, size_bytes: float, n: int,
     if n <= 1 or size_bytes <= 0:
         return 0.0
     if op == "all_reduce":
-        return (collective_time(cluster, "reduce_scatter", size_bytes, n, ranks_per_node=ranks_per_node,
+        ring = (collective_time(cluster, "reduce_scatter", size_bytes, n, ranks_per_node=ranks_per_node,
                                 back_to_back=back_to_back)
                 + collective_time(cluster, "all_gather", size_bytes, n, ranks_per_node=ranks_per_node,
                                   back_to_back=back_to_back))
+        g, k = _split(cluster, n, ranks_per_node)
+        if k == 1 or cluster.inter_node is None:
+            return ring
+        return min(ring, tree_all_reduce_time(cluster, size_bytes, g, k))   # NCCL picks the faster (tuning.cc)
     if op not in ("all_gather", "reduce_scatter"):
         raise ValueError(f"unknown collective {op}")
     g, k = _split(cluster, n, ranks_per_node)
@@ -139,6 +145,24 @@ def collective_time(cluster: ClusterProfile, op: str, size_bytes: float, n: int,
     extra = (k - 1) * (g - 1) * RING_STEP_LATENCY_S.get(cluster.intra_node.kind, 0.0)
     return (_phase(cluster, op, size_bytes / g, k, "inter", back_to_back)
             + _phase(cluster, op, size_bytes, g, "intra", back_to_back) + extra)
+
+
+def tree_all_reduce_time(cluster: ClusterProfile, size_bytes: float, g: int, k: int) -> float:
+    """An all-reduce of S bytes over k nodes of g ranks as NCCL's tree runs it across nodes: a reduce inside each
+    node, a double binary tree over the nodes on each of the g rails, a broadcast inside the node, pipelined in
+    chunks so the phases overlap and the slower one sets the pace.
+
+    Bandwidth: inside a node each rank moves 2(g-1)/g S (the ring all-reduce's share); across nodes each NIC sends
+    and receives 2 S/g whatever k is (in a double binary tree every node is interior in one tree, a leaf in the
+    other: S/(2g) up and down as a leaf, 2 x S/(2g) up and down as an interior node). Latency: NCCL's tree term
+    (src/graph/tuning.cc, ncclTopoTuneModel: baseLat + 2 ((ranks per node - 1) intra + log2(nodes) inter) hardware
+    latencies), each step priced as the ring's (presets.RING_STEP_LATENCY_S). Checked against nccl-tests at scale
+    in presets' module doc (tests/test_comm.py)."""
+    intra, inter = cluster.intra_node, cluster.inter_node
+    steps = (2 * (g - 1) * RING_STEP_LATENCY_S.get(intra.kind, 0.0)
+             + 2 * math.ceil(math.log2(k)) * RING_STEP_LATENCY_S.get(inter.kind, 0.0))
+    moved = max(2 * (g - 1) / g * size_bytes / intra.bandwidth_Bps, 2 * size_bytes / g / inter.bandwidth_Bps)
+    return inter.alpha_s + steps + moved
 
 
 def _traffic(**ops: tuple[float, float]) -> Traffic:

@@ -11,10 +11,14 @@ cost model charges each step a hardware latency (src/graph/tuning.cc, hwLat, Rin
 PCIe 5.7 us, network 9.6 us; baseLat 8.4 us once per collective), so a ring's latency grows linearly with its ranks
 (NCCL maintainers, github.com/NVIDIA/nccl/issues/1712). The alpha above is the two-rank collective (base + one step);
 cost_models.comm adds (n-2) steps.
-Bus bandwidth at scale: nccl-tests all_gather_perf at 2 GB on 32 DGX H100 nodes (256 GPUs) reached ~200 GB/s busbw
-(github.com/NVIDIA/nccl/issues/1218) against ~370 GB/s effective NVLink busbw inside a node (NCCL maintainer,
-github.com/NVIDIA/nccl-tests/issues/212); the presets keep one achievable figure per link, so multi-node predictions
-past a few nodes are optimistic by up to that ratio (a probed cluster file corrects it).
+Bus bandwidth at scale, against published nccl-tests figures (tests/test_comm.py checks each within 12%):
+all_gather_perf at 2 GB on 32 DGX H100 nodes (256 GPUs) ~200 GB/s busbw and all_reduce_perf ~340 GB/s
+(github.com/NVIDIA/nccl/issues/1218), against ~370 GB/s effective NVLink busbw inside a node (NCCL maintainer,
+github.com/NVIDIA/nccl-tests/issues/212); all_reduce_perf at 512 MB on 248 H200 nodes (the same 8 x 400 Gb/s NICs
+and NVLink 4) ~350 GB/s (github.com/NVIDIA/nccl-tests/issues/283); 192 GB/s across DGX A100 nodes
+(github.com/NVIDIA/nccl/issues/812). The all-gather's drop comes from the hierarchical ring (cost_models.comm: the
+network phase adds to the NVLink one); the all-reduce holds up because NCCL runs it as a tree across nodes, whose
+phases overlap (cost_models.comm.tree_all_reduce_time).
 Matmul efficiency (achieved / dense peak on large bf16 GEMMs) is MATMUL_EFFICIENCY unless probed: cuBLAS reaches
 about 70% of dense peak on H100/A100-class parts for large square bf16 GEMMs (NVIDIA cuBLAS/Transformer Engine
 benchmarks); a cluster file can set its own.
@@ -25,14 +29,19 @@ from cost_models.cluster import ClusterProfile, DeviceSpec, LinkSpec
 from cost_models.errors import ConfigError
 
 NCCL_EFFICIENCY = 0.8
+# InfiniBand NICs reach more of their line rate under NCCL: "For NDR @ 400Gbps you should see 46-48GB/s per NIC"
+# (NCCL maintainer, github.com/NVIDIA/nccl-tests/issues/290), and DGX A100's 8 x 200 Gb/s HDR measure 192 GB/s
+# all-reduce busbw across nodes (NCCL maintainer, github.com/NVIDIA/nccl/issues/812): 0.92-0.96 of line rate.
+NET_EFFICIENCY = 0.92
 MATMUL_EFFICIENCY = 0.7
 MIB = 2**20
 GB = 1e9
 
 
-def _link(kind: str, line_rate_Bps: float, alpha_s: float, source: str) -> LinkSpec:
-    return LinkSpec(kind=kind, bandwidth_Bps=line_rate_Bps * NCCL_EFFICIENCY, alpha_s=alpha_s,
-                    source=f"{source}; x{NCCL_EFFICIENCY} achievable (nccl-tests)")
+def _link(kind: str, line_rate_Bps: float, alpha_s: float, source: str,
+          efficiency: float = NCCL_EFFICIENCY) -> LinkSpec:
+    return LinkSpec(kind=kind, bandwidth_Bps=line_rate_Bps * efficiency, alpha_s=alpha_s,
+                    source=f"{source}; x{efficiency} achievable (nccl-tests)")
 
 
 # NVIDIA H100 datasheet (SXM5): 989.4 TFLOP/s dense BF16/FP16 (1,979 with sparsity), 66.9 TFLOP/s FP32;
@@ -65,9 +74,11 @@ NVLINK3 = _link("nvlink3", 300 * GB, 12e-6, "DGX A100 datasheet: NVLink 3, 600 G
 # PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b encoding = 31.5 GB/s per direction (PCI-SIG PCIe 4.0 spec).
 PCIE4 = _link("pcie4", 31.5 * GB, 15e-6, "PCI-SIG PCIe 4.0: 16 GT/s x16, 31.5 GB/s per direction")
 # DGX H100: 8 x ConnectX-7 400 Gb/s InfiniBand, one per GPU = 50 GB/s per GPU per direction.
-IB_400 = _link("infiniband-ndr", 400e9 / 8, 20e-6, "DGX H100 datasheet: 8x 400 Gb/s ConnectX-7, one NIC per GPU")
+IB_400 = _link("infiniband-ndr", 400e9 / 8, 20e-6, "DGX H100 datasheet: 8x 400 Gb/s ConnectX-7, one NIC per GPU",
+               NET_EFFICIENCY)
 # DGX A100: 8 x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU = 25 GB/s per GPU per direction.
-IB_200 = _link("infiniband-hdr", 200e9 / 8, 20e-6, "DGX A100 datasheet: 8x 200 Gb/s ConnectX-6, one NIC per GPU")
+IB_200 = _link("infiniband-hdr", 200e9 / 8, 20e-6, "DGX A100 datasheet: 8x 200 Gb/s ConnectX-6, one NIC per GPU",
+               NET_EFFICIENCY)
 # 100 Gb/s Ethernet, one NIC per node shared by its 8 GPUs: 12.5 GB/s / 8 per GPU when all communicate at once.
 ETH_100_SHARED_8 = _link("ethernet-100g", 100e9 / 8 / 8, 30e-6, "100 Gb/s Ethernet per node, shared by 8 GPUs")
 
