@@ -6,7 +6,11 @@ Two sources, in order of trust:
      was timed at the profile's micro-batch B and at one sample, giving t(b) = t1 + (tB - t1) (b - 1) / (B - 1):
      a fixed per-call cost (kernel launches, Python) plus per-sample work; with one timing only, t scales with b
      as FLOPs do. Times scale by the profile's in_model_factor (units timed alone run with a warm cache; the
-     whole model timed end to end does not). Then contention: a CPU rank that
+     whole model timed end to end does not). On a GPU a factor below 1 is the other way round: each unit timed
+     alone pays a synchronize and a cold launch queue that the whole model does not, a fixed cost per call, so
+     the same seconds per call come off at every micro-batch (_in_model) rather than the same share (on an H200,
+     gpt2-small profiled at micro-batch 8 with factor 0.80: a plan at 32 predicted at 106 ms ran 142, +35%).
+     Then contention: a CPU rank that
      shares cores runs slower. The compute probe gives both sides: one rank alone does `flops_alone`, one of
      `ranks` running at once does `flops_per_rank`, so the machine has effectively
      cores_eff = ranks * flops_per_rank / flops_alone rank-threads, and N ranks slow each other by
@@ -65,13 +69,23 @@ def contention(cluster: ClusterProfile, ranks_running: float) -> float:
 
 def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_running: float, mixed: bool) -> float:
     """A measured unit time's slowdown on a rank: contention, a profile taken with more threads than a rank has,
-    the units' cache advantage when timed alone (profile.in_model_factor), and under torch's mixed precision
-    (memory.torch_mixed) its casts and fp32 ops (profile.mixed_factor)."""
+    and under torch's mixed precision (memory.torch_mixed) its casts and fp32 ops (profile.mixed_factor). The
+    units' in-model factor is _in_model's."""
     # CPU ranks only: a GPU's kernels do not run slower for the host threads the probe's ranks were given
     cpu = cluster.device.kind == "cpu"
     threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1) if cpu else 1.0
     mixed_factor = profile.mixed_factor if mixed else 1.0
-    return contention(cluster, ranks_running) * max(1.0, threads) * profile.in_model_factor * mixed_factor
+    return contention(cluster, ranks_running) * max(1.0, threads) * mixed_factor
+
+
+def _in_model(seconds: float, at_profile: float, profile: ModelProfile, cluster: ClusterProfile) -> float:
+    """A measured call of `seconds` (`at_profile` at the profile's micro-batch) as it runs inside the whole model
+    (module doc): scaled by profile.in_model_factor, or on a GPU with a factor below 1 less the same seconds per
+    call as at the profile's micro-batch, never below the scaled time."""
+    f = profile.in_model_factor
+    if cluster.device.kind != "gpu" or f >= 1:
+        return seconds * f
+    return max(seconds - (1 - f) * at_profile, seconds * f)
 
 
 def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, *, micro_batch_size: int,
@@ -81,8 +95,9 @@ def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile
     scale = micro_batch_size / profile.micro_batch_size
     if uses_measured_times(profile, cluster, precision):
         factor = _measured_factor(profile, cluster, ranks_running, mixed)
-        return (_at_batch(unit.fwd_time, unit.fwd_time_one, profile.micro_batch_size, micro_batch_size) * factor,
-                _at_batch(unit.bwd_time, unit.bwd_time_one, profile.micro_batch_size, micro_batch_size) * factor)
+        return tuple(_in_model(_at_batch(at, one, profile.micro_batch_size, micro_batch_size), at.median_s, profile,
+                               cluster) * factor
+                     for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)))
     dtype = executed_dtype(precision, cluster.device.kind)
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
     rate = peak * cluster.device.matmul_efficiency
@@ -112,9 +127,11 @@ def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProf
         out = []
         for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)):
             fixed, work = _affine(at, one, profile.micro_batch_size, micro_batch_size)
-            out.append(max(0.0, fixed + work * share) * factor)
+            fixed_b, work_b = _affine(at, one, profile.micro_batch_size, profile.micro_batch_size)
+            out.append(_in_model(max(0.0, fixed + work * share), max(0.0, fixed_b + work_b * share), profile,
+                                 cluster) * factor)
         fwd_work = _affine(unit.fwd_time, unit.fwd_time_one, profile.micro_batch_size, micro_batch_size)[1]
-        return out[0], out[1], fwd_work * core / tp * factor
+        return out[0], out[1], fwd_work * core / tp * factor * profile.in_model_factor
     fwd, bwd = unit_times(unit, profile, cluster, micro_batch_size=micro_batch_size, precision=precision,
                           ranks_running=ranks_running, mixed=mixed)
     width = profile.tensor_parallel.hidden if profile.tensor_parallel else 0

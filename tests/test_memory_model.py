@@ -135,6 +135,34 @@ def test_a_gpu_profiles_times_hold_for_its_own_gpu_model_only(tiny_profiles):
         pytest.approx(u.fwd_flops / rate)
 
 
+def test_a_gpu_profiles_in_model_gap_is_a_fixed_cost_per_call(tiny_profiles):
+    """On a GPU, units timed alone pay a synchronize each: an in-model factor below 1 takes the same seconds off a
+    call at every micro-batch (compute._in_model), not the same share; never less than the share. A factor of 1 or
+    more, and any CPU profile, scale. (The profile's GPU fields are set by hand: CI has no GPU.)"""
+    h100 = preset("dgx-h100")
+    base = dataclasses.replace(tiny_profiles["gpt-tiny", False], device="gpu", device_name=h100.device.name)
+    u = base.unit("blocks.1")
+    plain = {b: unit_times(u, dataclasses.replace(base, in_model_factor=1.0), h100, micro_batch_size=b,
+                           precision="fp32", ranks_running=8) for b in (1, 2, 8)}
+    fast = dataclasses.replace(base, in_model_factor=0.8)
+    at_profile = (u.fwd_time.median_s, u.bwd_time.median_s)
+    for b in (2, 8):   # the profile's micro-batch is 2: there the two readings agree
+        got = unit_times(u, fast, h100, micro_batch_size=b, precision="fp32", ranks_running=8)
+        for t, t_b, t_2 in zip(got, plain[b], at_profile):
+            assert t == pytest.approx(t_b - 0.2 * t_2)
+        assert b == 2 or all(t > 0.8 * t_b for t, t_b in zip(got, plain[b]))   # above the share at 8
+    one = unit_times(u, fast, h100, micro_batch_size=1, precision="fp32", ranks_running=8)
+    assert all(t >= 0.8 * t_b - 1e-15 for t, t_b in zip(one, plain[1]))
+    slow = dataclasses.replace(base, in_model_factor=1.3)
+    assert unit_times(u, slow, h100, micro_batch_size=8, precision="fp32", ranks_running=8) == \
+        pytest.approx(tuple(1.3 * t for t in plain[8]))
+    cpu_prof = dataclasses.replace(tiny_profiles["gpt-tiny", False], in_model_factor=0.8)
+    cpu = _cpu_cluster(cpu_prof, ranks=1, cores=2)
+    ref = dataclasses.replace(cpu_prof, in_model_factor=1.0)
+    assert unit_times(u, cpu_prof, cpu, micro_batch_size=8, precision="fp32", ranks_running=1) == pytest.approx(
+        tuple(0.8 * t for t in unit_times(u, ref, cpu, micro_batch_size=8, precision="fp32", ranks_running=1)))
+
+
 def test_cpu_contention_counts_the_ranks_that_compute_at_once(tiny_profiles):
     """4 CPU ranks on 2 cores slow each other 2x when all compute; a pipeline's ranks are busy n / (n + p - 1) of
     the step (GPipe's bubble), so a 4-stage pipeline of one micro-batch computes at full speed."""
