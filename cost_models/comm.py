@@ -26,12 +26,13 @@ all-reduce (wire_bytes; nccl-tests doc/PERFORMANCE.md derives its "busbw" from t
 At scale, against published nccl-tests figures (presets' module doc, tests/test_comm.py: within 12%): the
 hierarchical ring below gives all-gather's drop with node count (32 DGX H100 nodes, 2 GB: 179 GB/s busbw
 predicted, ~200 measured, github.com/NVIDIA/nccl/issues/1218); an all-reduce across nodes is NCCL's tree where
-that is faster (tree_all_reduce_time: 361 GB/s predicted, ~340 measured there; the sum of a reduce-scatter and
-an all-gather had given 166). A group that spans k nodes with g ranks on each is costed
-hierarchically, as NCCL's rings over NVLink and per-GPU NICs behave: for all-gather, an inter-node all-gather of
-S/g among the k nodes on each of the g rails, then an intra-node all-gather of S among g ranks (reduce-scatter in
-the opposite order; all-reduce = reduce-scatter + all-gather, or the tree where faster). Where the cluster profile holds a probed fit for
-exactly this collective and group size, the fit is used instead of the link formula.
+that is faster (tree_all_reduce_time: 361 GB/s predicted, ~340 measured there; the ring's reduce-scatter +
+all-gather gives 179, and gave 166 with InfiniBand at 0.8 of line rate; GPU clusters only, gloo has no tree).
+A group that spans k nodes with g ranks on each is costed hierarchically, as NCCL's rings over NVLink and per-GPU
+NICs behave: for all-gather, an inter-node all-gather of S/g among the k nodes on each of the g rails, then an
+intra-node all-gather of S among g ranks (reduce-scatter in the opposite order; all-reduce = reduce-scatter +
+all-gather, or the tree where faster). Where the cluster profile holds a probed fit for exactly this collective and
+group size, the fit is used instead of the link formula (and no tree is priced beside it).
 
 Tensor-parallel traffic (tp_unit_traffic): Megatron-LM's f and g operators (Shoeybi et al. 2019, section 3) put
 one all-reduce of the b x s x h activations in forward after each row-split linear and one in backward before each
@@ -131,7 +132,9 @@ def collective_time(cluster: ClusterProfile, op: str, size_bytes: float, n: int,
                 + collective_time(cluster, "all_gather", size_bytes, n, ranks_per_node=ranks_per_node,
                                   back_to_back=back_to_back))
         g, k = _split(cluster, n, ranks_per_node)
-        if k == 1 or cluster.inter_node is None:
+        # NCCL's tree (GPUs only: gloo has none), priced from the links: not where a probe measured the network
+        probed = any(cluster.fit(op, k, "inter") is not None for op in ("reduce_scatter", "all_gather"))
+        if k == 1 or cluster.inter_node is None or cluster.device.kind != "gpu" or probed:
             return ring
         return min(ring, tree_all_reduce_time(cluster, size_bytes, g, k))   # NCCL picks the faster (tuning.cc)
     if op not in ("all_gather", "reduce_scatter"):
@@ -157,10 +160,12 @@ def tree_all_reduce_time(cluster: ClusterProfile, size_bytes: float, g: int, k: 
     other: S/(2g) up and down as a leaf, 2 x S/(2g) up and down as an interior node). Latency: NCCL's tree term
     (src/graph/tuning.cc, ncclTopoTuneModel: baseLat + 2 ((ranks per node - 1) intra + log2(nodes) inter) hardware
     latencies), each step priced as the ring's (presets.RING_STEP_LATENCY_S). Checked against nccl-tests at scale
-    in presets' module doc (tests/test_comm.py)."""
+    in presets' module doc (tests/test_comm.py). collective_time uses it on GPU clusters only (gloo has no tree)
+    and not where a probe fitted the network's phases."""
     intra, inter = cluster.intra_node, cluster.inter_node
+    levels = k.bit_length() - 1   # tuning.cc's log2i: floor(log2 k)
     steps = (2 * (g - 1) * RING_STEP_LATENCY_S.get(intra.kind, 0.0)
-             + 2 * math.ceil(math.log2(k)) * RING_STEP_LATENCY_S.get(inter.kind, 0.0))
+             + 2 * levels * RING_STEP_LATENCY_S.get(inter.kind, 0.0))
     moved = max(2 * (g - 1) / g * size_bytes / intra.bandwidth_Bps, 2 * size_bytes / g / inter.bandwidth_Bps)
     return inter.alpha_s + steps + moved
 

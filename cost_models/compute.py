@@ -78,12 +78,18 @@ def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_runni
     return contention(cluster, ranks_running) * max(1.0, threads) * mixed_factor
 
 
+def _gap_per_call(profile: ModelProfile, cluster: ClusterProfile) -> bool:
+    """Whether the profile's in-model factor is a fixed cost per call (a GPU's, below 1) rather than a share."""
+    return cluster.device.kind == "gpu" and profile.in_model_factor < 1
+
+
 def _in_model(seconds: float, at_profile: float, profile: ModelProfile, cluster: ClusterProfile) -> float:
-    """A measured call of `seconds` (`at_profile` at the profile's micro-batch) as it runs inside the whole model
-    (module doc): scaled by profile.in_model_factor, or on a GPU with a factor below 1 less the same seconds per
-    call as at the profile's micro-batch, never below the scaled time."""
+    """A measured call of `seconds` (`at_profile`: the whole unit's at the profile's micro-batch) as it runs inside
+    the whole model (module doc): scaled by profile.in_model_factor, or where that is a fixed cost per call less
+    the seconds it took off a call at the profile's micro-batch, never below the scaled time (so below the
+    profile's micro-batch it stays the share)."""
     f = profile.in_model_factor
-    if cluster.device.kind != "gpu" or f >= 1:
+    if not _gap_per_call(profile, cluster):
         return seconds * f
     return max(seconds - (1 - f) * at_profile, seconds * f)
 
@@ -95,7 +101,8 @@ def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile
     scale = micro_batch_size / profile.micro_batch_size
     if uses_measured_times(profile, cluster, precision):
         factor = _measured_factor(profile, cluster, ranks_running, mixed)
-        return tuple(_in_model(_at_batch(at, one, profile.micro_batch_size, micro_batch_size), at.median_s, profile,
+        b0 = profile.micro_batch_size
+        return tuple(_in_model(_at_batch(at, one, b0, micro_batch_size), _at_batch(at, one, b0, b0), profile,
                                cluster) * factor
                      for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)))
     dtype = executed_dtype(precision, cluster.device.kind)
@@ -124,14 +131,15 @@ def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProf
     if uses_measured_times(profile, cluster, precision):
         factor = _measured_factor(profile, cluster, ranks_running, mixed)
         share = 1 - split + split / tp
-        out = []
+        out, b0 = [], profile.micro_batch_size
         for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)):
-            fixed, work = _affine(at, one, profile.micro_batch_size, micro_batch_size)
-            fixed_b, work_b = _affine(at, one, profile.micro_batch_size, profile.micro_batch_size)
-            out.append(_in_model(max(0.0, fixed + work * share), max(0.0, fixed_b + work_b * share), profile,
-                                 cluster) * factor)
-        fwd_work = _affine(unit.fwd_time, unit.fwd_time_one, profile.micro_batch_size, micro_batch_size)[1]
-        return out[0], out[1], fwd_work * core / tp * factor * profile.in_model_factor
+            fixed, work = _affine(at, one, b0, micro_batch_size)
+            # a synchronize per call does not shrink with tp: the whole unit's gap at the profile's micro-batch
+            out.append(_in_model(max(0.0, fixed + work * share), _at_batch(at, one, b0, b0), profile, cluster) * factor)
+        fwd_work = _affine(unit.fwd_time, unit.fwd_time_one, b0, micro_batch_size)[1]
+        # the attention core's work alone, recomputed inside a call: per-sample work, no gap of its own
+        core_scale = 1.0 if _gap_per_call(profile, cluster) else profile.in_model_factor
+        return out[0], out[1], fwd_work * core / tp * factor * core_scale
     fwd, bwd = unit_times(unit, profile, cluster, micro_batch_size=micro_batch_size, precision=precision,
                           ranks_running=ranks_running, mixed=mixed)
     width = profile.tensor_parallel.hidden if profile.tensor_parallel else 0

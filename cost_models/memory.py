@@ -207,13 +207,21 @@ def saved_at(u: UnitProfile, *, micro_batch_size: int, profile_batch: int, dtype
     ids, masks, a bf16 model's fp32 statistics) does not. Measured: gpt2-small's saved bytes grow 1.60x, not 2x,
     from a bf16 to an fp32 profile (2 x 64 tokens, meta); on an H200 an fp32 run of a bf16 profile's plan measured
     20% fewer activation bytes than 2x predicted. Its least value over batches at the profile's dtype (a lower
-    bound, for the search's pruning) is saved_bytes - saved_fixed_bytes."""
+    bound, for the search's pruning) is saved_bytes - saved_fixed_bytes. Not corrected by dtype: the parts a plan
+    subtracts or keeps apart (tensor parallelism's roles, tp_saved_bytes; torch's split backward, split_kept_bytes),
+    which scale by the element size whole."""
+    grow, grow_other, fixed, fixed_other = saved_parts(u)
     batch_ratio = micro_batch_size / profile_batch
+    return grow + grow_other / dtype_ratio + fixed / batch_ratio + fixed_other / (batch_ratio * dtype_ratio)
+
+
+def saved_parts(u: UnitProfile) -> tuple[int, int, int, int]:
+    """A unit's saved bytes at the profile's batch and dtype in saved_at's four parts: (growing with the batch in
+    the profile's dtype, growing in another, fixed in the profile's dtype, fixed in another)."""
     fixed_other = u.saved_other_fixed_bytes
     grow_other = u.saved_other_dtype_bytes - fixed_other
-    fixed = u.saved_fixed_bytes - fixed_other
-    grow = u.saved_bytes - u.saved_fixed_bytes - grow_other
-    return grow + grow_other / dtype_ratio + fixed / batch_ratio + fixed_other / (batch_ratio * dtype_ratio)
+    return (u.saved_bytes - u.saved_fixed_bytes - grow_other, grow_other, u.saved_fixed_bytes - fixed_other,
+            fixed_other)
 
 
 def tp_saved_bytes(saved: float, tu: TPUnit | None, *, tp: int, sp: bool, selective: bool) -> float:

@@ -188,8 +188,7 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
                 _fail(where, f"{path}.shared[{i}].units[{j}]", unit, "the name of one of the units", fix)
 
 
-
-def _check_saved_parts(u, at: str, where: str, fix: str) -> None:
+def _check_saved_parts(u: UnitProfile, at: str, where: str, fix: str) -> None:
     """A unit's parts of saved_bytes (model_profiler._count_module, _saved_fixed) within it and each other."""
     if not 0 <= u.saved_fixed_bytes <= u.saved_bytes:   # a part of saved_bytes (model_profiler._saved_fixed)
         _fail(where, f"{at}.saved_fixed_bytes", u.saved_fixed_bytes, f"0 to saved_bytes ({u.saved_bytes})", fix)
@@ -202,6 +201,7 @@ def _check_saved_parts(u, at: str, where: str, fix: str) -> None:
         _fail(where, f"{at}.saved_other_fixed_bytes", u.saved_other_fixed_bytes,
               f"{low} to {min(u.saved_other_dtype_bytes, u.saved_fixed_bytes)} (within saved_fixed_bytes, "
               f"and saved_other_dtype_bytes' growing part within the growing bytes)", fix)
+
 
 def _check_tp_unit(u: UnitProfile, path: str, where: str, fix: str) -> None:
     """model_profiler gives every saved storage at most one role and flags each counted tensor once (TPUnit)."""

@@ -150,12 +150,14 @@ def _memory(plan: Plan) -> Section:
 def _dtype_note(plan: Plan) -> str:
     """Where activations come from a profile in another dtype than the run computes in: how they were scaled."""
     run = executed_dtype(plan.strategy.precision, plan.cluster.device.kind)
-    if not plan.model.dtype or run == plan.model.dtype:
+    # "" in plans written before the dtype was recorded; the same element size: nothing was scaled
+    if DTYPE_BYTES.get(plan.model.dtype, DTYPE_BYTES[run]) == DTYPE_BYTES[run]:
         return ""
     article = "an" if plan.model.dtype.startswith("f") else "a"
-    line = (f"Activations are scaled from {article} {plan.model.dtype} profile to {run} (memory.saved_at): the "
-            f"{size(plan.model.saved_other_dtype_bytes)} its units save in other dtypes per profiled micro-batch "
-            f"(token ids, masks, statistics) keep their size.")
+    line = f"Activations are scaled from {article} {plan.model.dtype} profile to {run} (memory.saved_at)"
+    other = plan.model.saved_other_dtype_bytes
+    line += (f": the {size(other)} its units save in other dtypes per profiled micro-batch (token ids, masks, "
+             f"statistics) keep their size." if other else ".")
     if DTYPE_BYTES[run] < DTYPE_BYTES[plan.model.dtype]:
         # measured on meta, 2 x 64 tokens: bf16 saved bytes over half the fp32 profile's, gpt2-small 1.25x, llama-tiny
         # 1.27x (the math attention's fp32 probabilities and the norms' statistics stay fp32 in bf16)

@@ -43,7 +43,8 @@ from cost_models.errors import ConfigError, InfeasibleError
 from cost_models.estimate import Estimate, activation_scale, dtype_ratio, estimate, tied_copies
 from cost_models.formatting import fixed, now_utc
 from cost_models.limits import MAX_MICROBATCHES
-from cost_models.memory import BYTES_PER_PARAM, executor_state_bytes, overhead_bytes, saved_at, zero_model_state_bytes
+from cost_models.memory import (BYTES_PER_PARAM, executor_state_bytes, overhead_bytes, saved_at, saved_parts,
+                                zero_model_state_bytes)
 from cost_models.profile import ModelProfile, UnitProfile
 from cost_models.schedule import SCHEDULES, forwards_before_backward, get_spec, placement
 from cost_models.strategy import Strategy
@@ -68,7 +69,7 @@ class _Partitions:
     """Stage cuts per stage count, balanced on predicted unit time (independent of micro-batch size: times scale
     linearly), computed once per stage count."""
 
-    def __init__(self, profile: ModelProfile, unit_fb: list[tuple[float, float]], *, dtype_ratio: float = 1.0) -> None:
+    def __init__(self, profile: ModelProfile, unit_fb: list[tuple[float, float]], *, dtype_ratio: float) -> None:
         self.profile, self.unit_fb, self.cache, self.bottlenecks = profile, unit_fb, {}, {}
         self.dtype_ratio = dtype_ratio   # the plan's compute dtype's element size over the profile's
         self.unit_cost = [f + b for f, b in unit_fb]
@@ -143,9 +144,8 @@ def _least_saved(u: UnitProfile, dtype_ratio: float) -> float:
     """The least a unit saves per micro-batch at the profile's scale with selective recompute (the attention core
     dropped), at any micro-batch (memory.saved_at: the fixed part left out, the growing part not in the profile's
     dtype counted at its own size): the pruning bounds' activation term."""
-    grow_other = u.saved_other_dtype_bytes - u.saved_other_fixed_bytes
-    return max(0.0, u.saved_bytes - u.saved_fixed_bytes - grow_other * (1 - 1 / dtype_ratio)
-               - (u.tp.saved_core if u.tp else 0))
+    grow, grow_other, _, _ = saved_parts(u)
+    return max(0.0, grow + grow_other / dtype_ratio - (u.tp.saved_core if u.tp else 0))
 
 
 def _overflow(est: Estimate, cap: int) -> set[int]:
@@ -306,45 +306,45 @@ def _one_microbatch_schedule(pp: int) -> str | None:
 
 class _UnitTimes:
     """Per-unit (forward, backward) seconds of one micro-batch on one TP rank as the estimate prices them (compute
-    share, narrow-GEMM efficiency and exposed TP collectives), per (tp, sp): read off one estimate that puts every
-    unit in its own stage (GPipe, one micro-batch of the largest size searched). A smaller micro-batch takes at
-    least its share of that (per-sample time falls with the batch: fixed costs are spread over more samples).
-    Only on clusters without a compute probe (presets), where unit times do not depend on how many ranks run;
-    None elsewhere (the bound falls back to the profile's unit times / tp)."""
+    share, narrow-GEMM efficiency and exposed TP collectives), per (tp, sp, micro-batch size): read off one estimate
+    that puts every unit in its own stage (GPipe, one micro-batch). Each size is estimated, not scaled from another:
+    a GPU profile's in-model gap is a fixed cost per call (compute._in_model), so per-sample time can grow with the
+    batch. Only on clusters without a compute probe (presets), where unit times do not depend on how many ranks
+    run; None elsewhere (the bound falls back to the profile's unit times / tp)."""
 
-    def __init__(self, profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest, largest_mbs: int) -> None:
-        self.profile, self.cluster, self.req, self.mbs = profile, cluster, req, largest_mbs
+    def __init__(self, profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest) -> None:
+        self.profile, self.cluster, self.req = profile, cluster, req
         self.names = [u.name for u in profile.units]
-        self.cache: dict[tuple[int, bool], list[tuple[float, float]] | None] = {}
+        self.cache: dict[tuple[int, bool, int], list[tuple[float, float]] | None] = {}
         self.stage_cache: dict[tuple, list[tuple[float, float]]] = {}
 
-    def units(self, tp: int, sp: bool) -> list[tuple[float, float]] | None:
-        if (tp, sp) not in self.cache:
-            self.cache[tp, sp] = self._measure(tp, sp) if self.cluster.compute is None else None
-        return self.cache[tp, sp]
+    def units(self, tp: int, sp: bool, mbs: int) -> list[tuple[float, float]] | None:
+        if (tp, sp, mbs) not in self.cache:
+            self.cache[tp, sp, mbs] = self._measure(tp, sp, mbs) if self.cluster.compute is None else None
+        return self.cache[tp, sp, mbs]
 
-    def _measure(self, tp: int, sp: bool) -> list[tuple[float, float]] | None:
+    def _measure(self, tp: int, sp: bool, mbs: int) -> list[tuple[float, float]] | None:
         n, schedule = len(self.names), _one_microbatch_schedule(len(self.names))
         if schedule is None:
             return None
-        s = Strategy(dp=1, pp=n, zero=0, schedule=schedule, microbatches=1, micro_batch_size=self.mbs,
+        s = Strategy(dp=1, pp=n, zero=0, schedule=schedule, microbatches=1, micro_batch_size=mbs,
                      stages=tuple((u,) for u in self.names), tp=tp, sp=sp, precision=self.req.precision,
                      optimizer=self.req.optimizer)
         est = estimate(s, self.profile, self.cluster, compact=True)
-        return [(st.fwd_s / self.mbs, st.bwd_s / self.mbs) for st in est.stages]
+        return [(st.fwd_s, st.bwd_s) for st in est.stages]
 
     def stage_fb(self, pt: Point, parts: _Partitions) -> list[tuple[float, float]] | None:
         """(forward, backward) per stage of the point's cut, per micro-batch of its size (None: no proxy)."""
         k = pt.pp * pt.v
-        key = (k, pt.tp, pt.sp)
+        key = (k, pt.tp, pt.sp, pt.micro_batch_size)
         if key not in self.stage_cache:
-            per_unit = self.units(pt.tp, pt.sp)
+            per_unit = self.units(pt.tp, pt.sp, pt.micro_batch_size)
             if per_unit is None or k == 1 and len(self.names) == 1:
                 return None
             where = {name: i for i, name in enumerate(self.names)}
             self.stage_cache[key] = [(sum(per_unit[where[u]][0] for u in st), sum(per_unit[where[u]][1] for u in st))
                                      for st in parts.stages(k)]
-        return [(f * pt.micro_batch_size, b * pt.micro_batch_size) for f, b in self.stage_cache[key]]
+        return self.stage_cache[key]
 
 
 @dataclass(frozen=True)
@@ -403,8 +403,9 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
 
 def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanRequest) -> float:
     """The least exposed data-parallel time of a rank holding `params` (P2'): in a pipeline every stage's
-    collectives come after its last backward (all-reduce = reduce-scatter + all-gather; ZeRO-1 gathers the updated
-    parameters too; ZeRO-3 gathers for forward and again for backward); without one, only ZeRO-1's gather is
+    collectives come after its last backward (ZeRO-0/1 all-reduce the gradients, ZeRO-1 gathers the updated
+    parameters too; ZeRO-2/3 reduce-scatter and gather, ZeRO-3 for forward and again for backward); without one,
+    only ZeRO-1's gather is
     known to be exposed. One collective of the whole size is taken for per-tensor ones (a collective's time grows
     no faster than its size: alpha + size x beta). The dp group spans devices_per_node / tp ranks per node, as
     cost_models.estimate places it."""
@@ -417,10 +418,12 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     def coll(op: str, size: float) -> float:   # the lesser of the two fits (CollectiveFit.predict): a bound
         return min(collective_time(cluster, op, size, pt.dp, ranks_per_node=rpn, back_to_back=b) for b in (0, 1))
 
-    gather, scatter = coll("all_gather", params * p_b), coll("reduce_scatter", params * g_b)
+    gather = coll("all_gather", params * p_b)
     if pt.pp == 1:
         return gather
-    return {0: scatter + gather, 1: scatter + 2 * gather, 2: scatter + gather, 3: scatter + 2 * gather}[pt.zero]
+    if pt.zero <= 1:   # the estimate's all-reduce is the lesser of NCCL's ring and tree (comm.collective_time)
+        return coll("all_reduce", params * g_b) + (gather if pt.zero == 1 else 0.0)
+    return coll("reduce_scatter", params * g_b) + (2 if pt.zero == 3 else 1) * gather
 
 
 def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], cluster: ClusterProfile, req: PlanRequest,
@@ -486,7 +489,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     scales = {mbs: activation_scale(profile, micro_batch_size=mbs, precision=req.precision)
               for mbs in {pt.micro_batch_size for pt in points}}
     acts = {mbs: kept * scale for mbs, scale in scales.items()}
-    times = _UnitTimes(profile, cluster, req, max(acts)) if points else None
+    times = _UnitTimes(profile, cluster, req) if points else None
     for pt in points:
         # tensor parallelism divides at most every parameter by tp (norms and whole embeddings stay replicated)
         held = max(profile.total_params / pt.pp, largest_unit) / pt.tp

@@ -35,10 +35,12 @@ def test_group_spanning_nodes_is_hierarchical():
     ring = 2 * expected
     tree = tree_all_reduce_time(c, S, 8, 4)
     assert collective_time(c, "all_reduce", S, 32) == pytest.approx(min(ring, tree)) and tree < ring
-    # its bandwidth term is the slower of the NVLink phase and each NIC's 2 S/8, the same at any node count
-    nic = 2 * S / 8 / c.inter_node.bandwidth_Bps
-    assert tree == pytest.approx(c.inter_node.alpha_s + nic + 2 * 7 * RING_STEP_LATENCY_S["nvlink4"]
-                                 + 2 * 2 * RING_STEP_LATENCY_S["infiniband-ndr"])
+    # its bandwidth term is each NIC's 2 S/8 here, the same at any node count: only latency grows, by log2 k
+    far = tree_all_reduce_time(preset("dgx-h100", nodes=64), S, 8, 64)
+    assert far - tree == pytest.approx(2 * (6 - 2) * RING_STEP_LATENCY_S["infiniband-ndr"])
+    # gloo has no tree: the same layout on CPU ranks stays reduce-scatter + all-gather
+    cpu = dataclasses.replace(c, device=dataclasses.replace(c.device, kind="cpu"))
+    assert collective_time(cpu, "all_reduce", S, 32) == pytest.approx(ring)
 
 
 def _busbw(cluster, op: str, size: float, n: int) -> float:
@@ -55,7 +57,8 @@ def _busbw(cluster, op: str, size: float, n: int) -> float:
 ])
 def test_bus_bandwidth_at_scale_matches_published_nccl_tests(name, nodes, op, size, published):
     """The presets' collectives against nccl-tests figures published for DGX clusters (presets' module doc): within
-    12%. Before the tree all-reduce, 32 DGX H100 nodes were predicted at 166 GB/s against 340 measured."""
+    12%. Before the tree all-reduce (and with InfiniBand at 0.8 of line rate), 32 DGX H100 nodes were predicted at
+    166 GB/s against ~340 published."""
     assert _busbw(preset(name, nodes=nodes), op, size, nodes * 8) == pytest.approx(published, rel=0.12)
 
 
