@@ -8,8 +8,9 @@ Two sources, in order of trust:
      as FLOPs do. Times scale by the profile's in_model_factor (units timed alone run with a warm cache; the
      whole model timed end to end does not). On a GPU a factor below 1 is the other way round: each unit timed
      alone pays a synchronize and a cold launch queue that the whole model does not, a fixed cost per call, so
-     the same seconds per call come off at every micro-batch (_in_model) rather than the same share (on an H200,
-     gpt2-small profiled at micro-batch 8 with factor 0.80: a plan at 32 predicted at 106 ms ran 142, +35%).
+     above the profile's micro-batch the same seconds per call come off (_in_model) rather than the same share
+     (on an H200, gpt2-small profiled at micro-batch 8 with factor 0.80: the share predicted a plan at 32 at
+     106 ms, it ran 142; not re-measured with this reading).
      Then contention: a CPU rank that
      shares cores runs slower. The compute probe gives both sides: one rank alone does `flops_alone`, one of
      `ranks` running at once does `flops_per_rank`, so the machine has effectively
