@@ -383,7 +383,7 @@ _KEY = {"F": 0, "B": 1, "I": 1, "W": 2}   # B and I both release the input gradi
 
 
 def simulate(order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], *,
-             keep_timeline: bool = False) -> Simulation:
+             keep_timeline: bool = False, deferred_sends: bool = False) -> Simulation:
     """Run the order with real durations: an action starts when its rank is free and its inputs have arrived.
 
     Dependencies: F(s, i) needs F(s-1, i) (plus the p2p time if s-1 is on another rank); B or I (s, i) needs
@@ -391,9 +391,9 @@ def simulate(order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], 
     Where each stage runs is read from the order itself (looped or V placement alike). The order is first compiled
     (_compile: a topological order of its actions, durations aside); the times are then one pass over it, the
     longest path of the dependency graph. A deadlock raises ScheduleDeadlock with the rank x step grid, the stuck
-    actions marked.
+    actions marked. `deferred_sends`: sends leave when their rank next waits (gloo on CPU ranks: _evaluate).
     """
-    return _evaluate(_compile(order), costs, keep_timeline=keep_timeline)
+    return _evaluate(_compile(order), costs, keep_timeline=keep_timeline, deferred_sends=deferred_sends)
 
 
 class ScheduleDeadlock(ValueError):

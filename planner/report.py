@@ -249,7 +249,9 @@ def _rank_groups(plan: Plan):
 def timeline_svg(plan: Plan, width: int = 960) -> str:
     est = plan.prediction
     order = parse_order(est.pipeline_order)
-    sim = simulate(order, [st.cost() for st in est.stages], keep_timeline=True)
+    # as the estimate simulated it: CPU ranks' gloo sends leave when the sender next waits
+    sim = simulate(order, [st.cost() for st in est.stages], keep_timeline=True,
+                   deferred_sends=plan.cluster.device.kind == "cpu")
     events = sim.timeline
     span = sim.makespan_s or 1.0
     row, left, top = 28, 70, 20
