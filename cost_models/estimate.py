@@ -440,13 +440,20 @@ def _stage_pass(c: _Context) -> tuple[tuple[StageEstimate, ...], list[tuple[floa
 def _pipeline_pass(s: Strategy, stages: tuple[StageEstimate, ...], *, compact: bool,
                    deferred_sends: bool = False) -> tuple[Simulation, Simulation]:
     """The schedule simulated with p2p, and (unless compact) again with free p2p to split bubble from p2p time.
-    `deferred_sends`: CPU ranks' gloo sends leave when the sender next waits (schedule._evaluate)."""
+    `deferred_sends`: CPU ranks' gloo sends leave when the sender next waits (schedule._evaluate, sends_deferred).
+    The free run keeps that wait: it is compute on the sender's side, so it counts as bubble, and p2p is the
+    transfers alone."""
     costs = tuple(st.cost() for st in stages)
     sim = simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, costs, deferred_sends=deferred_sends)
     if compact:
         return sim, sim
     free = tuple(dataclasses.replace(x, send_fwd_s=0.0, send_bwd_s=0.0) for x in costs)
-    return sim, simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, free)
+    return sim, simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, free, deferred_sends=deferred_sends)
+
+
+def sends_deferred(cluster: ClusterProfile) -> bool:
+    """Whether a pipeline's sends leave only when the sender next waits: gloo, on CPU ranks (schedule._evaluate)."""
+    return cluster.device.kind == "cpu"
 
 
 def _rank_stages(s: Strategy, stages: tuple[StageEstimate, ...], r: int) -> list[StageEstimate]:
@@ -593,7 +600,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     s.validate(tuple(u.name for u in profile.units))
     c = _Context.of(s, profile, cluster)
     stages, unit_fb = _stage_pass(c)
-    sim, free = _pipeline_pass(s, stages, compact=compact, deferred_sends=cluster.device.kind == "cpu")
+    sim, free = _pipeline_pass(s, stages, compact=compact, deferred_sends=sends_deferred(cluster))
     rank_dp, dp_bytes = _dp_pass(c, stages, unit_fb)
     rank_end = [sim.finish_s.get(r, 0.0) + rank_dp[r] for r in range(s.pp)]
     optimizer_s = _optimizer_pass(c, stages)

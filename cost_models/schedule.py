@@ -387,7 +387,8 @@ def simulate(order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], 
     """Run the order with real durations: an action starts when its rank is free and its inputs have arrived.
 
     Dependencies: F(s, i) needs F(s-1, i) (plus the p2p time if s-1 is on another rank); B or I (s, i) needs
-    F(s, i) and the backward of (s+1, i) (plus p2p); W(s, i) needs I(s, i). p2p transfers overlap compute.
+    F(s, i) and the backward of (s+1, i) (plus p2p); W(s, i) needs I(s, i). p2p transfers overlap compute (with
+    `deferred_sends`, only once the sender waits).
     Where each stage runs is read from the order itself (looped or V placement alike). The order is first compiled
     (_compile: a topological order of its actions, durations aside); the times are then one pass over it, the
     longest path of the dependency graph. A deadlock raises ScheduleDeadlock with the rank x step grid, the stuck
@@ -420,30 +421,9 @@ class _Compiled:
     acts: list[Action]
     grows: list[int]      # indices of forwards: a micro-batch's activations live from their start ...
     frees: list[int]      # ... until these end (its W, or B / I where the stage has no W)
-    run_end: list[int]    # per action, the last of the actions its rank runs from it before the first that
-                          # receives from another rank (where the rank next waits: deferred sends, _evaluate)
 
 
 _DUR_KIND = {"F": 0, "B": 1, "I": 2, "W": 3}
-
-
-def _run_ends(rank: list[int], receives: list[bool]) -> list[int]:
-    """Per action (in compiled order: each rank's actions in its own order), the last action its rank runs before
-    the next one that receives from another rank (itself when that comes next; the rank's last at the end)."""
-    out = list(range(len(rank)))
-    run_start: dict[int, int] = {}   # rank -> the first action of its open run, by position in `opened`
-    opened: dict[int, list[int]] = {}
-    for k, (r, rec) in enumerate(zip(rank, receives)):
-        acts = opened.setdefault(r, [])
-        if rec and acts:
-            for j in acts[run_start.get(r, 0):]:
-                out[j] = acts[-1]
-            run_start[r] = len(acts)
-        acts.append(k)
-    for r, acts in opened.items():
-        for j in acts[run_start.get(r, 0):]:
-            out[j] = acts[-1]
-    return out
 
 
 def _compile(order: Mapping[int, Sequence[Action]]) -> _Compiled:
@@ -459,8 +439,7 @@ def _compile(order: Mapping[int, Sequence[Action]]) -> _Compiled:
     n = len(rows)   # "none" (-1) becomes index n, whose end time is 0
     acts, rank, prev, dep1, send1, dep2, send2, dur = (list(col) for col in zip(*rows)) if rows else ([] for _ in range(8))
     has_w = {a.stage for a in acts if a.kind == "W"}
-    return _Compiled(order=order, n_stages=n_stages, ranks=tuple(order), rank=rank, run_end=_run_ends(
-                         rank, [a != 2 * n_stages or b != 2 * n_stages for a, b in zip(send1, send2)]),
+    return _Compiled(order=order, n_stages=n_stages, ranks=tuple(order), rank=rank,
                      prev=[n if j < 0 else j for j in prev], dep1=[n if j < 0 else j for j in dep1],
                      dep2=[n if j < 0 else j for j in dep2], send1=send1, send2=send2, dur_code=dur, acts=acts,
                      grows=[k for k, a in enumerate(acts) if a.kind == "F"],
@@ -524,10 +503,11 @@ def _evaluate(c: _Compiled, costs: Sequence[StageCost], *, keep_timeline: bool,
               deferred_sends: bool = False) -> Simulation:
     """The times of a compiled order with these stage costs: one pass in its topological order.
 
-    `deferred_sends`: a rank's sends leave only when it next waits on a receive (gloo on CPU ranks: measured by
-    benchmarks/pipeline_overlap.py, a gradient sent during backward reached the peer up to 5 ms later, when the
-    sender next waited), so an output arrives no earlier than the end of the sender's run of actions that
-    receive nothing (_Compiled.runs_after)."""
+    `deferred_sends`: a rank's sends leave only when it next waits on a receive (gloo on CPU ranks: a 2-stage GPipe
+    timeline with forward and backward hooks on one clock, taken beside benchmarks/pipeline_overlap.py and not
+    committed as a script, showed a gradient sent during backward reach the peer up to 5 ms later, when the sender
+    next waited), so an output arrives no earlier than the end of the sender's run of actions that
+    receive nothing (_later)."""
     if len(costs) != c.n_stages:
         raise ValueError(f"the order has {c.n_stages} stages, the costs {len(costs)}")
     dur_tab = ([x.fwd_s for x in costs] + [x.bwd_s for x in costs]
@@ -536,13 +516,13 @@ def _evaluate(c: _Compiled, costs: Sequence[StageCost], *, keep_timeline: bool,
     end = [0.0] * (len(c.acts) + 1)
     start = [0.0] * len(c.acts)
     zero = len(send_tab) - 1   # the send code of "no transfer"
-    later = _later(c, dur_tab) if deferred_sends else None
+    later = _later(c, dur_tab, zero) if deferred_sends else None
     for i, (p, d1, s1, d2, s2, dc) in enumerate(zip(c.prev, c.dep1, c.send1, c.dep2, c.send2, c.dur_code)):
         t = end[p]
-        u = end[d1] + (max(send_tab[s1], later[d1]) if later and s1 != zero else send_tab[s1])
+        u = end[d1] + (max(send_tab[s1], later[d1]) if later is not None and s1 != zero else send_tab[s1])
         if u > t:
             t = u
-        u = end[d2] + (max(send_tab[s2], later[d2]) if later and s2 != zero else send_tab[s2])
+        u = end[d2] + (max(send_tab[s2], later[d2]) if later is not None and s2 != zero else send_tab[s2])
         if u > t:
             t = u
         start[i] = t
@@ -564,14 +544,18 @@ def _evaluate(c: _Compiled, costs: Sequence[StageCost], *, keep_timeline: bool,
                       peak_in_flight=in_flight, peak_activation_bytes=act_bytes, timeline=events)
 
 
-def _later(c: _Compiled, dur_tab: list[float]) -> list[float]:
-    """Per action, the seconds its rank computes after it before it next waits (_Compiled.run_end): the run's
-    durations, each rank's running sum taken in its own order."""
-    n = len(c.acts)
-    cum = [0.0] * (n + 1)
-    for k in range(n):
-        cum[k] = cum[c.prev[k]] + dur_tab[c.dur_code[k]]
-    return [cum[c.run_end[k]] - cum[k] for k in range(n)] + [0.0]
+def _later(c: _Compiled, dur_tab: list[float], zero: int) -> list[float]:
+    """Per action, the seconds its rank computes after it before it next waits: the durations of the actions that
+    follow it on its rank up to the first that receives from another rank (a send code other than `zero`). One
+    backward pass; the last entry stands for "none"."""
+    later = [0.0] * (len(c.acts) + 1)
+    after: dict[int, int] = {}   # rank -> its action after k
+    for k in range(len(c.acts) - 1, -1, -1):
+        j = after.get(c.rank[k])
+        if j is not None and c.send1[j] == zero and c.send2[j] == zero:
+            later[k] = later[j] + dur_tab[c.dur_code[j]]
+        after[c.rank[k]] = k
+    return later
 
 
 def format_grid(order: Mapping[int, Sequence[Action]], *, mark: Mapping[int, int] | None = None,

@@ -138,6 +138,9 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
         if getattr(p, name) < 1:
             _fail(where, f"{path}.{name}", getattr(p, name), f"{name} >= 1", fix)
     _check_non_negative(p, path, where, fix)  # before the sums below, which a negative part would confuse
+    from cost_models.estimate import DTYPE_BYTES   # here: estimate imports more than a file check needs at load
+    if p.dtype not in DTYPE_BYTES:   # activation and parameter bytes are priced by its element size
+        _fail(where, f"{path}.dtype", p.dtype, f"one of {', '.join(DTYPE_BYTES)}", fix)
     if not p.units:
         _fail(where, f"{path}.units", [], "at least one unit", fix)
     for name in ("in_model_factor", "mixed_factor"):   # a whole model timed 10x its reference is a broken measurement

@@ -288,9 +288,9 @@ def test_deferred_sends_leave_when_the_sender_next_waits():
     """gloo on CPU ranks: a send leaves when its rank next waits on a receive (schedule._evaluate). GPipe, 2 stages,
     2 micro-batches, forward 1 s, backward 2 s, each send 0.1 s, worked by hand:
     plain:    rank 1 runs F0 1.1-2.1, F1 2.1-3.1, B0 3.1-5.1, B1 5.1-7.1; rank 0's B0 5.2-7.2, B1 7.2-9.2.
-    deferred: rank 0 computes F1 before it next waits, so F0's output leaves at 2: rank 1's F0 2-3, F1 3-4 (F1's
-    output leaves at once: B0 receives next), B0 4-6, B1 6-8; B0's gradient leaves when rank 1 is done, at 8:
-    rank 0's B0 8-10, B1 10-12."""
+    deferred: rank 0 computes F1 before it next waits, so F0's output arrives at 2 (the send's 0.1 s is inside
+    that wait): rank 1's F0 2-3, F1 3-4 (F1's output arrives at 2.1: B0 receives next), B0 4-6, B1 6-8; B0's
+    gradient arrives when rank 1 is done, at 8: rank 0's B0 8-10, B1 10-12."""
     from cost_models.schedule import simulate_schedule
     costs = tuple(StageCost(fwd_s=1.0, bwd_s=2.0, send_fwd_s=0.1, send_bwd_s=0.1) for _ in range(2))
     assert simulate_schedule("gpipe", 2, 2, 1, costs).makespan_s == pytest.approx(9.2)
@@ -298,6 +298,5 @@ def test_deferred_sends_leave_when_the_sender_next_waits():
     assert deferred.makespan_s == pytest.approx(12.0)
     assert deferred.finish_s == pytest.approx({0: 12.0, 1: 8.0})
     # with nothing to compute after a send, it leaves at once: one micro-batch is the plain schedule
-    one = tuple(StageCost(fwd_s=1.0, bwd_s=2.0, send_fwd_s=0.1, send_bwd_s=0.1) for _ in range(2))
-    assert simulate_schedule("gpipe", 2, 1, 1, one, deferred_sends=True).makespan_s == pytest.approx(
-        simulate_schedule("gpipe", 2, 1, 1, one).makespan_s)
+    assert simulate_schedule("gpipe", 2, 1, 1, costs, deferred_sends=True).makespan_s == pytest.approx(
+        simulate_schedule("gpipe", 2, 1, 1, costs).makespan_s)
