@@ -43,6 +43,11 @@ def executed_dtype(precision: str, device_kind: str) -> str:
     return "fp32" if device_kind == "cpu" else compute_dtype(precision)
 
 
+def executed_precision(precision: str, device_kind: str) -> str:
+    """The precision a plan runs in: fp32 on CPU ranks (executed_dtype), the plan's own elsewhere."""
+    return "fp32" if executed_dtype(precision, device_kind) == "fp32" else precision
+
+
 def compute_dtype(precision: str) -> str:
     """The dtype activations are computed and kept in: fp32, or bf16 under mixed precision."""
     return "fp32" if precision == "fp32" else "bf16"

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 from cost_models.cluster import Calibration, ClusterProfile, ComputeProbe, action_seconds
 from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                tp_unit_traffic)
-from cost_models.compute import (compute_dtype, executed_dtype, optimizer_step_time, tp_unit_times, unit_times,
+from cost_models.compute import (compute_dtype, executed_precision, optimizer_step_time, tp_unit_times, unit_times,
                                   uses_measured_times)
 from cost_models.memory import (BYTES_PER_PARAM, MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes,
                                  executor_state_bytes, held_bytes_per_param, overhead_bytes, saved_at,
@@ -582,8 +582,8 @@ def _tp_step_bytes(s: Strategy, stages: tuple[StageEstimate, ...], pp_rank: int)
 def executed(strategy: Strategy, cluster: ClusterProfile) -> Strategy:
     """The strategy as the executor runs it: CPU ranks run every plan in fp32 (executor.zero.mixed_precision), so a
     bf16-mixed plan on CPU ranks is priced, and its bytes counted, as fp32 (it measured 2x the bf16 bytes)."""
-    run = executed_dtype(strategy.precision, cluster.device.kind)
-    return dataclasses.replace(strategy, precision="fp32") if run == "fp32" != strategy.precision else strategy
+    run = executed_precision(strategy.precision, cluster.device.kind)
+    return dataclasses.replace(strategy, precision=run) if run != strategy.precision else strategy
 
 
 def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *, compact: bool = False,

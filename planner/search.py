@@ -38,7 +38,7 @@ from typing import Callable
 
 from cost_models.cluster import ClusterProfile
 from cost_models.comm import collective_time
-from cost_models.compute import optimizer_step_time, unit_times
+from cost_models.compute import executed_precision, optimizer_step_time, unit_times
 from cost_models.errors import ConfigError, InfeasibleError
 from cost_models.estimate import Estimate, activation_scale, dtype_ratio, estimate, tied_copies
 from cost_models.formatting import fixed, now_utc
@@ -211,6 +211,7 @@ def _retries(point: Point, profile: ModelProfile, cluster: ClusterProfile, first
              attempt, stages, *, precision: str, optimizer: str, recut: bool = True) -> list[_Costed]:
     """_cost_point's retries after a first estimate that does not fit; the last one made is the best attempt."""
     n_stages, cap = point.pp * point.v, cluster.device.memory_bytes
+    precision = executed_precision(precision, cluster.device.kind)   # the bytes the ranks hold (_as_run)
     out: list[_Costed] = []
     if not _recompute_cannot_help(first, cap):
         if _selective_may_fit(first, profile, cap, micro_batch_size=point.micro_batch_size, precision=precision):
@@ -628,6 +629,7 @@ def _branch_and_bound(frontier: _Frontier, bounds: _Bounds, profile: ModelProfil
     infeasible attempts, the feasible step times (sorted) and how many estimates were made; what is left in the
     frontier was pruned."""
     room = cluster.device.memory_bytes - overhead_bytes(cluster)
+    run = _as_run(req, cluster)
     feasible: list[_Costed] = []
     infeasible: list[_Costed] = []
     times: list[float] = []
@@ -642,7 +644,7 @@ def _branch_and_bound(frontier: _Frontier, bounds: _Bounds, profile: ModelProfil
             break
         # P6 / P7 are shortcuts of the search: an exhaustive one (prune=False) costs every point the plain way
         must = (bounds.must.get(pt, frozenset()) | _known_overflow(pt, frontier.plain.get(_group(pt)), parts, profile,
-                                                                  room, req)) if req.prune else frozenset()
+                                                                  room, run)) if req.prune else frozenset()
         frontier.must[pt] = must
         if frontier.floor(pt) > bound:                         # P7 raised its bound: back in line
             heapq.heappush(frontier.heap, (frontier.floor(pt), next(frontier.order), pt))
@@ -661,21 +663,28 @@ def _branch_and_bound(frontier: _Frontier, bounds: _Bounds, profile: ModelProfil
     return feasible, infeasible, times, costed
 
 
+def _as_run(req: PlanRequest, cluster: ClusterProfile) -> PlanRequest:
+    """The request in the precision its plans run in (estimate.executed: fp32 on CPU ranks), for the bounds and the
+    bytes a split must fit, which the estimate counts that way; the plans keep the requested precision."""
+    return replace(req, precision=executed_precision(req.precision, cluster.device.kind))
+
+
 def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *,
            on_progress: ProgressFn | None = None) -> SearchResult:
     """Enumerate, prune and cost (module doc). request.prune=False costs every point P1 lets through (the fidelity
     benchmark runs them all); request.schedules / micro_batch_sizes / max_v / tp_degrees narrow the space."""
     req = request
+    run = _as_run(req, cluster)
     gpus = req.resolved_gpus(cluster)
     # one rank computing: no plan's units run faster (estimate.busy_ranks >= 1), so the bounds stay lower bounds;
     # mixed precision's factor only where it makes units faster, for the same reason
     unit_fb = [unit_times(u, profile, cluster, micro_batch_size=profile.micro_batch_size, precision=req.precision,
                           ranks_running=1, mixed=profile.mixed_factor < 1) for u in profile.units]
-    parts = _Partitions(profile, unit_fb, dtype_ratio=dtype_ratio(profile, req.precision))
+    parts = _Partitions(profile, unit_fb, dtype_ratio=dtype_ratio(profile, run.precision))
     unit_cost = parts.unit_cost
     tp = search_tp(profile, cluster, gpus, req)
     points = _points(profile, gpus, req, parts, tp)
-    bounds = _bounded(points, profile, cluster, parts, req)
+    bounds = _bounded(points, profile, cluster, parts, run)
     survivors, pruned, min_state = bounds.survivors, bounds.pruned, bounds.min_state
     frontier = _Frontier(survivors, bounds.must)
     feasible, infeasible, times, costed = _branch_and_bound(frontier, bounds, profile, cluster, parts, req,

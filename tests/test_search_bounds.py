@@ -62,10 +62,11 @@ def _bounds_and_estimates(prof, cluster, req):
     from cost_models.estimate import dtype_ratio
     unit_fb = [unit_times(u, prof, cluster, micro_batch_size=prof.micro_batch_size, precision=req.precision,
                           ranks_running=1, mixed=prof.mixed_factor < 1) for u in prof.units]
-    parts = S._Partitions(prof, unit_fb, dtype_ratio=dtype_ratio(prof, req.precision))
+    run = S._as_run(req, cluster)
+    parts = S._Partitions(prof, unit_fb, dtype_ratio=dtype_ratio(prof, run.precision))
     gpus = req.resolved_gpus(cluster)
     points = S._points(prof, gpus, req, parts, S.search_tp(prof, cluster, gpus, req))
-    for bound, pt in S._bounded(points, prof, cluster, parts, req).survivors:
+    for bound, pt in S._bounded(points, prof, cluster, parts, run).survivors:
         made, _ = S._cost_point(pt, prof, cluster, parts, parts.unit_cost, precision=req.precision,
                                 optimizer=req.optimizer)
         yield bound, made[0].estimate.step_time_s, pt
@@ -100,3 +101,20 @@ def test_bounds_hold_when_a_gpu_profiles_per_sample_time_grows_with_the_batch(ti
     req = PlanRequest(global_batch_size=64, precision="fp32", micro_batch_sizes=(1, 2, 4, 8))
     checked = [(b, t) for b, t, _ in _bounds_and_estimates(gpu, h100, req)]
     assert len(checked) > 50 and all(b <= t * (1 + 1e-9) for b, t in checked)
+
+
+def test_a_cpu_clusters_search_bounds_a_bf16_request_as_the_fp32_its_ranks_run():
+    """CPU ranks run every plan in fp32 (estimate.executed), so a bf16-mixed request's bounds and memory-bound
+    retries count fp32 bytes: the same top plans, from the same number of estimates, as an fp32 request (with
+    bf16's halved activations and bytes the bounds were looser: 51 estimates instead of 39 here)."""
+    import dataclasses
+    base = preset("a100-pcie-40g")
+    dev = dataclasses.replace(base.device, kind="cpu", memory_bytes=60 * 2**30, peak_flops={"fp32": 1e12})
+    cpu = dataclasses.replace(base, name="cpu-like", device=dev)
+    narrow = dict(global_batch_size=32, top_k=3, micro_batch_sizes=(1, 2), max_v=2, tp_degrees=(1,))
+    found = {p: search(_llama8b(4096), cpu, PlanRequest(precision=p, **narrow)) for p in ("bf16-mixed", "fp32")}
+    top = {p: [(dataclasses.replace(x.strategy, precision="fp32"), x.estimate.step_time_s) for x in f.feasible[:3]]
+           for p, f in found.items()}
+    assert len(top["fp32"]) == 3 and top["bf16-mixed"] == top["fp32"]
+    assert all(x.strategy.precision == "bf16-mixed" for x in found["bf16-mixed"].feasible)   # as requested
+    assert found["bf16-mixed"].costed == found["fp32"].costed
