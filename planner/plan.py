@@ -7,7 +7,7 @@ from typing import Literal
 
 from cost_models.cluster import ClusterProfile
 from cost_models.errors import ConfigError, FileFormatError
-from cost_models.estimate import Estimate
+from cost_models.estimate import DTYPE_BYTES, Estimate
 from cost_models.file_record import FileRecord
 from cost_models.profile import ModelProfile, pipeline_refusal
 from cost_models.records import Record, record
@@ -179,6 +179,11 @@ def check_plan(plan: Plan) -> None:
     validate_cluster(plan.cluster, "plan", fix="re-create the plan")
     s.validate(plan.model.units)
     fix = "re-create the plan with planner plan"
+    # the report prices activations in another dtype from these (report._dtype_note)
+    if plan.model.dtype and plan.model.dtype not in DTYPE_BYTES:
+        raise ConfigError(f"model.dtype is '{plan.model.dtype}', not one of {', '.join(DTYPE_BYTES)}; {fix}")
+    if plan.model.saved_other_dtype_bytes < 0:
+        raise ConfigError(f"model.saved_other_dtype_bytes is {plan.model.saved_other_dtype_bytes}, below 0; {fix}")
     if plan.model.unit_modules and len(plan.model.unit_modules) != len(plan.model.units):
         raise ConfigError(f"model.unit_modules lists {len(plan.model.unit_modules)} units but model.units "
                           f"{len(plan.model.units)}; {fix}")
