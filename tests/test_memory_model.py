@@ -106,7 +106,8 @@ def test_measured_times_move_to_other_micro_batches_affinely(tiny_profiles):
     u = prof.unit("blocks.1")
     t1, t2 = u.fwd_time_one.median_s, u.fwd_time.median_s
     k = prof.in_model_factor   # the whole model timed end to end over its units' sum (model_profiler step 5)
-    assert 0.5 < k < 2.0 and tiny_profiles["gpt-tiny", True].in_model_factor == 1.0   # meta mode times nothing
+    # a sane ratio (validate_model's bound; a preempted whole-model run on a shared machine can double it)
+    assert 0 < k <= 10 and tiny_profiles["gpt-tiny", True].in_model_factor == 1.0   # meta mode times nothing
     for b, expected in ((1, t1), (2, t2), (5, t1 + (t2 - t1) * 4)):
         fwd, _ = unit_times(u, prof, cpu, micro_batch_size=b, precision="fp32", ranks_running=1)
         assert fwd == pytest.approx(k * (max(0.0, expected) if t2 >= t1 else t2))

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -234,12 +233,12 @@ def test_verify_2_with_the_predicted_best_failing_returns_the_next_and_records_t
     ProfileFile(model=profile, cluster=preset("dgx-a100")).save(tmp_path / "profile.json")
     predicted = make_plan(profile, preset("dgx-a100"), REQUEST)   # the order the CLI's search finds
     first, second = predicted.strategy.name, predicted.alternatives[0].strategy.name
-    t0 = time.time()
+    # timeout=120: a failed trial that left its peer waiting out the watchdog would run past it (no wall-clock
+    # assertion: 2 shared cores start ranks in 10-40 s)
     proc = subprocess.run([sys.executable, "-m", "cli", "plan", "profile.json", "-g", "2", "-B", "8", "--tp", "1",
                            "--precision", "fp32", "--verify", "2", "--verify-steps", "2", "-o", "plan.json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT), V.VERIFY_INJECT_ENV: "0:0:0"})
-    wall = time.time() - t0
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
     t1, t2 = plan["trials"]
@@ -253,4 +252,3 @@ def test_verify_2_with_the_predicted_best_failing_returns_the_next_and_records_t
     assert f"verify 1: {first}: rank 0 failed: RuntimeError: injected failure" in proc.stderr
     assert f"verify 2: {second}: measured " in proc.stderr
     assert "verified on this machine (--verify)" in proc.stdout and "## Verified" in (tmp_path / "report.md").read_text()
-    assert wall < 60, wall
