@@ -18,7 +18,7 @@ from cost_models.records import Record, record
 CLUSTER_KIND = "zeropipe.cluster"
 CLUSTER_SCHEMA_VERSION = 1
 
-CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "send_recv"]
+CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "send_recv", "broadcast"]
 
 
 @record
@@ -63,7 +63,7 @@ class CollectiveFit(Record):
 
     def predict(self, size_bytes: float, *, back_to_back: bool = False) -> float:
         """The expected time of one call (the fit). `back_to_back`: one of a run of calls issued with no compute
-        between them (a pipeline rank's per-tensor all-reduces, ZeroRedundancyOptimizer's broadcasts): the fit of
+        between them (a pipeline rank's per-tensor all-reduces): the fit of
         the repeats' medians, where the samples hold them (cluster_probe's module doc: a small collective's tail
         comes from ranks waiting for a core while others compute, which such a run does not do)."""
         if back_to_back and self._median_line is not None:

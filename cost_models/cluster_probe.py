@@ -49,8 +49,16 @@ from cost_models.formatting import fixed
 from cost_models.host import peak_rss_bytes
 from cost_models.records import Record, record
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
 KIB, MIB = 2**10, 2**20
+# broadcast: ZeroRedundancyOptimizer sends each updated parameter tensor from its owner with one (its
+# _broadcast_params_from_rank); over gloo it is not an all-gather's cost (below, _broadcast_run)
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "broadcast")
+# A broadcast is timed as ZeroRedundancyOptimizer issues them: a run of this many, async, each owner's in turn, then
+# waited on; its time per call. Over gloo on this machine (20 KB, torch 2.13) a run costs per call what a step's
+# broadcasts did (2 ranks: 0.39 ms run, 0.13 one at a time, ~0.3 in a ZeRO-1 step; 4 ranks on 2 cores: 0.65 run,
+# ~0.8 in the step), where an all-gather of the same bytes took 0.39 and 3.8 ms. Buffers past RUN_BYTES go two at a
+# time (bandwidth-bound: a longer run overlaps nothing more, and 8 x 64 MiB would slow the probe by seconds).
+BROADCAST_RUN, RUN_BYTES = 8, 4 * MIB
 DEFAULT_SIZES = tuple(4 * KIB * 4**i for i in range(8))  # 4 KiB .. 64 MiB
 # at least this many timed repeats per collective and size: with a tail of about 1 in 4 repeats (module doc), 12
 # give the mean to within about a quarter (64 MiB x 4 ops x 12 repeats: about 3 s more than 5 repeats on 2 CPU ranks)
@@ -127,6 +135,8 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
                 _reduce_scatter(part, full, group)
             elif op == "all_reduce":
                 dist.all_reduce(full, group=group)
+            elif op == "broadcast":   # a run (BROADCAST_RUN): elapsed is per call
+                runs = _broadcast_run(full, members, group)
             else:  # send_recv: ping-pong between the two members, one-way time = round trip / 2
                 if rank == members[0]:
                     dist.send(full, peer)
@@ -136,10 +146,21 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
                     dist.send(full, peer)
             _sync(device)
             elapsed = time.perf_counter() - t0
-            row.append(elapsed / 2 if op == "send_recv" else elapsed)
+            row.append(elapsed / 2 if op == "send_recv" else elapsed / runs if op == "broadcast" else elapsed)
         if i >= cfg.warmup:
             out.append(row)
     return out
+
+
+def _broadcast_run(full: torch.Tensor, members: list[int], group) -> int:
+    """Broadcast `full` a run of times, async, the members owning consecutive blocks of the run in turn, as
+    ZeroRedundancyOptimizer's _sync_params does; wait for all; return how many. Every rank's buffer holds the same
+    values, so the overlapping writes leave it as it was."""
+    n = BROADCAST_RUN if full.numel() * full.element_size() <= RUN_BYTES else 2
+    owner = [members[i * len(members) // n] for i in range(n)]
+    for handle in [dist.broadcast(full, src=src, group=group, async_op=True) for src in owner]:
+        handle.wait()
+    return n
 
 
 def _collective_repeats(cfg: ProbeConfig) -> int:

@@ -122,10 +122,13 @@ def _phase(cluster: ClusterProfile, op: str, size_bytes: float, n: int, scope: s
 
 def collective_time(cluster: ClusterProfile, op: str, size_bytes: float, n: int, *,
                     ranks_per_node: int | None = None, back_to_back: bool = False) -> float:
-    """Seconds for `op` in {all_gather, reduce_scatter, all_reduce} over n ranks, S = full buffer bytes.
-    `back_to_back`: one of a run of calls with no compute between them (CollectiveFit.predict)."""
+    """Seconds for `op` in {all_gather, reduce_scatter, all_reduce, broadcast} over n ranks, S = full buffer bytes
+    (a broadcast's tensor). `back_to_back`: one of a run of calls with no compute between them
+    (CollectiveFit.predict)."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
+    if op == "broadcast":
+        return _broadcast_time(cluster, size_bytes, n, ranks_per_node, back_to_back)
     if op == "all_reduce":
         ring = (collective_time(cluster, "reduce_scatter", size_bytes, n, ranks_per_node=ranks_per_node,
                                 back_to_back=back_to_back)
@@ -148,6 +151,21 @@ def collective_time(cluster: ClusterProfile, op: str, size_bytes: float, n: int,
     extra = (k - 1) * (g - 1) * RING_STEP_LATENCY_S.get(cluster.intra_node.kind, 0.0)
     return (_phase(cluster, op, size_bytes / g, k, "inter", back_to_back)
             + _phase(cluster, op, size_bytes, g, "intra", back_to_back) + extra)
+
+
+def _broadcast_time(cluster: ClusterProfile, size_bytes: float, n: int, ranks_per_node: int | None,
+                    back_to_back: bool) -> float:
+    """A broadcast of S bytes over n ranks: the probed fit where this machine measured one (gloo's differs from
+    an all-gather: 64 B over 4 CPU ranks took 0.5 ms, an all-gather 3.6 ms: README, The cluster);
+    otherwise NCCL's ring broadcast, which moves all S through every link in one pipelined chain of n-1 steps: an
+    all-gather whose full buffer is S n/(n-1) (the same n-1 steps; nccl-tests doc/PERFORMANCE.md gives both the same
+    bus bandwidth, busbw = S/t for a broadcast and (n-1)/n S/t for an all-gather)."""
+    g, k = _split(cluster, n, ranks_per_node)
+    fit = cluster.fit("broadcast", n, "intra") if k == 1 else None
+    if fit is not None:
+        return fit.predict(size_bytes, back_to_back=back_to_back)
+    return collective_time(cluster, "all_gather", size_bytes * n / (n - 1), n, ranks_per_node=ranks_per_node,
+                           back_to_back=back_to_back)
 
 
 def tree_all_reduce_time(cluster: ClusterProfile, size_bytes: float, g: int, k: int) -> float:

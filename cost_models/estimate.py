@@ -5,7 +5,7 @@ Step time = the pipeline's makespan, simulated with each stage's per-micro-batch
 collectives after its last backward; plus the optimizer step. Data-parallel traffic per step follows what the
 executor runs (ZeRO paper, section 7: 2Ψ for stages 0-2, 3Ψ for stage 3, per gathered micro-batch):
     ZeRO-0  all-reduce of gradients (DDP, no_sync until the last micro-batch)
-    ZeRO-1  all-reduce of gradients + all-gather of updated parameters (ZeroRedundancyOptimizer's broadcasts)
+    ZeRO-1  all-reduce of gradients + broadcasts of updated parameters (ZeroRedundancyOptimizer's, per tensor)
     ZeRO-2  without a pipeline, FSDP2 gathers and reduce-scatters every micro-batch; in a pipeline torch's stage
             defers both to once per step
     ZeRO-3  FSDP2 gathers parameters for every micro-batch's forward and again for its backward; gradients are
@@ -659,8 +659,8 @@ def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int,
                     g_b: int) -> list[tuple[str, int, float, bool]]:
     """(op, times per step, full buffer bytes, back to back) of every collective one pipeline rank's dp group
     issues per step, as the executor issues them (module doc): each message pays the latency alpha, so the count
-    matters as much as the bytes. Per-tensor runs (all_reduce_grads, ZeroRedundancyOptimizer's broadcasts) go
-    back to back, with no compute between them (CollectiveFit.predict). `units` holds (parameters, parameter
+    matters as much as the bytes. Per-tensor all-reduces (all_reduce_grads) go back to back, with no compute
+    between them (CollectiveFit.predict). `units` holds (parameters, parameter
     tensors) of the units on this rank."""
     if s.dp == 1:
         return []
@@ -674,8 +674,10 @@ def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int,
         else:           # DDP: one all-reduce per gradient bucket, as backward reaches it
             buckets = max(1, math.ceil(total * g_b / DDP_BUCKET_BYTES))
             out.append(("all_reduce", buckets, total * g_b / buckets, False))
-        if s.zero == 1:  # ZeroRedundancyOptimizer broadcasts every updated parameter tensor from its owner
-            out += [("all_gather", count, size * p_b, True) for size, count in tensors]
+        if s.zero == 1:  # ZeroRedundancyOptimizer broadcasts every updated parameter tensor from its owner, async;
+            # the probe times broadcasts as such a run already (cluster_probe._broadcast_run), so its mean is
+            # their cost: the medians' line is for calls timed one at a time
+            out += [("broadcast", count, size * p_b, False) for size, count in tensors]
         return out
     gathers = 2 * m if s.zero == 3 else (1 if pipelined else m)
     reduces = 1 if pipelined else m
@@ -700,7 +702,7 @@ def _overlapped_dp_time(s: Strategy, params: list[float], unit_fb: list[tuple[fl
     if s.zero <= 1:
         ar = coll("all_reduce", sum(params) * g_b)
         exposed = max(0.0, ar - sum(b for _, b in unit_fb))
-        return exposed + (coll("all_gather", sum(params) * p_b) if s.zero == 1 else 0.0)
+        return exposed + (coll("broadcast", sum(params) * p_b) if s.zero == 1 else 0.0)
     gather = [coll("all_gather", n * p_b) for n in params]
     reduce = [coll("reduce_scatter", n * g_b) for n in params]
     fwd = gather[0] + sum(max(0.0, gather[u] - unit_fb[u - 1][0]) for u in range(1, len(params)))

@@ -404,10 +404,9 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
 
 def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanRequest) -> float:
     """The least exposed data-parallel time of a rank holding `params` (P2'): in a pipeline every stage's
-    collectives come after its last backward (ZeRO-0/1 all-reduce the gradients, ZeRO-1 gathers the updated
+    collectives come after its last backward (ZeRO-0/1 all-reduce the gradients, ZeRO-1 broadcasts the updated
     parameters too; ZeRO-2/3 reduce-scatter and gather, ZeRO-3 for forward and again for backward); without one,
-    only ZeRO-1's gather is
-    known to be exposed. One collective of the whole size is taken for per-tensor ones (a collective's time grows
+    only ZeRO-1's broadcasts are known to be exposed. One collective of the whole size is taken for per-tensor ones (a collective's time grows
     no faster than its size: alpha + size x beta). The dp group spans devices_per_node / tp ranks per node, as
     cost_models.estimate places it."""
     if pt.dp == 1 or (pt.pp == 1 and pt.zero != 1):
@@ -419,11 +418,11 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     def coll(op: str, size: float) -> float:   # the lesser of the two fits (CollectiveFit.predict): a bound
         return min(collective_time(cluster, op, size, pt.dp, ranks_per_node=rpn, back_to_back=b) for b in (0, 1))
 
+    if pt.zero <= 1:   # ZeroRedundancyOptimizer's updated parameters go out as broadcasts (estimate)
+        bcast = coll("broadcast", params * p_b) if pt.zero == 1 else 0.0
+        # the estimate's all-reduce is the lesser of NCCL's ring and tree (comm.collective_time)
+        return bcast if pt.pp == 1 else coll("all_reduce", params * g_b) + bcast
     gather = coll("all_gather", params * p_b)
-    if pt.pp == 1:
-        return gather
-    if pt.zero <= 1:   # the estimate's all-reduce is the lesser of NCCL's ring and tree (comm.collective_time)
-        return coll("all_reduce", params * g_b) + (gather if pt.zero == 1 else 0.0)
     return coll("reduce_scatter", params * g_b) + (2 if pt.zero == 3 else 1) * gather
 
 

@@ -71,6 +71,25 @@ def test_probed_fit_is_used_when_present():
     assert collective_time(c, "all_gather", 1e6, 8) == pytest.approx(ring_phase(c.intra_node, 1e6, 8))
 
 
+def test_a_broadcast_is_its_probed_fit_or_a_ring_chain_moving_the_whole_buffer():
+    """ZeroRedundancyOptimizer's parameter broadcasts: on links, NCCL's ring broadcast (n-1 steps, all S through
+    every link: nccl-tests gives it an all-gather's bus bandwidth); where the probe measured broadcasts over this
+    group, their fit, however far from an all-gather's (gloo on 4 CPU ranks: 0.5 ms against 3.6)."""
+    c, S = preset("dgx-h100"), 1e8
+    link = c.intra_node
+    assert collective_time(c, "broadcast", S, 8) == pytest.approx(
+        link.alpha_s + 6 * RING_STEP_LATENCY_S["nvlink4"] + S / link.bandwidth_Bps)
+    assert collective_time(c, "broadcast", S, 1) == 0.0
+    two = preset("dgx-h100", nodes=2)   # across nodes: the all-gather's hierarchy on S n/(n-1)
+    assert collective_time(two, "broadcast", S, 16) == pytest.approx(collective_time(two, "all_gather", S * 16 / 15, 16))
+    bcast = CollectiveFit(op="broadcast", group_size=4, scope="intra", alpha_s=5e-4, beta_s_per_byte=1e-9, r2=0.99)
+    gather = CollectiveFit(op="all_gather", group_size=4, scope="intra", alpha_s=3.6e-3, beta_s_per_byte=2e-9, r2=0.99)
+    probed = dataclasses.replace(preset("l4-pcie"), fits=(bcast, gather))
+    assert collective_time(probed, "broadcast", 1e4, 4) == pytest.approx(5e-4 + 1e-9 * 1e4)
+    older = dataclasses.replace(probed, fits=(gather,))   # a cluster file probed before broadcasts were
+    assert collective_time(older, "broadcast", 1e4, 4) == pytest.approx(3.6e-3 + 2e-9 * 1e4 * 4 / 3)
+
+
 def test_ring_latency_grows_with_the_ranks():
     # NCCL's model (tuning.cc): base + (n-1) steps; at a small buffer latency dominates and grows linearly with n
     c = preset("dgx-h100", nodes=256)
@@ -113,3 +132,27 @@ def test_zero3_per_gpu_throughput_falls_at_a_fixed_global_batch(tiny_profiles):
     collectives = 3 * sum(1 for u in prof.units if u.params)
     for k in (4, 8, 16):
         assert per_mb[16 * k] - per_mb[8 * k] == pytest.approx(collectives * k * step, rel=0.05)
+
+
+def test_zero1_prices_one_probed_broadcast_per_parameter_tensor(tiny_profiles):
+    """ZeroRedundancyOptimizer broadcasts each updated parameter tensor from its owner: ZeRO-1's exposed
+    data-parallel time is ZeRO-0's (the DDP all-reduce) plus, per tensor, the broadcast fit's mean at that tensor's
+    bytes (the probe timed broadcasts as such a run, so not the medians' line). With all-gather pricing the 4-rank
+    plans of benchmarks/fidelity.py were predicted at 2.0-2.6x their measured step."""
+    from cost_models.cluster import ClusterProfile, DeviceSpec, LinkSpec, Sample
+    from cost_models.estimate import estimate
+    from cost_models.strategy import Strategy
+    prof = tiny_profiles["gpt-tiny", True]
+    samples = tuple(Sample(size_bytes=b, seconds=4e-4 + 1e-9 * b, median_s=1e-4 + 1e-9 * b) for b in (4096, 65536))
+    bcast = CollectiveFit(op="broadcast", group_size=4, scope="intra", alpha_s=4e-4, beta_s_per_byte=1e-9, r2=1.0,
+                          samples=samples)
+    cpu = ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=4, fits=(bcast,),
+                         device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**34, peak_flops={"fp32": 1e10},
+                                           matmul_efficiency=1.0, source="test"),
+                         intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"))
+    units = tuple(u.name for u in prof.units)
+    dp = {z: estimate(Strategy(dp=4, pp=1, zero=z, schedule="1f1b", microbatches=1, micro_batch_size=1,
+                               stages=(units,), precision="fp32"), prof, cpu).breakdown.dp_comm_s for z in (0, 1)}
+    broadcasts = sum(u.param_tensors * (4e-4 + 1e-9 * 4 * u.params / u.param_tensors)
+                     for u in prof.units if u.param_tensors)
+    assert dp[1] - dp[0] == pytest.approx(broadcasts)
