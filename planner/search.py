@@ -29,6 +29,7 @@ FLOP (the estimate's narrow-GEMM curve) and per sample at smaller micro-batches 
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -66,11 +67,15 @@ class _Costed:
 
 
 class _Partitions:
-    """Stage cuts per stage count, balanced on predicted unit time (independent of micro-batch size: times scale
-    linearly), computed once per stage count."""
+    """Stage cuts per stage count, balanced on predicted unit time at the profile's micro-batch (one cut for every
+    micro-batch size), computed once per stage count."""
 
-    def __init__(self, profile: ModelProfile, unit_fb: list[tuple[float, float]], *, dtype_ratio: float) -> None:
+    def __init__(self, profile: ModelProfile, unit_fb: list[tuple[float, float]], *, dtype_ratio: float,
+                 at_batch: Callable[[int], list[tuple[float, float]]] | None = None) -> None:
         self.profile, self.unit_fb, self.cache, self.bottlenecks = profile, unit_fb, {}, {}
+        # unit_fb at another micro-batch, as the estimate moves measured times (affine, compute._at_batch): None
+        # scales unit_fb linearly
+        self.at_batch = at_batch
         self.dtype_ratio = dtype_ratio   # the plan's compute dtype's element size over the profile's
         self.unit_cost = [f + b for f, b in unit_fb]
         self.names = [u.name for u in profile.units]
@@ -91,13 +96,21 @@ class _Partitions:
             self.fb["kept", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
         return self.fb["kept", k]
 
-    def stage_fb(self, k: int) -> list[tuple[float, float]]:
-        """(forward, backward) per stage of the cut `stages(k)`, per micro-batch at the profile's batch."""
-        if k not in self.fb:
+    def stage_fb(self, k: int, mbs: int | None = None) -> list[tuple[float, float]]:
+        """(forward, backward) per stage of the cut `stages(k)`, per micro-batch at the profile's batch, or at `mbs`
+        where that is given (at_batch's times; linear without it)."""
+        if (k, mbs) not in self.fb:
+            b0 = self.profile.micro_batch_size
+            if mbs is None or mbs == b0:
+                unit_fb = self.unit_fb
+            elif self.at_batch is not None:
+                unit_fb = self.fb.setdefault(("at", mbs), self.at_batch(mbs))
+            else:
+                unit_fb = [(f * mbs / b0, b * mbs / b0) for f, b in self.unit_fb]
             where = {name: i for i, name in enumerate(self.names)}
-            self.fb[k] = [(sum(self.unit_fb[where[u]][0] for u in st), sum(self.unit_fb[where[u]][1] for u in st))
-                          for st in self.stages(k)]
-        return self.fb[k]
+            self.fb[k, mbs] = [(sum(unit_fb[where[u]][0] for u in st), sum(unit_fb[where[u]][1] for u in st))
+                               for st in self.stages(k)]
+        return self.fb[k, mbs]
 
     def stages(self, k: int) -> tuple[tuple[str, ...], ...]:
         if k not in self.cache:
@@ -372,9 +385,11 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
     k = pt.pp * pt.v
     fb = times.stage_fb(pt, parts) if times is not None else None
     scale = 1.0
-    if fb is None:   # the profile's unit times / tp: narrower GEMMs are no faster per FLOP
-        scale = pt.micro_batch_size / parts.profile.micro_batch_size / pt.tp
-        fb = parts.stage_fb(k)
+    if fb is None:   # the profile's unit times at this micro-batch / tp: narrower GEMMs are no faster per FLOP
+        # (measured times are affine in the micro-batch, not linear: scaling them linearly could exceed the
+        # estimate above the profile's micro-batch, where the fixed part stays whole)
+        scale = 1.0 / pt.tp
+        fb = parts.stage_fb(k, pt.micro_batch_size)
     params, kept = parts.stage_params(k), parts.stage_kept(k)
     if k == 1:
         return (_RankBound(start_busy=pt.microbatches * sum(fb[0]) * scale, tail=0.0, params=params[0] / pt.tp,
@@ -662,6 +677,15 @@ def _branch_and_bound(frontier: _Frontier, bounds: _Bounds, profile: ModelProfil
     return feasible, infeasible, times, costed
 
 
+def bound_unit_times(profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest,
+                     micro_batch_size: int) -> list[tuple[float, float]]:
+    """Each unit's (forward, backward) of one micro-batch with one rank computing: no plan's units run faster
+    (estimate.busy_ranks >= 1), so the bounds built on them stay lower bounds; mixed precision's factor only where
+    it makes units faster, for the same reason."""
+    return [unit_times(u, profile, cluster, micro_batch_size=micro_batch_size, precision=req.precision,
+                       ranks_running=1, mixed=profile.mixed_factor < 1) for u in profile.units]
+
+
 def _as_run(req: PlanRequest, cluster: ClusterProfile) -> PlanRequest:
     """The request in the precision its plans run in (estimate.executed: fp32 on CPU ranks), for the bounds and the
     bytes a split must fit, which the estimate counts that way; the plans keep the requested precision."""
@@ -675,11 +699,9 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
     req = request
     run = _as_run(req, cluster)
     gpus = req.resolved_gpus(cluster)
-    # one rank computing: no plan's units run faster (estimate.busy_ranks >= 1), so the bounds stay lower bounds;
-    # mixed precision's factor only where it makes units faster, for the same reason
-    unit_fb = [unit_times(u, profile, cluster, micro_batch_size=profile.micro_batch_size, precision=req.precision,
-                          ranks_running=1, mixed=profile.mixed_factor < 1) for u in profile.units]
-    parts = _Partitions(profile, unit_fb, dtype_ratio=dtype_ratio(profile, run.precision))
+    at = functools.partial(bound_unit_times, profile, cluster, req)
+    parts = _Partitions(profile, at(profile.micro_batch_size), dtype_ratio=dtype_ratio(profile, run.precision),
+                        at_batch=at)
     unit_cost = parts.unit_cost
     tp = search_tp(profile, cluster, gpus, req)
     points = _points(profile, gpus, req, parts, tp)

@@ -58,12 +58,10 @@ def _bounds_and_estimates(prof, cluster, req):
     """Every point's time bound (P2) beside its first estimate (the balanced cut, no recompute), as search builds
     them: a bound above its own estimate can prune a plan the exhaustive search keeps."""
     from planner import search as S
-    from cost_models.compute import unit_times
     from cost_models.estimate import dtype_ratio
-    unit_fb = [unit_times(u, prof, cluster, micro_batch_size=prof.micro_batch_size, precision=req.precision,
-                          ranks_running=1, mixed=prof.mixed_factor < 1) for u in prof.units]
+    at = functools.partial(S.bound_unit_times, prof, cluster, req)
     run = S._as_run(req, cluster)
-    parts = S._Partitions(prof, unit_fb, dtype_ratio=dtype_ratio(prof, run.precision))
+    parts = S._Partitions(prof, at(prof.micro_batch_size), dtype_ratio=dtype_ratio(prof, run.precision), at_batch=at)
     gpus = req.resolved_gpus(cluster)
     points = S._points(prof, gpus, req, parts, S.search_tp(prof, cluster, gpus, req))
     for bound, pt in S._bounded(points, prof, cluster, parts, run).survivors:
@@ -101,6 +99,31 @@ def test_bounds_hold_when_a_gpu_profiles_per_sample_time_grows_with_the_batch(ti
     req = PlanRequest(global_batch_size=64, precision="fp32", micro_batch_sizes=(1, 2, 4, 8))
     checked = [(b, t) for b, t, _ in _bounds_and_estimates(gpu, h100, req)]
     assert len(checked) > 50 and all(b <= t * (1 + 1e-9) for b, t in checked)
+
+
+@pytest.mark.parametrize("one_sample", [0.9, 1.1])   # of the profile's timing: most of it per call; noise above it
+def test_bounds_hold_on_a_probed_cpu_cluster_above_the_profiles_micro_batch(tiny_profiles, one_sample):
+    """Measured times are affine in the micro-batch (compute._at_batch): above the profile's micro-batch the fixed
+    part stays whole, so bounds scaled linearly from it exceeded their estimates (at micro-batch 8 from a profile at
+    2 with one sample at 0.9 of it: 4x the profile's time where the estimate has 1.6x; 1x at 1.1). Each micro-batch is now
+    read off the same line."""
+    import dataclasses
+    from cost_models.cluster import ClusterProfile, ComputeProbe, DeviceSpec, LinkSpec
+    from cost_models.profile import Timing
+    base = tiny_profiles["gpt-tiny", False]   # real profile at micro-batch 2
+    one = lambda t: Timing(median_s=t.median_s * one_sample, min_s=t.min_s, max_s=t.max_s, repeats=t.repeats)  # noqa
+    prof = dataclasses.replace(base, units=tuple(dataclasses.replace(u, fwd_time_one=one(u.fwd_time),
+                                                                     bwd_time_one=one(u.bwd_time)) for u in base.units))
+    cpu = ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=4,
+                         device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**34, peak_flops={"fp32": 1e10},
+                                           matmul_efficiency=1.0, source="test"),
+                         intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"),
+                         compute=ComputeProbe(dtype="fp32", matmul_n=8, ranks=4, threads_per_rank=prof.threads,
+                                              flops_per_rank=5e9, flops_alone=1e10))
+    req = PlanRequest(global_batch_size=32, precision="fp32", micro_batch_sizes=(1, 2, 4, 8), tp_degrees=(1,))
+    checked = [(b, t, pt.micro_batch_size) for b, t, pt in _bounds_and_estimates(prof, cpu, req)]
+    assert {mbs for _, _, mbs in checked} == {1, 2, 4, 8}
+    assert all(b <= t * (1 + 1e-9) for b, t, _ in checked)
 
 
 def test_a_cpu_clusters_search_bounds_a_bf16_request_as_the_fp32_its_ranks_run():
