@@ -57,7 +57,8 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "broadcast")
 # waited on; its time per call. Over gloo on this machine (20 KB, torch 2.13) a run costs per call what a step's
 # broadcasts did (2 ranks: 0.39 ms run, 0.13 one at a time, ~0.3 in a ZeRO-1 step; 4 ranks on 2 cores: 0.65 run,
 # ~0.8 in the step), where an all-gather of the same bytes took 0.39 and 3.8 ms. Buffers past RUN_BYTES go two at a
-# time (bandwidth-bound: a longer run overlaps nothing more, and 8 x 64 MiB would slow the probe by seconds).
+# time (bandwidth-bound: a longer run overlaps nothing more, and 8 x 64 MiB would slow the probe by seconds); the
+# fit then mixes the two, its beta set mostly by the pairs.
 BROADCAST_RUN, RUN_BYTES = 8, 4 * MIB
 DEFAULT_SIZES = tuple(4 * KIB * 4**i for i in range(8))  # 4 KiB .. 64 MiB
 # at least this many timed repeats per collective and size: with a tail of about 1 in 4 repeats (module doc), 12
@@ -122,10 +123,13 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
     peer = members[1] if rank == members[0] else members[0]
     buffers = [(torch.ones(_buffer_numel(s, g), device=device), torch.ones(_buffer_numel(s, g) // g, device=device))
                for s in sizes]
+    # a broadcast run sends distinct tensors, as the optimizer's are (one buffer 8 times would stay in cache)
+    runs = [[full, *(torch.ones_like(full) for _ in range(_run_length(full) - 1))] if op == "broadcast" else [full]
+            for full, _ in buffers]
     out = []
     for i in range(cfg.warmup + _collective_repeats(cfg)):
         row = []
-        for full, part in buffers:
+        for (full, part), run in zip(buffers, runs):
             dist.barrier(group=group)
             _sync(device)
             t0 = time.perf_counter()
@@ -136,7 +140,7 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
             elif op == "all_reduce":
                 dist.all_reduce(full, group=group)
             elif op == "broadcast":   # a run (BROADCAST_RUN): elapsed is per call
-                runs = _broadcast_run(full, members, group)
+                _broadcast_run(run, members, group)
             else:  # send_recv: ping-pong between the two members, one-way time = round trip / 2
                 if rank == members[0]:
                     dist.send(full, peer)
@@ -146,21 +150,24 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
                     dist.send(full, peer)
             _sync(device)
             elapsed = time.perf_counter() - t0
-            row.append(elapsed / 2 if op == "send_recv" else elapsed / runs if op == "broadcast" else elapsed)
+            row.append(elapsed / 2 if op == "send_recv" else elapsed / len(run))
         if i >= cfg.warmup:
             out.append(row)
     return out
 
 
-def _broadcast_run(full: torch.Tensor, members: list[int], group) -> int:
-    """Broadcast `full` a run of times, async, the members owning consecutive blocks of the run in turn, as
-    ZeroRedundancyOptimizer's _sync_params does; wait for all; return how many. Every rank's buffer holds the same
-    values, so the overlapping writes leave it as it was."""
-    n = BROADCAST_RUN if full.numel() * full.element_size() <= RUN_BYTES else 2
-    owner = [members[i * len(members) // n] for i in range(n)]
-    for handle in [dist.broadcast(full, src=src, group=group, async_op=True) for src in owner]:
+def _run_length(full: torch.Tensor) -> int:
+    """How many broadcasts of a buffer like `full` one run issues (BROADCAST_RUN, two past RUN_BYTES)."""
+    return BROADCAST_RUN if full.numel() * full.element_size() <= RUN_BYTES else 2
+
+
+def _broadcast_run(run: list[torch.Tensor], members: list[int], group) -> None:
+    """Broadcast each tensor of `run`, async, the members owning consecutive blocks of it in turn, as
+    ZeroRedundancyOptimizer's _sync_params does; wait for all. Every rank issues the same calls in the same order."""
+    n = len(run)
+    owners = [members[i * len(members) // n] for i in range(n)]
+    for handle in [dist.broadcast(t, src=src, group=group, async_op=True) for t, src in zip(run, owners)]:
         handle.wait()
-    return n
 
 
 def _collective_repeats(cfg: ProbeConfig) -> int:

@@ -161,7 +161,8 @@ def _broadcast_time(cluster: ClusterProfile, size_bytes: float, n: int, ranks_pe
     all-gather whose full buffer is S n/(n-1) (the same n-1 steps; nccl-tests doc/PERFORMANCE.md gives both the same
     bus bandwidth, busbw = S/t for a broadcast and (n-1)/n S/t for an all-gather)."""
     g, k = _split(cluster, n, ranks_per_node)
-    fit = cluster.fit("broadcast", n, "intra") if k == 1 else None
+    # the probe's groups: inside a node, or one rank per node across nodes
+    fit = cluster.fit("broadcast", n, "intra") if k == 1 else cluster.fit("broadcast", n, "inter") if g == 1 else None
     if fit is not None:
         return fit.predict(size_bytes, back_to_back=back_to_back)
     return collective_time(cluster, "all_gather", size_bytes * n / (n - 1), n, ranks_per_node=ranks_per_node,

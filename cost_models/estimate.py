@@ -491,7 +491,8 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
         if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1:
             params = [u.params if s.tp == 1 else tp_param_share(u.params, u.tp, s.tp, c.tp_vocab)
                       for u in c.profile.units]
-            exposed = _overlapped_dp_time(s, params, unit_fb, coll, c.param_bytes, c.grad_bytes)
+            tensors = [max(1, u.param_tensors) for u in c.profile.units]
+            exposed = _overlapped_dp_time(s, params, tensors, unit_fb, coll, c.param_bytes, c.grad_bytes)
         rank_dp.append(exposed * c.calibration.dp_comm_scale)
     return rank_dp, dp_bytes
 
@@ -688,21 +689,23 @@ def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int,
             + [("reduce_scatter", reduces, n * g_b, False) for n, _ in units])
 
 
-def _overlapped_dp_time(s: Strategy, params: list[float], unit_fb: list[tuple[float, float]], coll: CollFn,
-                        p_b: int, g_b: int) -> float:
+def _overlapped_dp_time(s: Strategy, params: list[float], tensors: list[int], unit_fb: list[tuple[float, float]],
+                        coll: CollFn, p_b: int, g_b: int) -> float:
     """Exposed data-parallel time without a pipeline on GPUs, where NCCL runs beside compute.
 
     FSDP2 wraps each unit and prefetches one unit ahead (Zhao et al. 2023, "PyTorch FSDP", section 3.3): the
     gather of unit u hides behind the forward of unit u-1 (the first unit's cannot hide), and in backward the
     gather and reduce-scatter of unit u behind its backward. DDP all-reduces gradient buckets while the last
-    micro-batch's backward runs; ZeroRedundancyOptimizer broadcasts updated shards after the step (exposed).
-    `params`: each unit's parameters on one rank (its TP share).
+    micro-batch's backward runs; ZeroRedundancyOptimizer broadcasts the updated tensors after the step, one call
+    per tensor (exposed). `params`: each unit's parameters on one rank (its TP share), in `tensors` tensors.
     """
     m = s.microbatches
     if s.zero <= 1:
         ar = coll("all_reduce", sum(params) * g_b)
         exposed = max(0.0, ar - sum(b for _, b in unit_fb))
-        return exposed + (coll("broadcast", sum(params) * p_b) if s.zero == 1 else 0.0)
+        if s.zero != 1:
+            return exposed
+        return exposed + sum(t * coll("broadcast", n / t * p_b) for n, t in zip(params, tensors) if n)
     gather = [coll("all_gather", n * p_b) for n in params]
     reduce = [coll("reduce_scatter", n * g_b) for n in params]
     fwd = gather[0] + sum(max(0.0, gather[u] - unit_fb[u - 1][0]) for u in range(1, len(params)))

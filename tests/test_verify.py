@@ -233,11 +233,12 @@ def test_verify_2_with_the_predicted_best_failing_returns_the_next_and_records_t
     ProfileFile(model=profile, cluster=preset("dgx-a100")).save(tmp_path / "profile.json")
     predicted = make_plan(profile, preset("dgx-a100"), REQUEST)   # the order the CLI's search finds
     first, second = predicted.strategy.name, predicted.alternatives[0].strategy.name
-    # timeout=120: a failed trial that left its peer waiting out the watchdog would run past it (no wall-clock
-    # assertion: 2 shared cores start ranks in 10-40 s)
+    # a failed trial whose peer waited out its collective timeout (--verify-timeout / 4 = 150 s) would run past the
+    # 140 s limit; both trials normally end in 20-60 s on 2 shared cores
     proc = subprocess.run([sys.executable, "-m", "cli", "plan", "profile.json", "-g", "2", "-B", "8", "--tp", "1",
-                           "--precision", "fp32", "--verify", "2", "--verify-steps", "2", "-o", "plan.json"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                           "--precision", "fp32", "--verify", "2", "--verify-steps", "2", "--verify-timeout", "600",
+                           "-o", "plan.json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=140,
                           env={**os.environ, "PYTHONPATH": str(ROOT), V.VERIFY_INJECT_ENV: "0:0:0"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
