@@ -139,17 +139,15 @@ def test_zero1_prices_one_probed_broadcast_per_parameter_tensor(tiny_profiles):
     data-parallel time is ZeRO-0's (the DDP all-reduce) plus, per tensor, the broadcast fit's mean at that tensor's
     bytes (the probe timed broadcasts as such a run, so not the medians' line). With all-gather pricing the 4-rank
     plans of benchmarks/fidelity.py were predicted at 1.6-2.6x their measured step."""
-    from cost_models.cluster import ClusterProfile, DeviceSpec, LinkSpec, Sample
+    from cost_models.cluster import Sample
     from cost_models.estimate import estimate
     from cost_models.strategy import Strategy
+    from tests.clusters import cpu_cluster
     prof = tiny_profiles["gpt-tiny", True]
     samples = tuple(Sample(size_bytes=b, seconds=4e-4 + 1e-9 * b, median_s=1e-4 + 1e-9 * b) for b in (4096, 65536))
     bcast = CollectiveFit(op="broadcast", group_size=4, scope="intra", alpha_s=4e-4, beta_s_per_byte=1e-9, r2=1.0,
                           samples=samples)
-    cpu = ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=4, fits=(bcast,),
-                         device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**34, peak_flops={"fp32": 1e10},
-                                           matmul_efficiency=1.0, source="test"),
-                         intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"))
+    cpu = cpu_cluster(ranks=4, fits=(bcast,))
     units = tuple(u.name for u in prof.units)
     dp = {z: estimate(Strategy(dp=4, pp=1, zero=z, schedule="1f1b", microbatches=1, micro_batch_size=1,
                                stages=(units,), precision="fp32"), prof, cpu).breakdown.dp_comm_s for z in (0, 1)}

@@ -12,6 +12,7 @@ from cost_models.estimate import estimate
 from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, zero_model_state_bytes
 from cost_models.presets import preset
 from cost_models.strategy import Strategy
+from tests.clusters import cpu_cluster
 
 GB = 1e9
 
@@ -91,13 +92,7 @@ def test_pipeline_activations_follow_the_schedule(tiny_profiles):
 
 def _cpu_cluster(prof, *, ranks: int, cores: int):
     """CPU ranks as the compute probe would describe `ranks` of them sharing `cores` cores."""
-    from cost_models.cluster import ClusterProfile, ComputeProbe, DeviceSpec, LinkSpec
-    return ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=ranks,
-                          device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**34, peak_flops={"fp32": 1e10},
-                                            matmul_efficiency=1.0, source="test"),
-                          intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"),
-                          compute=ComputeProbe(dtype="fp32", matmul_n=8, ranks=ranks, threads_per_rank=prof.threads,
-                                               flops_per_rank=1e10 * min(1.0, cores / ranks), flops_alone=1e10))
+    return cpu_cluster(ranks=ranks, threads=prof.threads, cores=cores)
 
 
 def test_measured_times_move_to_other_micro_batches_affinely(tiny_profiles):

@@ -108,18 +108,13 @@ def test_bounds_hold_on_a_probed_cpu_cluster_above_the_profiles_micro_batch(tiny
     2 with one sample at 0.9 of it: 4x the profile's time where the estimate has 1.6x; 1x at 1.1). Each micro-batch is now
     read off the same line."""
     import dataclasses
-    from cost_models.cluster import ClusterProfile, ComputeProbe, DeviceSpec, LinkSpec
     from cost_models.profile import Timing
+    from tests.clusters import cpu_cluster
     base = tiny_profiles["gpt-tiny", False]   # real profile at micro-batch 2
     one = lambda t: Timing(median_s=t.median_s * one_sample, min_s=t.min_s, max_s=t.max_s, repeats=t.repeats)  # noqa
     prof = dataclasses.replace(base, units=tuple(dataclasses.replace(u, fwd_time_one=one(u.fwd_time),
                                                                      bwd_time_one=one(u.bwd_time)) for u in base.units))
-    cpu = ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=4,
-                         device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**34, peak_flops={"fp32": 1e10},
-                                           matmul_efficiency=1.0, source="test"),
-                         intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"),
-                         compute=ComputeProbe(dtype="fp32", matmul_n=8, ranks=4, threads_per_rank=prof.threads,
-                                              flops_per_rank=5e9, flops_alone=1e10))
+    cpu = cpu_cluster(ranks=4, threads=prof.threads, cores=2)
     req = PlanRequest(global_batch_size=32, precision="fp32", micro_batch_sizes=(1, 2, 4, 8), tp_degrees=(1,))
     checked = [(b, t, pt.micro_batch_size) for b, t, pt in _bounds_and_estimates(prof, cpu, req)]
     assert {mbs for _, _, mbs in checked} == {1, 2, 4, 8}

@@ -321,17 +321,12 @@ def test_measured_saved_bytes_match_korthikanti_table_2():
 # --- real mode, measured times, validation ----------------------------------------------------------------------
 
 def test_real_profile_records_the_same_split_and_measured_times_divide_the_per_sample_work():
-    from cost_models.cluster import ClusterProfile, ComputeProbe, DeviceSpec, LinkSpec
     from cost_models.compute import tp_unit_times
     from cost_models.profile import Timing
+    from tests.clusters import cpu_cluster
     real = profile_model(resolve("gpt-tiny"), micro_batch_size=B, seq_len=S, dtype="fp32", warmup=0, repeats=1)
     assert [u.tp for u in real.units] == [u.tp for u in _meta("gpt-tiny").units]
-    cpu = ClusterProfile(name="cpu", source="test", nodes=1, devices_per_node=2,
-                         device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=2**30, peak_flops={"fp32": 1e10},
-                                           matmul_efficiency=1.0, source="test"),
-                         intra_node=LinkSpec(kind="loop", bandwidth_Bps=1e9, alpha_s=1e-4, source="test"),
-                         compute=ComputeProbe(dtype="fp32", matmul_n=8, ranks=2, threads_per_rank=real.threads,
-                                              flops_per_rank=1e10, flops_alone=1e10))
+    cpu = cpu_cluster(ranks=2, threads=real.threads, cores=2)
     split = real.unit("blocks.1").tp.split_flops / real.unit("blocks.1").fwd_flops
     assert split == 1.0   # every counted FLOP of a block is in its split linears and attention
     # the pricing on fixed timings (measured ones are noise-ordered on a shared machine): the affine fit's fixed
