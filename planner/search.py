@@ -104,7 +104,9 @@ class _Partitions:
             if mbs is None or mbs == b0:
                 unit_fb = self.unit_fb
             elif self.at_batch is not None:
-                unit_fb = self.fb.setdefault(("at", mbs), self.at_batch(mbs))
+                if ("at", mbs) not in self.fb:
+                    self.fb["at", mbs] = self.at_batch(mbs)
+                unit_fb = self.fb["at", mbs]
             else:
                 unit_fb = [(f * mbs / b0, b * mbs / b0) for f, b in self.unit_fb]
             where = {name: i for i, name in enumerate(self.names)}
