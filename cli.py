@@ -215,6 +215,9 @@ def _print_params(prof) -> None:
               + (f"; tied: {tied}" if tied else ""), highlight=False)
     if prof.unassigned_params:
         out.print(f"note: {prof.unassigned_params:,} parameters belong to no unit (counted in the total)", highlight=False)
+    from cost_models.summaries import profile_load_line
+    if load := profile_load_line(prof):
+        out.print(load, highlight=False)
 
 
 def _probe(*, nodes, ranks, dtype, sizes, repeats):
@@ -347,6 +350,7 @@ def estimate(
     check_training(precision, optimizer)   # before any file is read
     write_to, overwrite = _prepare_output(output, force) if output else (None, False)
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
+    _warn_loaded_profile(pf.model, target, precision)
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
         tp=tp, sp=sp, recompute=recompute, precision=precision, optimizer=optimizer))
@@ -404,6 +408,7 @@ def plan(
     outputs = _plan_outputs(output, force, report)
     verify_cfg = _verify_config(verify, verify_steps, verify_timeout) if verify else None
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
+    _warn_loaded_profile(pf.model, target, precision)
     request = PlanRequest(gpus=gpus, global_batch_size=global_batch_size, top_k=max(top_k, verify),
                           time_limit_s=time_limit, precision=precision, optimizer=optimizer,
                           tp_degrees=parse_degrees(tp) if tp else None)
@@ -420,6 +425,15 @@ def plan(
         out.print(_table(TRIAL_COLUMNS, trial_rows(result), title="verified on this machine (--verify)"))
     if write_to:
         err.print(f"wrote {write_to}", highlight=False)
+
+
+def _warn_loaded_profile(profile, cluster, precision: str) -> None:
+    """One line on stderr where the predictions use unit times (compute.uses_measured_times) that were taken on an
+    overloaded machine (summaries.profile_loaded): they inherit the wait for a core."""
+    from cost_models.compute import uses_measured_times
+    from cost_models.summaries import profile_load_line, profile_loaded
+    if profile_loaded(profile) and uses_measured_times(profile, cluster, precision):
+        err.print(f"warning: {profile_load_line(profile)}", highlight=False, soft_wrap=True)
 
 
 def _verify_config(k: int, steps: int, timeout_s: float):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import statistics
 import time
 from collections import OrderedDict
@@ -1034,7 +1035,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         stack.enter_context(source.forward_context())
         if meta:
             stack.enter_context(_FusedAttentionOnMeta())
-        rules = model_tp_rules(model)
+        rules, load_before = model_tp_rules(model), os.getloadavg()[0]
         unit_results, model_fwd_flops, attention, edges, in_model = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
             repeats=repeats, rules=rules, seq_len=seq_len, on_progress=on_progress, on_estimate=on_estimate)
@@ -1058,9 +1059,15 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         tensor_parallel=tp_shape(model), in_model_factor=in_model, mixed_factor=mixed,
         largest_unit=largest.name, device="gpu" if device == "cuda" else device,
         device_name=torch.cuda.get_device_name() if device == "cuda" else "", threads=torch.get_num_threads(),
-        torch_version=torch.__version__,
-        command=command, created_at=now_utc(),
+        torch_version=torch.__version__, command=command, created_at=now_utc(), **_load_record(load_before, meta),
     )
+
+
+def _load_record(load_before: float, meta: bool) -> dict:
+    """ModelProfile.load_1min and cpus: the load before and after the timed runs (none in meta mode)."""
+    if meta:
+        return {"load_1min": (), "cpus": 0}
+    return {"load_1min": (round(load_before, 2), round(os.getloadavg()[0], 2)), "cpus": os.cpu_count() or 0}
 
 
 def _account_params(model: nn.Module, unit_results,

@@ -209,6 +209,12 @@ class ModelProfile(Record):
     torch_version: str
     command: str
     created_at: str
+    # real mode: the machine's 1-minute load average (os.getloadavg) before and after the timed runs, and its CPUs.
+    # Every predicted step scales with the unit times, which include waiting for a core where the load passed the
+    # CPUs (fidelity run of 2026-12-04 23:18: mlp-deep's 4-rank compute predicted at 1.30-1.44 of measured from a
+    # profile timed at load 3.8-5.0 on 2 CPUs). () and 0 in meta profiles and files written before it was recorded.
+    load_1min: tuple[float, ...] = ()
+    cpus: int = 0
 
     def unit(self, name: str) -> UnitProfile:
         return self._by_name[name]

@@ -43,6 +43,24 @@ UNIT_COLUMNS = ["unit", "params", "fwd GFLOP", "bwd GFLOP", "out MiB", "saved Mi
 CLUSTER_FIT_COLUMNS = ["collective", "scope", "ranks", "alpha", "GB/s (S/beta)", "R^2", "sizes"]
 
 
+def profile_load_line(profile: ModelProfile) -> str | None:
+    """How loaded the machine was while a real profile timed its units (ModelProfile.load_1min), or None where it
+    was not recorded."""
+    if not profile.load_1min or not profile.cpus:
+        return None
+    lo, hi = min(profile.load_1min), max(profile.load_1min)
+    verdict = ("more runnable work than CPUs: the unit times include waiting for a core, and every step predicted "
+               "from them with it; re-profile on a quieter machine or `planner calibrate` from a run"
+               if profile_loaded(profile) else "below the CPU count")
+    return (f"machine load while timing the units (1-minute average): {lo:.1f} to {hi:.1f} on {profile.cpus} CPUs; "
+            f"{verdict}")
+
+
+def profile_loaded(profile: ModelProfile) -> bool:
+    """Whether a real profile's units were timed with more runnable work than CPUs."""
+    return bool(profile.load_1min) and profile.cpus > 0 and max(profile.load_1min) > profile.cpus
+
+
 def cluster_lines(c) -> list[str]:
     """Device, links and notes of a ClusterProfile, one line each."""
     d = c.device

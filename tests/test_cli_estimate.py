@@ -96,3 +96,31 @@ def test_estimate_o_refuses_what_planner_run_would_refuse(tmp_path, tiny_profile
     assert res.exit_code == 2
     assert res.stderr.strip().splitlines()[-1].startswith("error: planner run would refuse this strategy: zbv puts")
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_profile_timed_on_an_overloaded_machine_is_named_where_its_times_price_the_plan(tmp_path, tiny_profiles):
+    """A real profile records the load while it timed its units; where that passed the CPUs and the cluster prices
+    units by those times (CPU ranks), `planner estimate` and `planner plan` say so in one line; not on a quiet
+    profile, and not where the times are not used (a GPU preset prices FLOPs)."""
+    import dataclasses
+    import os
+    from tests.clusters import cpu_cluster
+    real = tiny_profiles["gpt-tiny", False]
+    assert len(real.load_1min) == 2 and min(real.load_1min) >= 0 and real.cpus == os.cpu_count()
+    assert tiny_profiles["gpt-tiny", True].load_1min == () and tiny_profiles["gpt-tiny", True].cpus == 0
+    cpu = cpu_cluster(ranks=2, threads=real.threads, cores=2)
+    cases = {"loaded": ((3.8, 5.0), cpu, True), "quiet": ((0.5, 0.7), cpu, False),
+             "preset": ((3.8, 5.0), preset("dgx-a100"), False)}
+    for name, (load, cluster, warned) in cases.items():
+        (tmp_path / name).mkdir()
+        path = _profile_file(tmp_path / name, dataclasses.replace(real, load_1min=load, cpus=2), cluster)
+        runs = (["estimate", path, "--dp", "2", "--precision", "fp32"],
+                ["plan", path, "-B", "4", "--precision", "fp32", "--no-report", "-o", str(tmp_path / name / "p.json")])
+        for args in runs:
+            res = runner.invoke(app, args)
+            assert res.exit_code == 0, (name, res.output)
+            lines = [line for line in res.stderr.splitlines() if line.startswith("warning: machine load")]
+            assert lines == ([
+                "warning: machine load while timing the units (1-minute average): 3.8 to 5.0 on 2 CPUs; more runnable "
+                "work than CPUs: the unit times include waiting for a core, and every step predicted from them with "
+                "it; re-profile on a quieter machine or `planner calibrate` from a run"] if warned else []), (name, args)
