@@ -311,6 +311,7 @@ def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="
     prof = pf.model
     out.print(_table(UNIT_COLUMNS, unit_rows(prof), title=f"{prof.name}: measured on this machine "
                      f"({prof.dtype}, micro-batch {prof.micro_batch_size} x {prof.seq_len}, {prof.threads} thread(s))"))
+    _print_params(prof)   # with the load while the units were timed: the predictions below inherit it
     _print_cluster(pf.cluster)
     _print_plan(result.plan)
     _print_run(result.run)
