@@ -154,7 +154,8 @@ def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProf
 
 
 def _affine(at_profile, at_one, profile_batch: int, batch: int) -> tuple[float, float]:
-    """A measured time at another micro-batch as (fixed part, per-sample work x batch): _at_batch's line."""
+    """A measured time at another micro-batch as (fixed part, per-sample work x batch): the line through the
+    one-sample and the profile's timings (_one_sample), proportional to the batch where only one was taken."""
     if at_one is None or profile_batch <= 1:
         return 0.0, at_profile.median_s * batch / profile_batch
     one = _one_sample(at_profile, at_one)
@@ -164,11 +165,7 @@ def _affine(at_profile, at_one, profile_batch: int, batch: int) -> tuple[float, 
 
 def _at_batch(at_profile, at_one, profile_batch: int, batch: int) -> float:
     """A measured time moved to another micro-batch size: affine through the two timings when both exist."""
-    if at_one is None or profile_batch <= 1:
-        return at_profile.median_s * batch / profile_batch
-    one = _one_sample(at_profile, at_one)
-    per_sample = (at_profile.median_s - one) / (profile_batch - 1)
-    return max(0.0, one + per_sample * (batch - 1))
+    return sum(_affine(at_profile, at_one, profile_batch, batch))
 
 
 def _one_sample(at_profile, at_one) -> float:
