@@ -115,6 +115,7 @@ class ComputeProbe(Record):
     flops_per_rank: float              # median achieved FLOP/s of one rank while all ranks run
     flops_alone: float                 # one rank running alone
     copy_Bps: float = 0.0              # memory bandwidth one rank gets (bytes read + written) while all ranks copy
+    copy_alone_Bps: float = 0.0        # the same for one rank copying alone; 0 in presets and older files
     # fixed per-call costs of the runtime (cost_models/overhead_probe.py); 0 where not probed (presets)
     pipeline_action_s: float = 0.0     # one pipelining schedule action, beyond its compute and p2p (GPipe, 1F1B)
     pipeline_runtime_action_s: float = 0.0   # the same in torch's multi-stage runtime (interleaved 1F1B); 0: as above

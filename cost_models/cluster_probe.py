@@ -291,7 +291,12 @@ def _measure_compute(cfg: ProbeConfig, device: torch.device) -> dict[str, Any]:
     fp32s = _gathered(_matmul_rate(n, torch.float32, cfg.matmul_seconds, device) if on_gpu else 0.0, device)
     # 64 MiB per buffer: far beyond any cache, so this is DRAM / HBM bandwidth with all ranks copying.
     copies = _gathered(_copy_rate(16 * MIB, cfg.matmul_seconds, device), device)
+    # and rank 0 alone: how far ranks slow each other's memory-bound work (compute.memory_contention); here one
+    # core's copy takes most of the memory bandwidth (47.8 GB/s alone, 24.6-25.3 each of two at once)
+    copy_alone = _copy_rate(16 * MIB, cfg.matmul_seconds, device) if dist.get_rank() == 0 else 0.0
+    dist.barrier()
     return {"matmul_n": n, "flops_together": together, "flops_alone": alone, "copy_Bps": copies,
+            "copy_alone_Bps": copy_alone,
             "flops_fp32_together": fp32s}
 
 
@@ -391,7 +396,8 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
     together = statistics.median(raw["flops_together"])
     compute = ComputeProbe(dtype=dtype, matmul_n=raw["matmul_n"], ranks=raw["world"],
                            threads_per_rank=raw["threads_per_rank"], flops_per_rank=together, flops_alone=raw["flops_alone"],
-                           copy_Bps=statistics.median(raw["copy_Bps"]), rank_rss_bytes=raw.get("rank_rss_bytes", 0),
+                           copy_Bps=statistics.median(raw["copy_Bps"]), copy_alone_Bps=raw.get("copy_alone_Bps", 0.0),
+                           rank_rss_bytes=raw.get("rank_rss_bytes", 0),
                            **raw.get("overheads", {}))
     local_world = raw["local_world"]
     known = next((p.device for p in PRESETS.values() if gpu and p.device.name.split("-")[0] in raw["device_name"]), None)

@@ -58,10 +58,14 @@ def uses_measured_times(profile: ModelProfile, cluster: ClusterProfile, precisio
     model (an H200's times would mislead for an A100 cluster) computing in the profile's dtype. On an H200 a
     gpt2-small plan in fp32 priced from its bf16 profile was predicted at 101 ms and ran 590 ms; the FLOPs route
     prices it at the probe's fp32 matmul rate."""
-    same_gpu = profile.device != "gpu" or not profile.device_name or profile.device_name == cluster.device.name
-    return (profile.mode == "real" and profile.device == cluster.device.kind and same_gpu
-            and profile.dtype == executed_dtype(precision, cluster.device.kind)
+    return (_same_device(profile, cluster) and profile.dtype == executed_dtype(precision, cluster.device.kind)
             and all(u.fwd_time is not None for u in profile.units))
+
+
+def _same_device(profile: ModelProfile, cluster: ClusterProfile) -> bool:
+    """A real-mode profile taken on the cluster's kind of device (a GPU profile: on the same GPU model)."""
+    same_gpu = profile.device != "gpu" or not profile.device_name or profile.device_name == cluster.device.name
+    return profile.mode == "real" and profile.device == cluster.device.kind and same_gpu
 
 
 def contention(cluster: ClusterProfile, ranks_running: float) -> float:
@@ -73,15 +77,34 @@ def contention(cluster: ClusterProfile, ranks_running: float) -> float:
     return max(1.0, ranks_running / cores_eff)
 
 
+def memory_contention(cluster: ClusterProfile, ranks_running: float) -> float:
+    """How much slower each of `ranks_running` CPU ranks runs memory-bound work (the optimizer step) than one rank
+    alone: the probe's copy bandwidth alone over all ranks' (ComputeProbe.copy_alone_Bps), linear in the ranks
+    running between 1 (one) and that ratio (all), and never below the compute contention (cores are shared too).
+    Where the probe did not measure it (older files), the compute contention."""
+    c = cluster.compute
+    core = contention(cluster, ranks_running)
+    if cluster.device.kind != "cpu" or c is None or c.copy_alone_Bps <= 0 or c.copy_Bps <= 0 or c.ranks <= 1:
+        return core
+    full = c.copy_alone_Bps / c.copy_Bps
+    share = min(1.0, max(0.0, (ranks_running - 1) / (c.ranks - 1)))
+    return max(core, 1.0 + (full - 1.0) * share)
+
+
 def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_running: float, mixed: bool) -> float:
     """A measured unit time's slowdown on a rank: contention, a profile taken with more threads than a rank has,
     and under torch's mixed precision (memory.torch_mixed) its casts and fp32 ops (profile.mixed_factor). The
     units' in-model factor is _in_model's."""
-    # CPU ranks only: a GPU's kernels do not run slower for the host threads the probe's ranks were given
-    cpu = cluster.device.kind == "cpu"
-    threads = profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1) if cpu else 1.0
     mixed_factor = profile.mixed_factor if mixed else 1.0
-    return contention(cluster, ranks_running) * max(1.0, threads) * mixed_factor
+    return contention(cluster, ranks_running) * _threads_factor(profile, cluster) * mixed_factor
+
+
+def _threads_factor(profile: ModelProfile, cluster: ClusterProfile) -> float:
+    """A profile timed with more threads than a rank gets runs that much slower on the rank (CPU ranks only: a
+    GPU's kernels do not run slower for the host threads the probe's ranks were given)."""
+    if cluster.device.kind != "cpu":
+        return 1.0
+    return max(1.0, profile.threads / (cluster.compute.threads_per_rank if cluster.compute else 1))
 
 
 def _gap_per_call(profile: ModelProfile, cluster: ClusterProfile) -> bool:
@@ -175,12 +198,23 @@ def _one_sample(at_profile, at_one) -> float:
     return min(at_one.median_s, at_profile.median_s)
 
 
-def optimizer_step_time(params: float, *, precision: str, optimizer: str, cluster: ClusterProfile) -> float:
-    """Adam/SGD update of `params` parameters: memory-bound, bytes touched / device memory bandwidth.
+def optimizer_step_time(params: float, *, profile: ModelProfile, cluster: ClusterProfile, precision: str,
+                        optimizer: str, ranks_running: float) -> float:
+    """Adam/SGD update of `params` parameters on one of `ranks_running` busy ranks, beyond the fixed cost per
+    tensor (the cluster's probe, estimate._optimizer_pass).
 
-    Bytes per parameter (read + write, PyTorch's foreach implementations): Adam fp32 reads p, g, m, v and writes
-    p, m, v: 28 B; bf16-mixed adds the bf16 copy: 30 B; SGD with momentum reads p, g, buf, writes p, buf: 20 B.
+    Measured where the profile timed this optimizer on the cluster's device (profile.OptimizerTiming, same device
+    rule as uses_measured_times but any precision: every plan updates fp32 weights), with caches flushed (in a
+    step the forward and backward have evicted them), slowed by the ranks updating at once (memory_contention:
+    the update is memory-bound; gpt-embed's AdamW here: 2.2 ms alone, 3.1-3.6 with two at once, 2.9-4.6 inside
+    2-rank ZeRO-0 steps). Otherwise memory-bound, bytes touched / device memory bandwidth: read + write of
+    one pass (Adam fp32 reads p, g, m, v and writes p, m, v: 28 B; bf16-mixed adds the bf16 copy: 30 B; SGD with
+    momentum reads p, g, buf, writes p, buf: 20 B), a floor: torch's foreach AdamW makes eight passes.
     """
+    timing = profile.optimizer_timing(optimizer)
+    if timing is not None and _same_device(profile, cluster):
+        return (params * timing.param_seconds() * _threads_factor(profile, cluster)
+                * memory_contention(cluster, ranks_running))
     touched = 20 if optimizer == "sgd" else (30 if precision == "bf16-mixed" else 28)
     bw = cluster.device.memory_bandwidth_Bps
     return params * touched / bw if bw else 0.0

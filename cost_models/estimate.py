@@ -282,7 +282,7 @@ _UNIT_COSTS: dict[tuple[int, int], tuple[ModelProfile, ClusterProfile, dict]] = 
 _UNIT_COST_PAIRS = 4
 
 
-def busy_ranks(s: Strategy) -> float:
+def busy_ranks(s: Strategy) -> float:   # s: a Strategy, or the planner's search Point (the same fields)
     """How many ranks compute at once, on average over a step: all of them without a pipeline; with one, each
     pipeline rank is busy n / (n + p - 1) of the time for n = m x v micro-batch chunks (the bubble fraction
     (p - 1) / (m + p - 1) of GPipe, Huang et al. 2019, section 2.3, and (p - 1) / (v m) interleaved, Narayanan et
@@ -514,7 +514,8 @@ def _optimizer_pass(c: _Context, stages: tuple[StageEstimate, ...]) -> float:
     dtensors = (s.zero >= 2 or s.tp > 1) and c.overheads.optimizer_dtensor_s > 0
     per_tensor = c.overheads.optimizer_dtensor_s if dtensors else c.overheads.optimizer_tensor_s
     return c.calibration.optimizer_scale * (
-        optimizer_step_time(opt_params_rank, precision=s.precision, optimizer=s.optimizer, cluster=c.cluster)
+        optimizer_step_time(opt_params_rank, profile=c.profile, cluster=c.cluster, precision=s.precision,
+                            optimizer=s.optimizer, ranks_running=busy_ranks(s))
         + opt_tensors_rank * per_tensor)
 
 

@@ -41,6 +41,7 @@ from cost_models.errors import ConfigError, ProfileError
 from cost_models.formatting import fixed, now_utc
 from cost_models.models.losses import compute_loss, loss_kind, synthetic_target
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
+from cost_models.optimizers import time_optimizers
 from cost_models.pipelining import pipeline_support
 from cost_models.profile import ModelProfile, SharedParam, Timing, TPUnit, UnitEdge, UnitProfile
 from cost_models.tensor_parallel import TPRule, enters_late, rules_for, style_of, tp_shape
@@ -1043,6 +1044,8 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         if device == "cuda" and dtype == "bf16":
             mixed = _mixed_factor(source, model, inputs, unit_results[-1][2][-1].target, loss=loss, warmup=warmup,
                                   repeats=repeats)
+    # the optimizer's step, timed on this device (compute.optimizer_param_seconds prices a rank's update from it)
+    optimizers = () if meta else time_optimizers(model, torch.device(device), warmup=warmup, repeats=repeats)
     unit_profiles, shared = _account_params(model, unit_results, rules)
     # whether the executor can cut stages that compute what this forward computes (planner: else pp = 1 only)
     pipelining = pipeline_support(model, [(name, mods) for name, mods, _ in unit_results])
@@ -1056,7 +1059,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         total_params=total_params, total_param_bytes=sum(_nbytes(p) for p in model.parameters()),
         unassigned_params=total_params - assigned, shared=tuple(shared),
         model_fwd_flops=model_fwd_flops, attention_kernels=tuple(sorted(attention)), edges=edges, pipelining=pipelining,
-        tensor_parallel=tp_shape(model), in_model_factor=in_model, mixed_factor=mixed,
+        tensor_parallel=tp_shape(model), in_model_factor=in_model, mixed_factor=mixed, optimizer_timings=optimizers,
         largest_unit=largest.name, device="gpu" if device == "cuda" else device,
         device_name=torch.cuda.get_device_name() if device == "cuda" else "", threads=torch.get_num_threads(),
         torch_version=torch.__version__, command=command, created_at=now_utc(), **_load_record(load_before, meta),

@@ -37,6 +37,26 @@ class Timing(Record):
     repeats: int
 
 
+OPTIMIZERS = ("adamw", "adam", "sgd")   # Strategy.optimizer's values, in the order a profile times them
+
+
+@record
+class OptimizerTiming(Record):
+    """One optimizer's step (the executor's, cost_models.optimizers.build) timed in a real-mode profile, on fp32
+    copies of the model's parameters (every plan updates fp32 weights: fp32, and bf16-mixed's torch mixed precision)
+    with gradients set, beside the same step over many tiny tensors (its fixed cost per tensor)."""
+
+    optimizer: str                       # "adamw" | "adam" | "sgd"
+    step: Timing                         # one step over `params` parameters in `tensors` tensors
+    params: int
+    tensors: int
+    tensor_s: float                      # the step per tensor over 64 tensors of 64 elements
+
+    def param_seconds(self) -> float:
+        """Seconds per parameter beyond the fixed cost per tensor (which a cluster probes: estimate prices it)."""
+        return max(0.0, self.step.median_s - self.tensors * self.tensor_s) / max(1, self.params)
+
+
 @record
 class InputSpec(Record):
     """One micro-batch of model input (shape of the first positional input)."""
@@ -215,6 +235,16 @@ class ModelProfile(Record):
     # profile timed at load 3.8-5.0 on 2 CPUs). () and 0 in meta profiles and files written before it was recorded.
     load_1min: tuple[float, ...] = ()
     cpus: int = 0
+    # real mode: each optimizer's step timed on this device (OptimizerTiming); compute.optimizer_param_seconds
+    # prices a rank's update from it. The bandwidth formula it replaces (28 B per parameter at the probe's copy
+    # bandwidth) came out at 0.52-0.79 of the measured optimizer step in every configuration of the 2026-12-04
+    # fidelity run: torch 2.13's foreach AdamW makes eight passes (decay, lerp, two for the second moment, a sqrt
+    # into a new buffer, div, add, addcdiv), several over two or three tensors, and allocates that buffer every
+    # step. () in meta profiles and files written before it was recorded (the formula stays).
+    optimizer_timings: tuple[OptimizerTiming, ...] = ()
+
+    def optimizer_timing(self, optimizer: str) -> OptimizerTiming | None:
+        return next((t for t in self.optimizer_timings if t.optimizer == optimizer), None)
 
     def unit(self, name: str) -> UnitProfile:
         return self._by_name[name]

@@ -15,7 +15,7 @@ from typing import Any, Iterator, NoReturn
 from cost_models.cluster import ClusterProfile
 from cost_models.errors import FileFormatError
 from cost_models.limits import MAX_GPUS
-from cost_models.profile import PIPELINE_KINDS, ModelProfile, ProfileFile, Timing, UnitProfile
+from cost_models.profile import OPTIMIZERS, PIPELINE_KINDS, ModelProfile, ProfileFile, Timing, UnitProfile
 from cost_models.records import Record
 from cost_models.tensor_parallel import CUSTOM, PLANS
 
@@ -185,10 +185,23 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
               f"one of {', '.join(PLANS)}, 'custom: <module:function>' with its rules, or 'no: <reason>'", fix)
     if p.largest_unit not in names:
         _fail(where, f"{path}.largest_unit", p.largest_unit, "the name of one of the units", fix)
+    _check_optimizer_timings(p, path, where, fix)
     for i, s in enumerate(p.shared):
         for j, unit in enumerate(s.units):
             if unit not in names:
                 _fail(where, f"{path}.shared[{i}].units[{j}]", unit, "the name of one of the units", fix)
+
+
+def _check_optimizer_timings(p: ModelProfile, path: str, where: str, fix: str) -> None:
+    """The timed optimizer steps (profile.OptimizerTiming): a known optimizer over at least one parameter
+    (compute.optimizer_step_time divides by params)."""
+    for i, t in enumerate(p.optimizer_timings):
+        at = f"{path}.optimizer_timings[{i}]"
+        if t.optimizer not in OPTIMIZERS:
+            _fail(where, f"{at}.optimizer", t.optimizer, f"one of {', '.join(OPTIMIZERS)}", fix)
+        if t.params < 1 or t.tensors < 1:
+            _fail(where, f"{at}.params", (t.params, t.tensors), "params >= 1 in tensors >= 1", fix)
+        _check_timing(t.step, f"{at}.step", where, fix)
 
 
 def _check_saved_parts(u: UnitProfile, at: str, where: str, fix: str) -> None:

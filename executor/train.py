@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from cost_models import optimizers
 from cost_models.errors import ConfigError
 from cost_models.models.losses import compute_loss
 from cost_models.models.source import meta_forward_context, resolve
@@ -66,10 +67,8 @@ class TrainConfig(Record):
 
 
 def optimizer_for(strategy: Strategy, lr: float):
-    if strategy.optimizer == "sgd":
-        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
-    cls = torch.optim.Adam if strategy.optimizer == "adam" else torch.optim.AdamW
-    return lambda params: cls(params, lr=lr)
+    """The plan's optimizer, built as the profiler timed it (cost_models.optimizers)."""
+    return lambda params: optimizers.build(strategy.optimizer, params, lr)
 
 
 def synthetic_batch(cfg: TrainConfig, example: torch.Tensor, out_shape: tuple[int, ...], global_batch: int,

@@ -61,6 +61,12 @@ def test_nan_unit_time_makes_plan_exit_2_naming_the_field(tmp_path, monkeypatch,
     assert not (tmp_path / "plan.json").exists()
 
 
+def _optimizer_timing(**kw) -> dict:
+    """A profile's timed optimizer step (profile.OptimizerTiming) as data."""
+    return {"optimizer": "adamw", "step": {"median_s": 1e-3, "min_s": 1e-3, "max_s": 1e-3, "repeats": 3},
+            "params": 1000, "tensors": 2, "tensor_s": 1e-5, **kw}
+
+
 @pytest.mark.parametrize("where, edit, fragments", [
     ("profile", lambda d: d["model"]["units"][2].update(params=-5), ("model.units[2].params is -5", "params >= 0")),
     ("profile", lambda d: d["cluster"]["intra_node"].update(bandwidth_Bps=-1e9),
@@ -81,6 +87,10 @@ def test_nan_unit_time_makes_plan_exit_2_naming_the_field(tmp_path, monkeypatch,
     ("profile", lambda d: d["model"]["units"][0].update(saved_other_fixed_bytes=10**6),
      ("model.units[0].saved_other_fixed_bytes is 1000000", "within saved_fixed_bytes")),
     ("profile", lambda d: d["cluster"]["device"].update(matmul_efficiency=1.5), ("matmul_efficiency in [1e-06, 1]",)),
+    ("profile", lambda d: d["model"].update(optimizer_timings=[_optimizer_timing(optimizer="lamb")]),
+     ("model.optimizer_timings[0].optimizer is 'lamb'", "one of adamw, adam, sgd")),
+    ("profile", lambda d: d["model"].update(optimizer_timings=[_optimizer_timing(params=0)]),
+     ("model.optimizer_timings[0].params", "params >= 1")),
     ("cluster", lambda d: d["cluster"]["device"].update(memory_bandwidth_Bps=-2e12),
      ("cluster.device.memory_bandwidth_Bps is -2000000000000.0", "memory_bandwidth_Bps >= 0", "profile-cluster")),
     ("cluster", lambda d: d["cluster"]["intra_node"].update(bandwidth_Bps=-3.0), ("cluster.intra_node.bandwidth_Bps",)),
@@ -91,7 +101,8 @@ def test_nan_unit_time_makes_plan_exit_2_naming_the_field(tmp_path, monkeypatch,
     "negative-params", "negative-profile-bandwidth", "no-units", "duplicate-unit", "params-sum",
     "edge-out-of-range", "largest-unit", "shared-unit", "zero-micro-batch", "unknown-dtype", "huge-flops", "other-dtype-above-saved",
     "other-fixed-outside-fixed",
-    "efficiency-above-1", "cluster-negative-memory-bandwidth", "cluster-negative-bandwidth",
+    "efficiency-above-1", "unknown-optimizer-timed", "optimizer-timed-over-no-parameters",
+    "cluster-negative-memory-bandwidth", "cluster-negative-bandwidth",
     "cluster-tiny-bandwidth", "cluster-zero-devices", "cluster-too-many-nodes",
 ])
 def test_bad_numbers_make_plan_exit_2(tmp_path, monkeypatch, good, where, edit, fragments):
