@@ -5,12 +5,15 @@ MAPE <= 15% at 2 ranks and <= 20% at 4, Kendall tau >= 0.8, cross-validated MAPE
 memory error <= 10% for parameters, gradients, optimizer states and activations (held for backward, measured per rank
 by executor.activations in one extra, untimed step).
 
-    python benchmarks/fidelity.py            # 3 models x 2 global batches x world sizes 2 and 4 (~25 min here)
+    python benchmarks/fidelity.py            # 3 models x 2 global batches x world sizes 2 and 4 (~50 min here)
     python benchmarks/fidelity.py --quick    # 2 ranks, one model, one batch (~1 min): CI's smoke test
 
-For each (model, world size, global batch): profile the model for real (one thread, as ranks run) and probe this
-machine's collectives with that many ranks; cost every point of the planner's space that fits (no branch-and-bound,
-so every candidate is seen); run each with the executor (shared ranks, warm-up then timed steps); compare.
+For each (model, world size, global batch): probe this machine's collectives and compute with that many ranks and
+profile the model for real (one thread, as ranks run), as a user would right before planning; cost every point of
+the planner's space that fits (no branch-and-bound, so every candidate is seen); run each with the executor (shared
+ranks, warm-up then timed steps) in --passes launches (2), every other one in reverse order, and compare each
+candidate's median step over them (the passes' median difference is reported as the noise floor beside the
+errors).
 Step time splits into compute (time inside stage forward/backward, which includes the communication FSDP and DDP
 issue inside them), optimizer (optimizer.step) and the rest (bubble, p2p waits, gradient syncs), predicted as
 compute_s, optimizer_s and the remainder of the estimate; each component's error is reported as a share of the
@@ -110,11 +113,31 @@ def calibration_cv(rows: list[dict]) -> dict:
             "kendall_tau_before": kendall_tau(before, measured), "kendall_tau_after": kendall_tau(after, measured)}
 
 
-def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cluster) -> dict:
+def _measure(gpus: int, strategies: list, cfg, passes: int) -> list[list[list]]:
+    """Every candidate's ranks in each of `passes` launches ([candidate][pass][rank]), every other launch in
+    reverse order, so that a burst of another tenant's load, or a drift over the minutes of a configuration, lands
+    on different candidates in each (the machine is shared)."""
+    from executor.launch import run_many
+    per_pass = []
+    for k in range(passes):
+        order = list(range(len(strategies)))[::-1 if k % 2 else 1]
+        got = run_many(gpus, [strategies[i] for i in order], cfg)
+        per_pass.append({i: ranks for i, ranks in zip(order, got)})
+    return [[p[i] for p in per_pass] for i in range(len(strategies))]
+
+
+def _over_passes(passes: list, field: str, warmup: int) -> float:
+    """A candidate's `field` time (step_times_s, compute_s, ...): the slowest rank's median after the warm-up steps
+    in each launch, then the median over launches (the mean of two): its expected value, which is what a
+    prediction is for (the two passes of one quiet quick run differed by a median 15%, in both directions)."""
+    return statistics.median(max(_median_after(getattr(r, field) or (0.0,), warmup) for r in ranks)
+                             for ranks in passes)
+
+
+def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, passes: int, cluster) -> dict:
     from cost_models.estimate import estimate
     from cost_models.model_profiler import profile_model
     from cost_models.models.source import resolve
-    from executor.launch import run_many
     from executor.train import TrainConfig
     from planner.request import PlanRequest
     from planner.calibrate import predicted_parts
@@ -128,13 +151,13 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
     cfg = TrainConfig(model_source=model, seq_len=SEQ_LEN, input_kind=prof.input.kind, steps=steps, warmup=warmup,
                       count_comm=True)
     t0 = time.perf_counter()
-    measured = run_many(gpus, [s for s, _ in candidates], cfg)
+    measured = _measure(gpus, [s for s, _ in candidates], cfg, passes)
     run_s = time.perf_counter() - t0
     rows = []
-    for (s, est), ranks in zip(candidates, measured):
-        step = max(_median_after(r.step_times_s, warmup) for r in ranks)
-        compute = max(_median_after(r.compute_s, warmup) for r in ranks)
-        optimizer = max(_median_after(r.optimizer_s, warmup) for r in ranks)
+    for (s, est), passes_ in zip(candidates, measured):
+        ranks = passes_[0]   # memory: the same in every launch
+        step, compute, optimizer = (_over_passes(passes_, f, warmup) for f in ("step_times_s", "compute_s",
+                                                                                "optimizer_s"))
         mem = {}
         for cat, attr in (("parameters", "parameter_bytes"), ("gradients", "gradient_bytes"),
                           ("optimizer_states", "optimizer_state_bytes"), ("activations", "activation_bytes")):
@@ -152,7 +175,8 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
                      "predicted": {"compute": b.compute_s, "optimizer": b.optimizer_s,
                                    "rest": est.step_time_s - b.compute_s - b.optimizer_s},
                      "measured": {"compute": compute, "optimizer": optimizer, "rest": step - compute - optimizer},
-                     "measured_sync_s": max(_median_after(r.sync_s or (0.0,), warmup) for r in ranks),  # in rest
+                     "measured_sync_s": _over_passes(passes_, "sync_s", warmup),  # in rest
+                     "measured_passes_s": [_over_passes([p], "step_times_s", warmup) for p in passes_],
                      "parts": predicted_parts(est, s, cluster).to_dict(),   # what calibration_cv fits
                      "memory_error": mem})
     pred = [r["predicted_s"] for r in rows]
@@ -172,7 +196,10 @@ def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, cl
                           "best_predicted": min(sub, key=lambda r: (r["predicted_s"], r["strategy"]))["strategy"],
                           "best_measured": min(sub, key=lambda r: r["measured_s"])["strategy"],
                           "best_measured_s": min(r["measured_s"] for r in sub)}
+    # how far the passes disagree: the noise floor under every error below
+    spread = statistics.median(max(r["measured_passes_s"]) / min(r["measured_passes_s"]) - 1 for r in rows)
     return {"model": model, "gpus": gpus, "global_batch_size": batch, "candidates": len(rows), "run_s": round(run_s, 1),
+            "passes": passes, "pass_spread": spread, "probe": cluster.notes[-1],
             "by_tp": by_tp,
             "choice": rows[choice]["strategy"], "best_measured": rows[min(range(len(rows)), key=meas.__getitem__)]["strategy"],
             "regret": meas[choice] / min(meas), "regret_verify3": verified_regret(rows, 3),
@@ -189,6 +216,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for fidelity.json / .md")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="untimed first steps")
+    ap.add_argument("--passes", type=int, default=2,
+                    help="launches over every candidate, alternating order; each candidate's median is compared")
     ap.add_argument("--models", default=",".join(m for m, _ in SUITE), help="comma-separated, of the suite's")
     ap.add_argument("--gpus", default="2,4", help="world sizes, comma-separated")
     ap.add_argument("--batches", default="8,16", help="global batch sizes, comma-separated")
@@ -203,17 +232,21 @@ def main() -> None:
 
     configs = [("mlp-deep", 2, 8)] if args.quick else [
         (m, int(g), int(b)) for m in args.models.split(",") for g in args.gpus.split(",") for b in args.batches.split(",")]
-    clusters = {g: probe_local(ranks=g, dtype="fp32", sizes=None) for g in sorted({g for _, g, _ in configs})}
     t0 = time.perf_counter()
-    results = []
+    results, clusters = [], {}
     for model, gpus, batch in configs:
-        res = run_config(model, gpus, batch, steps=args.steps, warmup=args.warmup, cluster=clusters[gpus])
+        # probed right before its profile and runs, as a user probes, plans and runs: the machine's load drifts
+        # over a full run (2.6 to 5.0 on 2 CPUs in the one of 2026-12-04), and ranks' contention with it
+        clusters[gpus] = probe_local(ranks=gpus, dtype="fp32", sizes=None)
+        res = run_config(model, gpus, batch, steps=args.steps, warmup=args.warmup, passes=args.passes,
+                         cluster=clusters[gpus])
         res["load_1min"] = round(os.getloadavg()[0], 2)   # the machine is shared: beside every figure
         results.append(res)
         print(f"{model:<10} {gpus} ranks B={batch:<3} {res['candidates']:>4} candidates  regret {res['regret']:.3f}  "
               f"tau {res['kendall_tau']:+.2f}  MAPE {res['mape']:.0%}  compute {res['component_mape']['compute']:.0%} "
               f"optimizer {res['component_mape']['optimizer']:.0%} rest {res['component_mape']['rest']:.0%}  "
-              f"({res['run_s']:.0f} s, load {res['load_1min']:.1f})", flush=True)
+              f"({res['run_s']:.0f} s, load {res['load_1min']:.1f}, passes differ by {res['pass_spread']:.0%})",
+              flush=True)
         for tp, t in res["by_tp"].items():
             print(f"    tp={tp}: {t['candidates']:>3} candidates, MAPE {t['mape']:.0%}, best predicted {t['best_predicted']}, "
                   f"best measured {t['best_measured']} ({t['best_measured_s'] * 1e3:.1f} ms)", flush=True)
@@ -285,15 +318,16 @@ def markdown(data: dict) -> str:
     lines = [f"# zeropipe fidelity ({label}, {data['date']})", "",
              f"Machine: {data['machine']['cpus']} CPUs, {data['machine']['platform']}, Python "
              f"{data['machine']['python']}, torch {data['machine']['torch']}; gloo ranks on this CPU.", "",
-             "| model | ranks | batch | candidates | choice | best measured | regret | regret, verify 3 | Kendall tau | MAPE | compute err | optimizer err | rest err | activations err max | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | ranks | batch | candidates | choice | best measured | regret | regret, verify 3 | Kendall tau | MAPE | compute err | optimizer err | rest err | activations err max | load | passes differ |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["configs"]:
         c = r["component_mape"]
         lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch_size']} | {r['candidates']} | {r['choice']} | "
                      f"{r['best_measured']} | {r['regret']:.3f} | {r['regret_verify3']:.3f} | "
                      f"{r['kendall_tau']:+.2f} | {r['mape']:.0%} | "
                      f"{c['compute']:.0%} | {c['optimizer']:.0%} | {c['rest']:.0%} | "
-                     f"{r['memory_error_max'].get('activations', float('nan')):.1%} | {r.get('load_1min', float('nan')):.1f} |")
+                     f"{r['memory_error_max'].get('activations', float('nan')):.1%} | {r.get('load_1min', float('nan')):.1f} | "
+                     f"{_spread(r)} |")
     lines += ["", f"Summary: {_summary_line(s)}.",
               "Predicted / measured, median over configurations: "
               + ", ".join(f"{k} {v:.2f}" for k, v in s["component_pred_over_measured_median"].items()) + "."]
@@ -306,6 +340,11 @@ def markdown(data: dict) -> str:
                              f"{t['mape']:.0%} | {t['best_predicted']} | {t['best_measured']} ({t['best_measured_s'] * 1e3:.1f}) |")
     lines += _cv_lines(data)
     return "\n".join(lines) + "\n"
+
+
+def _spread(r: dict) -> str:
+    """A configuration's median pass-to-pass difference; one pass (runs before 2026-12-05): not measured."""
+    return f"{r['pass_spread']:.0%} ({r['passes']} passes)" if r.get("passes", 1) > 1 else "one pass"
 
 
 def _cv_summary(results: list[dict]) -> dict:
