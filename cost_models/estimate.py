@@ -37,8 +37,8 @@ from typing import Callable, Sequence
 from cost_models.cluster import Calibration, ClusterProfile, ComputeProbe, action_seconds
 from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                tp_unit_traffic)
-from cost_models.compute import (compute_dtype, contention, executed_precision, optimizer_step_time, tp_unit_times,
-                                  unit_times, uses_measured_times)
+from cost_models.compute import (compute_dtype, executed_precision, optimizer_step_time, tp_unit_times, unit_times,
+                                  uses_measured_times)
 from cost_models.memory import (BYTES_PER_PARAM, MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes,
                                  executor_state_bytes, held_bytes_per_param, overhead_bytes, saved_at,
                                  torch_mixed, tp_param_share, tp_saved_bytes, zero1_partition)
@@ -125,8 +125,6 @@ class Estimate(Record):
     pipeline_order: dict[str, list[str]]
     hfu: float | None = None # hardware FLOPs (with recompute, torch's attention backward) / the same; see _throughput
     calibrated_by: str = ""  # "" as probed; else Calibration.describe() of the cluster's calibration (which runs)
-    action_s: float = 0.0    # what each pipeline action was priced beyond its compute (_action_cost); 0 without
-                             # a pipeline, and in files written before it was recorded
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -189,7 +187,6 @@ class _Context:
     calibration: Calibration = Calibration()       # the cluster's, or the neutral one
     mixed: bool = False         # torch's mixed precision (memory.torch_mixed): fp32 masters, bf16 compute
     autocast: bool = False      # ... through torch.autocast (no FSDP2 casting for it): unit times pay mixed_factor
-    ranks_running: float = 1.0  # ranks computing at once, on average (busy_ranks; a pipeline's: _computing_at_once)
 
     @staticmethod
     def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> "_Context":
@@ -213,7 +210,7 @@ class _Context:
                         unit_index={u.name: i for i, u in enumerate(profile.units)},
                         tp_on=s.tp > 1 or s.selective, tp_vocab=bool(shape) and vocab_divides(shape, s.tp),
                         tp_cost=tp_cost, mixed=mixed,
-                        autocast=mixed and (s.zero < 2 or s.dp == 1), ranks_running=busy_ranks(s))
+                        autocast=mixed and (s.zero < 2 or s.dp == 1))
 
 
 def dtype_ratio(profile: ModelProfile, precision: str) -> float:
@@ -262,7 +259,7 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     selective = s.selective and not recompute
     f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
         u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-        ranks_running=c.ranks_running, tp=s.tp, vocab=c.tp_vocab, mixed=c.autocast))
+        ranks_running=busy_ranks(s), tp=s.tp, vocab=c.tp_vocab, mixed=c.autocast))
     saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective)
     if selective:
         b += core
@@ -296,22 +293,6 @@ def busy_ranks(s: Strategy) -> float:   # s: a Strategy, or the planner's search
     return s.dp * s.tp * s.pp * n / (n + s.pp - 1)
 
 
-# A pipeline's ranks on shared cores: re-simulated this many times at most with the contention of its simulated
-# concurrency (_computing_at_once); 2 settle it for the schedules and plans of the fidelity benchmark
-CONCURRENCY_ROUNDS = 2
-
-
-def _computing_at_once(s: Strategy, sim: Simulation, assumed: float) -> float:
-    """How many ranks a simulated pipeline step keeps computing at once, on average: every pipeline rank's busy time
-    over the step (dp x tp ranks per pipeline rank). busy_ranks counts only the schedule's bubble as idle; on CPU
-    ranks a pipeline also waits on gloo's p2p and its per-action overhead, and in the 23:18 fidelity run mlp-deep's
-    4-rank pipelines spent 0.19-0.52 of their step computing (0.8-2.1 ranks at once on 2 cores) where busy_ranks
-    said 1.0-3.7, pricing their compute at 1.0-4.6x measured. Without a pipeline: `assumed` (busy_ranks)."""
-    if s.pp == 1 or sim.makespan_s <= 0:
-        return assumed
-    return max(1.0, s.dp * s.tp * sum(sim.busy_s.values()) / sim.makespan_s)
-
-
 def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, float, tuple[float, ...]]:
     """(forward, backward, saved bytes at the profile's scale, TP bytes per op + TP seconds or ()) of one
     micro-batch through unit `name` (_tp_unit with tensor parallelism or selective recompute, else unit_times)."""
@@ -322,7 +303,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
         if len(_UNIT_COSTS) >= _UNIT_COST_PAIRS:
             _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
         entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {})
-    key = (name, s.micro_batch_size, s.precision, c.ranks_running, s.tp, s.sp, s.selective, recompute, c.tp_on,
+    key = (name, s.micro_batch_size, s.precision, busy_ranks(s), s.tp, s.sp, s.selective, recompute, c.tp_on,
            c.tp_vocab, s.optimizer, c.autocast)
     hit = entry[2].get(key)
     if hit is None:
@@ -334,7 +315,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
         else:
             f, b = (t * c.calibration.compute_scale for t in unit_times(
                 u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-                ranks_running=c.ranks_running, mixed=c.autocast))
+                ranks_running=busy_ranks(s), mixed=c.autocast))
             hit = (f, b, _saved(c, u), ())
         entry[2][key] = hit
     return hit
@@ -423,7 +404,7 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     send_f, send_b = _p2p_times(c, sid, boundary, stage_input)
     if s.n_stages > 1:
         # torch's schedule runtime costs a fixed amount per action (probed); a split backward runs as I and W
-        per_action = _action_cost(c)
+        per_action = action_seconds(c.overheads, multi_stage=s.spec.multi_stage, split_backward=s.spec.split_backward)
         fwd, bwd = fwd + per_action, bwd + per_action * (2 if s.spec.split_backward else 1)
     return StageEstimate(stage=sid, units=units, params=sum(held), fwd_s=fwd, bwd_s=bwd, activation_bytes=act,
                          boundary_bytes=boundary, peak_in_flight=0, send_fwd_s=send_f, send_bwd_s=send_b,
@@ -431,20 +412,6 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
                          working_set_bytes=_working_set(c, units, saved, stage_input) if recompute and not bounded
                          else 0.0, tp_comm_s=acc[-1], kept_bytes=_kept(c, sid, units, recompute and not bounded),
                          tp_bytes=dict(zip(TP_OPS, acc)) if s.tp > 1 else {})
-
-
-def _action_cost(c: _Context) -> float:
-    """One pipeline action's overhead beyond its compute: the probe's (or a calibration's). The probe runs its
-    pipelines on every rank at once, so on CPU ranks sharing cores its figure holds that contention; a pipeline
-    with fewer ranks computing at once (c.ranks_running) pays that share of it, as its units do (the 23:18 fidelity
-    run's 4-rank mlp-deep interleaved and zero-bubble pipelines were priced at 1.4-2.3x their measured step with the
-    probe's 1.06-1.33 ms per action). A calibrated value was fitted on runs as they ran: kept as it is."""
-    s = c.s
-    per_action = action_seconds(c.overheads, multi_stage=s.spec.multi_stage, split_backward=s.spec.split_backward)
-    probe = c.cluster.compute
-    if c.calibration.pipeline_action_s is not None or probe is None:
-        return per_action
-    return per_action * contention(c.cluster, c.ranks_running) / contention(c.cluster, probe.ranks)
 
 
 def _p2p_times(c: _Context, sid: int, boundary: float, stage_input: float) -> tuple[float, float]:
@@ -533,8 +500,7 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
 # --- pass 4: the optimizer ----------------------------------------------------------------------------------------
 
 def _optimizer_pass(c: _Context, stages: tuple[StageEstimate, ...]) -> float:
-    """The busiest pipeline rank's optimizer step: its parameters' update (timed in the profile, or a bandwidth
-    formula: compute.optimizer_step_time) plus a per-tensor overhead (probed)."""
+    """The busiest pipeline rank's optimizer step: its parameters' update plus a per-tensor overhead (probed)."""
     s = c.s
     per_rank = [_rank_stages(s, stages, r) for r in range(s.pp)]
     opt_params = max(sum(st.params for st in mine) for mine in per_rank)
@@ -637,13 +603,6 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     c = _Context.of(s, profile, cluster)
     stages, unit_fb = _stage_pass(c)
     sim, free = _pipeline_pass(s, stages, compact=compact, deferred_sends=sends_deferred(cluster))
-    for _ in range(CONCURRENCY_ROUNDS):
-        running = _computing_at_once(s, sim, c.ranks_running)
-        if contention(cluster, running) == contention(cluster, c.ranks_running):
-            break
-        c = dataclasses.replace(c, ranks_running=running)
-        stages, unit_fb = _stage_pass(c)
-        sim, free = _pipeline_pass(s, stages, compact=compact, deferred_sends=sends_deferred(cluster))
     rank_dp, dp_bytes = _dp_pass(c, stages, unit_fb)
     rank_end = [sim.finish_s.get(r, 0.0) + rank_dp[r] for r in range(s.pp)]
     optimizer_s = _optimizer_pass(c, stages)
@@ -664,8 +623,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         comm=_comm_volume(c, stages, dp_bytes),
         compute_source="measured" if uses_measured_times(profile, cluster, s.precision) else "flops",
         pipeline_order=format_order(s.action_order()) if per_rank else {},
-        calibrated_by=cluster.calibration.describe() if cluster.calibration else "",
-        action_s=_action_cost(c) if s.n_stages > 1 else 0.0)
+        calibrated_by=cluster.calibration.describe() if cluster.calibration else "")
 
 
 def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int = 0) -> dict[str, float]:

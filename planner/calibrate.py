@@ -102,8 +102,7 @@ def predicted_parts(est: Estimate, s: Strategy, cluster: ClusterProfile) -> Pred
     cal = cluster.calibration
     probe = action_seconds(cluster.compute, multi_stage=s.spec.multi_stage,
                            split_backward=s.spec.split_backward) if cluster.compute else 0.0
-    # the estimate's own (probe scaled to the ranks computing at once); older plan files: the probe's
-    action_s = est.action_s or (cal.pipeline_action_s if cal and cal.pipeline_action_s is not None else probe)
+    action_s = cal.pipeline_action_s if cal and cal.pipeline_action_s is not None else probe
     actions = actions_per_step(s)
     unit_compute = max(0.0, b.compute_s - b.tp_comm_s - actions * action_s)
     return PredictedParts(step_s=est.step_time_s, unit_compute_s=unit_compute, actions=actions, action_s=action_s,
