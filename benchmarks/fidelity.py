@@ -245,8 +245,7 @@ def main() -> None:
         print(f"{model:<10} {gpus} ranks B={batch:<3} {res['candidates']:>4} candidates  regret {res['regret']:.3f}  "
               f"tau {res['kendall_tau']:+.2f}  MAPE {res['mape']:.0%}  compute {res['component_mape']['compute']:.0%} "
               f"optimizer {res['component_mape']['optimizer']:.0%} rest {res['component_mape']['rest']:.0%}  "
-              f"({res['run_s']:.0f} s, load {res['load_1min']:.1f}, passes differ by {res['pass_spread']:.0%})",
-              flush=True)
+              f"({res['run_s']:.0f} s, load {res['load_1min']:.1f}, {_spread(res)})", flush=True)
         for tp, t in res["by_tp"].items():
             print(f"    tp={tp}: {t['candidates']:>3} candidates, MAPE {t['mape']:.0%}, best predicted {t['best_predicted']}, "
                   f"best measured {t['best_measured']} ({t['best_measured_s'] * 1e3:.1f} ms)", flush=True)
@@ -318,7 +317,7 @@ def markdown(data: dict) -> str:
     lines = [f"# zeropipe fidelity ({label}, {data['date']})", "",
              f"Machine: {data['machine']['cpus']} CPUs, {data['machine']['platform']}, Python "
              f"{data['machine']['python']}, torch {data['machine']['torch']}; gloo ranks on this CPU.", "",
-             "| model | ranks | batch | candidates | choice | best measured | regret | regret, verify 3 | Kendall tau | MAPE | compute err | optimizer err | rest err | activations err max | load | passes differ |",
+             "| model | ranks | batch | candidates | choice | best measured | regret | regret, verify 3 | Kendall tau | MAPE | compute err | optimizer err | rest err | activations err max | load | noise |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["configs"]:
         c = r["component_mape"]
@@ -344,7 +343,7 @@ def markdown(data: dict) -> str:
 
 def _spread(r: dict) -> str:
     """A configuration's median pass-to-pass difference; one pass (runs before 2026-12-05): not measured."""
-    return f"{r['pass_spread']:.0%} ({r['passes']} passes)" if r.get("passes", 1) > 1 else "one pass"
+    return f"passes differ by {r['pass_spread']:.0%}" if r.get("passes", 1) > 1 else "one pass"
 
 
 def _cv_summary(results: list[dict]) -> dict:
