@@ -295,8 +295,11 @@ def _catches_sigterm(pid: int) -> bool:
 def test_a_signal_at_start_up_before_any_command_runs_is_interrupted_exit_130(sig, plan_json, tmp_path):
     # the moment main() has installed its SIGTERM handler, typer is still building the command, outside the
     # command's own error boundary
+    # SIGINT at its default in the child: a shell's background job (nohup cmd &) starts with SIGINT ignored, Python
+    # then leaves it ignored, and the signal would be lost (seen when this suite ran as a background job)
     proc = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "run", _write(tmp_path, plan_json),
-                             "-o", "run.json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "-o", "run.json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.time()
     while not _catches_sigterm(proc.pid) and time.time() - t0 < 60:
         assert proc.poll() is None
