@@ -1044,7 +1044,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         if device == "cuda" and dtype == "bf16":
             mixed = _mixed_factor(source, model, inputs, unit_results[-1][2][-1].target, loss=loss, warmup=warmup,
                                   repeats=repeats)
-    # the optimizer's step, timed on this device (compute.optimizer_param_seconds prices a rank's update from it)
+    # the optimizer's step, timed on this device (compute.optimizer_step_time prices a rank's update from it)
     optimizers = () if meta else time_optimizers(model, torch.device(device), warmup=warmup, repeats=repeats)
     unit_profiles, shared = _account_params(model, unit_results, rules)
     # whether the executor can cut stages that compute what this forward computes (planner: else pp = 1 only)

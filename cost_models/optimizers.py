@@ -2,7 +2,7 @@
 
 The executor's hyper-parameters (what a step costs depends only on the algorithm, not on lr): AdamW and Adam with
 torch's defaults (foreach on CPU and GPU), SGD with momentum 0.9. A real-mode profile times each one's step on fp32
-copies of the model's parameters (profile.OptimizerTiming): compute.optimizer_param_seconds prices a rank's update
+copies of the model's parameters (profile.OptimizerTiming): compute.optimizer_step_time prices a rank's update
 from it where the profile's device is the cluster's.
 """
 from __future__ import annotations
@@ -14,12 +14,13 @@ import torch
 from torch import nn
 
 from cost_models.profile import OPTIMIZERS, OptimizerTiming, Timing
+
 # parameters the profiler copies to time a step: enough for full-size tensors of any model here, and at most
 # 16 B more per parameter (fp32 copy, gradient, two Adam moments) over this many beside the profiled model
 TIMED_PARAMS_MAX = 8 * 2**20
 TINY_TENSORS, TINY_NUMEL = 64, 64
-BLOCKS = 3
-ALLOCATOR_WARM_BYTES = 16 * 2**20
+BLOCKS = 3                           # timed blocks per optimizer (time_optimizers keeps the least median)
+ALLOCATOR_WARM_BYTES = 16 * 2**20    # a block freed before timing, as a training step frees activations
 FLUSH_BYTES = 128 * 2**20   # beyond this machine's 32 MiB L3 and a GPU's L2 (60 MiB on an H200)
 
 

@@ -235,7 +235,7 @@ class ModelProfile(Record):
     # profile timed at load 3.8-5.0 on 2 CPUs). () and 0 in meta profiles and files written before it was recorded.
     load_1min: tuple[float, ...] = ()
     cpus: int = 0
-    # real mode: each optimizer's step timed on this device (OptimizerTiming); compute.optimizer_param_seconds
+    # real mode: each optimizer's step timed on this device (OptimizerTiming); compute.optimizer_step_time
     # prices a rank's update from it. The bandwidth formula it replaces (28 B per parameter at the probe's copy
     # bandwidth) came out at 0.52-0.79 of the measured optimizer step in every configuration of the 2026-12-04
     # fidelity run: torch 2.13's foreach AdamW makes eight passes (decay, lerp, two for the second moment, a sqrt

@@ -200,7 +200,7 @@ def _check_optimizer_timings(p: ModelProfile, path: str, where: str, fix: str) -
         if t.optimizer not in OPTIMIZERS:
             _fail(where, f"{at}.optimizer", t.optimizer, f"one of {', '.join(OPTIMIZERS)}", fix)
         if t.params < 1 or t.tensors < 1:
-            _fail(where, f"{at}.params", (t.params, t.tensors), "params >= 1 in tensors >= 1", fix)
+            _fail(where, f"{at}.params", (t.params, t.tensors), "params >= 1 and tensors >= 1", fix)
         _check_timing(t.step, f"{at}.step", where, fix)
 
 
