@@ -136,3 +136,19 @@ def test_a_cpu_clusters_search_bounds_a_bf16_request_as_the_fp32_its_ranks_run()
     assert len(top["fp32"]) == 3 and top["bf16-mixed"] == top["fp32"]
     assert all(x.strategy.precision == "bf16-mixed" for x in found["bf16-mixed"].feasible)   # as requested
     assert found["bf16-mixed"].costed == found["fp32"].costed
+
+
+def test_bounds_hold_on_a_calibrated_cluster(tiny_profiles):
+    """A calibration's factors below 1 scale the estimate's compute, optimizer and data-parallel collectives; the
+    search's bounds left them unscaled and exceeded their estimates (5 of 96 points at 0.5), so the pruned search
+    could drop a plan the exhaustive one keeps."""
+    import dataclasses
+    from cost_models.cluster import Calibration
+    from tests.clusters import cpu_cluster
+    prof = tiny_profiles["gpt-tiny", False]
+    cal = Calibration(compute_scale=0.5, optimizer_scale=0.5, dp_comm_scale=0.5,
+                      fitted=("compute_scale", "optimizer_scale", "dp_comm_scale"))
+    c = dataclasses.replace(cpu_cluster(ranks=4, threads=prof.threads, cores=2), calibration=cal)
+    req = PlanRequest(global_batch_size=32, precision="fp32", micro_batch_sizes=(1, 2, 4), tp_degrees=(1,))
+    checked = [(b, t) for b, t, _ in _bounds_and_estimates(prof, c, req)]
+    assert len(checked) > 50 and all(b <= t * (1 + 1e-9) for b, t in checked)
