@@ -7,13 +7,17 @@ executor runs (ZeRO paper, section 7: 2Ψ for stages 0-2, 3Ψ for stage 3, per g
     ZeRO-0  all-reduce of gradients (DDP, no_sync until the last micro-batch)
     ZeRO-1  all-reduce of gradients + broadcasts of updated parameters (ZeroRedundancyOptimizer's, per tensor)
     ZeRO-2  without a pipeline, FSDP2 gathers and reduce-scatters every micro-batch; in a pipeline torch's stage
-            defers both to once per step
-    ZeRO-3  FSDP2 gathers parameters for every micro-batch's forward and again for its backward; gradients are
-            reduce-scattered every micro-batch without a pipeline, once per step in one
+            gathers once per step and reduce-scatters once
+    ZeRO-3  without a pipeline, FSDP2 gathers parameters for every micro-batch's forward and again for its backward
+            and reduce-scatters every micro-batch; in a pipeline it gathers for every forward and once for the
+            backward (m + 1, counted) and reduce-scatters once
 Overlap: without a pipeline on GPUs, FSDP2's one-unit-ahead prefetch and DDP's bucketed all-reduce hide
 communication behind compute unit by unit (see _overlapped_dp_time); what does not fit is exposed. With a
-pipeline, each stage is one FSDP unit and torch's stage runs its gathers and the final reduction outside the
-compute, so they are exposed. CPU ranks share their cores with gloo's threads: nothing is assumed hidden there.
+pipeline, each stage is one FSDP unit: its gathers run inside the forwards (and ZeRO-3's first backward) that wait
+for them, so they are simulated on the pipeline's critical path (_stage_gather); the final reduce-scatter and
+the gradient syncs come after the stage's work and are exposed, then tied gradients are all-reduced across the
+pipeline ranks sharing them (_tied_sync). CPU ranks share their cores with gloo's threads: nothing is assumed
+hidden there.
 
 A calibrated cluster (cluster.calibration, fitted from runs by planner/calibrate.py) scales the unit times, the
 optimizer step and the exposed data-parallel time by its factors and replaces the per-action overhead; nothing else.
@@ -56,10 +60,12 @@ CollFn = Callable[[str, float], float]   # (op, full buffer bytes) -> seconds ov
 
 @record
 class StepBreakdown(Record):
-    compute_s: float        # the critical rank's forward + backward (+ recompute) over all micro-batches
+    compute_s: float        # the critical rank's forward + backward (+ recompute) over all micro-batches, with
+                            # the FSDP gathers they wait for in a pipeline (_stage_gather)
     bubble_s: float         # pipeline idle time on that rank with free p2p
     p2p_s: float            # makespan added by p2p transfers
-    dp_comm_s: float        # exposed data-parallel collectives
+    dp_comm_s: float        # exposed collectives after that rank's pipeline work: data-parallel ones, and the
+                            # all-reduce of tied gradients across pipeline ranks with its wait for the peer (_tied_sync)
     optimizer_s: float
     total_s: float
     tp_comm_s: float = 0.0  # tensor-parallel collectives on that rank (exposed; inside compute_s)
@@ -85,11 +91,19 @@ class StageEstimate(Record):
     tp_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # per micro-batch: op -> full-buffer
                                    # bytes of its TP collectives (forward, recomputed forward, backward)
     kept_bytes: float = 0.0        # of activation_bytes, what each micro-batch keeps until the step ends (_kept)
+    gather_s: float = 0.0          # one FSDP all-gather of its parameters over dp (ZeRO-2/3 in a pipeline)
+    gather_every_forward: bool = False   # ZeRO-3: before every forward and micro-batch 0's backward; ZeRO-2: once,
+                                         # before micro-batch 0's forward (_stage_gather)
 
     def cost(self) -> StageCost:
-        """The simulator's view of this stage (reports re-simulate the plan's timeline from it)."""
-        return StageCost(fwd_s=self.fwd_s, bwd_s=self.bwd_s, send_fwd_s=self.send_fwd_s, send_bwd_s=self.send_bwd_s,
-                         activation_bytes=self.activation_bytes, kept_bytes=self.kept_bytes)
+        """The simulator's view of this stage (reports re-simulate the plan's timeline from it): its gathers delay
+        the forwards and backward that wait for them."""
+        every = self.gather_every_forward
+        return StageCost(fwd_s=self.fwd_s + (self.gather_s if every else 0.0), bwd_s=self.bwd_s,
+                         send_fwd_s=self.send_fwd_s, send_bwd_s=self.send_bwd_s,
+                         activation_bytes=self.activation_bytes, kept_bytes=self.kept_bytes,
+                         first_fwd_extra_s=0.0 if every else self.gather_s,
+                         first_bwd_extra_s=self.gather_s if every else 0.0)
 
 
 @record
@@ -103,6 +117,8 @@ class CommVolume(Record):
     tp_bytes_per_rank: float = 0.0   # bytes each rank moves in tensor-parallel collectives per step (full buffers)
     tp_collectives: dict[str, float] = dataclasses.field(default_factory=dict)  # op -> bytes per rank per step
     tp_link: str = "none"            # the TP group's link: "intra-node" (or "inter-node" where tp > a node)
+    tied_bytes_per_rank: float = 0.0 # pipeline rank 0's all-reduce of tied gradients across pipeline ranks per step
+                                     # (_tied_sync; its local gradient: a ZeRO-2/3 shard), counted as CommCounter does
 
 
 @record
@@ -402,6 +418,7 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     boundary = _boundary_bytes(profile, index[units[-1]]) * c.act_scale
     held = [_rank_params(c, n, units) for n in units]
     send_f, send_b = _p2p_times(c, sid, boundary, stage_input)
+    gather = _stage_gather(c, sum(held))
     if s.n_stages > 1:
         # torch's schedule runtime costs a fixed amount per action (probed); a split backward runs as I and W
         per_action = action_seconds(c.overheads, multi_stage=s.spec.multi_stage, split_backward=s.spec.split_backward)
@@ -411,7 +428,43 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
                          pp_rank=s.stage_rank(sid), largest_unit_params=max(held),
                          working_set_bytes=_working_set(c, units, saved, stage_input) if recompute and not bounded
                          else 0.0, tp_comm_s=acc[-1], kept_bytes=_kept(c, sid, units, recompute and not bounded),
-                         tp_bytes=dict(zip(TP_OPS, acc)) if s.tp > 1 else {})
+                         tp_bytes=dict(zip(TP_OPS, acc)) if s.tp > 1 else {}, gather_s=gather,
+                         gather_every_forward=gather > 0 and s.zero == 3)
+
+
+def _stage_gather(c: _Context, params: int) -> float:
+    """Seconds of one all-gather of a pipeline stage's parameters over dp under ZeRO-2/3, 0 otherwise.
+
+    torch's pipeline stage is one FSDP unit, gathered by FSDP's pre-forward hook inside the stage's forward: after
+    the stage received its input, so the gather sits on the pipeline's critical path, not after it. Counted per
+    step with the executor's CommCounter (torch 2.13, gloo, gpt-tiny PP2 x DP2, GPipe and 1F1B at m = 1, 2, 4, and
+    interleaved at v = 2): ZeRO-2 gathers each stage once; ZeRO-3 m + 1 times, once per forward and once more for
+    the backward (the parameters then stay gathered to the step's end). Measured at 4 ranks on 2 cores (gpt-embed
+    PP2 GPipe x DP2 ZeRO-2, one micro-batch): the last stage's forward + backward took 19-20 ms against 14.7 ms
+    of compute. The reduce-scatter comes after the stage's last backward and its sends (perform_reduce_grad), so
+    it stays in the exposed time after the pipeline (_dp_pass). torch's schedule runtime (multi-stage schedules)
+    issues the gathers ahead of the compute instead (UNSHARD actions, schedules._add_unshard_reshard), so there
+    they stay in the exposed time too (measured: interleaved ZeRO-2/3 priced 1.1-1.6x with them on the path)."""
+    if not gathers_in_schedule(c.s):
+        return 0.0
+    return _dp_coll(c)("all_gather", params * c.param_bytes) * c.calibration.dp_comm_scale
+
+
+def gathers_in_schedule(s: Strategy) -> bool:
+    """Whether the stages' FSDP gathers are simulated inside the pipeline schedule (_stage_gather)."""
+    return s.n_stages > 1 and s.dp > 1 and s.zero >= 2 and not s.spec.multi_stage
+
+
+def _dp_coll(c: _Context) -> CollFn:
+    """collective_time over the strategy's dp group: its ranks are tp apart (mesh (pp, dp, tp)), so a node holds
+    devices_per_node / tp of them."""
+    s, cluster = c.s, c.cluster
+    per_node = max(1, cluster.devices_per_node // s.tp)
+    dp_rpn = math.gcd(s.dp, per_node) if s.dp > per_node else None
+
+    def coll(op: str, size: float, back_to_back: bool = False) -> float:
+        return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn, back_to_back=back_to_back)
+    return coll
 
 
 def _p2p_times(c: _Context, sid: int, boundary: float, stage_input: float) -> tuple[float, float]:
@@ -466,21 +519,17 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
              ) -> tuple[list[float], dict[str, float]]:
     """Each pipeline rank's exposed data-parallel time per step, and pipeline rank 0's bytes per collective op."""
     s, cluster = c.s, c.cluster
-    # a dp group's ranks are tp apart (mesh (pp, dp, tp)): a node holds devices_per_node / tp of them
-    per_node = max(1, cluster.devices_per_node // s.tp)
-    dp_rpn = math.gcd(s.dp, per_node) if s.dp > per_node else None
-
-    def coll(op: str, size: float, back_to_back: bool = False) -> float:   # a CollFn
-        return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn, back_to_back=back_to_back)
-
+    coll = _dp_coll(c)
     dp_bytes: dict[str, float] = {}
     rank_dp: list[float] = []
     for r in range(s.pp):
         mine = _rank_stages(s, stages, r)
         units = [(_rank_params(c, n, st.units), c.profile.unit(n).param_tensors) for st in mine for n in st.units]
         exposed = 0.0
-        for op, count, size, back_to_back in _dp_collectives(s, units, c.param_bytes, c.grad_bytes):
-            exposed += count * coll(op, size, back_to_back)
+        for op, count, size, back_to_back in _dp_collectives(s, units, [st.params for st in mine], c.param_bytes,
+                                                             c.grad_bytes):
+            if not (op == "all_gather" and gathers_in_schedule(s)):   # in the stages' costs (_stage_gather)
+                exposed += count * coll(op, size, back_to_back)
             if r == 0:
                 dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
         if s.dp > 1 and s.zero >= 2:
@@ -604,13 +653,14 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     stages, unit_fb = _stage_pass(c)
     sim, free = _pipeline_pass(s, stages, compact=compact, deferred_sends=sends_deferred(cluster))
     rank_dp, dp_bytes = _dp_pass(c, stages, unit_fb)
-    rank_end = [sim.finish_s.get(r, 0.0) + rank_dp[r] for r in range(s.pp)]
+    rank_end, tied_bytes = _tied_sync(c, [sim.finish_s.get(r, 0.0) + rank_dp[r] for r in range(s.pp)])
     optimizer_s = _optimizer_pass(c, stages)
     total = max(rank_end) + optimizer_s
     critical = max(range(s.pp), key=lambda r: rank_end[r])
     breakdown = StepBreakdown(
         compute_s=sim.busy_s[critical], bubble_s=max(0.0, free.makespan_s - free.busy_s[critical]),
-        p2p_s=max(0.0, sim.makespan_s - free.makespan_s), dp_comm_s=rank_dp[critical], optimizer_s=optimizer_s,
+        p2p_s=max(0.0, sim.makespan_s - free.makespan_s),
+        dp_comm_s=rank_end[critical] - sim.finish_s.get(critical, 0.0), optimizer_s=optimizer_s,
         total_s=total, tp_comm_s=s.microbatches * sum(st.tp_comm_s for st in _rank_stages(s, stages, critical)))
     stages = tuple(dataclasses.replace(st, peak_in_flight=sim.peak_in_flight.get(st.stage, 0)) for st in stages)
     memory = _memory(c, stages, sim, per_rank=per_rank)
@@ -620,7 +670,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         tokens_per_step=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, throughput_unit=unit, mfu=mfu, hfu=hfu,
         stages=stages, memory_per_rank=memory, capacity_bytes=cluster.device.memory_bytes,
         fits=max(m.total_bytes for m in memory) <= cluster.device.memory_bytes,
-        comm=_comm_volume(c, stages, dp_bytes),
+        comm=dataclasses.replace(_comm_volume(c, stages, dp_bytes), tied_bytes_per_rank=tied_bytes),
         compute_source="measured" if uses_measured_times(profile, cluster, s.precision) else "flops",
         pipeline_order=format_order(s.action_order()) if per_rank else {},
         calibrated_by=cluster.calibration.describe() if cluster.calibration else "")
@@ -657,13 +707,39 @@ def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int
 DDP_BUCKET_BYTES = 25 * 2**20   # DistributedDataParallel's default bucket_cap_mb
 
 
-def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int,
+def _tied_sync(c: _Context, rank_end: list[float]) -> tuple[list[float], float]:
+    """Each pipeline rank's end after the all-reduce of tied gradients (GPT-2's embedding and LM head on different
+    ranks): the executor (runtime.forward_backward) all-reduces each tied parameter's local gradient (a ZeRO-2/3
+    shard) over the pipeline ranks holding it, after the data-parallel syncs, so the call starts when the last of
+    them gets there: one call while its ranks run nothing else, priced by the probe's all-reduce fit (comm's
+    `alone`). Measured (gpt-embed, whose 16,384 x 128 embedding the head shares): 3.4-6.9 ms per step in that call,
+    wait included, at PP2 on 2 ranks; 7-10 ms on the last stage of PP2 GPipe x DP2 ZeRO-2 on 4 ranks. Also returns
+    the bytes pipeline rank 0 all-reduces so."""
+    s, cluster = c.s, c.cluster
+    out = list(rank_end)
+    rank0_bytes = 0.0
+    per = s.dp * s.tp   # a pipeline rank's first global rank is pp_rank x dp x tp
+    for shared in c.profile.shared:
+        ranks = sorted({s.stage_rank(sid) for sid, units in enumerate(s.stages) if set(units) & set(shared.units)})
+        if len(ranks) < 2:
+            continue
+        size = shared.numel * c.grad_bytes / (s.dp if s.zero >= 2 else 1)
+        spread = _crosses_nodes(ranks[0] * per, ranks[-1] * per, cluster)
+        t = collective_time(cluster, "all_reduce", size, len(ranks), ranks_per_node=1 if spread else None, alone=True)
+        end = max(out[r] for r in ranks) + t * c.calibration.dp_comm_scale
+        for r in ranks:
+            out[r] = end
+        rank0_bytes += size if ranks[0] == 0 else 0.0
+    return out, rank0_bytes
+
+
+def _dp_collectives(s: Strategy, units: list[tuple[int, int]], stage_params: list[int], p_b: int,
                     g_b: int) -> list[tuple[str, int, float, bool]]:
     """(op, times per step, full buffer bytes, back to back) of every collective one pipeline rank's dp group
     issues per step, as the executor issues them (module doc): each message pays the latency alpha, so the count
     matters as much as the bytes. Per-tensor all-reduces (all_reduce_grads) go back to back, with no compute
     between them (CollectiveFit.predict). `units` holds (parameters, parameter
-    tensors) of the units on this rank."""
+    tensors) of the units on this rank, `stage_params` the parameters of each of its stages."""
     if s.dp == 1:
         return []
     m, pipelined = s.microbatches, s.pp > 1
@@ -681,13 +757,14 @@ def _dp_collectives(s: Strategy, units: list[tuple[int, int]], p_b: int,
             # their cost: the medians' line is for calls timed one at a time
             out += [("broadcast", count, size * p_b, False) for size, count in tensors]
         return out
-    gathers = 2 * m if s.zero == 3 else (1 if pipelined else m)
-    reduces = 1 if pipelined else m
-    if pipelined:   # one FSDP unit per stage: one gather and one reduce-scatter of the whole stage each time
-        return [("all_gather", gathers, total * p_b, False), ("reduce_scatter", reduces, total * g_b, False)]
-    # without a pipeline every unit is its own FSDP unit
+    if pipelined:   # one FSDP unit per stage, gathered as _stage_gather counts, reduce-scattered once per step
+        gathers = m + 1 if s.zero == 3 else 1
+        return [(op, count, n * b, False) for n in stage_params
+                for op, count, b in (("all_gather", gathers, p_b), ("reduce_scatter", 1, g_b))]
+    gathers = 2 * m if s.zero == 3 else m
+    # without a pipeline every unit is its own FSDP unit, gathered and reduce-scattered every micro-batch
     return ([("all_gather", gathers, n * p_b, False) for n, _ in units]
-            + [("reduce_scatter", reduces, n * g_b, False) for n, _ in units])
+            + [("reduce_scatter", m, n * g_b, False) for n, _ in units])
 
 
 def _overlapped_dp_time(s: Strategy, params: list[float], tensors: list[int], unit_fb: list[tuple[float, float]],

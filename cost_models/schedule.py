@@ -356,6 +356,10 @@ class StageCost:
     send_bwd_s: float = 0.0            # p2p of its input gradient to the previous stage
     activation_bytes: float = 0.0
     kept_bytes: float = 0.0            # of those, what stays until the step ends (a last stage's split backward)
+    # Work that only micro-batch 0 pays, on top of fwd_s / bwd_s: a ZeRO-2/3 stage's FSDP all-gather, which its
+    # first forward (and under ZeRO-3 its first backward) waits for (estimate._stage_gathers)
+    first_fwd_extra_s: float = 0.0
+    first_bwd_extra_s: float = 0.0     # on B, or on I under a split backward
 
 
 @dataclass(frozen=True)
@@ -406,7 +410,8 @@ class _Compiled:
     """An order as flat lists in a topological order of its dependency graph (which does not depend on durations):
     action i ends at max(end[prev[i]], end[dep1[i]] + send of dep1, end[dep2[i]] + send of dep2) + its duration,
     index n standing for "none" (time 0). Durations and sends are looked up per evaluation through codes: dur_code
-    = kind x stages + stage (kind 0 F, 1 B, 2 I, 3 W); send codes index [fwd sends | bwd sends | 0]."""
+    = kind x stages + stage (kind 0 F, 1 B, 2 I, 3 W; 4-6 F, B, I of micro-batch 0, which pay StageCost's first_*
+    extras); send codes index [fwd sends | bwd sends | 0]."""
 
     order: Mapping[int, Sequence[Action]]
     n_stages: int
@@ -424,6 +429,7 @@ class _Compiled:
 
 
 _DUR_KIND = {"F": 0, "B": 1, "I": 2, "W": 3}
+_FIRST_KIND = {"F": 4, "B": 5, "I": 6, "W": 3}   # micro-batch 0's codes (its W pays no extra)
 
 
 def _compile(order: Mapping[int, Sequence[Action]]) -> _Compiled:
@@ -487,7 +493,7 @@ def _walk(order: Mapping[int, Sequence[Action]], n_stages: int, n_mb: int) -> tu
                 waiting[slot1].append(r)
                 break
             k = len(rows)
-            rows.append((a, r, last[r], d1, s1, d2, s2, _DUR_KIND[kind] * n_stages + s))
+            rows.append((a, r, last[r], d1, s1, d2, s2, (_FIRST_KIND if mb == 0 else _DUR_KIND)[kind] * n_stages + s))
             last[r] = k
             i += 1
             if kind != "W":
@@ -511,7 +517,9 @@ def _evaluate(c: _Compiled, costs: Sequence[StageCost], *, keep_timeline: bool,
     if len(costs) != c.n_stages:
         raise ValueError(f"the order has {c.n_stages} stages, the costs {len(costs)}")
     dur_tab = ([x.fwd_s for x in costs] + [x.bwd_s for x in costs]
-               + [x.bwd_s * x.bwd_input_fraction for x in costs] + [x.bwd_s * (1 - x.bwd_input_fraction) for x in costs])
+               + [x.bwd_s * x.bwd_input_fraction for x in costs] + [x.bwd_s * (1 - x.bwd_input_fraction) for x in costs]
+               + [x.fwd_s + x.first_fwd_extra_s for x in costs] + [x.bwd_s + x.first_bwd_extra_s for x in costs]
+               + [x.bwd_s * x.bwd_input_fraction + x.first_bwd_extra_s for x in costs])
     send_tab = [x.send_fwd_s for x in costs] + [x.send_bwd_s for x in costs] + [0.0]
     end = [0.0] * (len(c.acts) + 1)
     start = [0.0] * len(c.acts)

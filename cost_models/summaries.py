@@ -133,6 +133,8 @@ def estimate_lines(strategy, est) -> list[str]:
              f"data-parallel {size(est.comm.dp_bytes_per_rank)} full-buffer per rank "
              f"({size(dp_wire_bytes(est.comm.dp_collectives, s.dp))} on the wire; {est.comm.dp_link}: "
              + (", ".join(f"{k} {size(v)}" for k, v in est.comm.dp_collectives.items()) or "none") + ")"
+             + (f", tied gradients {size(est.comm.tied_bytes_per_rank)} all-reduced across pipeline ranks"
+                if est.comm.tied_bytes_per_rank else "")
              + (f", tensor-parallel {size(est.comm.tp_bytes_per_rank)} per rank ({est.comm.tp_link}: "
                 + (", ".join(f"{k} {size(v)}" for k, v in est.comm.tp_collectives.items() if v) or "none") + ")"
                 if s.tp > 1 else "")]

@@ -371,8 +371,10 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
             rows.append(Measure(quantity=f"rank {r.rank} {label}", unit="B", predicted=float(pred),
                                 measured=float(meas)))
     dp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if not k.startswith(("p2p", "tp_")))
-    rows.append(Measure(quantity="rank 0 data-parallel bytes per step (full buffers)", unit="B",
-                        predicted=est.comm.dp_bytes_per_rank, measured=float(dp_measured)))
+    # the tied gradients' all-reduce across pipeline ranks is counted among them (estimate._tied_sync)
+    rows.append(Measure(quantity="rank 0 data-parallel and tied-gradient bytes per step (full buffers)", unit="B",
+                        predicted=est.comm.dp_bytes_per_rank + est.comm.tied_bytes_per_rank,
+                        measured=float(dp_measured)))
     if plan.strategy.tp > 1:   # DTensor's collectives, counted apart (executor.measure.CommCounter)
         tp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if k.startswith("tp_"))
         rows.append(Measure(quantity="rank 0 tensor-parallel bytes per step", unit="B",

@@ -86,6 +86,11 @@ def _why(plan: Plan) -> Section:
                           + f" per rank per step, {duration(b.dp_comm_s)} exposed.")
     else:
         comm_lines.append("Data-parallel collectives: none (dp = 1).")
+    if est.comm.tied_bytes_per_rank:
+        comm_lines.append(f"Tied gradients (a parameter shared by stages on different pipeline ranks): all-reduced "
+                          f"across those ranks after the data-parallel syncs, {size(est.comm.tied_bytes_per_rank)} "
+                          "per step on rank 0; with its wait for the peer it is in the exposed time "
+                          f"({duration(b.dp_comm_s)}).")
     comm_lines.append(_tp_comm_line(plan))
     tp_s = b.tp_comm_s
     return Section("Why: ZeRO or pipeline?", [

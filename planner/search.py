@@ -12,8 +12,9 @@ the rest in order of a lower bound (a heap), branch-and-bound against the k-th b
   P3 no retry: a point that does not fit is retried with recompute or memory-aware stages only if its first
      estimate is faster than the k-th best (recompute adds work; a memory-aware cut's bottleneck is no less than
      the balanced one's: the one assumption here that is not a theorem of the estimate);
-  P4 group bound: points that differ only in ZeRO stage share the simulated schedule (the estimate adds data-
-     parallel collectives and the optimizer after it), so a costed member raises the others' bound to its makespan;
+  P4 group bound: points that differ only in ZeRO stage 0 / 1 share the simulated schedule (the estimate adds data-
+     parallel collectives and the optimizer after it; ZeRO-2 and 3, whose gathers a pipeline may simulate inside
+     it, are groups of their own), so a costed member raises the others' bound to its makespan;
   P5 recompute bound: one stage (pp = v = 1) that cannot hold one micro-batch's activations even with selective
      recompute and everything divided by tp must recompute fully: its forward runs twice;
   P6 / P7 recompute first: a pipeline rank that cannot hold its model states and its activations with selective
@@ -515,7 +516,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
         held = max(profile.total_params / pt.pp, largest_unit) / pt.tp
         state = sum(zero_model_state_bytes(held, pt.dp, pt.zero, req.precision, req.optimizer)) + overhead
         out.min_state = min(out.min_state, state)
-        g = _group(pt)
+        g = _shape(pt)
         if g not in group_bound:
             group_bound[g] = _schedule_bound(pt, parts, times)
         bound = _point_bound(pt, group_bound[g], profile, cluster, req, memo)
@@ -543,10 +544,17 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     return out
 
 
-def _group(pt: Point) -> tuple:
-    """Points that differ only in ZeRO stage: the same stages, schedule and micro-batches, so the same pipeline
-    makespan (the estimate adds data-parallel collectives and the optimizer after the simulated schedule)."""
+def _shape(pt: Point) -> tuple:
+    """Points that differ only in ZeRO stage: the same stages, schedule and micro-batches, so the same unit times
+    and schedule bound."""
     return pt.tp, pt.sp, pt.pp, pt.v, pt.schedule, pt.micro_batch_size
+
+
+def _group(pt: Point) -> tuple:
+    """Points of one shape that share the pipeline makespan (P4): ZeRO-0 and 1 (the estimate adds their
+    data-parallel collectives and the optimizer after the simulated schedule); sharded ZeRO-2 and 3 each on their
+    own, as a pipeline's FSDP gathers can sit inside its schedule (estimate._stage_gather) and lengthen it."""
+    return _shape(pt), pt.zero if pt.dp > 1 and pt.zero >= 2 else 0
 
 
 def _makespan(est: Estimate) -> float:

@@ -97,6 +97,15 @@ def test_four_ranks_zero_pipeline_and_hybrids(reference, profile):
     assert z3["parameter_bytes"] * 4 == pytest.approx(z0["parameter_bytes"], rel=0.01)
     comm = results[5][0]["comm_bytes"]   # PP2 x DP2 ZeRO-1: gradient all-reduce, parameter broadcasts, p2p
     assert comm.get("all_reduce", 0) > 0 and comm.get("broadcast", 0) > 0 and comm.get("p2p_send", 0) > 0
+    # PP2 x DP2 ZeRO-1/2/3: rank 0's counted gathers (ZeRO-3: m + 1 per step), reduce-scatters and all-reduces (of
+    # gradients over dp, and of the tied embedding's gradient, a ZeRO-2/3 shard, with the head's rank) are the
+    # estimate's bytes
+    for i in (5, 6, 7):
+        est = estimate(strategies[i], profile, preset("dgx-a100")).comm
+        counted = results[i][0]["comm_bytes"]
+        expected = dict(est.dp_collectives, all_reduce=est.dp_collectives.get("all_reduce", 0) + est.tied_bytes_per_rank)
+        for op in ("all_gather", "reduce_scatter", "all_reduce"):
+            assert counted.get(op, 0) == pytest.approx(expected.get(op, 0)), (strategies[i].name, op)
 
 
 def _plan_file(tmp_path, profile, strategy):

@@ -259,7 +259,10 @@ def _reference_times(order, costs):
                 if any(t is None for t, _, _ in deps):
                     break
                 start = max([clock] + [t + (send if where[st] != r else 0.0) for t, send, st in deps])
-                clock = start + dur[a.kind](costs[s])
+                # micro-batch 0 pays the stage's one-off extras (a ZeRO-2/3 stage's FSDP gather) on F and on B / I
+                extra = {"F": costs[s].first_fwd_extra_s, "B": costs[s].first_bwd_extra_s,
+                         "I": costs[s].first_bwd_extra_s}.get(a.kind, 0.0) if i == 0 else 0.0
+                clock = start + dur[a.kind](costs[s]) + extra
                 if end.get((s, a.kind, i)) != clock:
                     end[s, a.kind, i], changed = clock, True
         if not changed:
@@ -274,7 +277,9 @@ def test_the_simulator_agrees_with_a_fixed_point_reference():
                 if spec.constraint(name, p, m, v):
                     continue
                 costs = [StageCost(fwd_s=rng.uniform(0.5, 2), bwd_s=rng.uniform(1, 4), bwd_input_fraction=rng.random(),
-                                   send_fwd_s=rng.uniform(0, 0.5), send_bwd_s=rng.uniform(0, 0.5)) for _ in range(p * v)]
+                                   send_fwd_s=rng.uniform(0, 0.5), send_bwd_s=rng.uniform(0, 0.5),
+                                   first_fwd_extra_s=rng.choice((0.0, rng.uniform(0, 1))),
+                                   first_bwd_extra_s=rng.choice((0.0, rng.uniform(0, 1)))) for _ in range(p * v)]
                 order = generate(name, p, m, v)
                 sim = simulate(order, costs, keep_timeline=True)
                 ref = _reference_times(order, costs)
@@ -282,6 +287,23 @@ def test_the_simulator_agrees_with_a_fixed_point_reference():
                 for e in sim.timeline:
                     assert e.end_s == pytest.approx(ref[e.action.stage, e.action.kind, e.action.mb], abs=1e-12)
                 assert sim.makespan_s == pytest.approx(max(ref.values()), abs=1e-12)
+
+
+def test_micro_batch_0_pays_a_stages_one_off_extras():
+    """A ZeRO-2/3 stage's FSDP gather delays its first forward (and under ZeRO-3 its first backward), on the
+    pipeline's path (estimate._stage_gather). GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 2 s, no
+    sends; stage 1 gathers 0.5 s before its first forward and 0.25 s before its first backward, worked by hand:
+    rank 1 runs F0 1-2.5, F1 2.5-3.5, B0 3.5-5.75, B1 5.75-7.75; rank 0's B0 5.75-7.75, B1 7.75-9.75 (9 without)."""
+    from cost_models.schedule import simulate_schedule
+    plain = StageCost(fwd_s=1.0, bwd_s=2.0)
+    gathered = StageCost(fwd_s=1.0, bwd_s=2.0, first_fwd_extra_s=0.5, first_bwd_extra_s=0.25)
+    assert simulate_schedule("gpipe", 2, 2, 1, (plain, plain)).makespan_s == pytest.approx(9.0)
+    sim = simulate(generate("gpipe", 2, 2), (plain, gathered), keep_timeline=True)
+    assert sim.makespan_s == pytest.approx(9.75)
+    span = {(e.action.stage, e.action.kind, e.action.mb): (e.start_s, e.end_s) for e in sim.timeline}
+    assert span[1, "F", 0] == pytest.approx((1.0, 2.5)) and span[1, "F", 1] == pytest.approx((2.5, 3.5))
+    assert span[1, "B", 0] == pytest.approx((3.5, 5.75)) and span[1, "B", 1] == pytest.approx((5.75, 7.75))
+    assert sim.busy_s[1] == pytest.approx(6.75) and sim.busy_s[0] == pytest.approx(6.0)
 
 
 def test_deferred_sends_leave_when_the_sender_next_waits():
