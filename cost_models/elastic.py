@@ -25,6 +25,8 @@ import tempfile
 import uuid
 from typing import Any, Iterator
 
+from cost_models.host import keep_freed_memory
+
 # Set for the ranks of a single-node job: the file their process group's store lives in.
 STORE_FILE_ENV = "ZEROPIPE_STORE_FILE"
 
@@ -150,6 +152,8 @@ def init_process_group(backend: str, timeout_s: float) -> None:
     """In a rank started by `elastic_job`: join the job's process group (its file store on one node, else the
     env:// TCP store torchrun set up). Collectives time out after `timeout_s`."""
     import torch.distributed as dist
+    if backend == "gloo":   # CPU ranks: as the profile computed (host.keep_freed_memory)
+        keep_freed_memory()
     timeout = dt.timedelta(seconds=timeout_s)
     path = os.environ.get(STORE_FILE_ENV)
     if not path:

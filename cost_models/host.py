@@ -1,7 +1,37 @@
-"""This process's memory as the host sees it (the probe's rank baseline, the executor's peak on CPU ranks)."""
+"""This process's memory as the host sees it (the probe's rank baseline, the executor's peak on CPU ranks), and how
+its C allocator hands memory back."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
+
+# glibc's mallopt(3) parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+KEEP_FREED_BELOW = 1 << 30   # blocks up to 1 GiB come from the heap and stay there when freed
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed blocks for reuse instead of unmapping them: every CPU process that times or
+    trains (the profile, the probe's ranks, the executor's ranks) calls it, so all of them compute at the same speed.
+
+    glibc serves a block above its mmap threshold (dynamic, at most 32 MiB on 64-bit: mallopt(3)) with a fresh
+    mmap and unmaps it on free, so the next step page-faults and zeroes it again. A logits tensor crosses that
+    line at a large micro-batch: gpt-embed's head (vocabulary 16,384, 32 tokens) took 7.7x its micro-batch-4
+    forward at micro-batch 16 (33.5 MB of logits) and 3.5x with this, single thread; 1,000 steps of a
+    512 x 16,384 matmul + softmax took 51 ms each before and 25 after. The profile, timed at a small micro-batch,
+    scaled linearly to a large one and missed that (fidelity run of 2026-12-05 04:20, 4 ranks, batch 16: gpt-embed's
+    PP4 GPipe 1x16 ran 197 ms against 75 predicted, one rank computing 170 ms of it). A no-op (False) where the C library
+    is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_FREED_BELOW)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BELOW))
 
 
 def peak_rss_bytes() -> tuple[int, str]:

@@ -39,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from cost_models.errors import ConfigError, ProfileError
 from cost_models.formatting import fixed, now_utc
+from cost_models.host import keep_freed_memory
 from cost_models.models.losses import compute_loss, loss_kind, synthetic_target
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.optimizers import time_optimizers
@@ -955,10 +956,14 @@ def _data_flow_edges(unit_defs, capture: _Capture) -> tuple[UnitEdge, ...]:
 
 
 def _real_device(device: str) -> str:
-    """Where real mode runs: `auto` is the GPU when there is one (its times are what GPU ranks run at), else CPU."""
+    """Where real mode runs: `auto` is the GPU when there is one (its times are what GPU ranks run at), else CPU,
+    where this process then keeps freed blocks for reuse as CPU ranks do (host.keep_freed_memory)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no GPU here; use --device cpu, or --meta to count without timing")
-    return "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    real = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    if real == "cpu":
+        keep_freed_memory()
+    return real
 
 
 def _check_fits_in_memory(source: ModelSource, dtype: torch.dtype, device: str) -> None:

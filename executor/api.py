@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cost_models.errors import ConfigError
+from cost_models.host import keep_freed_memory
 from cost_models.strategy import Strategy
 from executor.runtime import LossFn, ModelSpec, Runtime, build_runtime
 from executor.stages import UnitMap
@@ -84,6 +85,8 @@ def _init_process_group(strategy: Strategy, timeout_s: float) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        else:   # CPU ranks: freed blocks stay for reuse, as the profile computed (host.keep_freed_memory)
+            keep_freed_memory()
         dist.init_process_group(backend, timeout=dt.timedelta(seconds=timeout_s))
     if dist.get_world_size() != strategy.world_size:
         raise ConfigError(f"the plan runs on {strategy.world_size} ranks (dp {strategy.dp} x tp {strategy.tp} x pp "

@@ -244,6 +244,34 @@ def test_cpu_overhead_is_a_gloo_ranks_rss_before_any_model():
     assert OVERHEAD_BYTES["cpu"] / 1.5 <= rss <= OVERHEAD_BYTES["cpu"] * 1.5, rss / 2**20
 
 
+_FREED = """
+import sys, torch
+from cost_models.host import keep_freed_memory
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+base = rss(); x = torch.ones(64 << 18); held = rss() - base; del x
+print(kept, held, rss() - base)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
+def test_cpu_processes_keep_a_freed_block_for_the_next_step():
+    """host.keep_freed_memory: without it glibc unmaps a freed 64 MiB tensor (above its mmap threshold), and the next
+    step page-faults it back; with it the block stays in the heap (the profile and the CPU ranks both call it)."""
+    out = {}
+    for mode in ("keep", "plain"):
+        proc = subprocess.run([sys.executable, "-c", _FREED, mode], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[mode] = proc.stdout.split()
+    kept, held, after = out["keep"]
+    assert kept == "True" and int(held) >= 64 * 2**20 and int(after) >= 64 * 2**20
+    _, held, after = out["plain"]
+    assert int(held) >= 64 * 2**20 and int(after) < 16 * 2**20
+
+
 def test_a_rank_reports_its_own_peak_rss_not_its_launchers():
     # ru_maxrss survives execve on Linux: a child of a large parent would read the parent's peak
     ballast = bytearray(1024 * 2**20)
