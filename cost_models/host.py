@@ -18,11 +18,9 @@ def keep_freed_memory() -> bool:
     glibc serves a block above its mmap threshold (dynamic, at most 32 MiB on 64-bit: mallopt(3)) with a fresh
     mmap and unmaps it on free, so the next step page-faults and zeroes it again. A logits tensor crosses that
     line at a large micro-batch: gpt-embed's head (vocabulary 16,384, 32 tokens) took 7.7x its micro-batch-4
-    forward at micro-batch 16 (33.5 MB of logits) and 3.5x with this, single thread; 1,000 steps of a
-    512 x 16,384 matmul + softmax took 51 ms each before and 25 after. The profile, timed at a small micro-batch,
-    scaled linearly to a large one and missed that (fidelity run of 2026-12-05 04:20, 4 ranks, batch 16: gpt-embed's
-    PP4 GPipe 1x16 ran 197 ms against 75 predicted, one rank computing 170 ms of it). A no-op (False) where the C library
-    is not glibc."""
+    forward at micro-batch 16 (33.5 MB of logits) and 3.5x with this, single thread, where the profile's affine
+    model of a unit (timed at a small micro-batch) says about 4x; a 512 x 16,384 matmul + softmax, median of 30
+    steps: 51 ms before, 25 after. A no-op (False) where the C library is not glibc."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None

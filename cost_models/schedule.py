@@ -357,7 +357,7 @@ class StageCost:
     activation_bytes: float = 0.0
     kept_bytes: float = 0.0            # of those, what stays until the step ends (a last stage's split backward)
     # Work that only micro-batch 0 pays, on top of fwd_s / bwd_s: a ZeRO-2/3 stage's FSDP all-gather, which its
-    # first forward (and under ZeRO-3 its first backward) waits for (estimate._stage_gathers)
+    # first forward (and under ZeRO-3 its first backward) waits for (estimate._stage_gather)
     first_fwd_extra_s: float = 0.0
     first_bwd_extra_s: float = 0.0     # on B, or on I under a split backward
 
