@@ -143,3 +143,11 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
 def storage_key(storage) -> int:
     """storage_id for an UntypedStorage object itself (its StorageImpl's address)."""
     return storage._cdata
+
+
+def default_store():
+    """The default process group's key-value store (torch 2.13 keeps its getter private: init_process_group builds
+    the store and exposes no handle). executor.runtime's close meets the other ranks on it, outside gloo, before
+    gloo's connections are torn down."""
+    from torch.distributed.distributed_c10d import _get_default_store
+    return _get_default_store()

@@ -17,7 +17,7 @@ from torch import nn
 
 from cost_models.errors import ConfigError
 from cost_models.strategy import Strategy
-from cost_models.torch_private import default_group_timeout, schedule_stages, set_group_timeout
+from cost_models.torch_private import default_group_timeout, default_store, schedule_stages, set_group_timeout
 from executor import checkpoint, pipeline, tensor_parallel
 from cost_models.pipelining import pipeline_support
 from executor.materialize import allocate, init_held, init_mode, parameters_on_meta, release_unheld
@@ -142,12 +142,15 @@ class Runtime:
         return loss
 
     def close(self) -> None:
-        """End this rank's part of the job: wait for every rank, then tear down the process group. Without the
-        barrier a rank that finishes first closes its gloo connections while a peer still reads from them, and the
-        peer's gloo thread aborts the process (SIGABRT, seen once in CI on the torchrun example); executor.launch
-        gathers results before it destroys the group for the same reason."""
+        """End this rank's part of the job: wait for every rank, then tear down the process group. A rank that
+        closes its gloo connections while a peer still reads from them makes the peer's gloo thread abort the
+        process ("terminate called without an active exception", SIGABRT). A barrier alone still let that happen:
+        the first rank out of it closed while the other was finishing it (the torchrun example under load: 1 run
+        in 20 and 1 in 40). So the ranks also meet on the job's store, outside gloo, once all are out of the
+        barrier; executor.launch gathers results before it destroys the group for the same reason."""
         if dist.is_initialized():
             dist.barrier()
+            _all_out_of_gloo(dist.get_world_size())
             dist.destroy_process_group()
 
     def state_dict(self, *, with_rng: bool = True) -> dict:
@@ -157,6 +160,20 @@ class Runtime:
 
     def local_bytes(self) -> tuple[int, int, int]:
         return local_bytes(self.wrapped.params, self.wrapped.optimizer)
+
+
+def _all_out_of_gloo(world: int, timeout_s: float = 60.0) -> None:
+    """Count this rank in on the default store and wait until all `world` ranks of this round have: a counter
+    that grows by `world` per close, so a store that outlives one process group still works."""
+    store = default_store()
+    arrived = int(store.add(_CLOSED_KEY, 1))
+    target = -(-arrived // world) * world
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(_CLOSED_KEY, 0)) < target and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+_CLOSED_KEY = "zeropipe/closed"
 
 
 @dataclass(frozen=True)
