@@ -41,8 +41,8 @@ from typing import Callable, Sequence
 from cost_models.cluster import Calibration, ClusterProfile, ComputeProbe, action_seconds
 from cost_models.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                tp_unit_traffic)
-from cost_models.compute import (compute_dtype, executed_precision, optimizer_step_time, tp_unit_times, unit_times,
-                                  uses_measured_times)
+from cost_models.compute import (compute_dtype, contention, executed_precision, optimizer_step_time, tp_unit_times,
+                                  unit_times, uses_measured_times)
 from cost_models.memory import (BYTES_PER_PARAM, MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes,
                                  executor_state_bytes, held_bytes_per_param, overhead_bytes, saved_at,
                                  torch_mixed, tp_param_share, tp_saved_bytes, zero1_partition)
@@ -491,22 +491,33 @@ def _stage_pass(c: _Context) -> tuple[tuple[StageEstimate, ...], list[tuple[floa
 # --- pass 2: the pipeline -----------------------------------------------------------------------------------------
 
 def _pipeline_pass(s: Strategy, stages: tuple[StageEstimate, ...], *, compact: bool,
-                   deferred_sends: bool = False) -> tuple[Simulation, Simulation]:
+                   send_delay_s: float = 0.0) -> tuple[Simulation, Simulation]:
     """The schedule simulated with p2p, and (unless compact) again with free p2p to split bubble from p2p time.
-    `deferred_sends`: CPU ranks' gloo sends leave when the sender next waits (schedule._evaluate, sends_deferred).
-    The free run keeps that wait: it is compute on the sender's side, so it counts as bubble, and p2p is the
-    transfers alone."""
+    `send_delay_s`: how long CPU ranks' gloo sends may wait for the sender's next wait (schedule._evaluate,
+    send_delay). The free run keeps that wait: it is compute on the sender's side, so it counts as bubble, and p2p
+    is the transfers alone."""
     costs = tuple(st.cost() for st in stages)
-    sim = simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, costs, deferred_sends=deferred_sends)
+    sim = simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, costs, send_delay_s=send_delay_s)
     if compact:
         return sim, sim
     free = tuple(dataclasses.replace(x, send_fwd_s=0.0, send_bwd_s=0.0) for x in costs)
-    return sim, simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, free, deferred_sends=deferred_sends)
+    return sim, simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, free, send_delay_s=send_delay_s)
 
 
-def sends_deferred(cluster: ClusterProfile) -> bool:
-    """Whether a pipeline's sends leave only when the sender next waits: gloo, on CPU ranks (schedule._evaluate)."""
-    return cluster.device.kind == "cpu"
+# The most a gloo send waits for a core when every core is busy: the plateau of benchmarks/send_delay.py's 4 ranks
+# on 2 cores (results/send_delay.json, 2026-12-05, load 1.6: medians 3.20, 3.99, 3.68 and 3.98 ms with the sender
+# computing 4, 8, 16 and 32 ms after the send; their median, 3.8 ms). A scheduler's time slice, not a link's cost.
+SEND_DELAY_CAP_S = 3.8e-3
+
+
+def send_delay(s: Strategy, cluster: ClusterProfile) -> float:
+    """How long a pipeline's sends may wait for the sender's next wait (schedule._evaluate): on CPU ranks whose
+    cores are all busy (more ranks computing at once, busy_ranks, than the probe's effective cores:
+    compute.contention > 1), SEND_DELAY_CAP_S; else 0, the send leaves at once (gloo's I/O thread finds a free core;
+    NCCL's transfers do not need one)."""
+    if cluster.device.kind != "cpu" or contention(cluster, busy_ranks(s)) <= 1.0:
+        return 0.0
+    return SEND_DELAY_CAP_S
 
 
 def _rank_stages(s: Strategy, stages: tuple[StageEstimate, ...], r: int) -> list[StageEstimate]:
@@ -651,7 +662,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     s.validate(tuple(u.name for u in profile.units))
     c = _Context.of(s, profile, cluster)
     stages, unit_fb = _stage_pass(c)
-    sim, free = _pipeline_pass(s, stages, compact=compact, deferred_sends=sends_deferred(cluster))
+    sim, free = _pipeline_pass(s, stages, compact=compact, send_delay_s=send_delay(s, cluster))
     rank_dp, dp_bytes = _dp_pass(c, stages, unit_fb)
     rank_end, tied_bytes = _tied_sync(c, [sim.finish_s.get(r, 0.0) + rank_dp[r] for r in range(s.pp)])
     optimizer_s = _optimizer_pass(c, stages)

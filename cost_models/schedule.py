@@ -387,18 +387,19 @@ _KEY = {"F": 0, "B": 1, "I": 1, "W": 2}   # B and I both release the input gradi
 
 
 def simulate(order: Mapping[int, Sequence[Action]], costs: Sequence[StageCost], *,
-             keep_timeline: bool = False, deferred_sends: bool = False) -> Simulation:
+             keep_timeline: bool = False, send_delay_s: float = 0.0) -> Simulation:
     """Run the order with real durations: an action starts when its rank is free and its inputs have arrived.
 
     Dependencies: F(s, i) needs F(s-1, i) (plus the p2p time if s-1 is on another rank); B or I (s, i) needs
     F(s, i) and the backward of (s+1, i) (plus p2p); W(s, i) needs I(s, i). p2p transfers overlap compute (with
-    `deferred_sends`, only once the sender waits).
+    `send_delay_s`, only once the sender waits or that long after).
     Where each stage runs is read from the order itself (looped or V placement alike). The order is first compiled
     (_compile: a topological order of its actions, durations aside); the times are then one pass over it, the
     longest path of the dependency graph. A deadlock raises ScheduleDeadlock with the rank x step grid, the stuck
-    actions marked. `deferred_sends`: sends leave when their rank next waits (gloo on CPU ranks: _evaluate).
+    actions marked. `send_delay_s`: sends leave when their rank next waits, or at most that long after they were
+    posted (gloo on CPU ranks whose cores are all busy: _evaluate).
     """
-    return _evaluate(_compile(order), costs, keep_timeline=keep_timeline, deferred_sends=deferred_sends)
+    return _evaluate(_compile(order), costs, keep_timeline=keep_timeline, send_delay_s=send_delay_s)
 
 
 class ScheduleDeadlock(ValueError):
@@ -506,14 +507,15 @@ def _walk(order: Mapping[int, Sequence[Action]], n_stages: int, n_mb: int) -> tu
 
 
 def _evaluate(c: _Compiled, costs: Sequence[StageCost], *, keep_timeline: bool,
-              deferred_sends: bool = False) -> Simulation:
+              send_delay_s: float = 0.0) -> Simulation:
     """The times of a compiled order with these stage costs: one pass in its topological order.
 
-    `deferred_sends`: a rank's sends leave only when it next waits on a receive (gloo on CPU ranks: a 2-stage GPipe
-    timeline with forward and backward hooks on one clock, taken beside benchmarks/pipeline_overlap.py and not
-    committed as a script, showed a gradient sent during backward reach the peer up to 5 ms later, when the sender
-    next waited), so an output arrives no earlier than the end of the sender's run of actions that
-    receive nothing (_later)."""
+    `send_delay_s` > 0: a rank's send leaves when it next waits on a receive, or `send_delay_s` after it was posted,
+    whichever comes first, so an output arrives no earlier than the end of the sender's run of actions that receive
+    nothing (_later), capped. gloo's transfer runs on the sender's own I/O thread, which needs a core: measured by
+    benchmarks/send_delay.py (results/send_delay.json), a 16 KB send while the sender computes 1-32 ms reached a
+    waiting peer 0.08-0.20 ms later (medians) with 2 ranks on 2 cores (a core free), and 1.7-2.3 ms (sender computing
+    1-2 ms) or 3.2-4.0 ms (4-32 ms) later with 4 ranks on 2 cores, the other two computing."""
     if len(costs) != c.n_stages:
         raise ValueError(f"the order has {c.n_stages} stages, the costs {len(costs)}")
     dur_tab = ([x.fwd_s for x in costs] + [x.bwd_s for x in costs]
@@ -524,7 +526,7 @@ def _evaluate(c: _Compiled, costs: Sequence[StageCost], *, keep_timeline: bool,
     end = [0.0] * (len(c.acts) + 1)
     start = [0.0] * len(c.acts)
     zero = len(send_tab) - 1   # the send code of "no transfer"
-    later = _later(c, dur_tab, zero) if deferred_sends else None
+    later = [min(x, send_delay_s) for x in _later(c, dur_tab, zero)] if send_delay_s > 0 else None
     for i, (p, d1, s1, d2, s2, dc) in enumerate(zip(c.prev, c.dep1, c.send1, c.dep2, c.send2, c.dur_code)):
         t = end[p]
         u = end[d1] + (max(send_tab[s1], later[d1]) if later is not None and s1 != zero else send_tab[s1])
@@ -585,12 +587,12 @@ def format_grid(order: Mapping[int, Sequence[Action]], *, mark: Mapping[int, int
 
 @lru_cache(maxsize=1024)
 def simulate_schedule(schedule: str, p: int, m: int, v: int, costs: tuple[StageCost, ...], *,
-                      deferred_sends: bool = False) -> Simulation:
+                      send_delay_s: float = 0.0) -> Simulation:
     """simulate() of the generated order, cached: the planner costs every ZeRO stage of a pipeline shape with the
     same stage costs (data-parallel collectives come after the pipeline), so each distinct (shape, costs) is
     simulated once, and each shape compiled once for all its costs. The result is shared: read it, do not modify
     it."""
-    return _evaluate(_compiled(schedule, p, m, v), costs, keep_timeline=False, deferred_sends=deferred_sends)
+    return _evaluate(_compiled(schedule, p, m, v), costs, keep_timeline=False, send_delay_s=send_delay_s)
 
 
 @lru_cache(maxsize=64)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from cost_models.compute import executed_dtype
 from cost_models.formatting import GIB, duration, fixed, measured, size
-from cost_models.estimate import DTYPE_BYTES, sends_deferred
+from cost_models.estimate import DTYPE_BYTES, send_delay
 from cost_models.schedule import SCHEDULES, parse_order, simulate
 from cost_models.summaries import rank_groups
 from planner.plan import VERIFY_TIE_REL, Plan
@@ -255,7 +255,7 @@ def timeline_svg(plan: Plan, width: int = 960) -> str:
     est = plan.prediction
     order = parse_order(est.pipeline_order)
     sim = simulate(order, [st.cost() for st in est.stages], keep_timeline=True,
-                   deferred_sends=sends_deferred(plan.cluster))   # as the estimate simulated it
+                   send_delay_s=send_delay(plan.strategy, plan.cluster))   # as the estimate simulated it
     events = sim.timeline
     span = sim.makespan_s or 1.0
     row, left, top = 28, 70, 20

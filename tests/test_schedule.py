@@ -306,19 +306,25 @@ def test_micro_batch_0_pays_a_stages_one_off_extras():
     assert sim.busy_s[1] == pytest.approx(6.75) and sim.busy_s[0] == pytest.approx(6.0)
 
 
-def test_deferred_sends_leave_when_the_sender_next_waits():
-    """gloo on CPU ranks: a send leaves when its rank next waits on a receive (schedule._evaluate). GPipe, 2 stages,
-    2 micro-batches, forward 1 s, backward 2 s, each send 0.1 s, worked by hand:
+def test_deferred_sends_leave_when_the_sender_next_waits_or_the_delay_ends():
+    """gloo on CPU ranks whose cores are all busy: a send leaves when its rank next waits on a receive, or
+    send_delay_s after it was posted (schedule._evaluate). GPipe, 2 stages, 2 micro-batches, forward 1 s, backward
+    2 s, each send 0.1 s, worked by hand:
     plain:    rank 1 runs F0 1.1-2.1, F1 2.1-3.1, B0 3.1-5.1, B1 5.1-7.1; rank 0's B0 5.2-7.2, B1 7.2-9.2.
     deferred: rank 0 computes F1 before it next waits, so F0's output arrives at 2 (the send's 0.1 s is inside
     that wait): rank 1's F0 2-3, F1 3-4 (F1's output arrives at 2.1: B0 receives next), B0 4-6, B1 6-8; B0's
-    gradient arrives when rank 1 is done, at 8: rank 0's B0 8-10, B1 10-12."""
+    gradient arrives when rank 1 is done, at 8: rank 0's B0 8-10, B1 10-12.
+    at most 0.5 s late: F0's output arrives at 1.5 (rank 1's F0 1.5-2.5), F1's at 2.1 (F1 2.5-3.5, B0 3.5-5.5),
+    B0's gradient at 6.0 (rank 0's B0 6-8), B1's (B1 5.5-7.5) at 7.6 (rank 0's B1 8-10)."""
     from cost_models.schedule import simulate_schedule
     costs = tuple(StageCost(fwd_s=1.0, bwd_s=2.0, send_fwd_s=0.1, send_bwd_s=0.1) for _ in range(2))
     assert simulate_schedule("gpipe", 2, 2, 1, costs).makespan_s == pytest.approx(9.2)
-    deferred = simulate_schedule("gpipe", 2, 2, 1, costs, deferred_sends=True)
+    deferred = simulate_schedule("gpipe", 2, 2, 1, costs, send_delay_s=100.0)
     assert deferred.makespan_s == pytest.approx(12.0)
     assert deferred.finish_s == pytest.approx({0: 12.0, 1: 8.0})
-    # with nothing to compute after a send, it leaves at once: one micro-batch is the plain schedule
-    assert simulate_schedule("gpipe", 2, 1, 1, costs, deferred_sends=True).makespan_s == pytest.approx(
+    capped = simulate_schedule("gpipe", 2, 2, 1, costs, send_delay_s=0.5)
+    assert capped.finish_s == pytest.approx({0: 10.0, 1: 7.5})
+    # a delay shorter than the transfer changes nothing; nor, with nothing computed after a send, does any delay
+    assert simulate_schedule("gpipe", 2, 2, 1, costs, send_delay_s=0.05).makespan_s == pytest.approx(9.2)
+    assert simulate_schedule("gpipe", 2, 1, 1, costs, send_delay_s=100.0).makespan_s == pytest.approx(
         simulate_schedule("gpipe", 2, 1, 1, costs).makespan_s)
