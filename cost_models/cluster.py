@@ -120,6 +120,11 @@ class ComputeProbe(Record):
     pipeline_action_s: float = 0.0     # one pipelining schedule action, beyond its compute and p2p (GPipe, 1F1B)
     pipeline_runtime_action_s: float = 0.0   # the same in torch's multi-stage runtime (interleaved 1F1B); 0: as above
     pipeline_split_action_s: float = 0.0     # the same with a split backward (F, I, W: zero-bubble); 0: as above
+    # the three above measured with every pair of ranks running a pipeline at once; these with one pipeline over all
+    # `ranks` (0: not probed: 2 ranks or fewer, presets and older files)
+    pipeline_action_one_s: float = 0.0
+    pipeline_runtime_action_one_s: float = 0.0
+    pipeline_split_action_one_s: float = 0.0
     fsdp_unit_s: float = 0.0           # one FSDP2 unit per micro-batch, beyond compute and collective latency
     optimizer_tensor_s: float = 0.0    # AdamW step per parameter tensor
     optimizer_dtensor_s: float = 0.0   # the same per DTensor parameter (FSDP2, TP); 0: as optimizer_tensor_s
@@ -127,14 +132,28 @@ class ComputeProbe(Record):
                                        # tensor (memory.overhead_bytes); 0 on GPUs, in presets and older files
 
 
-def action_seconds(probe: "ComputeProbe", *, multi_stage: bool, split_backward: bool) -> float:
+def action_seconds(probe: "ComputeProbe", *, multi_stage: bool, split_backward: bool,
+                   pipelines_at_once: float | None = None) -> float:
     """One pipeline action's overhead for a schedule of that kind (torch's single-stage classes, its multi-stage
-    runtime, that runtime with the backward split); a kind not probed (older cluster files) costs as the first."""
+    runtime, that runtime with the backward split) when `pipelines_at_once` pipelines run together (the plan's
+    dp x tp); a kind not probed (older cluster files) costs as the first.
+
+    The probe measured two shapes (overhead_probe): every pair of ranks at once (probe.ranks // 2 pipelines) and
+    one pipeline over all ranks; a plan between them is interpolated linearly in its pipelines at once, and None
+    (or a probe of one shape only) takes the pairs' value. On CPU ranks sharing cores the two differ either way
+    (4 ranks on 2 cores, ms per action as pairs / one pipeline: GPipe 0.31 / 0.67, zero-bubble 1.15 / 0.66)."""
+    def kind(prefix: str) -> tuple[float, float]:
+        return getattr(probe, prefix + "_s"), getattr(probe, prefix + "_one_s")
+    pairs, one = kind("pipeline_action")
     if multi_stage:
-        value = probe.pipeline_split_action_s if split_backward else probe.pipeline_runtime_action_s
-        if value > 0:
-            return value
-    return probe.pipeline_action_s
+        value = kind("pipeline_split_action" if split_backward else "pipeline_runtime_action")
+        if value[0] > 0:
+            pairs, one = value
+    most = probe.ranks // 2
+    if pipelines_at_once is None or one <= 0 or most <= 1:
+        return pairs
+    share = min(1.0, max(0.0, (pipelines_at_once - 1) / (most - 1)))
+    return one + (pairs - one) * share
 
 
 @record

@@ -218,9 +218,6 @@ class _Context:
             tp_cost = tuple((a, b * scale) for a, b in (linearized(cluster, op, s.tp, ref) for op in TP_OPS))
         cal = cluster.calibration or Calibration()
         overheads = cluster.compute or _NO_OVERHEADS
-        if cal.pipeline_action_s is not None:   # one fitted per-action cost, whatever the schedule's kind
-            overheads = dataclasses.replace(overheads, pipeline_action_s=cal.pipeline_action_s,
-                                            pipeline_runtime_action_s=0.0, pipeline_split_action_s=0.0)
         return _Context(s=s, profile=profile, cluster=cluster, param_bytes=p_b, grad_bytes=g_b, act_scale=scale,
                         overheads=overheads, calibration=cal,
                         unit_index={u.name: i for i, u in enumerate(profile.units)},
@@ -307,6 +304,22 @@ def busy_ranks(s: Strategy) -> float:   # s: a Strategy, or the planner's search
     at full speed (mlp-deep PP4 1x8: compute predicted at 2x contention, 6.8 ms, measured 2.5)."""
     n = s.microbatches * s.v
     return s.dp * s.tp * s.pp * n / (n + s.pp - 1)
+
+
+def action_cost(s: Strategy, cluster: ClusterProfile) -> float:
+    """One pipeline schedule action's overhead for `s` on `cluster`, beyond its compute and p2p: a calibration's
+    fitted value as it is (fitted from runs, whatever the schedule's kind); else the probe's for the schedule's kind
+    with the plan's dp x tp pipelines running at once (cluster.action_seconds). Measured at 4 ranks on 2 cores
+    (fidelity run of 2026-12-05 05:00, whose probe timed pairs only): mlp-deep PP4 zb-interleaved 1x8 ran 8.9 ms,
+    2.4 of them compute, and was priced 19.7 at the pairs' 1.17 ms per action, while PP2 zb-interleaved x DP2
+    ZeRO-2 1x4, which runs as pairs, was priced 20.8 against 23.2 measured."""
+    cal = cluster.calibration
+    if cal is not None and cal.pipeline_action_s is not None:
+        return cal.pipeline_action_s
+    if cluster.compute is None:
+        return 0.0
+    return action_seconds(cluster.compute, multi_stage=s.spec.multi_stage, split_backward=s.spec.split_backward,
+                          pipelines_at_once=s.dp * s.tp)
 
 
 def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, float, tuple[float, ...]]:
@@ -421,7 +434,7 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     gather = _stage_gather(c, sum(held))
     if s.n_stages > 1:
         # torch's schedule runtime costs a fixed amount per action (probed); a split backward runs as I and W
-        per_action = action_seconds(c.overheads, multi_stage=s.spec.multi_stage, split_backward=s.spec.split_backward)
+        per_action = action_cost(s, c.cluster)
         fwd, bwd = fwd + per_action, bwd + per_action * (2 if s.spec.split_backward else 1)
     return StageEstimate(stage=sid, units=units, params=sum(held), fwd_s=fwd, bwd_s=bwd, activation_bytes=act,
                          boundary_bytes=boundary, peak_in_flight=0, send_fwd_s=send_f, send_bwd_s=send_b,

@@ -3,13 +3,14 @@
 Small models on CPU ranks spend as much time in per-call overhead as in arithmetic, so the cost model needs:
   * `pipeline_action_s`: one action (forward or backward) of torch.distributed.pipelining's single-stage schedules
     (GPipe, 1F1B), beyond its compute and its p2p: a 2-rank GPipe step over a tiny stage, minus the same stage's
-    compute run plainly, divided by the actions;
+    compute run plainly, divided by the actions, with every pair of ranks running at once;
   * `pipeline_runtime_action_s`, `pipeline_split_action_s`: the same for the multi-stage classes, which torch runs
     through its action-list runtime (a separate send or receive action per message, each waited on): 2-rank
     Interleaved1F1B and InterleavedZeroBubble (forward, input and weight backward) over two tiny stages per rank.
     Measured here (2 and 4 ranks): 0.36-0.53 and 0.26-0.71 ms per action against 0-0.23 for GPipe; fidelity runs
     had shown the interleaved and zero-bubble candidates' time outside compute growing 0.5-1 ms per action while
     the estimate charged GPipe's;
+  * the same three with `_one` before `_s`: one pipeline over all ranks (more than 2), the other shape plans run;
   * `fsdp_unit_s`: one FSDP2 unit's forward + backward beyond its compute and the latency of its all-gather and
     reduce-scatter (which the alpha-beta fits already cost): fully_shard on K tiny layers against the same layers
     unsharded, per layer;
@@ -92,24 +93,24 @@ def fsdp_unit_seconds(device: torch.device, alpha_gather: float, alpha_reduce: f
     return max(0.0, (t_fsdp - t_plain) / LAYERS - 2 * alpha_gather - alpha_reduce)
 
 
-def pipeline_action_seconds(device: torch.device, pair_group, in_pair: bool, alpha_p2p: float,
+def pipeline_action_seconds(device: torch.device, group, in_group: bool, alpha_p2p: float,
                             torch_class: str = "ScheduleGPipe") -> float:
-    """Per schedule action, beyond compute and p2p latency: the two ranks of `pair_group` run `torch_class` over tiny
-    Linear stages (one per rank for ScheduleGPipe; two per rank, stage s on rank s mod 2, for the multi-stage
-    classes, which torch runs through its action-list runtime); a rank in no pair waits."""
-    if not in_pair:
+    """Per schedule action, beyond compute and p2p latency: the ranks of `group` (n of them) run `torch_class` as one
+    pipeline over tiny Linear stages (one per rank for ScheduleGPipe; two per rank, stage s on rank s mod n, for the
+    multi-stage classes, which torch runs through its action-list runtime); a rank in no group waits."""
+    if not in_group:
         return 0.0
     from torch.distributed import pipelining
 
-    rank = dist.get_rank(group=pair_group)
+    rank, n = dist.get_rank(group=group), dist.get_world_size(group=group)
     cls = getattr(pipelining.schedules, torch_class)
     chunks = 1 if torch_class == "ScheduleGPipe" else 2
     layers = [nn.Linear(WIDTH, WIDTH).to(device) for _ in range(chunks)]
     x = torch.randn(MICRO * 2, WIDTH, device=device)
     t_plain = _median_time(lambda: [layer(x[:2]).sum().backward() for layer in layers]) * MICRO
-    stages = [pipelining.PipelineStage(layer, rank + 2 * c, 2 * chunks, device, group=pair_group,
+    stages = [pipelining.PipelineStage(layer, rank + n * c, n * chunks, device, group=group,
                                        input_args=(torch.empty(2, WIDTH, device=device,
-                                                               requires_grad=rank + 2 * c > 0),),
+                                                               requires_grad=rank + n * c > 0),),
                                        output_args=(torch.empty(2, WIDTH, device=device, requires_grad=True),))
               for c, layer in enumerate(layers)]
     sched = cls(stages[0] if chunks == 1 else stages, n_microbatches=MICRO, loss_fn=lambda out, y: F.mse_loss(out, y))
@@ -117,16 +118,24 @@ def pipeline_action_seconds(device: torch.device, pair_group, in_pair: bool, alp
     def step():
         if rank == 0:
             sched.step(x)
-        else:
+        elif rank == n - 1:
             sched.step(target=torch.zeros(MICRO * 2, WIDTH, device=device))
+        else:
+            sched.step()
     t_pipe = _median_time(step)
     # a rank's step: per micro-batch and stage chunk a forward and a backward (I and W when split); the other
-    # rank's first forward and last backward are on the critical path too (two more). Messages a rank sends: one
-    # per micro-batch each way with one chunk; with two (stages 0-3 over ranks 0, 1), three per micro-batch
+    # ranks' first forwards and last backwards are on the critical path too (2 (n - 1) more). Messages a rank
+    # sends: one per micro-batch each way with one chunk; with two (stages 0..2n-1 over the n ranks), three per
+    # micro-batch; plus the fill's hops through the other ranks
     split = "ZeroBubble" in torch_class
-    actions = (3 if split else 2) * chunks * MICRO + 2
-    sends = (2 if chunks == 1 else 3) * MICRO
+    actions = (3 if split else 2) * chunks * MICRO + 2 * (n - 1)
+    sends = (2 if chunks == 1 else 3) * MICRO + 2 * (n - 2)
     return max(0.0, (t_pipe - t_plain - sends * alpha_p2p) / actions)
+
+
+# the schedule kinds probed: ComputeProbe field (as pairs; "_one" appended: one pipeline over all ranks), torch class
+PIPELINE_KINDS = (("pipeline_action", "ScheduleGPipe"), ("pipeline_runtime_action", "ScheduleInterleaved1F1B"),
+                  ("pipeline_split_action", "ScheduleInterleavedZeroBubble"))
 
 
 def overhead_probe(device: torch.device, fits: dict[tuple[str, int], tuple[float, float]]) -> dict[str, float]:
@@ -140,12 +149,19 @@ def overhead_probe(device: torch.device, fits: dict[tuple[str, int], tuple[float
     dist.barrier()
     out["fsdp_unit_s"] = fsdp_unit_seconds(device, alpha("all_gather", world), alpha("reduce_scatter", world))
     dist.barrier()
-    # ranks 2i and 2i+1 form pair i, and every pair runs the schedule at once (a plan's pipeline ranks all run)
+    # Two shapes, the ends of what plans run: ranks 2i and 2i+1 form pair i and every pair runs the schedule at once
+    # (world / 2 pipelines of 2 stages: PP2 x DP or TP); and one pipeline over all ranks. CPU ranks sharing cores
+    # pay differently in the two (4 ranks on 2 cores, ms per action as pairs / as one pipeline: GPipe 0.31 / 0.67,
+    # interleaved 1.27 / 1.12, zero-bubble 1.15 / 0.66), and the estimate interpolates between them by the plan's
+    # pipelines at once (cluster.action_seconds).
     pairs = [dist.new_group(ranks=[i, i + 1]) for i in range(0, world - 1, 2)]
     pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
-    for field, torch_class in (("pipeline_action_s", "ScheduleGPipe"),
-                               ("pipeline_runtime_action_s", "ScheduleInterleaved1F1B"),
-                               ("pipeline_split_action_s", "ScheduleInterleavedZeroBubble")):
-        out[field] = pipeline_action_seconds(device, pair, pair is not None, alpha("send_recv", 2), torch_class)
+    for field, torch_class in PIPELINE_KINDS:
+        out[field + "_s"] = pipeline_action_seconds(device, pair, pair is not None, alpha("send_recv", 2), torch_class)
         dist.barrier()
+    for field, torch_class in PIPELINE_KINDS:
+        if world > 2:   # with 2 ranks the pair is the one pipeline
+            out[field + "_one_s"] = pipeline_action_seconds(device, dist.group.WORLD, True,
+                                                            alpha("send_recv", 2), torch_class)
+            dist.barrier()
     return out

@@ -33,9 +33,9 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from cost_models.cluster import Calibration, CalibrationRun, ClusterProfile, action_seconds
+from cost_models.cluster import Calibration, CalibrationRun, ClusterProfile
 from cost_models.errors import ConfigError, FileFormatError
-from cost_models.estimate import Estimate
+from cost_models.estimate import Estimate, action_cost
 from cost_models.formatting import duration, now_utc
 from cost_models.records import Record, record
 from cost_models.strategy import Strategy
@@ -99,10 +99,7 @@ def actions_per_step(s: Strategy) -> int:
 def predicted_parts(est: Estimate, s: Strategy, cluster: ClusterProfile) -> PredictedParts:
     """The parts of a (full) estimate of `s` on `cluster` that the fit scales."""
     b = est.breakdown
-    cal = cluster.calibration
-    probe = action_seconds(cluster.compute, multi_stage=s.spec.multi_stage,
-                           split_backward=s.spec.split_backward) if cluster.compute else 0.0
-    action_s = cal.pipeline_action_s if cal and cal.pipeline_action_s is not None else probe
+    action_s = action_cost(s, cluster)
     actions = actions_per_step(s)
     unit_compute = max(0.0, b.compute_s - b.tp_comm_s - actions * action_s)
     return PredictedParts(step_s=est.step_time_s, unit_compute_s=unit_compute, actions=actions, action_s=action_s,

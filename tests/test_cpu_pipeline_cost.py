@@ -1,8 +1,12 @@
 """What a pipeline pays on CPU ranks that share cores: messages that wait for a core (estimate.send_delay, measured
-by benchmarks/send_delay.py)."""
+by benchmarks/send_delay.py) and a per-action overhead that depends on how many pipelines run at once (probed in
+two shapes by overhead_probe, interpolated by cluster.action_seconds)."""
+import dataclasses
+
 import pytest
 
-from cost_models.estimate import SEND_DELAY_CAP_S, busy_ranks, estimate, send_delay
+from cost_models.cluster import Calibration, action_seconds
+from cost_models.estimate import SEND_DELAY_CAP_S, action_cost, busy_ranks, estimate, send_delay
 from cost_models.model_profiler import profile_model
 from cost_models.models.source import resolve
 from cost_models.presets import preset
@@ -41,3 +45,35 @@ def test_sends_wait_for_a_core_only_when_every_core_is_busy(prof):
     at_once = simulate_schedule("gpipe", 4, 8, 1, costs)
     assert delayed.makespan_s > at_once.makespan_s
     assert est.step_time_s == pytest.approx(delayed.makespan_s + est.breakdown.optimizer_s)
+
+
+def test_per_action_cost_follows_the_pipelines_running_at_once(prof):
+    """The probe measured every pair at once (ranks // 2 pipelines) and one pipeline over all ranks; a plan is
+    interpolated linearly in its dp x tp pipelines between them, each schedule kind from its own pair of values."""
+    base = cpu_cluster(ranks=8, cores=2)
+    probe = dataclasses.replace(base.compute, pipeline_action_s=4e-4, pipeline_action_one_s=1e-4,
+                                pipeline_split_action_s=1e-3, pipeline_split_action_one_s=4e-4)
+    single = dict(multi_stage=False, split_backward=False)
+    assert action_seconds(probe, pipelines_at_once=1, **single) == pytest.approx(1e-4)
+    assert action_seconds(probe, pipelines_at_once=2, **single) == pytest.approx(2e-4)   # 1/3 of the way to 4
+    assert action_seconds(probe, pipelines_at_once=4, **single) == pytest.approx(4e-4)
+    assert action_seconds(probe, pipelines_at_once=16, **single) == pytest.approx(4e-4)   # beyond the probe: pairs
+    assert action_seconds(probe, **single) == pytest.approx(4e-4)   # shape not said: pairs
+    split = dict(multi_stage=True, split_backward=True)
+    assert action_seconds(probe, pipelines_at_once=1, **split) == pytest.approx(4e-4)
+    assert action_seconds(probe, pipelines_at_once=3, **split) == pytest.approx(8e-4)
+    # the runtime kind was not probed (an older file): it costs as the single-stage classes, in both shapes
+    runtime = dict(multi_stage=True, split_backward=False)
+    assert action_seconds(probe, pipelines_at_once=1, **runtime) == pytest.approx(1e-4)
+    # one shape only (2 ranks, or an older file): the pairs' value whatever the plan
+    assert action_seconds(dataclasses.replace(probe, pipeline_action_one_s=0.0), pipelines_at_once=1,
+                          **single) == pytest.approx(4e-4)
+    # the estimate charges the plan's shape per action: PP8 one pipeline, PP2 x DP4 four
+    cluster = dataclasses.replace(base, compute=probe)
+    assert action_cost(_pipeline(prof, pp=8, m=8), cluster) == pytest.approx(1e-4)
+    assert action_cost(_pipeline(prof, pp=2, dp=4, m=8), cluster) == pytest.approx(4e-4)
+    lone, pairs = (estimate(s, prof, cluster) for s in (_pipeline(prof, pp=2, m=8), _pipeline(prof, pp=2, dp=4, m=8)))
+    assert all(b.fwd_s - a.fwd_s == pytest.approx(3e-4) for a, b in zip(lone.stages, pairs.stages))
+    # a calibrated value is what runs showed: it replaces every kind and shape
+    cal = dataclasses.replace(cluster, calibration=Calibration(pipeline_action_s=7e-4))
+    assert action_cost(_pipeline(prof, pp=8, m=8), cal) == action_cost(_pipeline(prof, pp=2, dp=4, m=8), cal) == 7e-4
