@@ -68,13 +68,19 @@ def _same_device(profile: ModelProfile, cluster: ClusterProfile) -> bool:
     return profile.mode == "real" and profile.device == cluster.device.kind and same_gpu
 
 
-def contention(cluster: ClusterProfile, ranks_running: float) -> float:
-    """How much slower each of `ranks_running` CPU ranks computes than one rank alone (1.0 on GPUs)."""
+def effective_cores(cluster: ClusterProfile) -> float | None:
+    """How many ranks' worth of compute the CPU ranks get together: the probe's ranks x each one's FLOP/s while all
+    run, over one rank's alone (2 ranks on 2 cores: about 2; 4 on 2: about 1.9). None on GPUs or without a probe."""
     c = cluster.compute
     if cluster.device.kind != "cpu" or c is None or c.flops_alone <= 0:
-        return 1.0
-    cores_eff = c.ranks * c.flops_per_rank / c.flops_alone
-    return max(1.0, ranks_running / cores_eff)
+        return None
+    return c.ranks * c.flops_per_rank / c.flops_alone
+
+
+def contention(cluster: ClusterProfile, ranks_running: float) -> float:
+    """How much slower each of `ranks_running` CPU ranks computes than one rank alone (1.0 on GPUs)."""
+    cores_eff = effective_cores(cluster)
+    return 1.0 if cores_eff is None else max(1.0, ranks_running / cores_eff)
 
 
 def memory_contention(cluster: ClusterProfile, ranks_running: float) -> float:

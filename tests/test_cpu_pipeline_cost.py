@@ -27,16 +27,19 @@ def _pipeline(prof, *, pp: int, dp: int = 1, m: int, schedule: str = "gpipe") ->
                     stages=tuple(names[cut[i]:cut[i + 1]] for i in range(pp)), precision="fp32")
 
 
-def test_sends_wait_for_a_core_only_when_every_core_is_busy(prof):
+def test_sends_wait_for_a_core_for_the_share_of_the_step_every_core_is_busy(prof):
     """4 ranks on 2 cores: a 4-stage pipeline of one micro-batch computes on one rank at a time (busy_ranks 1), so
     its sends leave at once; with 8 micro-batches 2.9 ranks compute at once and sends may wait SEND_DELAY_CAP_S.
-    2 ranks on 2 cores never wait, nor do GPUs."""
+    2 ranks on 2 cores: one micro-batch, none; 8, both ranks compute 16/9 - 1 of the step, so 7/9 of the cap. GPUs
+    never wait."""
     four = cpu_cluster(ranks=4, cores=2)
     one_mb, eight_mb = _pipeline(prof, pp=4, m=1), _pipeline(prof, pp=4, m=8)
     assert busy_ranks(one_mb) == pytest.approx(1.0) and busy_ranks(eight_mb) == pytest.approx(32 / 11)
     assert send_delay(one_mb, four) == 0.0 and send_delay(eight_mb, four) == SEND_DELAY_CAP_S
     assert send_delay(_pipeline(prof, pp=2, dp=2, m=4), four) == SEND_DELAY_CAP_S
-    assert send_delay(_pipeline(prof, pp=2, m=8), cpu_cluster(ranks=2, cores=2)) == 0.0
+    two = cpu_cluster(ranks=2, cores=2)
+    assert send_delay(_pipeline(prof, pp=2, m=1), two) == 0.0
+    assert send_delay(_pipeline(prof, pp=2, m=8), two) == pytest.approx(7 / 9 * SEND_DELAY_CAP_S)
     assert send_delay(eight_mb, preset("dgx-a100")) == 0.0
     # the estimate's step is that delayed simulation of its stages (plus the optimizer: no dp, no tie here)
     est = estimate(eight_mb, prof, four)
