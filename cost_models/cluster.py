@@ -149,10 +149,10 @@ def action_seconds(probe: "ComputeProbe", *, multi_stage: bool, split_backward: 
         value = kind("pipeline_split_action" if split_backward else "pipeline_runtime_action")
         if value[0] > 0:
             pairs, one = value
-    most = probe.ranks // 2
-    if pipelines_at_once is None or one <= 0 or most <= 1:
+    most = probe.ranks // 2   # 3 ranks: one pair at a time, one pipeline is the only other shape
+    if pipelines_at_once is None or one <= 0:
         return pairs
-    share = min(1.0, max(0.0, (pipelines_at_once - 1) / (most - 1)))
+    share = 0.0 if most <= 1 else min(1.0, max(0.0, (pipelines_at_once - 1) / (most - 1)))
     return one + (pairs - one) * share
 
 

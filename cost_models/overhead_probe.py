@@ -7,9 +7,9 @@ Small models on CPU ranks spend as much time in per-call overhead as in arithmet
   * `pipeline_runtime_action_s`, `pipeline_split_action_s`: the same for the multi-stage classes, which torch runs
     through its action-list runtime (a separate send or receive action per message, each waited on): 2-rank
     Interleaved1F1B and InterleavedZeroBubble (forward, input and weight backward) over two tiny stages per rank.
-    Measured here (2 and 4 ranks): 0.36-0.53 and 0.26-0.71 ms per action against 0-0.23 for GPipe; fidelity runs
-    had shown the interleaved and zero-bubble candidates' time outside compute growing 0.5-1 ms per action while
-    the estimate charged GPipe's;
+    Measured here (2 and 4 ranks, 2026-12-04): 0.36-0.53 and 0.26-0.71 ms per action against 0-0.23 for GPipe;
+    fidelity runs had shown the interleaved and zero-bubble candidates' time outside compute growing 0.5-1 ms per
+    action while the estimate charged GPipe's (on 2026-12-05, under more load, 4 ranks: 1.27, 1.15 and 0.31 ms);
   * the same three with `_one` before `_s`: one pipeline over all ranks (more than 2), the other shape plans run;
   * `fsdp_unit_s`: one FSDP2 unit's forward + backward beyond its compute and the latency of its all-gather and
     reduce-scatter (which the alpha-beta fits already cost): fully_shard on K tiny layers against the same layers

@@ -514,7 +514,7 @@ def _evaluate(c: _Compiled, costs: Sequence[StageCost], *, keep_timeline: bool,
     whichever comes first, so an output arrives no earlier than the end of the sender's run of actions that receive
     nothing (_later), capped. gloo's transfer runs on the sender's own I/O thread, which needs a core: measured by
     benchmarks/send_delay.py (results/send_delay.json), a 16 KB send while the sender computes 1-32 ms reached a
-    waiting peer 0.08-0.20 ms later (medians) with 2 ranks on 2 cores (a core free), and 1.7-2.3 ms (sender computing
+    waiting peer 0.08-0.20 ms later (medians) with 2 ranks on 2 cores (a core free), and 1.6-2.3 ms (sender computing
     1-2 ms) or 3.2-4.0 ms (4-32 ms) later with 4 ranks on 2 cores, the other two computing."""
     if len(costs) != c.n_stages:
         raise ValueError(f"the order has {c.n_stages} stages, the costs {len(costs)}")

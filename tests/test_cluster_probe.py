@@ -78,7 +78,7 @@ def test_probe_fits_predict_held_out_sizes(ranks):
     # the same three with one pipeline over all ranks: the other shape plans run, probed where it differs from pairs
     one = (prof.compute.pipeline_action_one_s, prof.compute.pipeline_runtime_action_one_s,
            prof.compute.pipeline_split_action_one_s)
-    assert all(0.0 < cost < 0.05 for cost in one) if ranks > 2 else one == (0.0, 0.0, 0.0)
+    assert all(0.0 <= cost < 0.05 for cost in one) and (any(one) if ranks > 2 else one == (0.0, 0.0, 0.0))
     assert prof.device.peak_flops["fp32"] == prof.compute.flops_per_rank
     # copy bandwidth alone and with every rank copying (compute.memory_contention), in the same unit: one rank alone
     # gets about what one rank gets among them, up to all of them together (2 ranks here: 46 GB/s alone, 24 each)

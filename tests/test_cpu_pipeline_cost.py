@@ -71,6 +71,9 @@ def test_per_action_cost_follows_the_pipelines_running_at_once(prof):
     # one shape only (2 ranks, or an older file): the pairs' value whatever the plan
     assert action_seconds(dataclasses.replace(probe, pipeline_action_one_s=0.0), pipelines_at_once=1,
                           **single) == pytest.approx(4e-4)
+    # 3 ranks: pairs run one at a time, so one pipeline (the other shape probed) is what a PP3 plan pays
+    three = dataclasses.replace(probe, ranks=3)
+    assert action_seconds(three, pipelines_at_once=1, **single) == pytest.approx(1e-4)
     # the estimate charges the plan's shape per action: PP8 one pipeline, PP2 x DP4 four
     cluster = dataclasses.replace(base, compute=probe)
     assert action_cost(_pipeline(prof, pp=8, m=8), cluster) == pytest.approx(1e-4)
