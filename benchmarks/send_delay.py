@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -29,16 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeline_overlap import _free_port   # this script's folder is on sys.path: run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPUTE_MS = (1, 2, 4, 8, 16, 32)
 MESSAGE_BYTES = 16384
 WARMUP = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _busy(seconds: float) -> None:

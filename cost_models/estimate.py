@@ -531,8 +531,9 @@ def send_delay(s: Strategy, cluster: ClusterProfile) -> float:
     clamped to [0, 1]: 2 ranks on 2 cores run a pipeline of one micro-batch one rank at a time (no delay) and of 8
     micro-batches both at once most of the step (0.78 of the cap); 4 ranks on 2 cores, a PP4 pipeline of one
     micro-batch one rank at a time (with the 1.86 effective cores probed there, 0.14 of the cap), of 8
-    micro-batches 2.9 ranks at once (the cap). Scored against the 05:00 and 07:10 fidelity runs' measurements (offline, one probe and profile per configuration): 2-rank MAPE 16.1% /
-    16.4% with no delay at 2 ranks, 15.2% / 15.9% with this share; 4 ranks 16.1% / 17.8% and 16.3% / 18.2%."""
+    micro-batches 2.9 ranks at once (the cap). Scored against the 05:00 and 07:10 fidelity runs' measurements
+    (offline, one probe and profile per configuration): 2-rank MAPE 16.1% / 16.4% with no delay at 2 ranks, 15.2% /
+    15.9% with this share; 4 ranks 16.1% / 17.8% and 16.3% / 18.2%."""
     cores = effective_cores(cluster)
     if cores is None:
         return 0.0

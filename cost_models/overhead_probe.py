@@ -159,9 +159,8 @@ def overhead_probe(device: torch.device, fits: dict[tuple[str, int], tuple[float
     for field, torch_class in PIPELINE_KINDS:
         out[field + "_s"] = pipeline_action_seconds(device, pair, pair is not None, alpha("send_recv", 2), torch_class)
         dist.barrier()
-    for field, torch_class in PIPELINE_KINDS:
-        if world > 2:   # with 2 ranks the pair is the one pipeline
-            out[field + "_one_s"] = pipeline_action_seconds(device, dist.group.WORLD, True,
-                                                            alpha("send_recv", 2), torch_class)
-            dist.barrier()
+    for field, torch_class in PIPELINE_KINDS if world > 2 else ():   # with 2 ranks the pair is the one pipeline
+        out[field + "_one_s"] = pipeline_action_seconds(device, dist.group.WORLD, True, alpha("send_recv", 2),
+                                                        torch_class)
+        dist.barrier()
     return out

@@ -424,10 +424,10 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     """The least exposed data-parallel time of a rank holding `params` (P2'): in a pipeline every stage's
     collectives add to its rank's time, after its last backward or, ZeRO-2/3's gathers, inside its schedule
     (ZeRO-0/1 all-reduce the gradients, ZeRO-1 broadcasts the updated parameters too; ZeRO-2/3 reduce-scatter and
-    gather, ZeRO-3 for forward and again for backward, m + 1 >= 2 times); without one,
-    only ZeRO-1's broadcasts are known to be exposed. One collective of the whole size is taken for per-tensor ones (a collective's time grows
-    no faster than its size: alpha + size x beta). The dp group spans devices_per_node / tp ranks per node, as
-    cost_models.estimate places it."""
+    gather, ZeRO-3 for forward and again for backward, m + 1 >= 2 times); without one, only ZeRO-1's broadcasts
+    are known to be exposed. One collective of the whole size is taken for per-tensor ones (a collective's time
+    grows no faster than its size: alpha + size x beta). The dp group spans devices_per_node / tp ranks per node,
+    as cost_models.estimate places it."""
     if pt.dp == 1 or (pt.pp == 1 and pt.zero != 1):
         return 0.0
     p_b, g_b, _ = BYTES_PER_PARAM[(req.precision, req.optimizer)]

@@ -61,7 +61,6 @@ def test_per_action_cost_follows_the_pipelines_running_at_once(prof):
     assert action_seconds(probe, pipelines_at_once=2, **single) == pytest.approx(2e-4)   # 1/3 of the way to 4
     assert action_seconds(probe, pipelines_at_once=4, **single) == pytest.approx(4e-4)
     assert action_seconds(probe, pipelines_at_once=16, **single) == pytest.approx(4e-4)   # beyond the probe: pairs
-    assert action_seconds(probe, **single) == pytest.approx(4e-4)   # shape not said: pairs
     split = dict(multi_stage=True, split_backward=True)
     assert action_seconds(probe, pipelines_at_once=1, **split) == pytest.approx(4e-4)
     assert action_seconds(probe, pipelines_at_once=3, **split) == pytest.approx(8e-4)
