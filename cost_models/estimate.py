@@ -49,7 +49,7 @@ from cost_models.memory import (BYTES_PER_PARAM, MemoryBreakdown, autocast_copy_
 from cost_models.profile import ModelProfile, UnitProfile
 from cost_models.records import Record, record
 from cost_models.schedule import Simulation, StageCost, format_order, get_spec, simulate_schedule
-from cost_models.sharing import stretches
+from cost_models.sharing import stretched_backward, stretches
 from cost_models.strategy import Strategy
 from cost_models.tensor_parallel import vocab_divides
 
@@ -532,10 +532,8 @@ def _shared(s: Strategy, cluster: ClusterProfile, stages: tuple[StageEstimate, .
                     send_delay_s=send_delay_s)
     shared = []
     for st, x in zip(stages, out):
-        frac = st.bwd_input_fraction
-        scale = frac * x.bwd + (1.0 - frac) * x.weight
-        shared.append(dataclasses.replace(st, fwd_s=st.fwd_s * x.fwd, bwd_s=st.bwd_s * scale,
-                                          bwd_input_fraction=frac * x.bwd / scale if scale > 0 else frac))
+        bwd, frac = stretched_backward(st.bwd_s, st.bwd_input_fraction, x)
+        shared.append(dataclasses.replace(st, fwd_s=st.fwd_s * x.fwd, bwd_s=bwd, bwd_input_fraction=frac))
     return tuple(shared)
 
 

@@ -23,8 +23,9 @@ from typing import Sequence
 from cost_models.records import Record, record
 from cost_models.schedule import Event, StageCost, simulate_schedule
 
-# Re-simulations. Each uses the busy ranks of the previous one's timeline; on the 2026-12-05 fidelity
-# configurations the step moved by 0-6% from the first to the second and by under 1% after.
+# Re-simulations, each from the busy ranks of the previous one's timeline. Over the pipelines of the 2026-12-05
+# fidelity configurations (one probe and profile each), 3 rounds price every step within 1% of 6 rounds (median
+# 0.01%); one round is up to 5.6% off.
 ROUNDS = 3
 
 
@@ -57,12 +58,17 @@ def mean_busy(events: Sequence[Event], replicas: int) -> list[float]:
     return out
 
 
+def stretched_backward(bwd_s: float, input_fraction: float, x: Stretch) -> tuple[float, float]:
+    """(backward, its input-gradient fraction) with the input part stretched by x.bwd and the weight part by
+    x.weight (a backward that is not split is all input part: StageCost.bwd_input_fraction)."""
+    scale = input_fraction * x.bwd + (1.0 - input_fraction) * x.weight
+    return bwd_s * scale, (input_fraction * x.bwd / scale if scale > 0 else input_fraction)
+
+
 def _apply(cost: StageCost, x: Stretch) -> StageCost:
-    """A stage's cost with its compute stretched; the gathers it waits for once (first_*_extra_s) are not."""
-    frac = cost.bwd_input_fraction
-    scale = frac * x.bwd + (1.0 - frac) * x.weight
-    return dataclasses.replace(cost, fwd_s=cost.fwd_s * x.fwd, bwd_s=cost.bwd_s * scale,
-                               bwd_input_fraction=frac * x.bwd / scale if scale > 0 else frac)
+    """A stage's cost with its actions stretched; the gathers it waits for once (first_*_extra_s) are not."""
+    bwd, frac = stretched_backward(cost.bwd_s, cost.bwd_input_fraction, x)
+    return dataclasses.replace(cost, fwd_s=cost.fwd_s * x.fwd, bwd_s=bwd, bwd_input_fraction=frac)
 
 
 def stretches(schedule: str, p: int, m: int, v: int, costs: tuple[StageCost, ...], *, replicas: int,
