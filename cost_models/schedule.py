@@ -587,11 +587,19 @@ def format_grid(order: Mapping[int, Sequence[Action]], *, mark: Mapping[int, int
 
 @lru_cache(maxsize=1024)
 def simulate_schedule(schedule: str, p: int, m: int, v: int, costs: tuple[StageCost, ...], *,
-                      send_delay_s: float = 0.0, keep_timeline: bool = False) -> Simulation:
-    """simulate() of the generated order, each shape compiled once for all the costs the planner tries on it (every
-    ZeRO stage, tp, SP, micro-batch size and recompute of a pipeline shape). `keep_timeline`: keep every action's
-    start and end (Simulation.timeline)."""
-    return _evaluate(_compiled(schedule, p, m, v), costs, keep_timeline=keep_timeline, send_delay_s=send_delay_s)
+                      send_delay_s: float = 0.0) -> Simulation:
+    """simulate() of the generated order, cached: the planner costs every ZeRO stage of a pipeline shape with the
+    same stage costs (data-parallel collectives come after the pipeline), so each distinct (shape, costs) is
+    simulated once, and each shape compiled once for all its costs. The result is shared: read it, do not modify
+    it."""
+    return _evaluate(_compiled(schedule, p, m, v), costs, keep_timeline=False, send_delay_s=send_delay_s)
+
+
+def schedule_timeline(schedule: str, p: int, m: int, v: int, costs: tuple[StageCost, ...], *,
+                      send_delay_s: float = 0.0) -> Simulation:
+    """simulate_schedule() with every action's start and end kept (Simulation.timeline); not cached, as a timeline
+    holds m x pp x v events."""
+    return _evaluate(_compiled(schedule, p, m, v), costs, keep_timeline=True, send_delay_s=send_delay_s)
 
 
 @lru_cache(maxsize=64)

@@ -13,15 +13,15 @@ Measured per action on this machine (gpt-tiny, PP2 zero-bubble x DP2 ZeRO-2 at 1
 while the average over the step (2 ranks busy on 1.9 effective cores) priced every action at 1.05x its CPU time.
 Processor sharing (each of k busy ranks progresses at min(1, cores / k) of its speed alone) is the standard model
 of a time-shared CPU (Kleinrock 1967, "Time-shared systems: a theoretical treatment", J. ACM 14(2)): here every
-action is stretched by the ranks busy on average while it runs over the effective cores, per stage and action
-kind (F, B or I, W), and the schedule re-simulated with the stretched durations until they settle."""
+action is stretched by max(1, ranks busy / effective cores) integrated over its run, per stage and action kind
+(F, B or I, W), and the schedule re-simulated with the stretched durations (ROUNDS times)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
 
 from cost_models.records import Record, record
-from cost_models.schedule import Event, StageCost, simulate_schedule
+from cost_models.schedule import Event, StageCost, schedule_timeline
 
 # Re-simulations, each from the busy ranks of the previous one's timeline. Over the pipelines of the 2026-12-05
 # fidelity configurations (one probe and profile each), 3 rounds price every step within 1% of 6 rounds (median
@@ -37,30 +37,31 @@ class Stretch(Record):
     weight: float = 1.0    # W under a split backward
 
 
-def mean_busy(events: Sequence[Event], replicas: int) -> list[float]:
-    """Per event, the ranks busy on average while it runs: `replicas` (the dp x tp ranks that run each pipeline
-    rank's schedule at the same time) x the pipeline ranks with an action in progress, the event's own included."""
+def mean_slowdown(events: Sequence[Event], replicas: int, cores: float) -> list[float]:
+    """Per event, how much slower than alone it runs on average: max(1, busy / cores) integrated over the event,
+    where busy is `replicas` (the dp x tp ranks that run each pipeline rank's schedule at the same time) x the
+    pipeline ranks with an action in progress, the event's own included."""
     edges = sorted({e.start_s for e in events} | {e.end_s for e in events})
     index = {t: i for i, t in enumerate(edges)}
     delta = [0] * len(edges)
     for e in events:
         delta[index[e.start_s]] += 1
         delta[index[e.end_s]] -= 1
-    area, running = [0.0], 0   # area[i]: the integral of busy ranks from edges[0] to edges[i]
+    area, running = [0.0], 0   # area[i]: the integral of the slowdown from edges[0] to edges[i]
     for i in range(len(edges) - 1):
         running += delta[i]
-        area.append(area[-1] + running * (edges[i + 1] - edges[i]))
+        area.append(area[-1] + max(1.0, replicas * running / cores) * (edges[i + 1] - edges[i]))
     out = []
     for e in events:
         span = e.end_s - e.start_s
-        inside = (area[index[e.end_s]] - area[index[e.start_s]]) / span if span > 0 else 1.0
-        out.append(replicas * inside)
+        out.append((area[index[e.end_s]] - area[index[e.start_s]]) / span if span > 0
+                   else max(1.0, replicas / cores))
     return out
 
 
 def stretched_backward(bwd_s: float, input_fraction: float, x: Stretch) -> tuple[float, float]:
-    """(backward, its input-gradient fraction) with the input part stretched by x.bwd and the weight part by
-    x.weight (a backward that is not split is all input part: StageCost.bwd_input_fraction)."""
+    """(backward, its input-gradient fraction) with the input part (I, or B unsplit) stretched by x.bwd and the
+    weight part by x.weight (equal for a stage whose backward is not split: stretches)."""
     scale = input_fraction * x.bwd + (1.0 - input_fraction) * x.weight
     return bwd_s * scale, (input_fraction * x.bwd / scale if scale > 0 else input_fraction)
 
@@ -74,21 +75,21 @@ def _apply(cost: StageCost, x: Stretch) -> StageCost:
 def stretches(schedule: str, p: int, m: int, v: int, costs: tuple[StageCost, ...], *, replicas: int,
               cores: float, priced_at: float, send_delay_s: float = 0.0) -> tuple[Stretch, ...]:
     """Per stage, how much longer (or shorter) its actions run than `costs` say, for CPU ranks that share `cores`
-    effective cores: each kind's duration-weighted max(1, busy / cores) over `priced_at`, the contention the costs
-    were priced at (compute.contention of estimate.busy_ranks)."""
+    effective cores: each kind's duration-weighted mean_slowdown over `priced_at`, the contention the costs were
+    priced at (compute.contention of estimate.busy_ranks). ROUNDS re-simulations."""
     current = costs
     out = tuple(Stretch() for _ in costs)
     for _ in range(ROUNDS):
-        events = simulate_schedule(schedule, p, m, v, current, send_delay_s=send_delay_s,
-                                   keep_timeline=True).timeline
+        events = schedule_timeline(schedule, p, m, v, current, send_delay_s=send_delay_s).timeline
         acc: dict[tuple[int, str], list[float]] = {}
-        for e, busy in zip(events, mean_busy(events, replicas)):
+        for e, slow in zip(events, mean_slowdown(events, replicas, cores)):
             span = e.end_s - e.start_s
             a = acc.setdefault((e.action.stage, "B" if e.action.kind == "I" else e.action.kind), [0.0, 0.0])
-            a[0] += span * max(1.0, busy / cores)
+            a[0] += span * slow
             a[1] += span
         factor = {k: (x / y if y > 0 else 1.0) / priced_at for k, (x, y) in acc.items()}
+        # a stage without W actions runs its whole backward as B: its weight part is B's too
         out = tuple(Stretch(fwd=factor.get((sid, "F"), 1.0), bwd=factor.get((sid, "B"), 1.0),
-                            weight=factor.get((sid, "W"), 1.0)) for sid in range(len(costs)))
+                            weight=factor.get((sid, "W"), factor.get((sid, "B"), 1.0))) for sid in range(len(costs)))
         current = tuple(_apply(c, x) for c, x in zip(costs, out))
     return out

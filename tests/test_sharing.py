@@ -8,17 +8,31 @@ from cost_models.model_profiler import profile_model
 from cost_models.models.source import resolve
 from cost_models.presets import preset
 from cost_models.schedule import Action, Event, StageCost, simulate_schedule
-from cost_models.sharing import Stretch, mean_busy, stretches
+from cost_models.sharing import Stretch, mean_slowdown, stretched_backward, stretches
 from cost_models.strategy import Strategy
 from tests.clusters import cpu_cluster
 
 
-def test_mean_busy_averages_the_ranks_in_progress_over_each_action():
-    """Rank 0 runs [0, 4), rank 1 [2, 6): each is alone half its time and beside the other half; 2 replicas each."""
+def test_the_slowdown_is_integrated_over_each_action_before_it_is_averaged():
+    """Rank 0 runs [0, 4), rank 1 [2, 6) then [6, 7), 2 replicas each on 3 cores: 2 ranks busy (under the cores,
+    1x) or 4 (4/3x). Each of the first two actions is half alone, half beside the other: (1 + 4/3) / 2; averaging
+    the busy ranks first (3, under the 3 cores) would say 1."""
     events = [Event(rank=0, action=Action(0, "F", 0), start_s=0.0, end_s=4.0),
               Event(rank=1, action=Action(1, "F", 0), start_s=2.0, end_s=6.0),
               Event(rank=1, action=Action(1, "B", 0), start_s=6.0, end_s=7.0)]
-    assert mean_busy(events, replicas=2) == pytest.approx([3.0, 3.0, 2.0])
+    assert mean_slowdown(events, replicas=2, cores=3.0) == pytest.approx([7 / 6, 7 / 6, 1.0])
+
+
+def test_an_unsplit_backward_is_stretched_whole():
+    """GPipe PP2 x 2 micro-batches, F = B = 1, 2 replicas on 2 cores: 0F0 alone, 0F1 beside 1F0, 1F1 alone, 1B0
+    alone, 0B0 beside 1B1, 0B1 alone: every kind of every stage runs half its time beside the other stage (2x), so
+    1.5x, the backward whole (no W actions: its weight part is B's), and the step 6 -> 9."""
+    costs = (StageCost(fwd_s=1.0, bwd_s=1.0), StageCost(fwd_s=1.0, bwd_s=1.0))
+    out = stretches("gpipe", 2, 2, 1, costs, replicas=2, cores=2.0, priced_at=1.0)
+    assert out == (Stretch(fwd=1.5, bwd=1.5, weight=1.5),) * 2
+    assert stretched_backward(1.0, 0.5, out[0]) == (pytest.approx(1.5), pytest.approx(0.5))
+    shared = tuple(StageCost(fwd_s=1.5, bwd_s=1.5) for _ in costs)
+    assert simulate_schedule("gpipe", 2, 2, 1, shared).makespan_s == pytest.approx(9.0)
 
 
 def test_zero_bubble_backwards_that_overlap_share_the_cores():
