@@ -25,7 +25,7 @@ from cost_models.schedule import Event, StageCost, schedule_timeline
 
 # Re-simulations, each from the busy ranks of the previous one's timeline. Over the pipelines of the 2026-12-05
 # fidelity configurations (one probe and profile each), 3 rounds price every step within 1% of 6 rounds (median
-# 0.01%); one round is up to 5.6% off.
+# 0.01%); one round is up to 7.3% off.
 ROUNDS = 3
 
 
