@@ -140,8 +140,9 @@ def action_seconds(probe: "ComputeProbe", *, multi_stage: bool, split_backward: 
 
     The probe measured two shapes (overhead_probe): every pair of ranks at once (probe.ranks // 2 pipelines) and
     one pipeline over all ranks; a plan between them is interpolated linearly in its pipelines at once, and a
-    probe of one shape only (2 ranks, older files) gives the pairs' value. On CPU ranks sharing cores the two differ either way
-    (4 ranks on 2 cores, ms per action as pairs / one pipeline: GPipe 0.31 / 0.67, zero-bubble 1.15 / 0.66)."""
+    probe of one shape only (2 ranks, older files) gives the pairs' value. On CPU ranks sharing cores the two
+    differ either way (4 ranks on 2 cores, ms per action as pairs / one pipeline: GPipe 0.31 / 0.67, zero-bubble
+    1.15 / 0.66)."""
     def kind(prefix: str) -> tuple[float, float]:
         return getattr(probe, prefix + "_s"), getattr(probe, prefix + "_one_s")
     pairs, one = kind("pipeline_action")

@@ -520,9 +520,10 @@ def _shared(s: Strategy, cluster: ClusterProfile, stages: tuple[StageEstimate, .
     (sharing.stretches) instead of at the step's average (busy_ranks). Everything in an action's fwd_s / bwd_s is
     CPU work on these ranks (the units, torch's per-action runtime, FSDP's hooks), so all of it is stretched; its
     gathers (gather_s, priced by the probe's collective fits) are not (the rounds' own simulations stretch a ZeRO-3
-    stage's every-forward gather with its forward, which moved a PP2 x DP2 ZeRO-3 step by 0.03%). Scored offline against the 2026-12-05 08:31
-    fidelity run's measurements (4 ranks on 2 cores, with the probes and profiles of its 05:00 and 07:10
-    predecessors), with FSDP's per-unit work moved into the stages (_stage): PP2 x DP2 ZeRO-2 at one micro-batch
+    stage's every-forward gather with its forward, which moved a PP2 x DP2 ZeRO-3 step by 0.03%). Scored offline
+    against the 2026-12-05 08:31 fidelity run's measurements (4 ranks on 2 cores, with the probes and profiles of
+    its 05:00 and 07:10 predecessors), with FSDP's per-unit work moved into the stages (_stage): PP2 x DP2 ZeRO-2
+    at one micro-batch
     went from 0.82 (single-stage schedules) and 1.09 (multi-stage) of measured to 0.92 and 0.97 (medians), ZeRO-3
     from 0.75 to 0.81; 4-rank MAPE from 16.7% to 16.0%. GPUs, and pipelines of one stage, as priced."""
     cores = effective_cores(cluster)
