@@ -523,9 +523,9 @@ def _shared(s: Strategy, cluster: ClusterProfile, stages: tuple[StageEstimate, .
     stage's every-forward gather with its forward, which moved a PP2 x DP2 ZeRO-3 step by 0.03%). Scored offline
     against the 2026-12-05 08:31 fidelity run's measurements (4 ranks on 2 cores, with the probes and profiles of
     its 05:00 and 07:10 predecessors), with FSDP's per-unit work moved into the stages (_stage): PP2 x DP2 ZeRO-2
-    at one micro-batch
-    went from 0.82 (single-stage schedules) and 1.09 (multi-stage) of measured to 0.92 and 0.97 (medians), ZeRO-3
-    from 0.75 to 0.81; 4-rank MAPE from 16.7% to 16.0%. GPUs, and pipelines of one stage, as priced."""
+    at one micro-batch went from 0.82 (single-stage schedules) and 1.09 (multi-stage) of measured to 0.92 and 0.97
+    (medians), ZeRO-3 from 0.75 to 0.81; 4-rank MAPE from 16.7% to 16.0%. GPUs, and pipelines of one stage, as
+    priced."""
     cores = effective_cores(cluster)
     if cores is None or s.n_stages == 1:
         return stages
