@@ -19,9 +19,9 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgress
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from cost_models.errors import PlannerError
-from cost_models.fileio import dumps
-from cost_models.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from cost_models.records.errors import PlannerError
+from cost_models.records.fileio import dumps
+from cost_models.records.schedule import DEFAULT_SCHEDULE, SCHEDULES
 
 class _ErrorBoundary(TyperGroup):
     """The one error boundary of every command (main() and tests' CliRunner both go through it): a PlannerError is
@@ -103,8 +103,8 @@ def _confirm_overwrite(path: Path, force: bool) -> bool:
 def _prepare_output(output: Path, force: bool, *, also: tuple[Path, ...] = ()) -> tuple[Path | None, bool]:
     """(where to write or None for '-', may overwrite): refuses, before any work, to clobber a user's file or to
     start work whose output cannot be written."""
-    from cost_models.errors import OutputExistsError
-    from cost_models.fileio import check_writable
+    from cost_models.records.errors import OutputExistsError
+    from cost_models.records.fileio import check_writable
     write_to = None if str(output) == "-" else output
     for path in (write_to, *also) if write_to else ():
         check_writable(path)
@@ -169,18 +169,18 @@ def profile(
     as_json: AsJson = False,
 ) -> None:
     """Measure a model unit by unit (parameters, FLOPs, activation bytes, times) and write profile.json."""
-    from cost_models.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
-    from cost_models.formatting import about
-    from cost_models.profile import ProfileFile
-    from cost_models.summaries import UNIT_COLUMNS, unit_rows
-    from cost_models.tensor_parallel import custom_tp_plan
+    from cost_models.profiling.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
+    from cost_models.records.formatting import about
+    from cost_models.records.files import ProfileFile
+    from planner.summaries import UNIT_COLUMNS, unit_rows
+    from cost_models.models.tp_shape import custom_tp_plan
 
     write_to, overwrite = _prepare_output(output, force)
     sizes = parse_sizes(probe_sizes) if probe_sizes else None
     check_cluster_args(cluster, nodes=nodes, ranks=ranks)
     if cluster != "local":  # presets and files before the model (torch's import alone takes seconds)
         cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
     source = resolve(model, input_ref=input_fn)
     with _progress(counts=False) as bar, custom_tp_plan(tp_plan):   # --tp-plan: imported here, recorded in prof
@@ -209,26 +209,26 @@ def profile(
 
 
 def _print_params(prof) -> None:
-    from cost_models.formatting import size
+    from cost_models.records.formatting import size
     tied = "; ".join(f"{s.name} = {', '.join(s.aliases)}" for s in prof.shared)
     out.print(f"parameters: {prof.total_params:,} ({size(prof.total_param_bytes)} at {prof.dtype})"
               + (f"; tied: {tied}" if tied else ""), highlight=False)
     if prof.unassigned_params:
         out.print(f"note: {prof.unassigned_params:,} parameters belong to no unit (counted in the total)", highlight=False)
-    from cost_models.summaries import profile_load_line
+    from planner.summaries import profile_load_line
     if load := profile_load_line(prof):
         out.print(load, highlight=False)
 
 
 def _probe(*, nodes, ranks, dtype, sizes, repeats):
-    from cost_models.cluster_source import resolve_cluster
+    from cost_models.profiling.cluster_source import resolve_cluster
     with err.status("probing this machine's collectives and matmul rate"):
         return resolve_cluster("local", nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes, repeats=repeats,
                                on_status=lambda line: err.print(line, highlight=False))
 
 
 def _print_cluster(cluster) -> None:
-    from cost_models.summaries import CLUSTER_FIT_COLUMNS, cluster_fit_rows, cluster_lines
+    from planner.summaries import CLUSTER_FIT_COLUMNS, cluster_fit_rows, cluster_lines
     for line in cluster_lines(cluster):
         out.print(line, highlight=False)
     if cluster.fits:
@@ -248,9 +248,9 @@ def profile_cluster(
     as_json: AsJson = False,
 ) -> None:
     """Describe a cluster (probe this machine, or expand a preset / file) and write cluster.json."""
-    from cost_models.cluster import ClusterFile
-    from cost_models.cluster_source import parse_sizes, resolve_cluster
-    from cost_models.errors import ConfigError
+    from cost_models.records.files import ClusterFile
+    from cost_models.profiling.cluster_source import parse_sizes, resolve_cluster
+    from cost_models.records.errors import ConfigError
 
     if cluster == "none":
         raise ConfigError("--cluster none describes nothing; use local, a preset or a cluster file")
@@ -270,8 +270,8 @@ def profile_cluster(
 @app.command()
 def presets(as_json: AsJson = False) -> None:
     """List the cluster presets (one node each; scale with --nodes)."""
-    from cost_models.formatting import fixed
-    from cost_models.presets import PRESETS
+    from cost_models.records.formatting import fixed
+    from cost_models.records.presets import PRESETS
     if as_json:
         print(dumps({k: v.to_dict() for k, v in PRESETS.items()}), end="")
         return
@@ -297,7 +297,7 @@ def models(as_json: AsJson = False) -> None:
 @app.command()
 def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="folder for the demo's files (its own, overwritten on rerun)")) -> None:
     """Run the main job on a built-in default model on this machine."""
-    from cost_models.summaries import UNIT_COLUMNS, unit_rows
+    from planner.summaries import UNIT_COLUMNS, unit_rows
     from executor.demo import run_demo
 
     with _progress(counts=False) as bar:
@@ -306,7 +306,7 @@ def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="
             bar.update(task, completed=done, total=total, description=f"demo: profiling {name}")
         result = run_demo(out_dir, command=_command_line(), on_progress=on_progress,
                           on_status=lambda line: bar.update(task, description=f"demo: {line}"))
-    from cost_models.profile import ProfileFile
+    from cost_models.records.files import ProfileFile
     pf = ProfileFile.load(result.profile_path)
     prof = pf.model
     out.print(_table(UNIT_COLUMNS, unit_rows(prof), title=f"{prof.name}: measured on this machine "
@@ -343,8 +343,8 @@ def estimate(
 ) -> None:
     """Predict step time and per-rank memory of one strategy; exit 3 if it does not fit. With -o, write it as a plan
     (the same format as `planner plan`'s, chosen by hand) that `planner run` runs."""
-    from cost_models.estimate import estimate as run_estimate
-    from cost_models.strategy import check_training
+    from cost_models.cost.estimate import estimate as run_estimate
+    from cost_models.records.precision import check_training
     from planner.manual import (StrategyRequest, build_strategy, check_fits, executor_refuses, load_profile_for,
                                 manual_plan)
 
@@ -371,8 +371,8 @@ def estimate(
 
 
 def _print_estimate(strategy, est) -> None:
-    from cost_models.formatting import fixed
-    from cost_models.summaries import estimate_lines, memory_rows, MEMORY_COLUMNS
+    from cost_models.records.formatting import fixed
+    from planner.summaries import estimate_lines, memory_rows, MEMORY_COLUMNS
     for line in estimate_lines(strategy, est):
         out.print(line, highlight=False)
     out.print(_table(MEMORY_COLUMNS, memory_rows(est), title=f"memory per rank (GiB = 2^30 B), capacity "
@@ -431,8 +431,8 @@ def plan(
 def _warn_loaded_profile(profile, cluster, precision: str) -> None:
     """One line on stderr where the predictions use unit times (compute.uses_measured_times) that were taken on an
     overloaded machine (summaries.profile_loaded): they inherit the wait for a core."""
-    from cost_models.compute import uses_measured_times
-    from cost_models.summaries import profile_load_line, profile_loaded
+    from cost_models.cost.compute import uses_measured_times
+    from planner.summaries import profile_load_line, profile_loaded
     if profile_loaded(profile) and uses_measured_times(profile, cluster, precision):
         err.print(f"warning: {profile_load_line(profile)}", highlight=False, soft_wrap=True)
 
@@ -447,7 +447,7 @@ def _verify_config(k: int, steps: int, timeout_s: float):
 
 def _verifying(the_plan, profile, cfg):
     """Run the plan's top candidates (executor.verify.verify); one line on stderr as each ends."""
-    from cost_models.formatting import duration
+    from cost_models.records.formatting import duration
     from executor.verify import verify
 
     def ended(i: int, t) -> None:
@@ -490,7 +490,7 @@ def _report_path(plan_path: Path) -> Path:
 
 def _write_report(the_plan, the_run, html_path: Path, overwrite: bool) -> tuple[Path, Path]:
     """report.html and report.md with the same content (planner.report); the caller checked for clobbering."""
-    from cost_models.fileio import write_atomic
+    from cost_models.records.fileio import write_atomic
     from planner.report import render_html, render_markdown
     md_path = html_path.with_suffix(".md")
     write_atomic(html_path, render_html(the_plan, the_run), overwrite=overwrite)
@@ -516,7 +516,7 @@ def report_cmd(
 
 
 def _print_plan(p) -> None:
-    from cost_models.formatting import duration, fixed
+    from cost_models.records.formatting import duration, fixed
     r, pv = p.rationale, p.provenance
     out.print(f"{p.model.name} on {p.gpus} x {p.cluster.device.name} ({p.cluster.name}), global batch "
               f"{p.global_batch_size} x {p.model.seq_len}", highlight=False)
@@ -594,7 +594,7 @@ def calibrate(
 ) -> None:
     """Fit what runs measured (compute, optimizer, per-action and data-parallel costs) and write the plans' cluster
     with that calibration; plan with it by `planner plan PROFILE --cluster cluster.json`."""
-    from cost_models.cluster import ClusterFile
+    from cost_models.records.files import ClusterFile
     from planner.calibrate import calibrate as run_calibrate
     write_to, overwrite = _prepare_output(output, force)
     cluster, fitted = run_calibrate(runs, plans or ())
@@ -606,7 +606,7 @@ def calibrate(
 
 
 def _print_calibration(cal, fitted) -> None:
-    from cost_models.formatting import duration
+    from cost_models.records.formatting import duration
     rows = [[r.path, r.strategy, duration(r.measured_step_s), duration(r.predicted_before_s),
              duration(r.predicted_after_s)] for r in cal.runs]
     out.print(_table(["run", "strategy", "measured step", "predicted", "calibrated"], rows,
@@ -670,7 +670,7 @@ def _print_resume(step_dir, meta, the_plan, *, signed: bool, saving: bool) -> No
 
 
 def _print_run(r) -> None:
-    from cost_models.formatting import duration, load_line
+    from cost_models.records.formatting import duration, load_line
     from planner.report import MEASURE_COLUMNS, measure_rows
     first = f"steps {r.start_step}-{r.steps - 1}" if r.start_step else f"{r.steps} steps"
     out.print(f"ran {r.strategy_summary} on {r.world_size} ranks ({r.backend}), {first}, "

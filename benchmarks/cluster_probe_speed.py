@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
-from cost_models.formatting import duration  # noqa: E402  (after the path: the script runs from a checkout)
+from cost_models.records.formatting import duration  # noqa: E402  (after the path: the script runs from a checkout)
 
 
 def main() -> None:

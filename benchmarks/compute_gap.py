@@ -13,7 +13,7 @@ D1 executor:   D on one rank (dp=1: no DDP, no collectives): the executor's own 
 D  executor:   `run_many` on 2 gloo ranks, ZeRO-0 dp=2, one micro-batch per step: the run's compute_s (time inside
                forward/backward, DDP's bucket all-reduce included), per micro-batch.
 E  estimate:   the estimate's compute_s for that plan on this machine's probed cluster (probe_local, 2 ranks): A times
-               the probe's contention factor for 2 ranks (cost_models.compute.contention); "E + all-reduce" adds
+               the probe's contention factor for 2 ranks (cost_models.cost.compute.contention); "E + all-reduce" adds
                the estimate's exposed data-parallel time (DDP's all-reduce, which D's compute_s contains).
 The table prints the medians with [min - max] over repeats and the machine's 1-minute load beside them; JSON goes to
 benchmarks/results/compute_gap.json.
@@ -39,7 +39,7 @@ SEQ_LEN, BATCH = 32, 4          # as benchmarks/fidelity.py profiles
 def _in_model(model_name: str, iters: int, barrier=None) -> dict:
     """B: forward + loss + backward of the whole model, 1 thread; per-unit seconds from module hooks (medians)."""
     import torch
-    from cost_models.model_profiler import profile_model  # noqa: F401  (same import cost as the other paths)
+    from cost_models.profiling.model_profiler import profile_model  # noqa: F401  (same import cost as the other paths)
     from cost_models.models.losses import compute_loss, synthetic_target
     from cost_models.models.source import resolve
     from executor.runtime import logits_of
@@ -106,7 +106,7 @@ def _two_at_once(model_name: str, iters: int) -> list[dict]:
 
 
 def _profile(model_name: str) -> dict:
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
     prof = profile_model(resolve(model_name), micro_batch_size=BATCH, seq_len=SEQ_LEN, dtype="fp32", threads=1,
                          repeats=5, warmup=2)
@@ -115,7 +115,7 @@ def _profile(model_name: str) -> dict:
 
 
 def _executor(model_name: str, prof, steps: int, ranks: int = 2) -> float:
-    from cost_models.strategy import Strategy
+    from cost_models.records.strategy import Strategy
     from executor.launch import run_many
     from executor.train import TrainConfig
     s = Strategy(dp=ranks, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=BATCH,
@@ -126,8 +126,8 @@ def _executor(model_name: str, prof, steps: int, ranks: int = 2) -> float:
 
 
 def _estimate(prof, cluster) -> tuple[float, float]:
-    from cost_models.estimate import estimate
-    from cost_models.strategy import Strategy
+    from cost_models.cost.estimate import estimate
+    from cost_models.records.strategy import Strategy
     s = Strategy(dp=2, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=BATCH,
                  stages=(tuple(u.name for u in prof.units),), precision="fp32", optimizer="adamw")
     b = estimate(s, prof, cluster).breakdown
@@ -142,7 +142,7 @@ def measure(model_name: str, repeats: int, iters: int) -> dict:
     rows: dict[str, list[float]] = {"A profile": [], "B in model": [], "B unit sum": [], "C two at once": [],
                                     "D1 executor 1 rank": [], "D executor": [], "E estimate": [],
                                     "E + all-reduce": []}
-    from cost_models.cluster_source import probe_local
+    from cost_models.profiling.cluster_source import probe_local
     loads = []
     units_a = units_b = None
     for _ in range(repeats):        # the four interleaved, so a load change hits them all

@@ -76,7 +76,7 @@ def _median_after(values, warmup: int) -> float:
 def _row_parts(row: dict):
     """A row's (PredictedParts, MeasuredParts). Rows written before the fit's parts were recorded give compute,
     optimizer and the rest only: no per-action cost, data-parallel or bubble split, and no sync time."""
-    from cost_models.schedule import SCHEDULES
+    from cost_models.records.schedule import SCHEDULES
     from planner.calibrate import MeasuredParts, PredictedParts
     m = row["measured"]
     measured = MeasuredParts(step_s=row["measured_s"], compute_s=m["compute"],
@@ -94,7 +94,7 @@ def calibration_cv(rows: list[dict]) -> dict:
     """Calibration cross-validated: candidates in predicted order, the even places fitted (planner/calibrate.py),
     the odd places scored with the fitted values (calibrate.predict_after), step-time MAPE and Kendall tau on the
     held-out half before and after."""
-    from cost_models.errors import PlannerError
+    from cost_models.records.errors import PlannerError
     from planner.calibrate import fit, mape, predict_after
     order = sorted(rows, key=lambda r: (r["predicted_s"], r["strategy"]))
     train, test = [_row_parts(r) for r in order[0::2]], [_row_parts(r) for r in order[1::2]]
@@ -142,8 +142,8 @@ def _over_passes(passes: list, field: str, warmup: int) -> float:
 
 
 def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, passes: int, cluster) -> dict:
-    from cost_models.estimate import estimate
-    from cost_models.model_profiler import profile_model
+    from cost_models.cost.estimate import estimate
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
     from executor.train import TrainConfig
     from planner.request import PlanRequest
@@ -235,7 +235,7 @@ def main() -> None:
     if args.markdown_from:
         _rewrite(Path(args.markdown_from))
         return
-    from cost_models.cluster_source import probe_local
+    from cost_models.profiling.cluster_source import probe_local
 
     configs = [("mlp-deep", 2, 8)] if args.quick else [
         (m, int(g), int(b)) for m in args.models.split(",") for g in args.gpus.split(",") for b in args.batches.split(",")]

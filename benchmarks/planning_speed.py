@@ -39,7 +39,7 @@ def _request(nodes: int, args):
 
 def _cold(args) -> None:
     """One cold plan() in this (fresh) process; prints its figures as one JSON line."""
-    from cost_models.presets import preset
+    from cost_models.records.presets import preset
     from planner.search import plan
     prof = pickle.loads(Path(args.cold_profile).read_bytes())
     cluster = preset("dgx-h100", nodes=args.cold)
@@ -61,7 +61,7 @@ def _cold(args) -> None:
 
 def _top_functions(prof, nodes: int, args) -> list[str]:
     """plan()'s top functions by cumulative time (an in-process, profiled run: cProfile slows it ~2x)."""
-    from cost_models.presets import preset
+    from cost_models.records.presets import preset
     from planner.search import plan
     profiler = cProfile.Profile()
     profiler.enable()
@@ -85,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.cold:
         return _cold(args)
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
     from planner.search import MILP_AUTO
 

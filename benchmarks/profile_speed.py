@@ -18,7 +18,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))
-from cost_models.formatting import fixed  # noqa: E402  (after the path: the script runs from a checkout)
+from cost_models.records.formatting import fixed  # noqa: E402  (after the path: the script runs from a checkout)
 
 
 def run_once(model: str, seq_len: int) -> dict:

@@ -1,5 +1,5 @@
 """How late a gloo send reaches its peer when the sender goes on computing (torch.distributed alone, no zeropipe code
-in the ranks): what the estimate's pipeline simulation assumes about messages on CPU ranks (schedule._evaluate,
+in the ranks): what the estimate's pipeline simulation assumes about messages on CPU ranks (simulator._evaluate,
 SEND_DELAY_CAP_S).
 
     python benchmarks/send_delay.py              # ~1 min here

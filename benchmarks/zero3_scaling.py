@@ -2,13 +2,13 @@
 
 Strong scaling: the global batch stays (default 1,024 sequences of 4,096 tokens, llama3-8b meta profile, bf16-mixed,
 dgx-h100 nodes), so each doubling halves the local batch while a rank's parameter gathers and gradient
-reduce-scatters per micro-batch stay the same bytes and their ring latency grows with the ranks (cost_models/comm.py:
-NCCL's per-step latency, src/graph/tuning.cc). For each GPU count the fastest fitting ZeRO-3 data-parallel strategy
-(pp = 1, tp = 1) over micro-batch sizes and recompute is kept, as the planner would among ZeRO-3 plans. Prints a
-table (GPUs, local batch, micro-batches, predicted step time, per-GPU tokens/s, exposed data-parallel comm, MFU and
-HFU) and writes benchmarks/results/zero3_scaling.json. Predictions only: nothing here is measured; the collectives'
-bus bandwidth at scale is checked against published nccl-tests figures (cost_models/presets.py, tests/test_comm.py:
-all-gather on 32 DGX H100 nodes predicted 179 GB/s, ~200 published in NVIDIA/nccl#1218).
+reduce-scatters per micro-batch stay the same bytes and their ring latency grows with the ranks
+(cost_models/cost/comm.py: NCCL's per-step latency, src/graph/tuning.cc). For each GPU count the fastest fitting ZeRO-3
+data-parallel strategy (pp = 1, tp = 1) over micro-batch sizes and recompute is kept, as the planner would among ZeRO-3
+plans. Prints a table (GPUs, local batch, micro-batches, predicted step time, per-GPU tokens/s, exposed data-parallel
+comm, MFU and HFU) and writes benchmarks/results/zero3_scaling.json. Predictions only: nothing here is measured; the
+collectives' bus bandwidth at scale is checked against published nccl-tests figures (cost_models/records/presets.py,
+tests/test_comm.py: all-gather on 32 DGX H100 nodes predicted 179 GB/s, ~200 published in NVIDIA/nccl#1218).
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parents[1]))
-from cost_models.estimate import estimate  # noqa: E402  (after the path: the script runs from a checkout)
-from cost_models.formatting import duration  # noqa: E402
-from cost_models.presets import preset  # noqa: E402
-from cost_models.strategy import Strategy  # noqa: E402
+from cost_models.cost.estimate import estimate  # noqa: E402  (after the path: the script runs from a checkout)
+from cost_models.records.formatting import duration  # noqa: E402
+from cost_models.records.presets import preset  # noqa: E402
+from cost_models.records.strategy import Strategy  # noqa: E402
 
 
 def best_zero3(prof, cluster, gpus: int, global_batch: int):
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--global-batch-size", type=int, default=1024, help="sequences per step")
     ap.add_argument("--max-gpus", type=int, default=1024)
     args = ap.parse_args()
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
     prof = profile_model(resolve(args.model), micro_batch_size=1, seq_len=args.seq_len, meta=True, dtype="bf16")
     base = preset(args.cluster)

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cost_models.model_profiler import profile_model
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.presets import preset
+from cost_models.records.presets import preset
 from executor.api import apply_plan
 from executor.data import TokenFile
 from planner.plan import Plan

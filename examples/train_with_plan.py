@@ -14,10 +14,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from cost_models.model_profiler import profile_model
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.gpt import GPT, GPTConfig
 from cost_models.models.source import resolve
-from cost_models.presets import preset
+from cost_models.records.presets import preset
 from executor.api import apply_plan
 from planner.request import PlanRequest
 from planner.search import plan as make_plan

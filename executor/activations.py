@@ -1,9 +1,9 @@
 """Activation bytes a rank holds for backward, measured during one step: the run's counterpart of the estimate's
-activation term (cost_models.estimate: the schedule's in-flight micro-batches times each stage's saved bytes, plus,
+activation term (cost_models.cost.estimate: the schedule's in-flight micro-batches times each stage's saved bytes, plus,
 with recompute, one unit's saved bytes while it is recomputed).
 
 What is counted, by storage (views share one), parameters left out, as the profiler counts a unit's saved bytes
-(cost_models.model_profiler):
+(cost_models.profiling.model_profiler):
 - every tensor autograd saves for backward (torch.autograd.graph.saved_tensors_hooks: the hook's handle lives as
   long as autograd keeps the tensor, and is dropped when the node that saved it has run backward);
 - in a checkpointed region (full recompute of a unit, or the selective recompute of the attention kernel), what the
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from cost_models.torch_private import TorchDispatchMode, storage_id, storage_key, tree_leaves, view_base
+from cost_models.torch_compat.torch_private import TorchDispatchMode, storage_id, storage_key, tree_leaves, view_base
 
 _ACTIVE: list["ActivationMeter"] = []     # the meter of the step being measured, if any
 

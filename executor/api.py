@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.errors import ConfigError
-from cost_models.host import keep_freed_memory
-from cost_models.strategy import Strategy
+from cost_models.records.errors import ConfigError
+from cost_models.torch_compat.host import keep_freed_memory
+from cost_models.torch_compat.devices import claim_device, rank_backend, rank_device
+from cost_models.records.strategy import Strategy
 from executor.runtime import LossFn, ModelSpec, Runtime, build_runtime
 from executor.stages import UnitMap
 from executor.weights import load_weights, weights_format
@@ -61,7 +62,7 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
     strategy = plan.strategy if isinstance(plan, Plan) else plan
     strategy.validate(tuple(u for stage in strategy.stages for u in stage))
     _init_process_group(strategy, timeout_s)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = rank_device()
     units = UnitMap.of(plan.model.units, plan.model.unit_modules) if isinstance(plan, Plan) else UnitMap()
     if example_input is None and isinstance(plan, Plan) and plan.model.input_kind == "tokens":
         example_input = torch.zeros(strategy.micro_batch_size, plan.model.seq_len, dtype=torch.long)
@@ -82,12 +83,9 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
 
 def _init_process_group(strategy: Strategy, timeout_s: float) -> None:
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        else:   # CPU ranks: freed blocks stay for reuse, as the profile computed (host.keep_freed_memory)
+        if claim_device(one_thread=False).type == "cpu":   # freed blocks stay for reuse, as the profile computed
             keep_freed_memory()
-        dist.init_process_group(backend, timeout=dt.timedelta(seconds=timeout_s))
+        dist.init_process_group(rank_backend(), timeout=dt.timedelta(seconds=timeout_s))
     if dist.get_world_size() != strategy.world_size:
         raise ConfigError(f"the plan runs on {strategy.world_size} ranks (dp {strategy.dp} x tp {strategy.tp} x pp "
                           f"{strategy.pp}), this job "

@@ -37,8 +37,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from cost_models.errors import PlannerError
-from cost_models.torch_private import tp_strided
+from cost_models.records.errors import PlannerError
+from cost_models.torch_compat.torch_private import tp_strided
 from executor import checkpoint_layout as layout
 
 

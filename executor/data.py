@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cost_models.errors import ConfigError
+from cost_models.records.errors import ConfigError
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
 _SCAN_CHUNK = 1 << 24   # tokens per slice when the launcher checks every id (bounded memory for any file size)

@@ -10,11 +10,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cost_models.cluster_source import StatusFn, probe_local
-from cost_models.fileio import write_atomic
-from cost_models.model_profiler import ProgressFn, profile_model
+from cost_models.profiling.cluster_source import StatusFn, probe_local
+from cost_models.records.fileio import write_atomic
+from cost_models.profiling.model_profiler import ProgressFn, profile_model
 from cost_models.models.source import resolve
-from cost_models.profile import ProfileFile
+from cost_models.records.files import ProfileFile
 from executor.launch import WARMUP_STEPS, RunConfig, launch
 from planner.plan import Plan
 from planner.run_record import RunFile
@@ -45,7 +45,7 @@ def _cpu_ranks_only() -> int:
     The demo's 4 ranks need none, and a machine with fewer than 4 GPUs could not host them as GPU ranks (seen on a
     one-GPU H200: the probe's rank 1 failed, 'invalid device ordinal'). torch reads CUDA_VISIBLE_DEVICES once, at
     its first CUDA call, which the demo has not made yet."""
-    from cost_models.nvml_topology import detect_topology
+    from cost_models.profiling.nvml_topology import detect_topology
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     topology, _ = detect_topology()
     return len(topology.gpus) if topology else 0

@@ -23,11 +23,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from cost_models.errors import ConfigError, OutputError, OutputExistsError
-from cost_models.fileio import check_writable
-from cost_models.formatting import size
+from cost_models.records.errors import ConfigError, OutputError, OutputExistsError
+from cost_models.records.fileio import check_writable
+from cost_models.records.formatting import size
 from cost_models.models.source import resolve
-from cost_models.records import Record, record
+from cost_models.records.base import Record, record
 from executor import checkpoint
 from executor import checkpoint_layout as layout
 

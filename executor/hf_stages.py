@@ -1,4 +1,4 @@
-"""Pipeline stages of HF causal LMs that run the model's own forward (issue 16: never a chain that skips code).
+"""Pipeline stages of HF causal LMs that run the model's own forward (never a chain that skips code in it).
 
 A stage holding decoder layers i..j runs the model's own decoder forward (LlamaModel.forward, GPT2Model.forward:
 position ids, rotary embeddings, the causal mask, the layer calls, as the model computes them) over a *view* of the
@@ -21,8 +21,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from cost_models.errors import ConfigError
-from cost_models.torch_private import module_view
+from cost_models.records.errors import ConfigError
+from cost_models.torch_compat.torch_private import module_view
 from executor.stages import Stage, UnitMap
 
 

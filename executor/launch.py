@@ -1,9 +1,9 @@
 """`planner run`: start the plan's ranks with torchrun's own machinery, gather what they measured, compare it with
 the plan's prediction, and write run.json.
 
-Local runs use torch.distributed.launcher.elastic_launch on file stores (cost_models.elastic.elastic_job: nothing
-listens on a network port); --nnodes / --node-rank / --rdzv-endpoint use a c10d TCP rendezvous. max_restarts=0: a
-rank that raises makes the agent stop every other rank, and the error comes back as one line naming the rank.
+Local runs use torch.distributed.launcher.elastic_launch on file stores (cost_models.torch_compat.elastic.elastic_job:
+nothing listens on a network port); --nnodes / --node-rank / --rdzv-endpoint use a c10d TCP rendezvous. max_restarts=0:
+a rank that raises makes the agent stop every other rank, and the error comes back as one line naming the rank.
 Collectives time out after `timeout_s` (init_process_group's timeout), so a hung peer cannot hang the job.
 """
 from __future__ import annotations
@@ -22,10 +22,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from cost_models.elastic import elastic_job, init_process_group, is_consequence, root_failure
-from cost_models.errors import ConfigError, PlannerError
-from cost_models.formatting import fixed, now_utc
-from cost_models.records import Record, record
+from cost_models.torch_compat.elastic import elastic_job, init_process_group, is_consequence, root_failure
+from cost_models.torch_compat.devices import claim_device, rank_backend
+from cost_models.records.errors import ConfigError, PlannerError
+from cost_models.records.formatting import fixed, now_utc
+from cost_models.records.base import Record, record
 from executor import checkpoint_layout as layout
 from executor import trust
 from executor.data import TokenFile
@@ -110,13 +111,8 @@ def _failure_from_files(failure_dir: str) -> tuple[int, str] | None:
 def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | None:
     plan = Plan.from_dict(plan_data)
     cfg = TrainConfig.from_dict(cfg_data)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        backend = "nccl"
-    else:
-        torch.set_num_threads(1)   # ranks share the host's cores (and the profile was taken with one thread)
-        backend = "gloo"
-    init_process_group(backend, timeout_s)
+    claim_device(one_thread=True)
+    init_process_group(rank_backend(), timeout_s)
     try:
         result = run_on_rank(plan.strategy, cfg, plan)
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -126,10 +122,9 @@ def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | Non
         dist.destroy_process_group()
 
 
-# Untimed steps before a run's timed ones. The second step is still slow: measured on 2 CPU ranks (gpt-wide, batch
-# 8), step 2 took 1.2-2x the steady steps under DDP (its buckets are rebuilt after the first step), TP2, ZeRO-3 and
-# PP2 (48.5 ms against 23-35 for ZeRO-0 dp=2; 62.5 against 41-52 for TP2), so one warm-up step biased every
-# measured median up.
+# Untimed steps before a run's timed ones. The second step is still slow under DDP (its buckets are rebuilt after
+# the first step), TP2, ZeRO-3 and PP2, so one warm-up step biased every measured median up (measured:
+# benchmarks/results/measurements.md, "Warm-up steps").
 WARMUP_STEPS = 2
 
 
@@ -207,7 +202,7 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
     if gathered is None:
         return None
     result = summarize(plan, [RankResult.from_dict(r) for r in gathered], steps=run.steps, warmup=run.warmup,
-                       backend="nccl" if torch.cuda.is_available() else "gloo")
+                       backend=rank_backend())
     written = tuple(str(Path(run.checkpoint_dir) / layout.step_dir_name(s)) for s in result.ranks[0].checkpoint_steps)
     # how loaded the machine was, beside the measured times: a shared machine's noise is not the model's error
     return dataclasses.replace(result, start_step=start, resumed_from=str(step_dir) if step_dir else None,
@@ -264,9 +259,9 @@ def _checkpoint_folder(root: Path, start: int, overwrite: bool, *, lock: bool) -
 def _check_model(plan: Plan):
     """Before any rank starts: the plan's model builds (on the meta device: no memory), its stages hold all of it
     (executor.stages.check_covers_model), and a pipeline plan's model can be pipelined
-    (cost_models.pipelining). Returns the meta model."""
+    (cost_models.models.pipelining). Returns the meta model."""
     from cost_models.models.source import DTYPES, resolve
-    from cost_models.pipelining import pipeline_support
+    from cost_models.models.pipelining import pipeline_support
     model = resolve(plan.model.source).build(device="meta", dtype=DTYPES["fp32"])
     units = UnitMap.of(plan.model.units, plan.model.unit_modules)
     support = ""
@@ -390,14 +385,14 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
 
 
 def _many_worker(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float, failure_dir: str) -> list | None:
-    """Every rank: run each strategy in turn in one process group (spawning ranks costs ~10 s here)."""
+    """Every rank: run each strategy in turn in one process group (spawning ranks costs seconds each time)."""
     return _guarded(failure_dir, _many, strategy_dicts, cfg_data, timeout_s)
 
 
 def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list | None:
-    from cost_models.strategy import Strategy
-    torch.set_num_threads(1)
-    init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout_s)
+    from cost_models.records.strategy import Strategy
+    claim_device(one_thread=True)
+    init_process_group(rank_backend(), timeout_s)
     try:
         cfg = TrainConfig.from_dict(cfg_data)
         results = []

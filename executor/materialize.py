@@ -25,7 +25,7 @@ import psutil
 import torch
 from torch import nn
 
-from cost_models.torch_private import hf_init_weights, own_parameters
+from cost_models.torch_compat.torch_private import hf_init_weights, own_parameters
 
 INIT_ENV = "ZEROPIPE_INIT"
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from cost_models.host import peak_rss_bytes
-from cost_models.torch_private import TorchDispatchMode
+from cost_models.torch_compat.host import peak_rss_bytes
+from cost_models.torch_compat.torch_private import TorchDispatchMode
 
-# c10d op name -> what the product reports it as (full-buffer convention of cost_models.comm)
+# c10d op name -> what the product reports it as (full-buffer convention of cost_models.cost.comm)
 _KINDS = {"allgather": "all_gather", "_allgather_base": "all_gather", "reduce_scatter": "reduce_scatter",
           "_reduce_scatter_base": "reduce_scatter", "allreduce": "all_reduce", "broadcast": "broadcast",
           "send": "p2p_send", "recv": "p2p_recv"}

@@ -1,6 +1,6 @@
 """Pipeline stages and schedules from torch.distributed.pipelining, checked against the plan's action order.
 
-The schedule's torch class comes from the registry (cost_models.schedule.SCHEDULES). The order the planner
+The schedule's torch class comes from the registry (cost_models.records.schedule.SCHEDULES). The order the planner
 simulated is checked twice: before the first step against the class's `pipeline_order` (multi-stage classes build
 one), and on every step against the actions torch actually runs on this rank's stages (every schedule: single-stage
 GPipe and 1F1B run a fixed loop that has no order to read). A difference raises with the rank x step grid, the
@@ -15,10 +15,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
-from cost_models.errors import ConfigError
-from cost_models.schedule import Action, format_grid
-from cost_models.strategy import Strategy
-from cost_models.torch_private import compute_action_strings, schedule_stages
+from cost_models.records.errors import ConfigError
+from cost_models.records.schedule import Action, format_grid
+from cost_models.records.strategy import Strategy
+from cost_models.torch_compat.torch_private import compute_action_strings, schedule_stages
 
 
 def build_schedule(modules: list[nn.Module], stage_ids: list[int], *, strategy: Strategy, pp_group,

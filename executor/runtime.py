@@ -15,15 +15,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.errors import ConfigError
-from cost_models.strategy import Strategy
-from cost_models.torch_private import default_group_timeout, default_store, schedule_stages, set_group_timeout
+from cost_models.records.errors import ConfigError
+from cost_models.records.strategy import Strategy
+from cost_models.torch_compat.devices import rank_device
+from cost_models.torch_compat.torch_private import (default_group_timeout, default_store, schedule_stages,
+                                                    set_group_timeout)
 from executor import checkpoint, pipeline, tensor_parallel
-from cost_models.pipelining import pipeline_support
+from cost_models.models.pipelining import pipeline_support
 from executor.materialize import allocate, init_held, init_mode, parameters_on_meta, release_unheld
 from executor.traced_stages import as_tuple
-from executor.stages import (UnitMap, build_stages, canonical_names, check_covers_model, recompute_units, state_maps,
-                             tied_params, tied_units)
+from executor.stage_builders import build_stages
+from executor.stages import (UnitMap, canonical_names, check_covers_model, recompute_units, state_maps, tied_params,
+                             tied_units)
 from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -145,8 +148,9 @@ class Runtime:
         """End this rank's part of the job: wait for every rank, then tear down the process group. A rank that
         closes its gloo connections while a peer still reads from them makes the peer's gloo thread abort the
         process ("terminate called without an active exception", SIGABRT). A barrier alone still let that happen:
-        the first rank out of it closed while the other was finishing it (the torchrun example under load: 1 run
-        in 20 and 1 in 40). So the ranks also meet on the job's store, outside gloo, once all are out of the
+        the first rank out of it closed while the other was finishing it (the torchrun example under load:
+        benchmarks/results/measurements.md, "gloo teardown"). So the ranks also meet on the job's store, outside
+        gloo, once all are out of the
         barrier; executor.launch gathers results before it destroys the group for the same reason."""
         if dist.is_initialized():
             dist.barrier()
@@ -202,7 +206,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     if world != s.world_size:
         raise ConfigError(f"the plan needs {s.world_size} ranks (dp={s.dp} x tp={s.tp} x pp={s.pp}), this job has "
                           f"{world}")
-    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    device = device or rank_device()
     with torch.device("meta"):
         meta = spec.build()
     support = pipeline_support(meta, [(u, spec.units.names(u)) for st in s.stages for u in st]) if s.pp > 1 else ""
@@ -257,8 +261,8 @@ def _recompute(s: Strategy, model: nn.Module, held: list[nn.Module], stage_ids: 
 
 # Groups made in this process, per world (the default group) and shape. A rank that runs several plans in turn
 # (benchmarks/fidelity.py, the tests' shared ranks) would otherwise make new ones for each: gloo keeps a thread per
-# group, never freed while the world lives (measured: 14-23 runnable gloo_tcp_loop threads per rank and a load of
-# 185 on 2 cores after a hundred 4-rank candidates). new_group is collective: every rank runs the same plans in
+# group, never freed while the world lives (measured: benchmarks/results/measurements.md, "gloo groups per
+# process"). new_group is collective: every rank runs the same plans in
 # the same order, so every rank finds or makes the same groups.
 _GROUPS: dict[tuple, object] = {}
 
@@ -345,7 +349,7 @@ def _allocate_shards(wrapped: Wrapped, optimizer_fn, device: torch.device, *, mo
 def _tie_groups(s: Strategy, ties, rank: int) -> list[tuple[str, object]]:
     """Tied parameters on several pipeline ranks: one group per (tied parameter, dp index, tp index), created in the
     same order on every rank (new_group is collective). The plans keep tied parameters whole over tp."""
-    timeout = default_group_timeout(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    timeout = default_group_timeout(rank_device())
     out = []
     for tied in ties:
         for d in range(s.dp):
@@ -374,7 +378,7 @@ def stage_io_shapes(meta: nn.Module, s: Strategy, units: UnitMap, support: str,
     """Example (input, output) tensors of one micro-batch per stage (the float ones with requires_grad, as torch's
     PipelineStage needs), from running every stage in turn on the meta model."""
     from cost_models.models.source import meta_forward_context
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = rank_device()
     stages = build_stages(meta, s.stages, list(range(s.n_stages)), units=units, support=support, recompute=())
     io = []
     def example(t: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 A plan names units (profile units: `blocks.0`, or a group such as HF's `embed` = `model.embed_tokens` +
 `model.rotary_emb`); `UnitMap` turns them into the model's modules. With pp = 1 there are no stages: the executor
-trains the model itself (executor.runtime). With pp > 1 each rank builds the Stage modules of its stages, in one of
-two ways, chosen by cost_models.pipelining.pipeline_support (the profiler and planner use the same check):
+trains the model itself (executor.runtime). With pp > 1 each rank builds the Stage modules of its stages
+(executor.stage_builders, one builder per answer), in one of three ways, chosen by
+cost_models.models.pipelining.pipeline_support (the profiler and planner use the same check):
   "chain"             the model's forward is exactly its units called one after another on one tensor (checked by
                       tracing it, not assumed): a stage calls its units in that order.
   "hf-llama"/"hf-gpt2" an HF causal LM: a stage runs the model's own forward over the decoder layers it holds
@@ -28,8 +29,8 @@ from typing import Callable, Sequence
 import torch
 from torch import fx, nn
 
-from cost_models.errors import ConfigError
-from cost_models.torch_private import persistent_buffers
+from cost_models.records.errors import ConfigError
+from cost_models.torch_compat.torch_private import persistent_buffers
 from executor.activations import checkpointed
 
 
@@ -112,7 +113,7 @@ class Stage(nn.Module):
         return self.run(x)
 
 
-def _chain_stage(model: nn.Module, unit_names: Sequence[str], units: UnitMap) -> Stage:
+def chain_stage(model: nn.Module, unit_names: Sequence[str], units: UnitMap) -> Stage:
     parts = [part for u in unit_names for part in units.parts(model, u)]
     if len(parts) != len(unit_names):
         raise ConfigError("a chain stage needs one module per unit; this plan's units are groups (re-profile)")
@@ -123,29 +124,6 @@ def _chain_stage(model: nn.Module, unit_names: Sequence[str], units: UnitMap) ->
             x = module(x)
         return x
     return Stage(parts, run)
-
-
-def build_stages(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_ids: list[int], *, units: UnitMap,
-                 support: str, recompute: tuple[bool, ...]) -> list[nn.Module]:
-    """The Stage modules for `stage_ids`, over `model`'s own module objects (meta or real: nothing is allocated
-    here). `support` is cost_models.pipelining.pipeline_support's answer for the model."""
-    from executor import hf_stages, traced_stages
-    if support == "traced":
-        built: list[nn.Module] = traced_stages.traced_stages(model, stages, stage_ids, units)
-        recompute_units(model, stages, stage_ids, units, recompute)
-        return built
-    built = []
-    for sid in stage_ids:
-        names = stages[sid]
-        if support == "chain":
-            stage = _chain_stage(model, names, units)
-        elif support in hf_stages.ADAPTERS:
-            stage = hf_stages.ADAPTERS[support](model, names, units, first=sid == 0, last=sid == len(stages) - 1)
-        else:
-            raise ConfigError(f"this model cannot be pipelined: {support.removeprefix('no: ')}; use a plan with pp=1")
-        built.append(stage)
-    recompute_units(model, stages, stage_ids, units, recompute)
-    return built
 
 
 def recompute_units(model: nn.Module, stages: tuple[tuple[str, ...], ...], stage_ids: list[int], units: UnitMap,

@@ -1,4 +1,4 @@
-"""Tensor (+ sequence) parallelism on a rank's modules, from the plan data of cost_models.tensor_parallel.
+"""Tensor (+ sequence) parallelism on a rank's modules, from the plan data of cost_models.records.tensor_parallel.
 
 torchtitan's order (models/llama3/infra/parallelize.py: apply_tp, then activation checkpointing, then FSDP2) is
 kept by executor.runtime; this module does the first step and the selective recompute of the second. Each plan
@@ -26,10 +26,11 @@ import fnmatch
 import torch
 from torch import nn
 
-from cost_models.errors import ConfigError
-from cost_models.tensor_parallel import (CUSTOM, SPLIT_STYLES, TPRule, TPShape, custom_shape, enters_late, rules_for,
-                                         style_of, tp_shape, vocab_divides)
-from cost_models.torch_private import TorchDispatchMode, storage_id, strided_shard, tree_leaves
+from cost_models.records.errors import ConfigError
+from cost_models.records.tensor_parallel import (CUSTOM, SPLIT_STYLES, TPRule, TPShape, enters_late, rules_for,
+                                                 style_of, vocab_divides)
+from cost_models.models.tp_shape import custom_shape, tp_shape
+from cost_models.torch_compat.torch_private import TorchDispatchMode, storage_id, strided_shard, tree_leaves
 
 # The last name part of the modules holding the attention core (zoo Llama, zoo GPT, transformers' Llama family):
 # what selective recompute checkpoints.
@@ -258,10 +259,10 @@ def _core_checkpointed():
     """A function mode that runs scaled_dot_product_attention under torch.utils.checkpoint: the attention core
     (Korthikanti et al. 2022, section 5: QK^T, softmax, dropout, attention over V) keeps only its inputs q, k and v
     and is recomputed in backward; the kernel's output and softmax statistics are not kept. This is exactly the
-    profiler's "core" role (cost_models.model_profiler: what SDPA saves beyond q, k and v), so the estimate's
+    profiler's "core" role (cost_models.profiling.model_profiler: what SDPA saves beyond q, k and v), so the estimate's
     selective term and the run measure the same thing. With a fused kernel there is no s x s matrix to drop (the
     5as/h term is 0), only the output; a math-path or unfused attention drops the scores too. A policy-based
-    selective checkpoint of the whole attention module kept more than no checkpointing at all here (measured:
+    selective checkpoint of the whole attention module kept more than no checkpointing at all (measured:
     it caches op outputs autograd would not have saved), hence the kernel alone."""
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
@@ -313,9 +314,9 @@ def layer_kept_bytes(model: nn.Module, layer: nn.Module, example: torch.Tensor) 
     `example` (collective under tensor parallelism: every tp rank must call it): the layer's input plus every
     storage its forward made that is still alive when the model's forward has returned (held by autograd's saved
     tensors or by a checkpoint's cache), by storage, parameters and the layer's output (the next layer's input)
-    left out. Unlike a saved_tensors_hooks count (cost_models.model_profiler) this sees inside checkpointed regions,
-    so full and selective recompute can be compared with Korthikanti et al. 2022, Table 2 (per layer, at t ranks:
-    sbh(10 + 24/t + 5as/(ht)), with SP sbh(34/t + 5as/(ht)), with SP and selective recompute 34sbh/t, in 2-byte
+    left out. Unlike a saved_tensors_hooks count (cost_models.profiling.model_profiler) this sees inside checkpointed
+    regions, so full and selective recompute can be compared with Korthikanti et al. 2022, Table 2 (per layer, at t
+    ranks: sbh(10 + 24/t + 5as/(ht)), with SP sbh(34/t + 5as/(ht)), with SP and selective recompute 34sbh/t, in 2-byte
     units)."""
     import gc
     made = _Allocations()

@@ -1,6 +1,6 @@
-"""Pipeline stages cut from the model's own forward, traced (cost_models.pipelining's "traced" models).
+"""Pipeline stages cut from the model's own forward, traced (cost_models.models.pipelining's "traced" models).
 
-The forward is traced with torch.fx, every unit module one call_module node (cost_models.pipelining.trace_units),
+The forward is traced with torch.fx, every unit module one call_module node (cost_models.models.pipelining.trace_units),
 and the graph is cut where the plan's stages end, as torch.distributed.pipelining's tracer cuts at split points:
   - a unit's call runs on the unit's stage; every other operation (the model's own code between units: a scaled
     embedding, a position table added, a residual kept) on the earliest stage that has all its inputs; a parameter
@@ -20,8 +20,8 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from cost_models.errors import ConfigError
-from cost_models.pipelining import trace_units
+from cost_models.records.errors import ConfigError
+from cost_models.models.pipelining import trace_units
 from executor.stages import UnitMap
 
 

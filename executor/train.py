@@ -15,14 +15,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cost_models import optimizers
-from cost_models.errors import ConfigError
+from cost_models.torch_compat import optimizers
+from cost_models.torch_compat.devices import rank_device
+from cost_models.records.errors import ConfigError
 from cost_models.models.losses import compute_loss
 from cost_models.models.source import meta_forward_context, resolve
-from cost_models.records import Record, record
-from cost_models.schedule import DEFAULT_SCHEDULE
-from cost_models.strategy import Strategy
-from cost_models.tensor_parallel import TPRule
+from cost_models.records.base import Record, record
+from cost_models.records.strategy import Strategy
+from cost_models.records.tensor_parallel import TPRule
 from executor import checkpoint, checkpoint_layout
 from executor.activations import ActivationMeter
 from executor.data import TokenFile
@@ -67,7 +67,7 @@ class TrainConfig(Record):
 
 
 def optimizer_for(strategy: Strategy, lr: float):
-    """The plan's optimizer, built as the profiler timed it (cost_models.optimizers)."""
+    """The plan's optimizer, built as the profiler timed it (cost_models.torch_compat.optimizers)."""
     return lambda params: optimizers.build(strategy.optimizer, params, lr)
 
 
@@ -98,7 +98,7 @@ def batch_source(cfg: TrainConfig, example: torch.Tensor, out_shape: tuple[int, 
 
 
 def _precision(strategy: Strategy) -> Precision:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = rank_device()
     return mixed_precision(strategy.precision, device, strategy.pp)
 
 
@@ -135,7 +135,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
     resuming from and saving checkpoints as `cfg` says (saves need the `plan`, which goes into them), and measure
     the steps."""
     spec, example, out_shape, loss = _setup(cfg, strategy)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = rank_device()
     rt = build_runtime(strategy, spec, loss_fn=lambda out, tgt: compute_loss(loss, out, tgt),
                        optimizer_fn=optimizer_for(strategy, cfg.lr), example=example, seed=cfg.seed, device=device,
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),

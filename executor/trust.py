@@ -17,7 +17,7 @@ import os
 import secrets
 from pathlib import Path
 
-from cost_models.errors import ConfigError
+from cost_models.records.errors import ConfigError
 
 KEY_ENV = "ZEROPIPE_CHECKPOINT_KEY"
 KEY_BYTES = 32

@@ -18,12 +18,12 @@ import os
 import threading
 from typing import Callable, Iterator, Sequence
 
-from cost_models.errors import ConfigError, PlannerError
-from cost_models.estimate import Estimate, estimate
-from cost_models.formatting import duration
-from cost_models.profile import ModelProfile
-from cost_models.records import Record, record
-from cost_models.strategy import Strategy
+from cost_models.records.errors import ConfigError, PlannerError
+from cost_models.cost.estimate import Estimate, estimate
+from cost_models.records.formatting import duration
+from cost_models.records.profile import ModelProfile
+from cost_models.records.base import Record, record
+from cost_models.records.strategy import Strategy
 from executor.launch import WARMUP_STEPS, RunConfig, check_fits_here, launch
 from executor.train import INJECT_FAILURE_ENV
 from planner.plan import VERIFY_TIE_REL, Alternative, Plan, Trial
@@ -94,7 +94,7 @@ def ranked(plan: Plan) -> list[Strategy]:
 
 
 def candidate_plan(plan: Plan, s: Strategy, profile: ModelProfile) -> Plan:
-    """`plan` with `s` as its strategy: the search's estimate of `s` (cost_models.estimate, a pure function of the
+    """`plan` with `s` as its strategy: the search's estimate of `s` (cost_models.cost.estimate, a pure function of the
     same strategy, profile and cluster), recomputed with every rank listed, which a runnable plan needs and the
     search keeps for its winner only."""
     if s == plan.strategy:

@@ -31,8 +31,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from cost_models.errors import WeightsError
-from cost_models.records import Record, record
+from cost_models.records.errors import WeightsError
+from cost_models.records.base import Record, record
 from executor import checkpoint
 from executor import checkpoint_layout as layout
 
@@ -117,8 +117,8 @@ def _reader(fmt: str, folder: Path, trusted: bool) -> tuple[dcp.StorageReader, s
 class PreadHFReader(dcp.HuggingFaceStorageReader):
     """DCP's HF reader (its metadata: which file holds each tensor, its shape and dtype), reading each slice with
     plain positioned reads instead of through safetensors' memory map. A mapped file's pages count in the rank's
-    resident memory while it is open, so the mmap reader's peak held the rank's shard twice (measured, ZeRO-3 on 4
-    ranks of a 401M-parameter Llama, fp32: 0.97-1.13 GB above the baseline, against a 0.40 GB shard). The layout
+    resident memory while it is open, so the mmap reader's peak held the rank's shard twice (measured:
+    benchmarks/results/measurements.md, "Weight loading peak memory"). The layout
     read here is the safetensors format's (huggingface/safetensors, "Format": an 8-byte little-endian header length,
     a JSON header of {name: {dtype, shape, data_offsets}}, then the data, offsets relative to its start). The rows of
     dimension 0 a slice covers are read (FSDP2 shards dimension 0, so that is exactly the shard), then narrowed."""
@@ -202,7 +202,7 @@ def _saved_tensors(reader: dcp.StorageReader, folder: Path) -> dict:
     one line (safetensors says only what is wrong, not in which file)."""
     try:
         return reader.read_metadata().state_dict_metadata
-    except Exception as exc:
+    except Exception:
         if not isinstance(reader, dcp.HuggingFaceStorageReader):
             raise
         import safetensors

@@ -9,13 +9,14 @@ timed part). Four values can be fitted:
                                                                   (weighted least squares, the others as planned)
 
 U: the critical rank's unit forward/backward time; A: its pipeline actions per step (the schedule runtime's fixed
-cost per action, probed by cost_models/overhead_probe.py, is refitted); D: its exposed data-parallel collective
-time; b: the bubble's share of compute (the bubble stretches with the stage times it waits on); C: the rest of the
-step as predicted (TP collectives, p2p, the fitted optimizer). Each equation is weighted by 1 / measured step time,
-so every run counts by its relative error (what MAPE scores). The step-time equation is fitted, rather than the
+cost per action, probed by cost_models/profiling/overhead_probe.py, is refitted); D: its exposed data-parallel
+collective time; b: the bubble's share of compute (the bubble stretches with the stage times it waits on); C: the rest
+of the step as predicted (TP collectives, p2p, the fitted optimizer). Each equation is weighted by 1 / measured step
+time, so every run counts by its relative error (what MAPE scores). The step-time equation is fitted, rather than the
 executor's compute and sync parts, because those split differently from the estimate's (DDP and FSDP run
 data-parallel collectives inside forward/backward, ZeroRedundancyOptimizer inside its step), and a fit to the parts
-then scored on the step extrapolated badly (fidelity's cross-validation: MAPE 27% -> 35%). Which of the per-action
+then scored on the step extrapolated badly (fidelity's cross-validation: benchmarks/results/measurements.md,
+"Calibration"). Which of the per-action
 and data-parallel terms are fitted is chosen by k-fold cross-validation over the runs (the set with the lowest
 held-out MAPE, compute_scale always in it), among sets whose columns the runs tell apart (condition number below
 COND_MAX) and whose values make physical sense (positive scales, a non-negative per-action cost). run.json times
@@ -33,12 +34,12 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from cost_models.cluster import Calibration, CalibrationRun, ClusterProfile
-from cost_models.errors import ConfigError, FileFormatError
-from cost_models.estimate import Estimate, action_cost
-from cost_models.formatting import duration, now_utc
-from cost_models.records import Record, record
-from cost_models.strategy import Strategy
+from cost_models.records.cluster import Calibration, CalibrationRun, ClusterProfile
+from cost_models.records.errors import ConfigError, FileFormatError
+from cost_models.cost.estimate import Estimate, action_cost
+from cost_models.records.formatting import duration, now_utc
+from cost_models.records.base import Record, record
+from cost_models.records.strategy import Strategy
 from planner.plan import Plan
 from planner.run_record import RankResult, RunFile
 

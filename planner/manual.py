@@ -5,17 +5,19 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cost_models.cluster import ClusterProfile
-from cost_models.compute import unit_times
-from cost_models.errors import ConfigError, InfeasibleError
-from cost_models.estimate import estimate
-from cost_models.formatting import fixed, now_utc
-from cost_models.limits import check_global_batch, check_gpus, check_microbatches
-from cost_models.profile import ModelProfile, ProfileFile
-from cost_models.records import Record, record
-from cost_models.schedule import DEFAULT_SCHEDULE
-from cost_models.strategy import Optimizer, Precision, Strategy
-from cost_models.validate import validate_cluster
+from cost_models.records.cluster import ClusterProfile
+from cost_models.cost.compute import unit_times
+from cost_models.records.errors import ConfigError, InfeasibleError
+from cost_models.cost.estimate import estimate
+from cost_models.records.formatting import fixed, now_utc
+from cost_models.records.limits import check_global_batch, check_gpus, check_microbatches
+from cost_models.records.profile import ModelProfile
+from cost_models.records.files import ProfileFile
+from cost_models.records.base import Record, record
+from cost_models.records.schedule import DEFAULT_SCHEDULE
+from cost_models.records.precision import Optimizer, Precision
+from cost_models.records.strategy import Strategy, check_tp_degree, tp_node_refusal
+from cost_models.records.validate import validate_cluster
 from planner.plan import Plan, Provenance, installed_versions, model_ref, profile_digest
 from planner.rationale import by_hand
 from planner.partition import balanced_partition, stages_from_ranges
@@ -25,7 +27,7 @@ def load_profile_for(path: str | Path, *, cluster: str | None = None,
                      nodes: int | None = None) -> tuple[ProfileFile, ClusterProfile]:
     """The profile and the cluster to plan for: --cluster (a preset or file) if given, else the profile's own,
     scaled to --nodes."""
-    from cost_models.cluster_source import check_cluster_args, resolve_cluster
+    from cost_models.profiling.cluster_source import check_cluster_args, resolve_cluster
     check_cluster_args(cluster or "the profile's", nodes=nodes, ranks=None)   # --nodes 0 is an error, not "default"
     pf = ProfileFile.load(path)
     target = resolve_cluster(cluster, nodes=nodes) if cluster else pf.cluster
@@ -77,15 +79,12 @@ class StrategyRequest(Record):
 
 def check_tp(profile: ModelProfile, cluster: ClusterProfile, *, tp: int, sp: bool, pp: int = 1) -> None:
     """ConfigError (one line, what to change) unless this model can be split tp ways (with SP) inside a node."""
-    if tp < 1 or tp & (tp - 1):
-        raise ConfigError(f"--tp must be a power of two, got {tp}")
-    if sp and tp == 1:
-        raise ConfigError("--sp splits the sequence over the tensor-parallel group; it needs --tp 2 or more")
+    check_tp_degree(tp, sp)
     if tp == 1:
         return
-    if cluster.devices_per_node % tp:
-        raise ConfigError(f"--tp {tp} does not divide the {cluster.devices_per_node} devices per node: a "
-                          f"tensor-parallel group must stay inside one node; use a --tp that divides it")
+    node = tp_node_refusal(tp, cluster.devices_per_node)
+    if node:
+        raise ConfigError(f"{node}; use a --tp that divides it")
     shape = profile.tensor_parallel
     why = ("the profile predates tensor-parallel plans; re-run planner profile" if shape is None
            else shape.tp_refusal(tp, sp=sp, seq_len=profile.seq_len, pp=pp))
@@ -101,7 +100,7 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
     mbs = profile.micro_batch_size if r.micro_batch_size is None else r.micro_batch_size
     if dp < 1 or pp < 1 or tp < 1 or v < 1 or microbatches < 1 or mbs < 1:
         raise ConfigError("--dp, --pp, --tp, --v, --microbatches and --micro-batch-size must be >= 1")
-    # the caps of cost_models/limits.py, checked on the flags before any work sized by them
+    # the caps of cost_models/records/limits.py, checked on the flags before any work sized by them
     check_gpus(dp, "--dp")
     check_gpus(dp * pp * tp, "--dp x --tp x --pp =")
     check_microbatches(microbatches)

@@ -17,8 +17,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
-from cost_models.errors import ConfigError, InfeasibleError
-from cost_models.formatting import fixed
+from cost_models.records.errors import ConfigError, InfeasibleError
+from cost_models.records.formatting import fixed
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,17 @@ import hashlib
 from pathlib import Path
 from typing import Literal
 
-from cost_models.cluster import ClusterProfile
-from cost_models.errors import ConfigError, FileFormatError
-from cost_models.estimate import DTYPE_BYTES, Estimate
-from cost_models.file_record import FileRecord
-from cost_models.profile import ModelProfile, pipeline_refusal
-from cost_models.records import Record, record
-from cost_models.schedule import format_order
-from cost_models.strategy import Strategy
-from cost_models.tensor_parallel import TPRule
-from cost_models.validate import validate_cluster
+from cost_models.records.cluster import ClusterProfile
+from cost_models.records.errors import ConfigError, FileFormatError
+from cost_models.cost.estimate import Estimate
+from cost_models.records.precision import DTYPE_BYTES
+from cost_models.records.file_record import FileRecord
+from cost_models.records.profile import ModelProfile, pipeline_refusal
+from cost_models.records.base import Record, record
+from cost_models.records.schedule import format_order
+from cost_models.records.strategy import Strategy, tp_node_refusal
+from cost_models.records.tensor_parallel import TPRule
+from cost_models.records.validate import validate_cluster
 
 PLAN_KIND = "zeropipe.plan"
 PLAN_SCHEMA_VERSION = 1
@@ -108,7 +109,7 @@ def profile_digest(path: str) -> str:
 @record
 class Rationale(Record):
     binding: Literal["memory", "bandwidth", "compute"]
-    # cost_models.strategy.family_of: the ZeRO-or-pipeline family, "+tp" with tensor parallelism
+    # cost_models.records.strategy.family_of: the ZeRO-or-pipeline family, "+tp" with tensor parallelism
     winner_family: Literal["zero", "pipeline", "hybrid", "tensor", "zero+tp", "pipeline+tp", "hybrid+tp"]
     summary: str
     lines: tuple[str, ...]
@@ -124,7 +125,7 @@ class ModelRef(Record):
     units: tuple[str, ...]
     unit_modules: tuple[tuple[str, ...], ...] = ()   # each unit's module names; () in older plans: each unit is
                                                      # the one module of its name
-    pipelining: str = ""                             # the profile's (cost_models.pipelining); "" = not recorded
+    pipelining: str = ""                             # the profile's (cost_models.models.pipelining); "" = not recorded
     tp_rules: tuple[TPRule, ...] = ()                # a custom tensor-parallel plan's rules (TPShape.rules)
     dtype: str = ""                                  # the profile's dtype; "" in older plans
     saved_other_dtype_bytes: int = 0                 # what the profile's units save in other dtypes, per profiled
@@ -199,9 +200,9 @@ def check_plan(plan: Plan) -> None:
                           f"{plan.gpus}; {fix}")
     if plan.stage_ranks != tuple(s.stage_ranks(i) for i in range(s.n_stages)):
         raise ConfigError(f"stage_ranks do not match the (pp, dp, tp) = ({s.pp}, {s.dp}, {s.tp}) mesh; {fix}")
-    if s.tp > 1 and plan.cluster.devices_per_node % s.tp:
-        raise ConfigError(f"strategy tp = {s.tp} does not divide the {plan.cluster.devices_per_node} devices per "
-                          f"node: a tensor-parallel group would span nodes; {fix}")
+    node = tp_node_refusal(s.tp, plan.cluster.devices_per_node)
+    if node:
+        raise ConfigError(f"strategy {node.removeprefix('--')}; {fix}")
     memory = plan.prediction.memory_per_rank
     if tuple(m.rank for m in memory) != tuple(range(s.world_size)):
         raise ConfigError(f"prediction.memory_per_rank has {len(memory)} entries for {s.world_size} ranks; {fix}")

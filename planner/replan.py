@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cost_models.errors import ConfigError
-from cost_models.profile import ProfileFile
-from cost_models.cluster_source import check_cluster_args
+from cost_models.records.errors import ConfigError
+from cost_models.records.files import ProfileFile
+from cost_models.profiling.cluster_source import check_cluster_args
 from planner.plan import Plan, check_plan, profile_digest
 from planner.request import PlanRequest
 from planner.search import ProgressFn, plan
@@ -37,7 +37,7 @@ def replan(old: Plan, *, gpus: int, profile_path: str | None = None, cluster: st
         raise ConfigError(f"{path} profiles {pf.model.source} at sequence length {pf.model.seq_len}, the checkpoint "
                           f"trains {old.model.source} at {old.model.seq_len}; pass the profile of that model")
     if cluster:
-        from cost_models.cluster_source import resolve_cluster
+        from cost_models.profiling.cluster_source import resolve_cluster
         target = resolve_cluster(cluster, nodes=nodes)
         if target is None:
             raise ConfigError("--cluster none leaves nothing to plan for; name a preset or a cluster file")

@@ -11,11 +11,13 @@ import html
 import math
 from dataclasses import dataclass, field
 
-from cost_models.compute import executed_dtype
-from cost_models.formatting import GIB, duration, fixed, measured, size
-from cost_models.estimate import DTYPE_BYTES, send_delay
-from cost_models.schedule import SCHEDULES, parse_order, simulate
-from cost_models.summaries import rank_groups
+from cost_models.cost.compute import executed_dtype
+from cost_models.records.formatting import GIB, duration, fixed, measured, size
+from cost_models.cost.estimate import send_delay
+from cost_models.records.precision import DTYPE_BYTES
+from cost_models.records.schedule import SCHEDULES, parse_order
+from cost_models.cost.simulator import simulate
+from planner.summaries import rank_groups
 from planner.plan import VERIFY_TIE_REL, Plan
 from planner.rationale import tp_traffic
 from planner.run_record import RunFile

@@ -1,12 +1,12 @@
 """What `planner plan` is asked: the devices, the batch, the training setup and the part of the space to search."""
 from __future__ import annotations
 
-from cost_models.cluster import ClusterProfile
-from cost_models.errors import ConfigError
-from cost_models.limits import check_global_batch, check_gpus
-from cost_models.records import Record, record
-from cost_models.schedule import get_spec
-from cost_models.strategy import Optimizer, Precision, check_training
+from cost_models.records.cluster import ClusterProfile
+from cost_models.records.errors import ConfigError
+from cost_models.records.limits import check_global_batch, check_gpus
+from cost_models.records.base import Record, record
+from cost_models.records.schedule import get_spec
+from cost_models.records.precision import Optimizer, Precision, check_training
 
 
 @record
@@ -26,8 +26,8 @@ class PlanRequest(Record):
 
     def resolved_gpus(self, cluster: ClusterProfile) -> int:
         """The GPU count to plan for, checked against the cluster (one-line ConfigErrors); the request's other
-        fields are checked too. A gpus below 1 or above cost_models/limits.py's MAX_GPUS is refused, never read as
-        "all"."""
+        fields are checked too. A gpus below 1 or above cost_models/records/limits.py's MAX_GPUS is refused, never read
+        as "all"."""
         if self.gpus is None:
             gpus = cluster.world_size
             check_gpus(gpus, "the cluster's device count (nodes x devices per node)")

@@ -1,4 +1,4 @@
-"""`plan()`: search the space, cost each surviving point with cost_models.estimate, rank, and explain.
+"""`plan()`: search the space, cost each surviving point with cost_models.cost.estimate, rank, and explain.
 
 Search: enumerate (planner.space: tp x sp x pp x micro-batching x schedule x ZeRO), prune what cannot win, cost
 the rest in order of a lower bound (a heap), branch-and-bound against the k-th best feasible time found so far:
@@ -38,18 +38,18 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from cost_models.cluster import Calibration, ClusterProfile
-from cost_models.comm import collective_time
-from cost_models.compute import executed_precision, optimizer_step_time, unit_times
-from cost_models.errors import ConfigError, InfeasibleError
-from cost_models.estimate import Estimate, activation_scale, busy_ranks, dtype_ratio, estimate, tied_copies
-from cost_models.formatting import fixed, now_utc
-from cost_models.limits import MAX_MICROBATCHES
-from cost_models.memory import (BYTES_PER_PARAM, executor_state_bytes, overhead_bytes, saved_at, saved_parts,
-                                zero_model_state_bytes)
-from cost_models.profile import ModelProfile, UnitProfile
-from cost_models.schedule import SCHEDULES, forwards_before_backward, get_spec, placement
-from cost_models.strategy import Strategy
+from cost_models.records.cluster import Calibration, ClusterProfile
+from cost_models.cost.comm import collective_time
+from cost_models.cost.compute import executed_precision, optimizer_step_time, unit_times
+from cost_models.records.errors import ConfigError, InfeasibleError
+from cost_models.cost.estimate import Estimate, activation_scale, busy_ranks, dtype_ratio, estimate, tied_copies
+from cost_models.records.formatting import fixed, now_utc
+from cost_models.records.limits import MAX_MICROBATCHES
+from cost_models.records.precision import BYTES_PER_PARAM
+from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_at, saved_parts, zero_model_state_bytes
+from cost_models.records.profile import ModelProfile, UnitProfile
+from cost_models.records.schedule import SCHEDULES, forwards_before_backward, get_spec, placement
+from cost_models.records.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition, stages_from_ranges)
 from planner.plan import Alternative, Candidate, Plan, Provenance, installed_versions, model_ref, profile_digest
@@ -128,7 +128,7 @@ class _Partitions:
 
 def runnable(schedule: str, zero: int, dp: int) -> bool:
     """Combinations the executor cannot run correctly are never planned: the schedule registry's guard
-    (cost_models.schedule.ScheduleSpec.unsafe says which, and why)."""
+    (cost_models.records.schedule.ScheduleSpec.unsafe says which, and why)."""
     return get_spec(schedule).unsafe(zero, dp) is None
 
 
@@ -427,7 +427,7 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     gather, ZeRO-3 for forward and again for backward, m + 1 >= 2 times); without one, only ZeRO-1's broadcasts
     are known to be exposed. One collective of the whole size is taken for per-tensor ones (a collective's time
     grows no faster than its size: alpha + size x beta). The dp group spans devices_per_node / tp ranks per node,
-    as cost_models.estimate places it."""
+    as cost_models.cost.estimate places it."""
     if pt.dp == 1 or (pt.pp == 1 and pt.zero != 1):
         return 0.0
     p_b, g_b, _ = BYTES_PER_PARAM[(req.precision, req.optimizer)]
@@ -704,9 +704,8 @@ def bound_unit_times(profile: ModelProfile, cluster: ClusterProfile, req: PlanRe
 
 def _calibration(cluster: ClusterProfile) -> Calibration:
     """The cluster's calibration (neutral where it has none): the bounds scale as the estimate does, else a
-    calibration's factors below 1 lifted bounds above their estimates (compute, optimizer and data-parallel
-    collectives at 0.5: 5 of 96 points on a 4-rank CPU cluster, by up to 13%) and pruned what the exhaustive
-    search keeps."""
+    calibration's factors below 1 lifted bounds above their estimates (benchmarks/results/measurements.md,
+    "Calibration") and pruned what the exhaustive search keeps."""
     return cluster.calibration or Calibration()
 
 
@@ -835,8 +834,9 @@ def _provenance(found: SearchResult, winner: _Costed, profile: ModelProfile, clu
 
 
 # The MILP cross-check's default (PlanRequest.time_limit_s None): up to 1 s on cuts of up to 256 unit x stage
-# binaries, none past them. Measured here (CBC, random unit costs): 16 x 4 proven in 0.3 s, 32 x 8 in 0.7 s, 82 x 4
-# in 0.4 s; 40 x 12 and 82 x 6 not proven in 5 s, 64 x 8 in 5.2 s. Past that size it cannot settle in seconds what
+# binaries, none past them: CBC proves random cuts up to that size within a second and larger ones not within
+# seconds (measured: benchmarks/results/measurements.md, "MILP cross-check time limit"). Past that size it cannot
+# settle in seconds what
 # the exact DP already has, and would cost more than the whole search (benchmarks/planning_speed.py).
 MILP_AUTO = (1.0, 256)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from cost_models.errors import ConfigError
-from cost_models.limits import MAX_MICROBATCHES
-from cost_models.schedule import DEFAULT_SCHEDULE, SCHEDULES
-from cost_models.strategy import family_of
-from cost_models.tensor_parallel import TPShape
+from cost_models.records.errors import ConfigError
+from cost_models.records.limits import MAX_MICROBATCHES
+from cost_models.records.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from cost_models.records.strategy import family_of, tp_node_refusal
+from cost_models.records.tensor_parallel import TPShape
 
 MAX_MICRO_BATCH = 64  # largest micro-batch size (sequences) searched
 NO_TP = ((1, False),)
@@ -56,7 +56,7 @@ def tp_options(shape: TPShape | None, *, devices_per_node: int, gpus: int, seq_l
     sp_pipelines = True
     tp = 2
     while tp <= devices_per_node:
-        if devices_per_node % tp == 0 and gpus % tp == 0 and (degrees is None or tp in degrees):
+        if tp_node_refusal(tp, devices_per_node) is None and gpus % tp == 0 and (degrees is None or tp in degrees):
             why = shape.tp_refusal(tp)
             if why:
                 notes.append(f"tp={tp} not searched: {why}")

@@ -1,5 +1,5 @@
 """A CPU cluster as the probe would describe it, for cost-model tests (no probe run: its figures are set here)."""
-from cost_models.cluster import ClusterProfile, CollectiveFit, ComputeProbe, DeviceSpec, LinkSpec
+from cost_models.records.cluster import ClusterProfile, CollectiveFit, ComputeProbe, DeviceSpec, LinkSpec
 
 
 def cpu_cluster(*, ranks: int, threads: int = 1, cores: int | None = None,

@@ -1,6 +1,6 @@
 """FakeNvml: a stand-in for the `pynvml` module (this machine has no NVIDIA driver), named as a fake.
 
-It answers the NVML calls cost_models.nvml_topology makes, for a made-up machine described in the constructor.
+It answers the NVML calls cost_models.profiling.nvml_topology makes, for a made-up machine described in the constructor.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Plan files for a chosen strategy (tests that need a specific plan shape rather than the planner's pick)."""
-from cost_models.presets import preset
-from cost_models.strategy import Strategy
+from cost_models.records.presets import preset
+from cost_models.records.strategy import Strategy
 from planner.manual import manual_plan
 from planner.plan import Plan
 

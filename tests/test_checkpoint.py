@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cost_models.fileio import dumps, write_atomic
-from cost_models.model_profiler import profile_model
+from cost_models.records.fileio import dumps, write_atomic
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.profile import ProfileFile
-from cost_models.strategy import Strategy
+from cost_models.records.files import ProfileFile
+from cost_models.records.strategy import Strategy
 from executor import checkpoint_layout as layout
 from executor.checkpoint import DUMP_STATE_ENV
 from executor.launch import RunConfig, launch

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.errors import ConfigError
-from cost_models.fileio import dumps, write_atomic
+from cost_models.records.errors import ConfigError
+from cost_models.records.fileio import dumps, write_atomic
 from executor import checkpoint, trust
 from executor import checkpoint_layout as layout
 from executor.launch import RunConfig, launch
@@ -42,7 +42,7 @@ def own_checkpoint_key(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def profile():
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
     return profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
 

@@ -4,10 +4,10 @@ import json
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.fileio import dumps, write_atomic
-from cost_models.presets import preset
-from cost_models.profile import ProfileFile
-from cost_models.schedule import SCHEDULES
+from cost_models.records.fileio import dumps, write_atomic
+from cost_models.records.presets import preset
+from cost_models.records.files import ProfileFile
+from cost_models.records.schedule import SCHEDULES
 
 runner = CliRunner()
 
@@ -32,7 +32,7 @@ def test_estimate_json(tmp_path, tiny_profiles):
 
 
 def test_estimate_that_does_not_fit_exits_3(tmp_path):
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
     prof = profile_model(resolve("llama2-7b"), micro_batch_size=1, seq_len=64, meta=True, dtype="bf16")
     path = _profile_file(tmp_path, prof, preset("l4-pcie"))

@@ -4,8 +4,8 @@ import statistics
 
 import pytest
 
-from cost_models.cluster_probe import ProbeConfig, build_cluster_profile, expected_seconds, run_local_probe
-from cost_models.fit import fit_alpha_beta
+from cost_models.profiling.cluster_probe import ProbeConfig, build_cluster_profile, expected_seconds, run_local_probe
+from cost_models.records.fit import fit_alpha_beta
 
 SIZES = tuple(64 * 1024 * 2**i for i in range(9))      # 64 KiB .. 16 MiB
 HELD_OUT = {256 * 1024, 2 * 2**20, 8 * 2**20}
@@ -29,7 +29,7 @@ def test_expected_time_keeps_the_tail_and_drops_one_burst():
 
 
 def test_a_run_of_back_to_back_calls_is_costed_on_the_medians():
-    from cost_models.cluster import CollectiveFit, Sample
+    from cost_models.records.cluster import CollectiveFit, Sample
     sizes = [4096, 65536, 1048576]
     median = [2e-4 + 1e-9 * s for s in sizes]
     samples = tuple(Sample(size_bytes=s, seconds=3 * m, median_s=m) for s, m in zip(sizes, median))
@@ -90,16 +90,16 @@ def test_probe_fits_predict_held_out_sizes(ranks):
 def test_one_rank_probes_compute_and_prices_no_link_it_could_not_measure():
     """A one-GPU machine has no peer: its probe keeps the compute and per-call figures, names its link as not
     measured, and a plan for that one device runs without communication."""
-    from cost_models.estimate import estimate
-    from cost_models.presets import PCIE4
-    from cost_models.strategy import Strategy
+    from cost_models.cost.estimate import estimate
+    from cost_models.records.presets import PCIE4
+    from cost_models.records.strategy import Strategy
     raw = run_local_probe(1, ProbeConfig(sizes=SIZES[:3], repeats=3, matmul_seconds=0.2))
     assert raw["world"] == 1 and raw["raw"] == []
     prof = build_cluster_profile(raw, topology=None, notes=[], dtype="fp32")
     assert prof.world_size == 1 and prof.fits == () and prof.compute.flops_per_rank > 0
     assert prof.intra_node.bandwidth_Bps == PCIE4.bandwidth_Bps and prof.intra_node.source.startswith("not measured")
     assert any("no collective or link to measure" in n for n in prof.notes)
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
     meta = profile_model(resolve("gpt-tiny"), micro_batch_size=2, seq_len=16, meta=True, dtype="fp32")
     est = estimate(Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=2,

@@ -1,11 +1,11 @@
 """The shape of the product code, read from its syntax trees: short functions, and torch's private names in one
-module (cost_models/torch_private.py)."""
+module (cost_models/torch_compat/torch_private.py)."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cost_models", "planner", "executor")
-PRIVATE_HOME = Path("cost_models/torch_private.py")
+PRIVATE_HOME = Path("cost_models/torch_compat/torch_private.py")
 MAX_FUNCTION_LINES = 60
 
 
@@ -72,7 +72,7 @@ def test_torch_private_names_are_used_only_in_torch_private():
     own = _own_names(trees)
     uses = [f"{path}:{line}: {what}" for path, tree in trees.items() if path != PRIVATE_HOME
             for line, what in sorted(set(_library_private_uses(tree, own)))]
-    assert not uses, ("private names of torch (or another library) outside cost_models/torch_private.py; wrap them "
+    assert not uses, ("private names of torch (or another library) outside cost_models/torch_compat/torch_private.py; wrap them "
                       "there with why and the torch version checked:\n" + "\n".join(uses))
 
 

@@ -3,9 +3,9 @@ import dataclasses
 
 import pytest
 
-from cost_models.cluster import CollectiveFit
-from cost_models.comm import collective_time, dp_wire_bytes, p2p_time, ring_phase, tree_all_reduce_time, wire_bytes
-from cost_models.presets import RING_STEP_LATENCY_S, preset
+from cost_models.records.cluster import CollectiveFit
+from cost_models.cost.comm import collective_time, dp_wire_bytes, p2p_time, ring_phase, tree_all_reduce_time, wire_bytes
+from cost_models.records.presets import RING_STEP_LATENCY_S, preset
 
 
 def test_ring_formulas_inside_one_node():
@@ -115,8 +115,8 @@ def test_zero3_per_gpu_throughput_falls_at_a_fixed_global_batch(tiny_profiles):
     # Strong scaling of ZeRO-3: per micro-batch a rank's compute stays (micro-batch 1) while each unit's two gathers
     # and one reduce-scatter pay a ring latency that grows with the ranks; past the point where a unit's compute is
     # shorter than its collectives, per-GPU throughput falls with every doubling.
-    from cost_models.estimate import estimate
-    from cost_models.strategy import Strategy
+    from cost_models.cost.estimate import estimate
+    from cost_models.records.strategy import Strategy
     prof = tiny_profiles["gpt-tiny", True]
     names = tuple(u.name for u in prof.units)
     global_batch, per_gpu, per_mb = 256, {}, {}
@@ -139,9 +139,9 @@ def test_zero1_prices_one_probed_broadcast_per_parameter_tensor(tiny_profiles):
     data-parallel time is ZeRO-0's (the DDP all-reduce) plus, per tensor, the broadcast fit's mean at that tensor's
     bytes (the probe timed broadcasts as such a run, so not the medians' line). With all-gather pricing the 4-rank
     plans of benchmarks/fidelity.py were predicted at 1.6-2.6x their measured step."""
-    from cost_models.cluster import Sample
-    from cost_models.estimate import estimate
-    from cost_models.strategy import Strategy
+    from cost_models.records.cluster import Sample
+    from cost_models.cost.estimate import estimate
+    from cost_models.records.strategy import Strategy
     from tests.clusters import cpu_cluster
     prof = tiny_profiles["gpt-tiny", True]
     samples = tuple(Sample(size_bytes=b, seconds=4e-4 + 1e-9 * b, median_s=1e-4 + 1e-9 * b) for b in (4096, 65536))
@@ -159,8 +159,8 @@ def test_zero1_prices_one_probed_broadcast_per_parameter_tensor(tiny_profiles):
 def test_zero1_on_gpus_broadcasts_each_tensor_after_the_overlapped_all_reduce(tiny_profiles):
     """Without a pipeline on GPUs DDP's all-reduce hides behind the backward; ZeroRedundancyOptimizer's broadcasts
     come after the step, one per tensor, each paying the ring's latency (n-1 steps)."""
-    from cost_models.estimate import estimate
-    from cost_models.strategy import Strategy
+    from cost_models.cost.estimate import estimate
+    from cost_models.records.strategy import Strategy
     prof, h100 = tiny_profiles["gpt-tiny", True], preset("dgx-h100")
     units = tuple(u.name for u in prof.units)
     dp = {z: estimate(Strategy(dp=8, pp=1, zero=z, schedule="1f1b", microbatches=1, micro_batch_size=1,

@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from cost_models.estimate import estimate, hardware_flops_per_step
-from cost_models.presets import preset
-from cost_models.strategy import Strategy
+from cost_models.cost.estimate import estimate, hardware_flops_per_step
+from cost_models.records.presets import preset
+from cost_models.records.strategy import Strategy
 from planner.report import render_markdown
 from tests.plans import plan_for
 

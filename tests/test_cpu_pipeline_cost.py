@@ -5,14 +5,14 @@ import dataclasses
 
 import pytest
 
-from cost_models.cluster import Calibration, action_seconds
-from cost_models.estimate import (SEND_DELAY_CAP_S, _Context, _stage_pass, action_cost, busy_ranks, estimate,
-                                  send_delay)
-from cost_models.model_profiler import profile_model
+from cost_models.records.cluster import Calibration, action_seconds
+from cost_models.cost.estimate import (SEND_DELAY_CAP_S, _Context, _stage_pass, action_cost, busy_ranks, estimate,
+                                       send_delay)
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.presets import preset
-from cost_models.schedule import simulate_schedule
-from cost_models.strategy import Strategy
+from cost_models.records.presets import preset
+from cost_models.cost.simulator import simulate_schedule
+from cost_models.records.strategy import Strategy
 from tests.clusters import cpu_cluster
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.estimate import estimate
-from cost_models.model_profiler import profile_model
+from cost_models.cost.estimate import estimate
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.presets import preset
-from cost_models.strategy import Strategy
+from cost_models.records.presets import preset
+from cost_models.records.strategy import Strategy
 from executor.train import TrainConfig, single_process_losses
 from executor.launch import WARMUP_STEPS, run_many
 from tests.plans import plan_file
@@ -171,7 +171,7 @@ def test_run_refuses_a_plan_this_machine_cannot_host(tmp_path):
         ranks *= 2
     big = make_plan(prof, preset("dgx-h100", nodes=ranks // 8), PlanRequest(gpus=ranks, global_batch_size=ranks))
     path = tmp_path / "plan.json"
-    from cost_models.fileio import dumps, write_atomic
+    from cost_models.records.fileio import dumps, write_atomic
     write_atomic(path, dumps(big.to_dict()))
     res = CliRunner().invoke(app, ["run", str(path), "-o", "-"])
     assert res.exit_code == 2

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.formatting import size
-from cost_models.model_profiler import profile_model
+from cost_models.records.formatting import size
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
 from executor import checkpoint_layout as layout
 from executor.checkpoint import DUMP_STATE_ENV

@@ -3,7 +3,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from cost_models.model_profiler import profile_model  # noqa: E402
+from cost_models.profiling.model_profiler import profile_model  # noqa: E402
 from cost_models.models.source import resolve  # noqa: E402
 
 GPT2 = "hf:gpt2?n_layer=2&n_embd=64&n_head=2&vocab_size=1000&n_positions=64"
@@ -39,7 +39,7 @@ def test_hf_llama_meta_equals_real():
 
 
 def test_hf_errors_are_one_line():
-    from cost_models.errors import ModelSourceError
+    from cost_models.records.errors import ModelSourceError
     with pytest.raises(ModelSourceError, match="key=value"):
         resolve("hf:gpt2?n_layer")
     with pytest.raises(ModelSourceError, match="transformers cannot make a config"):
@@ -53,7 +53,7 @@ def test_grouped_query_attention_counts_the_same_where_torch_cannot_count_it(mon
     here, with a torch that counts GQA natively: the same FLOPs per unit."""
     import torch.nn.functional as F
 
-    import cost_models.model_profiler as mp
+    import cost_models.profiling.model_profiler as mp
     src = resolve(LLAMA)
     native = profile_model(src, micro_batch_size=2, seq_len=16, meta=meta, repeats=1, warmup=0)
     monkeypatch.setattr(mp, "COUNTS_GQA", False)

@@ -1,4 +1,4 @@
-"""Caps on degrees, batch, nodes and micro-batches (cost_models/limits.py): huge numbers are refused in one line
+"""Caps on degrees, batch, nodes and micro-batches (cost_models/records/limits.py): huge numbers are refused in one line
 before any work sized by them; the largest allowed sizes still plan; zero is never read as "default"."""
 import dataclasses
 import random
@@ -7,13 +7,13 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.errors import ConfigError
-from cost_models.fileio import dumps, write_atomic
-from cost_models.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_MICROBATCHES
-from cost_models.memory import zero1_partition
-from cost_models.presets import preset
-from cost_models.profile import ProfileFile
-from cost_models.strategy import Strategy
+from cost_models.records.errors import ConfigError
+from cost_models.records.fileio import dumps, write_atomic
+from cost_models.records.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_MICROBATCHES
+from cost_models.cost.memory import zero1_partition
+from cost_models.records.presets import preset
+from cost_models.records.files import ProfileFile
+from cost_models.records.strategy import Strategy
 from planner.request import PlanRequest
 from planner.search import plan
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.compute import unit_times
-from cost_models.estimate import estimate
-from cost_models.memory import BYTES_PER_PARAM, OVERHEAD_BYTES, zero_model_state_bytes
-from cost_models.presets import preset
-from cost_models.strategy import Strategy
+from cost_models.cost.compute import unit_times
+from cost_models.cost.estimate import estimate
+from cost_models.cost.memory import OVERHEAD_BYTES, zero_model_state_bytes
+from cost_models.records.precision import BYTES_PER_PARAM
+from cost_models.records.presets import preset
+from cost_models.records.strategy import Strategy
 from tests.clusters import cpu_cluster
 
 GB = 1e9
@@ -27,7 +28,7 @@ def test_zero_paper_example():
 
 
 def test_zero1_partition_is_torchs_greedy():
-    from cost_models.memory import zero1_partition
+    from cost_models.cost.memory import zero1_partition
     assert zero1_partition([100, 10, 10, 10], 2) == [100, 30]           # one big tensor cannot be split
     assert zero1_partition([5, 4, 3, 3, 3], 2) == [8, 10]
     assert sum(zero1_partition(list(range(1, 50)), 4)) == sum(range(1, 50))
@@ -131,7 +132,7 @@ def test_a_noisy_one_sample_timing_leaves_the_profiles_own_micro_batch_as_measur
 def test_a_gpu_profiles_times_hold_for_its_own_gpu_model_only(tiny_profiles):
     """A real profile taken on one GPU model prices units by its times on clusters of that model; another GPU model
     gets FLOPs / (peak x efficiency), however the kinds match. (The profile's fields are set by hand: CI has no GPU.)"""
-    from cost_models.compute import uses_measured_times
+    from cost_models.cost.compute import uses_measured_times
     h100 = preset("dgx-h100")
     on_h100 = dataclasses.replace(tiny_profiles["gpt-tiny", False], device="gpu", device_name=h100.device.name)
     on_h200 = dataclasses.replace(on_h100, device_name="NVIDIA H200")
@@ -152,7 +153,7 @@ def test_a_gpu_profiles_in_model_gap_is_a_fixed_cost_per_call(tiny_profiles):
     """On a GPU, units timed alone pay a synchronize each: an in-model factor below 1 takes the same seconds off a
     call at every micro-batch (compute._in_model), not the same share; never less than the share. A factor of 1 or
     more, and any CPU profile, scale. (The profile's GPU fields are set by hand: CI has no GPU.)"""
-    from cost_models.profile import Timing
+    from cost_models.records.profile import Timing
     h100 = preset("dgx-h100")
     at = lambda s: Timing(median_s=s, min_s=s, max_s=s, repeats=3)   # fixed times: measured ones are noisy
     real = tiny_profiles["gpt-tiny", False]   # profiled at micro-batch 2
@@ -183,7 +184,7 @@ def test_a_gpu_profiles_in_model_gap_is_a_fixed_cost_per_call(tiny_profiles):
 def test_cpu_contention_counts_the_ranks_that_compute_at_once(tiny_profiles):
     """4 CPU ranks on 2 cores slow each other 2x when all compute; a pipeline's ranks are busy n / (n + p - 1) of
     the step (GPipe's bubble), so a 4-stage pipeline of one micro-batch computes at full speed."""
-    from cost_models.estimate import _Context, _stage_pass, busy_ranks
+    from cost_models.cost.estimate import _Context, _stage_pass, busy_ranks
     prof = tiny_profiles["mlp-deep", False]
     cpu = _cpu_cluster(prof, ranks=4, cores=2)
     names = [u.name for u in prof.units]
@@ -220,14 +221,14 @@ dist.destroy_process_group()
 
 
 _PROBE_RSS = _RANK_RSS.replace("import executor.train   # everything a rank imports before it builds its stages",
-                               "import cost_models.cluster_probe   # what a probe rank imports")
+                               "import cost_models.profiling.cluster_probe   # what a probe rank imports")
 
 
 @pytest.mark.slow
 def test_a_probe_ranks_baseline_plus_the_executors_imports_is_an_executor_ranks():
     """memory.overhead_bytes: the probe measures its rank's RSS after init_process_group, and an executor rank holds
     EXECUTOR_IMPORTS_BYTES more before any tensor (this torch build; a CUDA build moves both alike)."""
-    from cost_models.memory import EXECUTOR_IMPORTS_BYTES
+    from cost_models.cost.memory import EXECUTOR_IMPORTS_BYTES
     rss = {}
     for name, code in (("executor", _RANK_RSS), ("probe", _PROBE_RSS)):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -250,7 +251,7 @@ def test_cpu_overhead_is_a_gloo_ranks_rss_before_any_model():
 
 _FREED = """
 import sys, torch
-from cost_models.host import keep_freed_memory
+from cost_models.torch_compat.host import keep_freed_memory
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -293,7 +294,7 @@ def test_a_rank_reports_its_own_peak_rss_not_its_launchers():
 def test_zero2_as_the_executor_holds_it_is_the_paper_plus_one_parameter_shard(precision, optimizer):
     # ZeRO paper (section 5): 2Psi + 14Psi/N for mixed Adam. FSDP2 with reshard_after_forward=False keeps the
     # parameter shard (P Psi / N) beside the gathered copy (P Psi, a buffer): 2Psi + 16Psi/N, exactly P Psi/N more.
-    from cost_models.memory import comm_buffer_bytes, executor_state_bytes
+    from cost_models.cost.memory import comm_buffer_bytes, executor_state_bytes
     psi, n = 1e9, 8
     p_b = BYTES_PER_PARAM[precision, optimizer][0]
     paper = sum(zero_model_state_bytes(psi, n, 2, precision, optimizer))
@@ -315,10 +316,10 @@ def test_the_optimizer_step_of_dtensor_parameters_costs_the_probed_dtensor_rate(
     plain one where a cluster file has no DTensor figure). Measured on 2 CPU ranks: 0.30-0.32 ms per DTensor, 0.035
     ms per plain tensor; gpt-wide ZeRO-2 dp=2: 12.4 ms measured, 10.5 predicted, 2.5 before."""
     import dataclasses as dc
-    from cost_models.cluster import ComputeProbe
-    from cost_models.estimate import estimate
-    from cost_models.presets import preset
-    from cost_models.strategy import Strategy
+    from cost_models.records.cluster import ComputeProbe
+    from cost_models.cost.estimate import estimate
+    from cost_models.records.presets import preset
+    from cost_models.records.strategy import Strategy
     prof = tiny_profiles["gpt-tiny", True]
     units = tuple(u.name for u in prof.units)
     tensors = sum(u.param_tensors for u in prof.units)

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from cost_models.estimate import estimate
-from cost_models.memory import executor_state_bytes
-from cost_models.presets import preset
-from cost_models.strategy import Strategy
+from cost_models.cost.estimate import estimate
+from cost_models.cost.memory import executor_state_bytes
+from cost_models.records.presets import preset
+from cost_models.records.strategy import Strategy
 from executor.zero import mixed_precision
 
 UNITS = ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head")   # gpt-tiny
@@ -59,7 +59,7 @@ def test_the_estimate_splits_mixed_bytes_as_torch_holds_them_on_gpus(tiny_profil
 def _mixed_runs(items: list[tuple[dict, bool]]) -> list | None:
     import torch.distributed as dist
 
-    from cost_models.elastic import init_process_group
+    from cost_models.torch_compat.elastic import init_process_group
     from cost_models.models.losses import compute_loss
     from cost_models.models.source import resolve
     from executor.runtime import ModelSpec, build_runtime
@@ -107,7 +107,7 @@ def test_mixed_precision_computes_in_bf16_and_keeps_fp32_masters_on_two_ranks(ti
     not equal to them, and the bytes each rank holds equal to the estimate's torch split."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from cost_models.elastic import elastic_job
+    from cost_models.torch_compat.elastic import elastic_job
     plans = [S(zero=0), S(zero=3)]
     items = [(s.to_dict(), mixed) for s in plans for mixed in (False, True)]
     with elastic_job("mixed-precision", 2) as (config, _):

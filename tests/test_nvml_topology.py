@@ -1,5 +1,5 @@
 """GPU topology from NVML, against FakeNvml machines (no NVIDIA driver here) and against the real library."""
-from cost_models.nvml_topology import detect_topology
+from cost_models.profiling.nvml_topology import detect_topology
 from tests.fake_nvml import FakeNvml, dgx_h100, nvlink_pairs, pcie_box
 
 

@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from cost_models.compute import contention, memory_contention, optimizer_step_time
-from cost_models.estimate import busy_ranks, estimate
-from cost_models.optimizers import OPTIMIZERS, build, time_optimizers
-from cost_models.presets import preset
-from cost_models.profile import Timing
-from cost_models.strategy import Strategy
+from cost_models.cost.compute import contention, memory_contention, optimizer_step_time
+from cost_models.cost.estimate import busy_ranks, estimate
+from cost_models.torch_compat.optimizers import OPTIMIZERS, build, time_optimizers
+from cost_models.records.presets import preset
+from cost_models.records.profile import Timing
+from cost_models.records.strategy import Strategy
 from tests.clusters import cpu_cluster
 
 

@@ -8,10 +8,10 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.elastic import elastic_job, init_process_group
-from cost_models.model_profiler import profile_model
+from cost_models.torch_compat.elastic import elastic_job, init_process_group
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.strategy import Strategy
+from cost_models.records.strategy import Strategy
 from executor.launch import run_many
 from executor.materialize import INIT_ENV
 from executor.train import TrainConfig, single_process_losses

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cost_models.errors import ConfigError
+from cost_models.records.errors import ConfigError
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition)
 
@@ -82,7 +82,7 @@ def _crossing(stages, edges):
 
 def test_dag_partition_on_a_profiled_skip_model():
     # SkipNet: stem, 6 blocks, out; block 1's output also feeds block 4 (found by the profiler as an edge).
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
     prof = profile_model(resolve("tests.custom_models:make_skipnet"), micro_batch_size=2, seq_len=4, meta=True)
     assert not prof.is_chain

@@ -5,15 +5,15 @@ import dataclasses
 
 import pytest
 
-from cost_models.cluster import CollectiveFit
-from cost_models.comm import collective_time
-from cost_models.estimate import estimate
-from cost_models.memory import BYTES_PER_PARAM
-from cost_models.model_profiler import profile_model
+from cost_models.records.cluster import CollectiveFit
+from cost_models.cost.comm import collective_time
+from cost_models.cost.estimate import estimate
+from cost_models.records.precision import BYTES_PER_PARAM
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.presets import preset
-from cost_models.schedule import simulate_schedule
-from cost_models.strategy import Strategy
+from cost_models.records.presets import preset
+from cost_models.cost.simulator import simulate_schedule
+from cost_models.records.strategy import Strategy
 
 
 def _profile(model: str):

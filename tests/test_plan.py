@@ -5,13 +5,13 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.errors import InfeasibleError
-from cost_models.fileio import dumps, write_atomic
-from cost_models.model_profiler import profile_model
+from cost_models.records.errors import InfeasibleError
+from cost_models.records.fileio import dumps, write_atomic
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.presets import preset
-from cost_models.profile import ProfileFile
-from cost_models.schedule import SCHEDULES
+from cost_models.records.presets import preset
+from cost_models.records.files import ProfileFile
+from cost_models.records.schedule import SCHEDULES
 from planner.plan import PLAN_KIND, Plan
 from planner.request import PlanRequest
 from planner.search import plan
@@ -135,7 +135,7 @@ def test_the_milp_cross_check_runs_where_it_can_settle_and_says_why_not_elsewher
     limit, most = MILP_AUTO
     for stages, time_limit in ((2, None), (most // n + 1, None), (most // n + 1, 10.0)):
         cut = tuple(tuple(u.name for u in llama13b.units[i * n // stages:(i + 1) * n // stages]) for i in range(stages))
-        costed = replace(winner, strategy=replace(winner.strategy, pp=stages, dp=1, stages=cut, schedule="1f1b", v=1,
+        costed = replace(winner, strategy=replace(winner.strategy, pp=stages, dp=1, zero=0, stages=cut, schedule="1f1b", v=1,
                                                   microbatches=64, recompute=(), tp=1, sp=False))
         partitioner, status, milp_b, dp_b = _partition_provenance(costed, llama13b, found.unit_cost, time_limit)
         if n * stages > most and time_limit is None:   # past what it settles in a second: said, not run

@@ -1,8 +1,8 @@
 """The per-unit numbers of the model profiler against formulas and hand counts."""
 import pytest
 
-from cost_models.errors import ConfigError, ModelSourceError, ProfileError
-from cost_models.model_profiler import profile_model
+from cost_models.records.errors import ConfigError, ModelSourceError, ProfileError
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
 
 
@@ -155,9 +155,9 @@ def test_profile_cli_says_how_long_a_long_real_profile_takes(tmp_path, monkeypat
 
 
 def _tiny_lm_estimate(**strategy):
-    from cost_models.estimate import estimate
-    from cost_models.presets import preset
-    from cost_models.strategy import Strategy
+    from cost_models.cost.estimate import estimate
+    from cost_models.records.presets import preset
+    from cost_models.records.strategy import Strategy
     prof = profile_model(resolve("tests.custom_models:make_tiny_lm"), micro_batch_size=3, seq_len=5, meta=True,
                          dtype="bf16")
     s = Strategy(**{"dp": 1, "pp": 2, "zero": 0, "schedule": "1f1b", "microbatches": 2, "micro_batch_size": 3,
@@ -174,7 +174,7 @@ def test_factory_token_ids_count_at_int64():
 
 
 def test_factory_token_model_throughput_counts_tokens():
-    from cost_models.summaries import estimate_lines
+    from planner.summaries import estimate_lines
     from executor.launch import summarize
     from planner.run_record import RankResult
     from tests.plans import plan_for
@@ -191,10 +191,10 @@ def test_factory_token_model_throughput_counts_tokens():
 
 
 def test_throughput_counts_positions_of_feature_sequences_and_samples_of_other_inputs():
-    from cost_models.estimate import estimate
-    from cost_models.presets import preset
-    from cost_models.strategy import Strategy
-    from cost_models.summaries import estimate_lines
+    from cost_models.cost.estimate import estimate
+    from cost_models.records.presets import preset
+    from cost_models.records.strategy import Strategy
+    from planner.summaries import estimate_lines
     for ref, kind, per_sample, unit in (("make_skipnet", "features", 5, "tokens"), ("make_pooled", "custom", 1, "samples")):
         prof = profile_model(resolve(f"tests.custom_models:{ref}"), micro_batch_size=3, seq_len=5, meta=True)
         s = Strategy(dp=2, pp=1, zero=0, schedule="1f1b", microbatches=4, micro_batch_size=3,
@@ -210,7 +210,7 @@ def test_saved_bytes_at_another_batch_follow_the_fixed_part(name):
     """A profile at micro-batch 4 predicts what a profile at 1 and at 8 count, unit by unit (memory.saved_at): the
     fixed part (position ids, rotary tables) does not scale, the rest does; a purely linear scaling misses gpt's
     embedding by 60% at one sample."""
-    from cost_models.memory import saved_at
+    from cost_models.cost.memory import saved_at
     at = {b: profile_model(resolve(name), micro_batch_size=b, seq_len=16, dtype="fp32", meta=True) for b in (1, 4, 8)}
     for b in (1, 8):
         for u4, ub in zip(at[4].units, at[b].units):
@@ -230,7 +230,7 @@ def test_saved_bytes_in_another_dtype_keep_the_parts_that_are_not_in_it(name):
     (memory.saved_at): token ids, position ids and a bf16 model's fp32 statistics keep their size, the rest doubles.
     Doubling everything, as before, was 5.8% over for gpt-wide and 25% for gpt2-small (the H200 measured an fp32
     run of a bf16 profile's plan 20% under that prediction)."""
-    from cost_models.memory import saved_at
+    from cost_models.cost.memory import saved_at
     bf16 = profile_model(resolve(name), micro_batch_size=4, seq_len=16, dtype="bf16", meta=True)
     fp32 = {b: profile_model(resolve(name), micro_batch_size=b, seq_len=16, dtype="fp32", meta=True) for b in (1, 4)}
     for b in (1, 4):

@@ -7,10 +7,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.model_profiler import profile_model
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.strategy import Strategy
-from cost_models.formatting import duration, fixed, size
+from cost_models.records.strategy import Strategy
+from cost_models.records.formatting import duration, fixed, size
 from planner.report import render_html, render_markdown
 from tests.plans import GPT_TINY_UNITS, plan_file, plan_for
 
@@ -91,7 +91,7 @@ def test_the_run_section_renders_typed_rows_with_their_units(pipeline_plan):
 
 def test_a_run_json_of_the_old_format_is_refused_saying_to_re_run(tmp_path, pipeline_plan):
     import json
-    from cost_models.errors import FileFormatError
+    from cost_models.records.errors import FileFormatError
     from planner.run_record import load_run
     plan, _ = pipeline_plan
     data = _run_of(plan, []).to_dict()
@@ -167,7 +167,7 @@ def test_candidates_chart_spreads_a_100x_range_over_log_axes(pipeline_plan):
 def test_memory_says_how_activations_were_scaled_from_a_profile_in_another_dtype(profile_dtype, precision, warned):
     """The report's memory section names the profile's dtype and the bytes that kept their size; from fp32 to bf16
     it says what the profile cannot see (a bf16 run's fp32 statistics) and how to get exact activations."""
-    from cost_models.presets import preset
+    from cost_models.records.presets import preset
     from planner.request import PlanRequest
     from planner.search import plan as make_plan
     prof = profile_model(resolve("gpt-tiny"), micro_batch_size=2, seq_len=16, meta=True, dtype=profile_dtype)

@@ -4,9 +4,9 @@ import pytest
 from torch.distributed.pipelining import schedules as S
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from cost_models.errors import ConfigError
-from cost_models.schedule import (SCHEDULES, Action, ScheduleDeadlock, StageCost, format_grid, format_order, generate,
-                                  parse_order, simulate)
+from cost_models.records.errors import ConfigError
+from cost_models.records.schedule import SCHEDULES, Action, format_grid, format_order, generate, parse_order
+from cost_models.cost.simulator import ScheduleDeadlock, StageCost, simulate
 
 
 class MockStage(_PipelineStageBase):
@@ -193,9 +193,9 @@ def test_schedule_names_appear_in_product_code_only_in_the_registry():
 
 
 def test_zbv_is_planned_for_an_untied_model_and_not_where_a_tie_would_share_a_rank():
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
-    from cost_models.presets import preset
+    from cost_models.records.presets import preset
     from planner.request import PlanRequest
     from planner.search import search
     request = PlanRequest(gpus=2, global_batch_size=8, precision="fp32", prune=False, schedules=("zbv",))
@@ -211,12 +211,12 @@ def test_zbv_is_planned_for_an_untied_model_and_not_where_a_tie_would_share_a_ra
 
 
 def test_the_estimate_holds_zbv_stages_where_the_v_puts_them():
-    from cost_models.estimate import estimate
-    from cost_models.memory import executor_state_bytes
-    from cost_models.model_profiler import profile_model
+    from cost_models.cost.estimate import estimate
+    from cost_models.cost.memory import executor_state_bytes
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
-    from cost_models.presets import preset
-    from cost_models.strategy import Strategy
+    from cost_models.records.presets import preset
+    from cost_models.records.strategy import Strategy
     prof = profile_model(resolve("llama-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
     names = [u.name for u in prof.units]
     stages = (tuple(names[:2]), (names[2],), (names[3],), tuple(names[4:]))
@@ -294,7 +294,7 @@ def test_micro_batch_0_pays_a_stages_one_off_extras():
     pipeline's path (estimate._stage_gather). GPipe, 2 stages, 2 micro-batches, forward 1 s, backward 2 s, no
     sends; stage 1 gathers 0.5 s before its first forward and 0.25 s before its first backward, worked by hand:
     rank 1 runs F0 1-2.5, F1 2.5-3.5, B0 3.5-5.75, B1 5.75-7.75; rank 0's B0 5.75-7.75, B1 7.75-9.75 (9 without)."""
-    from cost_models.schedule import simulate_schedule
+    from cost_models.cost.simulator import simulate_schedule
     plain = StageCost(fwd_s=1.0, bwd_s=2.0)
     gathered = StageCost(fwd_s=1.0, bwd_s=2.0, first_fwd_extra_s=0.5, first_bwd_extra_s=0.25)
     assert simulate_schedule("gpipe", 2, 2, 1, (plain, plain)).makespan_s == pytest.approx(9.0)
@@ -308,7 +308,7 @@ def test_micro_batch_0_pays_a_stages_one_off_extras():
 
 def test_deferred_sends_leave_when_the_sender_next_waits_or_the_delay_ends():
     """gloo on CPU ranks whose cores are all busy: a send leaves when its rank next waits on a receive, or
-    send_delay_s after it was posted (schedule._evaluate). GPipe, 2 stages, 2 micro-batches, forward 1 s, backward
+    send_delay_s after it was posted (simulator._evaluate). GPipe, 2 stages, 2 micro-batches, forward 1 s, backward
     2 s, each send 0.1 s, worked by hand:
     plain:    rank 1 runs F0 1.1-2.1, F1 2.1-3.1, B0 3.1-5.1, B1 5.1-7.1; rank 0's B0 5.2-7.2, B1 7.2-9.2.
     deferred: rank 0 computes F1 before it next waits, so F0's output arrives at 2 (the send's 0.1 s is inside
@@ -316,7 +316,7 @@ def test_deferred_sends_leave_when_the_sender_next_waits_or_the_delay_ends():
     gradient arrives when rank 1 is done, at 8: rank 0's B0 8-10, B1 10-12.
     at most 0.5 s late: F0's output arrives at 1.5 (rank 1's F0 1.5-2.5), F1's at 2.1 (F1 2.5-3.5, B0 3.5-5.5),
     B0's gradient at 6.0 (rank 0's B0 6-8), B1's (B1 5.5-7.5) at 7.6 (rank 0's B1 8-10)."""
-    from cost_models.schedule import simulate_schedule
+    from cost_models.cost.simulator import simulate_schedule
     costs = tuple(StageCost(fwd_s=1.0, bwd_s=2.0, send_fwd_s=0.1, send_bwd_s=0.1) for _ in range(2))
     assert simulate_schedule("gpipe", 2, 2, 1, costs).makespan_s == pytest.approx(9.2)
     deferred = simulate_schedule("gpipe", 2, 2, 1, costs, send_delay_s=100.0)

@@ -6,10 +6,11 @@ import random
 
 import pytest
 
-from cost_models.model_profiler import profile_model
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.presets import preset
-from cost_models.schedule import SCHEDULES, StageCost, forwards_before_backward, generate, simulate
+from cost_models.records.presets import preset
+from cost_models.records.schedule import SCHEDULES, forwards_before_backward, generate
+from cost_models.cost.simulator import StageCost, simulate
 from planner.request import PlanRequest
 from planner.search import search
 
@@ -58,7 +59,7 @@ def _bounds_and_estimates(prof, cluster, req):
     """Every point's time bound (P2) beside its first estimate (the balanced cut, no recompute), as search builds
     them: a bound above its own estimate can prune a plan the exhaustive search keeps."""
     from planner import search as S
-    from cost_models.estimate import dtype_ratio
+    from cost_models.cost.estimate import dtype_ratio
     at = functools.partial(S.bound_unit_times, prof, cluster, req)
     run = S._as_run(req, cluster)
     parts = S._Partitions(prof, at(prof.micro_batch_size), dtype_ratio=dtype_ratio(prof, run.precision), at_batch=at)
@@ -89,7 +90,7 @@ def test_bounds_hold_when_a_gpu_profiles_per_sample_time_grows_with_the_batch(ti
     to the batch, per-sample time then grows with it, and bounds scaled down from the largest micro-batch exceeded
     their estimates. Each micro-batch size is now estimated. (GPU fields set by hand: CI has no GPU.)"""
     import dataclasses
-    from cost_models.profile import Timing
+    from cost_models.records.profile import Timing
     base = tiny_profiles["gpt-tiny", False]   # real profile at micro-batch 2
     h100 = preset("dgx-h100")
     one = lambda t: Timing(median_s=t.median_s / 2 * 1.02, min_s=t.min_s / 2, max_s=t.max_s / 2, repeats=t.repeats)
@@ -108,7 +109,7 @@ def test_bounds_hold_on_a_probed_cpu_cluster_above_the_profiles_micro_batch(tiny
     2 with one sample at 0.9 of it: 4x the profile's time where the estimate has 1.6x; 1x at 1.1). Each micro-batch is now
     read off the same line."""
     import dataclasses
-    from cost_models.profile import Timing
+    from cost_models.records.profile import Timing
     from tests.clusters import cpu_cluster
     base = tiny_profiles["gpt-tiny", False]   # real profile at micro-batch 2
     one = lambda t: Timing(median_s=t.median_s * one_sample, min_s=t.min_s, max_s=t.max_s, repeats=t.repeats)  # noqa
@@ -143,7 +144,7 @@ def test_bounds_hold_on_a_calibrated_cluster(tiny_profiles):
     search's bounds left them unscaled and exceeded their estimates (5 of 96 points at 0.5), so the pruned search
     could drop a plan the exhaustive one keeps."""
     import dataclasses
-    from cost_models.cluster import Calibration
+    from cost_models.records.cluster import Calibration
     from tests.clusters import cpu_cluster
     prof = tiny_profiles["gpt-tiny", False]
     cal = Calibration(compute_scale=0.5, optimizer_scale=0.5, dp_comm_scale=0.5,

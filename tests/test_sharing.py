@@ -1,15 +1,16 @@
-"""CPU ranks that share cores priced phase by phase over a pipeline step (cost_models/sharing.py): hand-worked
+"""CPU ranks that share cores priced phase by phase over a pipeline step (cost_models/cost/sharing.py): hand-worked
 timelines, and the estimate using them."""
 import pytest
 
-from cost_models.estimate import _Context, _stage_pass, busy_ranks, estimate, send_delay
-from cost_models.compute import contention
-from cost_models.model_profiler import profile_model
+from cost_models.cost.estimate import _Context, _stage_pass, busy_ranks, estimate, send_delay
+from cost_models.cost.compute import contention
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.presets import preset
-from cost_models.schedule import Action, Event, StageCost, simulate_schedule
-from cost_models.sharing import Stretch, mean_slowdown, stretched_backward, stretches
-from cost_models.strategy import Strategy
+from cost_models.records.presets import preset
+from cost_models.records.schedule import Action
+from cost_models.cost.simulator import Event, StageCost, simulate_schedule
+from cost_models.cost.sharing import Stretch, mean_slowdown, stretched_backward, stretches
+from cost_models.records.strategy import Strategy
 from tests.clusters import cpu_cluster
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from cost_models.models.source import resolve
-from cost_models.strategy import Strategy
-from cost_models.tensor_parallel import SPLIT_STYLES, custom_tp_plan, rules_for, style_of, tp_shape, vocab_divides
+from cost_models.records.strategy import Strategy
+from cost_models.records.tensor_parallel import SPLIT_STYLES, rules_for, style_of, vocab_divides
+from cost_models.models.tp_shape import custom_tp_plan, tp_shape
 from executor.train import TrainConfig, single_process_losses
 
 UNITS = ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head")
@@ -36,7 +37,7 @@ def tp_plan_of(model_source: str):
 def cfg_for(model: str, **kw) -> TrainConfig:
     units = {}
     if model.startswith("hf:"):
-        from cost_models.model_profiler import profile_model
+        from cost_models.profiling.model_profiler import profile_model
         prof = profile_model(resolve(model), micro_batch_size=1, seq_len=SEQ, meta=True)
         units = {"unit_modules": tuple(u.modules for u in prof.units)}
     base = dict(model_source=model, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=1e-2)
@@ -80,7 +81,7 @@ def _kept_bytes(strategy: Strategy, cfg: TrainConfig) -> int:
 def _jobs(items: list[tuple[str, dict, dict]], timeout_s: float) -> list | None:
     import torch.distributed as dist
 
-    from cost_models.elastic import init_process_group
+    from cost_models.torch_compat.elastic import init_process_group
     torch.set_num_threads(1)
     init_process_group("gloo", timeout_s)
     try:
@@ -102,7 +103,7 @@ def run_items(nproc: int, items: list[tuple[str, Strategy, TrainConfig]], timeou
     """[item][rank] -> what the rank returned (a RankResult's dict for "train", {"kept": bytes} for "kept")."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from cost_models.elastic import elastic_job
+    from cost_models.torch_compat.elastic import elastic_job
     with elastic_job("tp-tests", nproc) as (config, _):
         per_rank = elastic_launch(config, _jobs)([(k, s.to_dict(), c.to_dict()) for k, s, c in items], timeout_s)[0]
     return [[per_rank[r][i] for r in range(nproc)] for i in range(len(items))]
@@ -122,7 +123,7 @@ def reference(cfg: TrainConfig) -> list[float]:
 def _units(cfg: TrainConfig) -> tuple[str, ...]:
     if cfg.model_source in ("gpt-tiny", "llama-tiny"):
         return UNITS
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     return tuple(u.name for u in profile_model(resolve(cfg.model_source), micro_batch_size=1, seq_len=SEQ,
                                                meta=True).units)
 
@@ -208,8 +209,8 @@ def test_tp2_and_sp_on_2_ranks_zoo_and_hf_llama():
 
 
 def _predicted_tp_bytes(s: Strategy, cfg: TrainConfig) -> dict[str, float]:
-    from cost_models.estimate import tp_bytes_per_step
-    from cost_models.model_profiler import profile_model
+    from cost_models.cost.estimate import tp_bytes_per_step
+    from cost_models.profiling.model_profiler import profile_model
     with tp_plan_of(cfg.model_source):
         prof = profile_model(resolve(cfg.model_source), micro_batch_size=s.micro_batch_size, seq_len=cfg.seq_len,
                              dtype="fp32", meta=True)
@@ -235,7 +236,7 @@ def test_pp2_tp2_dp2_on_8_ranks():
 
 @pytest.mark.slow
 def test_tp2_dp2_checkpoint_resumes_as_zero3_dp2(tmp_path):
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from executor.launch import RunConfig, launch
     from tests.plans import plan_for
     cfg = cfg_for("llama-tiny")
@@ -275,9 +276,9 @@ def test_tp2_dp2_checkpoint_resumes_as_zero3_dp2(tmp_path):
 def test_activation_bytes_kept_per_layer_at_tp2_match_the_estimate():
     """What blocks.1 keeps for backward per rank (micro-batch 2 x 64 tokens, fp32), measured in real forwards at
     tp=1 and tp=2 without SP, with SP, with selective recompute and with both, against the cost model's per-role
-    split of the profile's saved bytes (cost_models.memory.tp_saved_bytes): within 5% (measured: 0-1.1%)."""
-    from cost_models.memory import tp_saved_bytes
-    from cost_models.model_profiler import profile_model
+    split of the profile's saved bytes (cost_models.cost.memory.tp_saved_bytes): within 5% (measured: 0-1.1%)."""
+    from cost_models.cost.memory import tp_saved_bytes
+    from cost_models.profiling.model_profiler import profile_model
     combos = [dict(sp=False, selective=False), dict(sp=True, selective=False), dict(sp=True, selective=True),
               dict(sp=False, selective=True)]
     models = ("gpt-tiny", "llama-tiny")
@@ -308,7 +309,7 @@ def _kept_bytes_here(cfg: TrainConfig) -> int:
 
 
 def test_tp_refusals_are_one_line():
-    from cost_models.errors import ConfigError
+    from cost_models.records.errors import ConfigError
     from executor.tensor_parallel import check_tp
     with torch.device("meta"):
         llama = resolve("llama-tiny").build(device=None, dtype=torch.float32, seed=0)

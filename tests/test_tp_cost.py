@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from cost_models.comm import TP_OPS
-from cost_models.estimate import estimate, tp_bytes_per_step
-from cost_models.memory import korthikanti_layer_bytes, tp_saved_bytes
-from cost_models.model_profiler import profile_model
+from cost_models.cost.comm import TP_OPS
+from cost_models.cost.estimate import estimate, tp_bytes_per_step
+from cost_models.cost.memory import korthikanti_layer_bytes, tp_saved_bytes
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.gpt import GPT, GPTConfig
 from cost_models.models.source import resolve
-from cost_models.presets import preset
-from cost_models.strategy import Strategy
+from cost_models.records.presets import preset
+from cost_models.records.strategy import Strategy
 
 B, S, H, V, L = 2, 16, 64, 512, 4     # the tiny zoo models' shapes as profiled here (fp32: 4 bytes)
 BSH = B * S * H * 4
@@ -324,8 +324,8 @@ def test_measured_saved_bytes_match_korthikanti_table_2():
 # --- real mode, measured times, validation ----------------------------------------------------------------------
 
 def test_real_profile_records_the_same_split_and_measured_times_divide_the_per_sample_work():
-    from cost_models.compute import tp_unit_times
-    from cost_models.profile import Timing
+    from cost_models.cost.compute import tp_unit_times
+    from cost_models.records.profile import Timing
     from tests.clusters import cpu_cluster
     real = profile_model(resolve("gpt-tiny"), micro_batch_size=B, seq_len=S, dtype="fp32", warmup=0, repeats=1)
     assert [u.tp for u in real.units] == [u.tp for u in _meta("gpt-tiny").units]
@@ -345,8 +345,8 @@ def test_real_profile_records_the_same_split_and_measured_times_divide_the_per_s
 
 
 def test_a_profile_whose_roles_exceed_its_saved_bytes_is_refused():
-    from cost_models.errors import FileFormatError
-    from cost_models.validate import validate_model
+    from cost_models.records.errors import FileFormatError
+    from cost_models.records.validate import validate_model
     prof = _meta("gpt-tiny")
     validate_model(prof, "profile.json")
     u = prof.units[1]

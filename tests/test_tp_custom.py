@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from cost_models.errors import ConfigError, ModelSourceError
-from cost_models.model_profiler import profile_model
+from cost_models.records.errors import ConfigError, ModelSourceError
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.profile import ModelProfile
-from cost_models.tensor_parallel import TPRule, TPShape, custom_tp_plan, rules_for, style_of, tp_shape
+from cost_models.records.profile import ModelProfile
+from cost_models.records.tensor_parallel import TPRule, TPShape, rules_for, style_of
+from cost_models.models.tp_shape import custom_tp_plan, tp_shape
 
 MODEL = "tests.test_tp_custom:tiny_model"
 PLAN = "tests.test_tp_custom:tiny_plan"
@@ -164,7 +165,7 @@ def test_old_profiles_without_rules_still_load():
 
 
 def test_validate_accepts_a_custom_plan_with_rules_only():
-    from cost_models.validate import validate_model
+    from cost_models.records.validate import validate_model
     prof = _profile()
     validate_model(prof, "profile.json")
     bare = ModelProfile.from_dict({**prof.to_dict(), "tensor_parallel": {**prof.tensor_parallel.to_dict(), "rules": []}})
@@ -190,7 +191,7 @@ def test_planner_profile_records_the_plan_and_reports_a_bad_one_in_one_line(tmp_
 
 
 def test_the_planner_searches_tp_with_the_recorded_rules():
-    from cost_models.presets import preset
+    from cost_models.records.presets import preset
     from planner.request import PlanRequest
     from planner.search import plan
     found = plan(_profile(), preset("dgx-a100"), PlanRequest(gpus=8, global_batch_size=32, tp_degrees=(2,)))

@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from cost_models.errors import ConfigError
+from cost_models.records.errors import ConfigError
 from cost_models.models.source import resolve
-from cost_models.strategy import Strategy
-from cost_models.tensor_parallel import LINEAR_KINDS, PLANS, STYLE_KINDS, rules_for, style_of, tp_shape, vocab_divides
+from cost_models.records.strategy import Strategy
+from cost_models.records.tensor_parallel import LINEAR_KINDS, PLANS, STYLE_KINDS, rules_for, style_of, vocab_divides
+from cost_models.models.tp_shape import tp_shape
 
 HF_LLAMA = ("hf:{kind}?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&num_key_value_heads=2"
             "&intermediate_size=128&vocab_size=256&max_position_embeddings=64")
@@ -94,7 +95,7 @@ def test_sequence_parallelism_of_transformers_models():
 
 def test_hf_gpt2_splits_its_conv1d_projections_and_keeps_the_tied_vocabulary_whole():
     pytest.importorskip("transformers")
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     shape = tp_shape(_meta(HF_GPT2))
     assert (shape.plan, shape.heads, shape.kv_heads, shape.ffn, shape.hidden, shape.vocab_split) == \
         ("hf-gpt2", 4, 4, 256, 64, False)

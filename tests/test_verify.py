@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from cost_models.estimate import estimate
-from cost_models.model_profiler import profile_model
+from cost_models.cost.estimate import estimate
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.presets import preset
-from cost_models.profile import ProfileFile
+from cost_models.records.presets import preset
+from cost_models.records.files import ProfileFile
 from executor import verify as V
 from planner.plan import Plan, Trial
 from planner.report import render_markdown, trial_rows
@@ -129,7 +129,7 @@ def test_older_plans_without_trials_load_and_a_plan_must_have_measured_its_choic
     data = searched.to_dict()
     assert data.pop("trials") == []
     assert Plan.from_dict(data).trials == ()
-    from cost_models.errors import ConfigError
+    from cost_models.records.errors import ConfigError
     from planner.plan import check_plan
     from dataclasses import replace
     bad = replace(searched, trials=(T("someone else", 1.0, 0.01),))

@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from cost_models.errors import WeightsError
-from cost_models.strategy import Strategy
+from cost_models.records.errors import WeightsError
+from cost_models.records.strategy import Strategy
 from executor import checkpoint
 from executor import checkpoint_layout as layout
 from executor.weights import DCP, HF_INDEX, SAFETENSORS, WeightsLoaded, load_weights
@@ -168,7 +168,7 @@ def test_what_does_not_fit_is_refused_in_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def plan():
     """A plan to list in checkpoints' meta (load_weights reads only the model's tensors of a checkpoint)."""
-    from cost_models.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
     profile = profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
     return plan_for(Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=1,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cost_models.models.chain import UnitChain
-from cost_models.records import Record, record
+from cost_models.records.base import Record, record
 
 
 @record
@@ -48,7 +48,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Heads are counted from the projection's output, not the config: under tensor parallelism this rank's
-        # c_attn holds its share of the q, k and v heads (cost_models/tensor_parallel.py, as Megatron splits it).
+        # c_attn holds its share of the q, k and v heads (cost_models/records/tensor_parallel.py, as Megatron splits
+        # it).
         b, s, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cost_models.models.chain import UnitChain
-from cost_models.records import Record, record
+from cost_models.records.base import Record, record
 
 
 @record

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from cost_models.models.chain import UnitChain
-from cost_models.records import Record, record
+from cost_models.records.base import Record, record
 
 
 @record

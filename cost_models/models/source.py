@@ -23,9 +23,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from cost_models.errors import ModelSourceError
+from cost_models.records.errors import ModelSourceError
 from cost_models.models.zoo import ZOO, ZooEntry, build_zoo_model
-from cost_models.profile import InputSpec
+from cost_models.records.profile import InputSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -148,7 +148,7 @@ def _zoo_source(entry: ZooEntry) -> ModelSource:
 
 # --- module:factory ---------------------------------------------------------------------------------------------
 
-def _load_attr(ref: str, what: str) -> Callable[..., Any]:
+def load_attr(ref: str, what: str) -> Callable[..., Any]:
     mod_name, _, attr = ref.rpartition(":")
     if not mod_name or not attr:
         raise ModelSourceError(f"{what} '{ref}' must look like package.module:function or path/to/file.py:function")
@@ -181,8 +181,8 @@ def _first_embedding(model: nn.Module) -> nn.Embedding | None:
 
 
 def _factory_source(ref: str, input_ref: str | None) -> ModelSource:
-    factory = _load_attr(ref, "model factory")
-    input_fn = _load_attr(input_ref, "input function") if input_ref else None
+    factory = load_attr(ref, "model factory")
+    input_fn = load_attr(input_ref, "input function") if input_ref else None
 
     def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
         if input_fn is not None:

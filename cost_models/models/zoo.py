@@ -11,7 +11,7 @@ from typing import Literal
 from cost_models.models.gpt import GPT, GPTConfig
 from cost_models.models.llama import Llama, LlamaConfig
 from cost_models.models.mlp import DeepMLP, MLPConfig
-from cost_models.records import Record, record
+from cost_models.records.base import Record, record
 
 Config = GPTConfig | LlamaConfig | MLPConfig
 

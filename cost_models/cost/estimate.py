@@ -1,0 +1,908 @@
+"""estimate(strategy, model profile, cluster) -> Estimate: step time with its breakdown and per-rank memory.
+
+Step time = the pipeline's makespan, simulated with each stage's per-micro-batch times and p2p transfers
+(cost_models.records.schedule), split into compute, bubble and exposed p2p; plus each rank's exposed data-parallel
+collectives after its last backward; plus the optimizer step. Data-parallel traffic per step follows what the
+executor runs (ZeRO paper, section 7: 2Ψ for stages 0-2, 3Ψ for stage 3, per gathered micro-batch):
+    ZeRO-0  all-reduce of gradients (DDP, no_sync until the last micro-batch)
+    ZeRO-1  all-reduce of gradients + broadcasts of updated parameters (ZeroRedundancyOptimizer's, per tensor)
+    ZeRO-2  without a pipeline, FSDP2 gathers and reduce-scatters every micro-batch; in a pipeline torch's stage
+            gathers once per step and reduce-scatters once
+    ZeRO-3  without a pipeline, FSDP2 gathers parameters for every micro-batch's forward and again for its backward
+            and reduce-scatters every micro-batch; in a pipeline it gathers for every forward and once for the
+            backward (m + 1, counted) and reduce-scatters once
+Overlap: without a pipeline on GPUs, FSDP2's one-unit-ahead prefetch and DDP's bucketed all-reduce hide
+communication behind compute unit by unit (see _overlapped_dp_time); what does not fit is exposed. With a
+pipeline, each stage is one FSDP unit: its gathers run inside the forwards (and ZeRO-3's first backward) that wait
+for them, so they are simulated on the pipeline's critical path (_stage_gather); the final reduce-scatter and
+the gradient syncs come after the stage's work and are exposed, then tied gradients are all-reduced across the
+pipeline ranks sharing them (_tied_sync). CPU ranks share their cores with gloo's threads: nothing is assumed
+hidden there.
+
+A calibrated cluster (cluster.calibration, fitted from runs by planner/calibrate.py) scales the unit times, the
+optimizer step and the exposed data-parallel time by its factors and replaces the per-action overhead; nothing else.
+
+Tensor parallelism (tp > 1; mesh (pp, dp, tp), tp innermost as torchtitan orders it, so a TP group is tp adjacent
+ranks inside a node and a dp group's ranks are tp apart): each unit's compute is its TP rank's share
+(compute.tp_unit_times), plus its TP collectives (comm.tp_unit_traffic: Megatron's two all-reduces per layer in
+forward and two in backward, Shoeybi et al. 2019 section 3; all-gather + reduce-scatter under SP, Korthikanti et al.
+2022 section 4.2.2) on the TP group's link, exposed: they sit between dependent GEMMs (Megatron-LM runs them
+synchronously; overlapping them needs async TP, which the executor does not run). Parameters, gradients and
+optimizer states of the split modules are divided by tp before ZeRO divides the rank's share by dp; activations
+are split by role (memory.tp_saved_bytes, Korthikanti et al. 2022 Table 2). Selective recompute drops the attention
+core's saved tensors and adds its forward to the backward (Korthikanti et al. 2022, section 5).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+from cost_models.records.cluster import Calibration, ClusterProfile, ComputeProbe, action_seconds
+from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
+                                   tp_unit_traffic)
+from cost_models.cost.compute import (compute_dtype, contention, effective_cores, executed_precision,
+                                      optimizer_step_time, tp_unit_times, unit_times, uses_measured_times)
+from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
+                                     held_bytes_per_param, overhead_bytes, saved_at, torch_mixed, tp_param_share,
+                                     tp_saved_bytes, zero1_partition)
+from cost_models.records.precision import BYTES_PER_PARAM, DTYPE_BYTES
+from cost_models.records.profile import ModelProfile, UnitProfile
+from cost_models.records.base import Record, record
+from cost_models.records.schedule import format_order, get_spec
+from cost_models.cost.simulator import Simulation, StageCost, simulate_schedule
+from cost_models.cost.sharing import stretched_backward, stretches
+from cost_models.records.strategy import Strategy
+from cost_models.records.tensor_parallel import vocab_divides
+
+# presets carry no probe: no per-call overheads are assumed there (GPU launches mostly hide behind kernels)
+_NO_OVERHEADS = ComputeProbe(dtype="", matmul_n=0, ranks=1, threads_per_rank=1, flops_per_rank=0.0, flops_alone=0.0)
+CollFn = Callable[[str, float], float]   # (op, full buffer bytes) -> seconds over the strategy's dp group
+
+
+@record
+class StepBreakdown(Record):
+    compute_s: float        # the critical rank's forward + backward (+ recompute) over all micro-batches, with
+                            # the FSDP gathers they wait for in a pipeline (_stage_gather)
+    bubble_s: float         # pipeline idle time on that rank with free p2p
+    p2p_s: float            # makespan added by p2p transfers
+    dp_comm_s: float        # exposed collectives after that rank's pipeline work: data-parallel ones, and the
+                            # all-reduce of tied gradients across pipeline ranks with its wait for the peer (_tied_sync)
+    optimizer_s: float
+    total_s: float
+    tp_comm_s: float = 0.0  # tensor-parallel collectives on that rank (exposed; inside compute_s)
+
+
+@record
+class StageEstimate(Record):
+    stage: int
+    units: tuple[str, ...]
+    params: int             # parameters the stage holds (a tied parameter counts in every stage that uses it);
+                            # with tp > 1 one TP rank's share
+    fwd_s: float            # per micro-batch
+    bwd_s: float            # per micro-batch, incl. recompute
+    activation_bytes: float # kept per micro-batch in flight
+    boundary_bytes: float   # what it sends to the next stage per micro-batch
+    peak_in_flight: int
+    send_fwd_s: float = 0.0 # p2p time of its output to the next stage (per micro-batch)
+    send_bwd_s: float = 0.0 # p2p time of its input gradient to the previous stage
+    pp_rank: int = 0               # the pipeline rank that runs it (the schedule's placement)
+    largest_unit_params: int = 0   # its largest unit's parameters (FSDP2 gathers one unit at a time)
+    working_set_bytes: float = 0.0 # with recompute: one unit's saved activations, live while it is recomputed
+    tp_comm_s: float = 0.0         # per micro-batch: its TP collectives (forward + backward, in fwd_s / bwd_s)
+    tp_bytes: dict[str, float] = dataclasses.field(default_factory=dict)  # per micro-batch: op -> full-buffer
+                                   # bytes of its TP collectives (forward, recomputed forward, backward)
+    kept_bytes: float = 0.0        # of activation_bytes, what each micro-batch keeps until the step ends (_kept)
+    gather_s: float = 0.0          # one FSDP all-gather of its parameters over dp (ZeRO-2/3 in a pipeline)
+    gather_every_forward: bool = False   # ZeRO-3: before every forward and micro-batch 0's backward; ZeRO-2: once,
+                                         # before micro-batch 0's forward (_stage_gather)
+    bwd_input_fraction: float = 0.5      # of bwd_s, the input-gradient part (I) under a split backward; W the rest
+                                         # (StageCost's; _shared moves it where I and W share cores differently)
+
+    def cost(self) -> StageCost:
+        """The simulator's view of this stage (reports re-simulate the plan's timeline from it): its gathers delay
+        the forwards and backward that wait for them."""
+        every = self.gather_every_forward
+        return StageCost(fwd_s=self.fwd_s + (self.gather_s if every else 0.0), bwd_s=self.bwd_s,
+                         bwd_input_fraction=self.bwd_input_fraction, send_fwd_s=self.send_fwd_s,
+                         send_bwd_s=self.send_bwd_s,
+                         activation_bytes=self.activation_bytes, kept_bytes=self.kept_bytes,
+                         first_fwd_extra_s=0.0 if every else self.gather_s,
+                         first_bwd_extra_s=self.gather_s if every else 0.0)
+
+
+@record
+class CommVolume(Record):
+    p2p_bytes_per_step: float        # activations + gradients crossing stage boundaries, one pipeline
+    dp_bytes_per_rank: float         # data-parallel collectives per rank per step in full-buffer bytes (as
+                                     # CommCounter counts them), not wire bytes: comm.dp_wire_bytes
+    dp_collectives: dict[str, float] # op -> bytes per rank per step
+    p2p_link: str
+    dp_link: str
+    tp_bytes_per_rank: float = 0.0   # bytes each rank moves in tensor-parallel collectives per step (full buffers)
+    tp_collectives: dict[str, float] = dataclasses.field(default_factory=dict)  # op -> bytes per rank per step
+    tp_link: str = "none"            # the TP group's link: "intra-node" (or "inter-node" where tp > a node)
+    tied_bytes_per_rank: float = 0.0 # pipeline rank 0's all-reduce of tied gradients across pipeline ranks per step
+                                     # (_tied_sync; its local gradient: a ZeRO-2/3 shard), counted as CommCounter does
+
+
+@record
+class Estimate(Record):
+    step_time_s: float
+    breakdown: StepBreakdown
+    bubble_ratio: float      # (makespan - ideal) / ideal, Narayanan et al.'s (p-1)/m convention
+    bubble_share: float      # idle share of all rank-time in the pipeline
+    tokens_per_step: int     # tokens (sequences x seq_len) for token and feature-sequence inputs; samples for others
+    tokens_per_s: float
+    throughput_unit: str = "tokens"   # what tokens_* count: "tokens" | "samples" (an input with no sequence axis)
+    mfu: float | None        # model FLOPs (PaLM: 3 x forward, no recompute) / (step time x world x peak); None
+                             # where the peak is unknown
+    stages: tuple[StageEstimate, ...]
+    memory_per_rank: tuple[MemoryBreakdown, ...]
+    capacity_bytes: int
+    fits: bool
+    comm: CommVolume
+    compute_source: str      # "measured" (profile times on this device kind) | "flops" (FLOPs / peak x efficiency)
+    pipeline_order: dict[str, list[str]]
+    hfu: float | None = None # hardware FLOPs (with recompute, torch's attention backward) / the same; see _throughput
+    calibrated_by: str = ""  # "" as probed; else Calibration.describe() of the cluster's calibration (which runs)
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(m.total_bytes for m in self.memory_per_rank)
+
+
+# --- the tied-parameter rule --------------------------------------------------------------------------------------
+
+def tied_copies(profile: ModelProfile, unit: str, stage_units: Sequence[str]) -> list[int]:
+    """Sizes of the tied parameters `unit` uses whose owning unit is in another stage: its stage holds a copy (each
+    pipeline stage owns the modules it runs; the executor all-reduces tied gradients across the copies). Pass no
+    stage units for every tied parameter the unit uses (the memory-aware partitioner's bound, before stages exist).
+    Each tied tensor counts once however many of its aliases the unit uses."""
+    uses = set(profile.unit(unit).shared_params)
+    return [sp.numel for sp in profile.shared if uses & set(sp.aliases) and sp.units[0] not in stage_units]
+
+
+def _held_params(profile: ModelProfile, unit: str, stage_units: Sequence[str]) -> int:
+    return profile.unit(unit).params + sum(tied_copies(profile, unit, stage_units))
+
+
+def _rank_params(c: "_Context", unit: str, stage_units: Sequence[str]) -> int:
+    """Parameters one rank holds of `unit` in its stage: with tp > 1 the split modules' share (tied copies whole:
+    only a tied or indivisible vocabulary is tied, and that stays whole)."""
+    held = _held_params(c.profile, unit, stage_units)
+    if c.s.tp == 1:
+        return held
+    return round(tp_param_share(held, c.profile.unit(unit).tp, c.s.tp, c.tp_vocab))
+
+
+def _unit_numels(profile: ModelProfile, unit: str, stage_units: Sequence[str], *, tp: int = 1,
+                 vocab: bool = False) -> list[int]:
+    """Sizes of the parameter tensors a unit holds in its stage (tied copies included; a TP rank's shares of the
+    split ones); [] for old profiles."""
+    u = profile.unit(unit)
+    if not u.param_numels:
+        return []
+    numels = list(u.param_numels)
+    if tp > 1 and u.tp is not None and u.tp.param_split:
+        numels = [n // tp if f == 1 or (f == 2 and vocab) else n for n, f in zip(numels, u.tp.param_split)]
+    return numels + tied_copies(profile, unit, stage_units)
+
+
+# --- pass 1: stage costs ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What every pass reads: the strategy, the model, the cluster and the derived byte sizes."""
+    s: Strategy
+    profile: ModelProfile
+    cluster: ClusterProfile
+    param_bytes: int
+    grad_bytes: int
+    act_scale: float          # profile's saved bytes -> this micro-batch size and compute dtype
+    overheads: ComputeProbe
+    unit_index: dict[str, int]  # unit name -> position in the model's chain
+    tp_on: bool = False         # tensor parallelism or selective recompute: units are costed by TP role
+    tp_vocab: bool = False      # the embedding and head split on the vocabulary at this tp
+    tp_cost: tuple[tuple[float, float], ...] = ()  # per op in TP_OPS: (s per call, s per profile byte) over tp
+    calibration: Calibration = Calibration()       # the cluster's, or the neutral one
+    mixed: bool = False         # torch's mixed precision (memory.torch_mixed): fp32 masters, bf16 compute
+    autocast: bool = False      # ... through torch.autocast (no FSDP2 casting for it): unit times pay mixed_factor
+
+    @staticmethod
+    def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> "_Context":
+        p_b, g_b, _ = BYTES_PER_PARAM[(s.precision, s.optimizer)]
+        mixed = torch_mixed(s.precision, cluster.device.kind, s.pp)
+        scale = activation_scale(profile, micro_batch_size=s.micro_batch_size, precision=s.precision)
+        shape = profile.tensor_parallel
+        tp_cost: tuple[tuple[float, float], ...] = ()
+        if s.tp > 1:
+            # one TP buffer (b x s x h in the compute dtype) as the secant's reference size
+            ref = max(1.0, profile.micro_batch_size * profile.seq_len * (shape.hidden if shape else 1) * scale
+                      * DTYPE_BYTES[profile.dtype])
+            tp_cost = tuple((a, b * scale) for a, b in (linearized(cluster, op, s.tp, ref) for op in TP_OPS))
+        cal = cluster.calibration or Calibration()
+        overheads = cluster.compute or _NO_OVERHEADS
+        return _Context(s=s, profile=profile, cluster=cluster, param_bytes=p_b, grad_bytes=g_b, act_scale=scale,
+                        overheads=overheads, calibration=cal,
+                        unit_index={u.name: i for i, u in enumerate(profile.units)},
+                        tp_on=s.tp > 1 or s.selective, tp_vocab=bool(shape) and vocab_divides(shape, s.tp),
+                        tp_cost=tp_cost, mixed=mixed,
+                        autocast=mixed and (s.zero < 2 or s.dp == 1))
+
+
+def dtype_ratio(profile: ModelProfile, precision: str) -> float:
+    """The compute dtype's element size over the profile's."""
+    return DTYPE_BYTES[compute_dtype(precision)] / DTYPE_BYTES[profile.dtype]
+
+
+def activation_scale(profile: ModelProfile, *, micro_batch_size: int, precision: str) -> float:
+    """Factor from the profile's activation bytes to a micro-batch of `micro_batch_size` in the compute dtype
+    (activations scale linearly with the batch and with the element size; memory.saved_at corrects saved bytes
+    for the parts that do neither)."""
+    return (micro_batch_size / profile.micro_batch_size) * dtype_ratio(profile, precision)
+
+
+def _crosses_nodes(rank_a: int, rank_b: int, cluster: ClusterProfile) -> bool:
+    return rank_a // cluster.devices_per_node != rank_b // cluster.devices_per_node
+
+
+def _boundary_bytes(profile: ModelProfile, last: int) -> float:
+    """Bytes a stage ending at unit `last` sends on per micro-batch: that unit's output in a chain; in a DAG, every
+    edge from a unit at or before it to a unit after it (skip connections ride along through later stages)."""
+    if not profile.edges:
+        return float(profile.units[last].output_bytes)
+    return float(sum(e.bytes for e in profile.edges if e.src <= last < e.dst))
+
+
+def _stage_input_bytes(c: _Context, first: int) -> float:
+    profile = c.profile
+    if first == 0:
+        tokens = profile.input.kind == "tokens"
+        input_bytes = math.prod(profile.input.shape) * (8 if tokens else DTYPE_BYTES[profile.dtype])
+        return input_bytes * c.s.micro_batch_size / profile.micro_batch_size
+    return profile.units[first - 1].output_bytes * c.act_scale
+
+
+def _tp_seconds(c: _Context, traffic: Traffic) -> float:
+    """Seconds of one unit's TP collectives in one pass: calls x alpha + bytes x beta per op (comm.linearized)."""
+    return sum(traffic[2 * i] * a + traffic[2 * i + 1] * b for i, (a, b) in enumerate(c.tp_cost))
+
+
+def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> tuple[float, float, float]:
+    """(forward, backward, saved bytes at the profile's scale) of one micro-batch through `u` on one TP rank: its
+    compute share, its TP collectives (exposed), selective recompute's core forward in the backward (module doc).
+    Adds the unit's TP bytes (per op in TP_OPS, forward again when recomputed) and collective seconds to acc."""
+    s = c.s
+    selective = s.selective and not recompute
+    f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
+        u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
+        ranks_running=busy_ranks(s), tp=s.tp, vocab=c.tp_vocab, mixed=c.autocast))
+    saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective)
+    if selective:
+        b += core
+    if s.tp > 1 and u.tp is not None:
+        fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=c.profile.tensor_parallel.vocab if c.tp_vocab else 0)
+        norms = sp_norm_grad_traffic(u.tp, c.grad_bytes) if s.sp else None
+        tf, tb = _tp_seconds(c, fwd_t), _tp_seconds(c, bwd_t) + (_tp_seconds(c, norms) if norms else 0.0)
+        f, b = f + tf, b + tb
+        passes = 2 if recompute else 1
+        for i in range(len(TP_OPS)):
+            acc[i] += (passes * fwd_t[2 * i + 1] + bwd_t[2 * i + 1]) * c.act_scale + (norms[2 * i + 1] if norms else 0.0)
+        acc[-1] += passes * tf + tb
+    return f, b, saved
+
+
+# Per-unit costs depend on the unit and a few of the strategy's fields only, and the planner costs thousands of
+# strategies over the same profile and cluster: they are kept per (profile, cluster) object pair. The pair is held
+# by the cache, so its ids cannot be reused by other objects while the entry lives; a few pairs are kept.
+_UNIT_COSTS: dict[tuple[int, int], tuple[ModelProfile, ClusterProfile, dict]] = {}
+_UNIT_COST_PAIRS = 4
+
+
+def busy_ranks(s: Strategy) -> float:   # s: a Strategy, or the planner's search Point (the same fields)
+    """How many ranks compute at once, on average over a step: all of them without a pipeline; with one, each
+    pipeline rank is busy n / (n + p - 1) of the time for n = m x v micro-batch chunks (the bubble fraction
+    (p - 1) / (m + p - 1) of GPipe, Huang et al. 2019, section 2.3, and (p - 1) / (v m) interleaved, Narayanan et
+    al. 2021, section 2.2). CPU ranks that share cores slow each other by how many compute at once
+    (compute.contention): a 4-stage pipeline of one micro-batch on 4 ranks over fewer cores runs one stage at a
+    time, at full speed (priced at every rank's contention it came out far too slow: measured in
+    benchmarks/results/measurements.md, "Compute contention on shared cores")."""
+    n = s.microbatches * s.v
+    return s.dp * s.tp * s.pp * n / (n + s.pp - 1)
+
+
+def action_cost(s: Strategy, cluster: ClusterProfile) -> float:
+    """One pipeline schedule action's overhead for `s` on `cluster`, beyond its compute and p2p: a calibration's
+    fitted value as it is (fitted from runs, whatever the schedule's kind); else the probe's for the schedule's kind
+    with the plan's dp x tp pipelines running at once (cluster.action_seconds): on CPU ranks that share cores, the
+    pairs' cost priced one pipeline over all ranks at twice its measured step, and plans that run as pairs close
+    to theirs (measured: benchmarks/results/measurements.md, "Pipeline action overhead")."""
+    cal = cluster.calibration
+    if cal is not None and cal.pipeline_action_s is not None:
+        return cal.pipeline_action_s
+    if cluster.compute is None:
+        return 0.0
+    return action_seconds(cluster.compute, multi_stage=s.spec.multi_stage, split_backward=s.spec.split_backward,
+                          pipelines_at_once=s.dp * s.tp)
+
+
+def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, float, tuple[float, ...]]:
+    """(forward, backward, saved bytes at the profile's scale, TP bytes per op + TP seconds or ()) of one
+    micro-batch through unit `name` (_tp_unit with tensor parallelism or selective recompute, else unit_times)."""
+    s = c.s
+    pair = (id(c.profile), id(c.cluster))
+    entry = _UNIT_COSTS.get(pair)
+    if entry is None:
+        if len(_UNIT_COSTS) >= _UNIT_COST_PAIRS:
+            _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
+        entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {})
+    key = (name, s.micro_batch_size, s.precision, busy_ranks(s), s.tp, s.sp, s.selective, recompute, c.tp_on,
+           c.tp_vocab, s.optimizer, c.autocast)
+    hit = entry[2].get(key)
+    if hit is None:
+        u = c.profile.unit(name)
+        if c.tp_on:
+            acc = [0.0] * (len(TP_OPS) + 1)
+            f, b, kept = _tp_unit(c, u, recompute, acc)
+            hit = (f, b, kept, tuple(acc))
+        else:
+            f, b = (t * c.calibration.compute_scale for t in unit_times(
+                u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
+                ranks_running=busy_ranks(s), mixed=c.autocast))
+            hit = (f, b, _saved(c, u), ())
+        entry[2][key] = hit
+    return hit
+
+
+def _saved(c: _Context, u: UnitProfile) -> float:
+    return saved_at(u, micro_batch_size=c.s.micro_batch_size, profile_batch=c.profile.micro_batch_size,
+                    dtype_ratio=dtype_ratio(c.profile, c.s.precision))
+
+
+def _working_set(c: _Context, units: tuple[str, ...], saved: list[float], stage_input: float) -> float:
+    """With full recompute, the most one unit keeps while it is recomputed in backward: its saved bytes less its
+    input, which the in-flight term already holds (the checkpoint keeps it; a norm or linear saves that same
+    storage again, measured by executor.activations as one storage)."""
+    inputs = [stage_input] + [c.profile.units[c.unit_index[n] - 1].output_bytes * c.act_scale for n in units[1:]]
+    return max(max(0.0, kept * c.act_scale - held) for kept, held in zip(saved, inputs))
+
+
+def _kept(c: _Context, sid: int, units: tuple[str, ...], recompute: bool) -> float:
+    """What each micro-batch keeps on a stage until the step ends under torch's split backward (I, then W): the saved
+    tensors of its nodes on no weight's path, measured in context by model_profiler._split_kept_in_stages (a last
+    stage from its first unit to the loss; a middle stage as its first unit alone plus each later one after the
+    unit before it). I runs with retain_graph and W starts from the
+    intermediates I kept, so those are freed only with the graph, which a stage holds to the end of the step (the
+    last stage's outputs and losses; measured by executor.activations, torch 2.13: every stage but the first, which
+    runs one full backward at W, keeps them; accuracy in benchmarks/results/measurements.md, "Activation accuracy").
+    Not modelled (0) for a first stage or with recompute outside a split backward."""
+    s = c.s
+    if sid == 0 or not get_spec(s.schedule).split_backward or recompute:
+        return 0.0
+    index, profile = c.unit_index, c.profile
+    parts = [profile.units[index[n]] for n in units]
+    first = parts[0]
+    if sid == s.n_stages - 1 and first.split_suffix_bytes is not None:
+        alone = sum(u.split_kept_bytes for u in parts)
+        share = sum(u.split_kept_bytes * _tp_kept_share(c, u) for u in parts) / alone if alone else 1.0
+        return first.split_suffix_bytes * share * c.act_scale
+    kept = (first.split_kept_bytes * _tp_kept_share(c, first)
+            + sum(u.split_after_bytes * _tp_kept_share(c, u) for u in parts[1:]))
+    return kept * c.act_scale
+
+
+def _tp_kept_share(c: _Context, u: UnitProfile) -> float:
+    """The share of a unit's split-backward kept bytes (measured on one rank) one TP rank keeps: what is on no
+    weight's path is the attention core and the activation between the split linears (a norm's or a linear's input
+    is on its weight's path), which TP splits: 1/tp in a unit with split roles, all of it in a replicated one (a
+    last stage's suffix weighs its units by their kept bytes alone). Checked with executor.activations
+    (benchmarks/results/measurements.md, "Activation accuracy"): a last stage under SP comes out over, as what its
+    head keeps under SP is not split out."""
+    tu = u.tp
+    if c.s.tp == 1 or tu is None or not (tu.saved_split or tu.saved_core):
+        return 1.0
+    return 1.0 / c.s.tp
+
+
+def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEstimate:
+    """One stage's per-micro-batch times, activation and p2p bytes; appends its units' (fwd, bwd) to unit_fb."""
+    s, profile, units = c.s, c.profile, c.s.stages[sid]
+    recompute = s.stage_recompute(sid)
+    index = c.unit_index
+    fwd = bwd = 0.0
+    saved: list[float] = []
+    acc = [0.0] * (len(TP_OPS) + 1)   # TP bytes per op, TP seconds
+    for name in units:
+        f, b, kept, tp_acc = _unit_cost(c, name, recompute)
+        if tp_acc:
+            acc = [x + y for x, y in zip(acc, tp_acc)]
+        fwd, bwd = fwd + f, bwd + b
+        saved.append(kept)
+        unit_fb.append((f, b + (f if recompute else 0.0)))
+    stage_input = _stage_input_bytes(c, index[units[0]])
+    # Under a split backward a recomputed stage's I recomputes the units and W still needs what they saved, and the
+    # stage keeps part of it to the step's end (_kept): measured well above the recompute model's peak
+    # (benchmarks/results/measurements.md, "Activation accuracy"). Its memory is bounded by the unrecomputed
+    # stage's instead.
+    bounded = recompute and sid > 0 and get_spec(s.schedule).split_backward
+    if recompute and not bounded:
+        # Full recompute keeps each unit's input per micro-batch and one unit's working set at a time
+        # (Korthikanti et al. 2022, section 4: 2sbh per layer in 16-bit instead of sbh(34 + 5as/h)).
+        act = stage_input + sum(profile.units[index[n] - 1].output_bytes * c.act_scale for n in units[1:])
+    else:
+        act = sum(saved) * c.act_scale
+    if recompute:
+        bwd += fwd
+    boundary = _boundary_bytes(profile, index[units[-1]]) * c.act_scale
+    held = [_rank_params(c, n, units) for n in units]
+    send_f, send_b = _p2p_times(c, sid, boundary, stage_input)
+    gather = _stage_gather(c, sum(held))
+    if s.n_stages > 1:
+        # torch's schedule runtime costs a fixed amount per action (probed); a split backward runs as I and W
+        per_action = action_cost(s, c.cluster)
+        fwd, bwd = fwd + per_action, bwd + per_action * (2 if s.spec.split_backward else 1)
+    if gathers_in_schedule(s):
+        # FSDP2's per-unit work beyond compute and collectives (probed: overhead_probe.fsdp_unit_seconds) runs in
+        # the stage's forward and backward hooks, so a pipeline waits for it on every stage in turn, not once after
+        # the last: a stage's forward used about twice its unit compute in its thread's CPU time (measured:
+        # benchmarks/results/measurements.md, "FSDP work inside pipeline stages"). Half on each side.
+        fwd, bwd = fwd + c.overheads.fsdp_unit_s / 2, bwd + c.overheads.fsdp_unit_s / 2
+    return StageEstimate(stage=sid, units=units, params=sum(held), fwd_s=fwd, bwd_s=bwd, activation_bytes=act,
+                         boundary_bytes=boundary, peak_in_flight=0, send_fwd_s=send_f, send_bwd_s=send_b,
+                         pp_rank=s.stage_rank(sid), largest_unit_params=max(held),
+                         working_set_bytes=_working_set(c, units, saved, stage_input) if recompute and not bounded
+                         else 0.0, tp_comm_s=acc[-1], kept_bytes=_kept(c, sid, units, recompute and not bounded),
+                         tp_bytes=dict(zip(TP_OPS, acc)) if s.tp > 1 else {}, gather_s=gather,
+                         gather_every_forward=gather > 0 and s.zero == 3)
+
+
+def _stage_gather(c: _Context, params: int) -> float:
+    """Seconds of one all-gather of a pipeline stage's parameters over dp under ZeRO-2/3, 0 otherwise.
+
+    torch's pipeline stage is one FSDP unit, gathered by FSDP's pre-forward hook inside the stage's forward: after
+    the stage received its input, so the gather sits on the pipeline's critical path, not after it. Counted per
+    step with the executor's CommCounter (torch 2.13, gloo, gpt-tiny PP2 x DP2, GPipe and 1F1B at m = 1, 2, 4, and
+    interleaved at v = 2): ZeRO-2 gathers each stage once; ZeRO-3 m + 1 times, once per forward and once more for
+    the backward (the parameters then stay gathered to the step's end); a stage's forward + backward take that
+    much longer than its compute (measured: benchmarks/results/measurements.md, "FSDP work inside pipeline
+    stages"). The reduce-scatter comes after the stage's last backward and its sends (perform_reduce_grad), so
+    it stays in the exposed time after the pipeline (_dp_pass). torch's schedule runtime (multi-stage schedules)
+    issues the gathers ahead of the compute instead (UNSHARD actions, schedules._add_unshard_reshard), so there
+    they stay in the exposed time too (with them on the path, interleaved ZeRO-2/3 priced too slow: same
+    section)."""
+    if not gathers_in_schedule(c.s):
+        return 0.0
+    return _dp_coll(c)("all_gather", params * c.param_bytes) * c.calibration.dp_comm_scale
+
+
+def gathers_in_schedule(s: Strategy) -> bool:
+    """Whether the stages' FSDP gathers are simulated inside the pipeline schedule (_stage_gather)."""
+    return s.n_stages > 1 and s.dp > 1 and s.zero >= 2 and not s.spec.multi_stage
+
+
+def _dp_coll(c: _Context) -> CollFn:
+    """collective_time over the strategy's dp group: its ranks are tp apart (mesh (pp, dp, tp)), so a node holds
+    devices_per_node / tp of them."""
+    s, cluster = c.s, c.cluster
+    per_node = max(1, cluster.devices_per_node // s.tp)
+    dp_rpn = math.gcd(s.dp, per_node) if s.dp > per_node else None
+
+    def coll(op: str, size: float, back_to_back: bool = False) -> float:
+        return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn, back_to_back=back_to_back)
+    return coll
+
+
+def _p2p_times(c: _Context, sid: int, boundary: float, stage_input: float) -> tuple[float, float]:
+    """p2p time of the stage's output to the next stage and of its input gradient to the previous one.
+    A neighbour on the same rank (the turn of a V) is handed the tensor in memory: no p2p (torch's stage skips the
+    send there)."""
+    s, cluster = c.s, c.cluster
+    here, per = s.stage_rank(sid), s.dp * s.tp   # a pipeline rank's first global rank is pp_rank x dp x tp
+    send_f = send_b = 0.0
+    if sid < s.n_stages - 1 and s.stage_rank(sid + 1) != here:
+        send_f = p2p_time(cluster, boundary, crosses_nodes=_crosses_nodes(here * per, s.stage_rank(sid + 1) * per,
+                                                                          cluster))
+    if sid > 0 and s.stage_rank(sid - 1) != here:
+        send_b = p2p_time(cluster, stage_input, crosses_nodes=_crosses_nodes(here * per, s.stage_rank(sid - 1) * per,
+                                                                             cluster))
+    return send_f, send_b
+
+
+def _stage_pass(c: _Context) -> tuple[tuple[StageEstimate, ...], list[tuple[float, float]]]:
+    unit_fb: list[tuple[float, float]] = []   # per unit (forward, backward incl. recompute) of one micro-batch
+    return tuple(_stage(c, sid, unit_fb) for sid in range(c.s.n_stages)), unit_fb
+
+
+# --- pass 2: the pipeline -----------------------------------------------------------------------------------------
+
+def _shared(s: Strategy, cluster: ClusterProfile, stages: tuple[StageEstimate, ...],
+            send_delay_s: float) -> tuple[StageEstimate, ...]:
+    """A pipeline's stages on CPU ranks that share cores, each action priced at the ranks busy while it runs
+    (sharing.stretches) instead of at the step's average (busy_ranks). Everything in an action's fwd_s / bwd_s is
+    CPU work on these ranks (the units, torch's per-action runtime, FSDP's hooks), so all of it is stretched; its
+    gathers (gather_s, priced by the probe's collective fits) are not (the rounds' own simulations stretch a ZeRO-3
+    stage's every-forward gather with its forward, which moved a PP2 x DP2 ZeRO-3 step by 0.03%). Scored offline
+    against fidelity measurements, it brought pipelines of one micro-batch closer to measured
+    (benchmarks/results/measurements.md, "Processor sharing in a pipeline step"). GPUs, and pipelines of one
+    stage, as priced."""
+    cores = effective_cores(cluster)
+    if cores is None or s.n_stages == 1:
+        return stages
+    out = stretches(s.simulated_schedule, s.pp, s.microbatches, s.v, tuple(st.cost() for st in stages),
+                    replicas=s.dp * s.tp, cores=cores, priced_at=contention(cluster, busy_ranks(s)),
+                    send_delay_s=send_delay_s)
+    shared = []
+    for st, x in zip(stages, out):
+        bwd, frac = stretched_backward(st.bwd_s, st.bwd_input_fraction, x)
+        shared.append(dataclasses.replace(st, fwd_s=st.fwd_s * x.fwd, bwd_s=bwd, bwd_input_fraction=frac))
+    return tuple(shared)
+
+
+def _pipeline_pass(s: Strategy, stages: tuple[StageEstimate, ...], *, compact: bool,
+                   send_delay_s: float = 0.0) -> tuple[Simulation, Simulation]:
+    """The schedule simulated with p2p, and (unless compact) again with free p2p to split bubble from p2p time.
+    `send_delay_s`: how long CPU ranks' gloo sends may wait for the sender's next wait (simulator._evaluate,
+    send_delay). The free run keeps that wait: it is compute on the sender's side, so it counts as bubble, and p2p
+    is the transfers alone."""
+    costs = tuple(st.cost() for st in stages)
+    sim = simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, costs, send_delay_s=send_delay_s)
+    if compact:
+        return sim, sim
+    free = tuple(dataclasses.replace(x, send_fwd_s=0.0, send_bwd_s=0.0) for x in costs)
+    return sim, simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, free, send_delay_s=send_delay_s)
+
+
+# The most a gloo send waits for a core when every core is busy: the median of the plateau benchmarks/send_delay.py
+# measures with twice as many ranks as cores (benchmarks/results/send_delay.json; measurements.md, "CPU pipeline
+# sends wait for a core"). A scheduler's time slice, not a link's cost.
+SEND_DELAY_CAP_S = 3.8e-3
+
+
+def send_delay(s: Strategy, cluster: ClusterProfile) -> float:
+    """How long a pipeline's sends may wait for the sender's next wait (simulator._evaluate), on average over its
+    sends: SEND_DELAY_CAP_S while every core is busy, none while one is free (gloo's I/O thread then runs at once;
+    NCCL's transfers need no core). CPU ranks only. The share of a step with every core busy is taken as the ranks
+    computing at once beyond one less than the probe's effective cores (busy_ranks; compute.effective_cores),
+    clamped to [0, 1]: a pipeline of one micro-batch runs one rank at a time (little or no delay), one of many
+    micro-batches on more ranks than cores keeps them all busy (the cap). Scored offline against fidelity
+    measurements: benchmarks/results/measurements.md, "CPU pipeline sends wait for a core"."""
+    cores = effective_cores(cluster)
+    if cores is None:
+        return 0.0
+    return SEND_DELAY_CAP_S * min(1.0, max(0.0, busy_ranks(s) - (cores - 1.0)))
+
+
+def _rank_stages(s: Strategy, stages: tuple[StageEstimate, ...], r: int) -> list[StageEstimate]:
+    return [stages[sid] for sid in s.rank_stages(r)]
+
+
+# --- pass 3: data-parallel exposure -------------------------------------------------------------------------------
+
+def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple[float, float]]
+             ) -> tuple[list[float], dict[str, float]]:
+    """Each pipeline rank's exposed data-parallel time per step, and pipeline rank 0's bytes per collective op."""
+    s, cluster = c.s, c.cluster
+    coll = _dp_coll(c)
+    dp_bytes: dict[str, float] = {}
+    rank_dp: list[float] = []
+    for r in range(s.pp):
+        mine = _rank_stages(s, stages, r)
+        units = [(_rank_params(c, n, st.units), c.profile.unit(n).param_tensors) for st in mine for n in st.units]
+        exposed = 0.0
+        for op, count, size, back_to_back in _dp_collectives(s, units, [st.params for st in mine], c.param_bytes,
+                                                             c.grad_bytes):
+            if not (op == "all_gather" and gathers_in_schedule(s)):   # in the stages' costs (_stage_gather)
+                exposed += count * coll(op, size, back_to_back)
+            if r == 0:
+                dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
+        if s.dp > 1 and s.zero >= 2 and not gathers_in_schedule(s):
+            # FSDP2's per-unit work beyond compute and collective latency (probed), every micro-batch: one unit per
+            # pipeline unit without a pipeline, one per stage with one (in the stages' costs where the pipeline
+            # schedule holds their gathers: _stage)
+            fsdp_units = len(units) if s.pp == 1 else len(mine)
+            exposed += s.microbatches * fsdp_units * c.overheads.fsdp_unit_s
+        if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1:
+            params = [u.params if s.tp == 1 else tp_param_share(u.params, u.tp, s.tp, c.tp_vocab)
+                      for u in c.profile.units]
+            tensors = [max(1, u.param_tensors) for u in c.profile.units]
+            exposed = _overlapped_dp_time(s, params, tensors, unit_fb, coll, c.param_bytes, c.grad_bytes)
+        rank_dp.append(exposed * c.calibration.dp_comm_scale)
+    return rank_dp, dp_bytes
+
+
+# --- pass 4: the optimizer ----------------------------------------------------------------------------------------
+
+def _optimizer_pass(c: _Context, stages: tuple[StageEstimate, ...]) -> float:
+    """The busiest pipeline rank's optimizer step: its parameters' update plus a per-tensor overhead (probed)."""
+    s = c.s
+    per_rank = [_rank_stages(s, stages, r) for r in range(s.pp)]
+    opt_params = max(sum(st.params for st in mine) for mine in per_rank)
+    opt_params_rank = opt_params / (s.dp if s.zero >= 1 else 1)
+    opt_tensors = max(sum(max(1, c.profile.unit(n).param_tensors) for st in mine for n in st.units)
+                      for mine in per_rank)
+    # FSDP2 keeps a shard of every tensor on every rank; ZeroRedundancyOptimizer gives each rank whole tensors
+    opt_tensors_rank = opt_tensors / (s.dp if s.zero == 1 else 1)
+    # FSDP2's shards (ZeRO-2/3) and a TP model's parameters are DTensors: every op of their update is dispatched
+    # by DTensor, about ten times a plain tensor's cost (measured: benchmarks/results/measurements.md, "DTensor
+    # optimizer overhead")
+    dtensors = (s.zero >= 2 or s.tp > 1) and c.overheads.optimizer_dtensor_s > 0
+    per_tensor = c.overheads.optimizer_dtensor_s if dtensors else c.overheads.optimizer_tensor_s
+    return c.calibration.optimizer_scale * (
+        optimizer_step_time(opt_params_rank, profile=c.profile, cluster=c.cluster, precision=s.precision,
+                            optimizer=s.optimizer, ranks_running=busy_ranks(s))
+        + opt_tensors_rank * per_tensor)
+
+
+# --- pass 5: throughput and traffic -------------------------------------------------------------------------------
+
+def _throughput(c: _Context, total: float) -> tuple[int, str, float | None, float | None]:
+    """(tokens or samples per step, which of the two, MFU, HFU) over step time x devices x dense peak (GPUs only).
+    MFU counts model FLOPs as PaLM does (Chowdhery et al. 2022, appendix B: 6N + 12LHQT per token, i.e. three times
+    the forward's matmul and attention FLOPs: backward = 2 x forward, no recompute). HFU counts what the devices run
+    (hardware_flops_per_step): the profile's measured backward (torch's attention backward recomputes QK^T: 2.5 x
+    its forward) and the recomputed forwards. HFU is usually the higher (a first layer whose input needs no gradient
+    runs less backward than PaLM's 2 x forward)."""
+    s, profile, cluster = c.s, c.profile, c.cluster
+    per_sequence = profile.input.kind in ("tokens", "features")   # "custom": no sequence axis, count samples
+    tokens = s.global_batch_size * (profile.seq_len if per_sequence else 1)
+    per_sample = s.global_batch_size / profile.micro_batch_size
+    model_flops = 3 * sum(u.fwd_flops for u in profile.units) * per_sample
+    peak = cluster.device.peak_flops.get(compute_dtype(s.precision))
+    if not (peak and total > 0 and cluster.device.kind == "gpu"):
+        return tokens, "tokens" if per_sequence else "samples", None, None
+    denom = total * s.world_size * peak
+    return (tokens, "tokens" if per_sequence else "samples", model_flops / denom,
+            hardware_flops_per_step(s, profile) / denom)
+
+
+def hardware_flops_per_step(s: Strategy, profile: ModelProfile) -> float:
+    """FLOPs the devices run per step: each unit's profiled forward + backward (FlopCounterMode, torch's own
+    backward formulas), plus its forward again in a fully recomputed stage, plus the attention core's forward under
+    selective recompute (Korthikanti et al. 2022, section 5)."""
+    flops = 0.0
+    for sid, units in enumerate(s.stages):
+        full = s.stage_recompute(sid)
+        for name in units:
+            u = profile.unit(name)
+            again = u.fwd_flops if full else (u.tp.core_flops if s.selective and u.tp is not None else 0)
+            flops += u.fwd_flops + u.bwd_flops + again
+    return flops * s.global_batch_size / profile.micro_batch_size
+
+
+def _comm_volume(c: _Context, stages: tuple[StageEstimate, ...], dp_bytes: dict[str, float]) -> CommVolume:
+    s, cluster = c.s, c.cluster
+    # boundaries between ranks: the same-rank turn of a V moves nothing
+    between = [i for i in range(s.n_stages - 1) if s.stage_rank(i) != s.stage_rank(i + 1)]
+    p2p_bytes = sum(2 * stages[i].boundary_bytes for i in between) * s.microbatches
+    per = s.dp * s.tp
+    crossing = sum(_crosses_nodes(s.stage_rank(i) * per, s.stage_rank(i + 1) * per, cluster) for i in between)
+    p2p_link = f"{crossing} of {len(between)} stage boundaries inter-node" if s.n_stages > 1 else "none"
+    dp_link = "inter-node" if s.dp * s.tp > cluster.devices_per_node else "intra-node"
+    tp_bytes = _tp_step_bytes(s, stages, 0)
+    tp_link = "none" if s.tp == 1 else "intra-node" if s.tp <= cluster.devices_per_node else "inter-node"
+    return CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()), dp_collectives=dp_bytes,
+                      p2p_link=p2p_link, dp_link=dp_link, tp_bytes_per_rank=sum(tp_bytes.values()),
+                      tp_collectives=tp_bytes, tp_link=tp_link)
+
+
+def _tp_step_bytes(s: Strategy, stages: tuple[StageEstimate, ...], pp_rank: int) -> dict[str, float]:
+    """Full-buffer bytes per TP collective op one rank of pipeline rank `pp_rank` moves per step."""
+    if s.tp == 1:
+        return {}
+    mine = _rank_stages(s, stages, pp_rank)
+    return {op: s.microbatches * sum(st.tp_bytes.get(op, 0.0) for st in mine) for op in TP_OPS}
+
+
+# --- the estimate -------------------------------------------------------------------------------------------------
+
+def executed(strategy: Strategy, cluster: ClusterProfile) -> Strategy:
+    """The strategy as the executor runs it: CPU ranks run every plan in fp32 (executor.zero.mixed_precision), so a
+    bf16-mixed plan on CPU ranks is priced, and its bytes counted, as fp32 (it measured 2x the bf16 bytes)."""
+    run = executed_precision(strategy.precision, cluster.device.kind)
+    return dataclasses.replace(strategy, precision=run) if run != strategy.precision else strategy
+
+
+def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *, compact: bool = False,
+             per_rank: bool | None = None) -> Estimate:
+    """Predict one training step of `strategy` (validated against the profile's units) on `cluster`.
+
+    compact=True is for ranking many candidates: the same step time and fit, but no separate bubble / p2p split
+    (one simulation instead of two; bubble_s holds both) and one memory entry per pipeline rank instead of one
+    per global rank. Reports and plan files use full estimates. per_rank (default: not compact) chooses the
+    listings alone: one memory entry per global rank and every rank's action order, or neither (they grow with
+    dp x pp and m x pp x v; a plan's alternatives need the split, not the listings)."""
+    per_rank = not compact if per_rank is None else per_rank
+    s = executed(strategy, cluster)
+    s.validate(tuple(u.name for u in profile.units))
+    c = _Context.of(s, profile, cluster)
+    stages, unit_fb = _stage_pass(c)
+    delay = send_delay(s, cluster)
+    stages = _shared(s, cluster, stages, delay)
+    sim, free = _pipeline_pass(s, stages, compact=compact, send_delay_s=delay)
+    rank_dp, dp_bytes = _dp_pass(c, stages, unit_fb)
+    rank_end, tied_bytes = _tied_sync(c, [sim.finish_s.get(r, 0.0) + rank_dp[r] for r in range(s.pp)])
+    optimizer_s = _optimizer_pass(c, stages)
+    total = max(rank_end) + optimizer_s
+    critical = max(range(s.pp), key=lambda r: rank_end[r])
+    breakdown = StepBreakdown(
+        compute_s=sim.busy_s[critical], bubble_s=max(0.0, free.makespan_s - free.busy_s[critical]),
+        p2p_s=max(0.0, sim.makespan_s - free.makespan_s),
+        dp_comm_s=rank_end[critical] - sim.finish_s.get(critical, 0.0), optimizer_s=optimizer_s,
+        total_s=total, tp_comm_s=s.microbatches * sum(st.tp_comm_s for st in _rank_stages(s, stages, critical)))
+    stages = tuple(dataclasses.replace(st, peak_in_flight=sim.peak_in_flight.get(st.stage, 0)) for st in stages)
+    memory = _memory(c, stages, sim, per_rank=per_rank)
+    tokens, unit, mfu, hfu = _throughput(c, total)
+    return Estimate(
+        step_time_s=total, breakdown=breakdown, bubble_ratio=free.bubble_ratio, bubble_share=free.bubble_share,
+        tokens_per_step=tokens, tokens_per_s=tokens / total if total > 0 else 0.0, throughput_unit=unit, mfu=mfu, hfu=hfu,
+        stages=stages, memory_per_rank=memory, capacity_bytes=cluster.device.memory_bytes,
+        fits=max(m.total_bytes for m in memory) <= cluster.device.memory_bytes,
+        comm=dataclasses.replace(_comm_volume(c, stages, dp_bytes), tied_bytes_per_rank=tied_bytes),
+        compute_source="measured" if uses_measured_times(profile, cluster, s.precision) else "flops",
+        pipeline_order=format_order(s.action_order()) if per_rank else {},
+        calibrated_by=cluster.calibration.describe() if cluster.calibration else "")
+
+
+def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int = 0) -> dict[str, float]:
+    """Bytes one rank of pipeline rank `pp_rank` moves per step in tensor-parallel collectives, keyed as the
+    executor's CommCounter counts DTensor's collectives ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"), in
+    the full-buffer convention of CommVolume.dp_bytes_per_rank: an all-reduce's tensor, an all-gather's output, a
+    reduce-scatter's input. Forward collectives run again in a fully recomputed stage's backward; selective
+    recompute repeats none (the executor saves the collectives' outputs). {} without tensor parallelism."""
+    s = strategy
+    if s.tp == 1:
+        return {}
+    shape = profile.tensor_parallel
+    vocab = shape.vocab if shape and vocab_divides(shape, s.tp) else 0
+    scale = activation_scale(profile, micro_batch_size=s.micro_batch_size, precision=s.precision)
+    grad_bytes = BYTES_PER_PARAM[(s.precision, s.optimizer)][1]
+    out = dict.fromkeys(TP_OPS, 0.0)
+    for sid in s.rank_stages(pp_rank):
+        passes = 2 if s.stage_recompute(sid) else 1
+        for name in s.stages[sid]:
+            tu = profile.unit(name).tp
+            if tu is None:
+                continue
+            fwd, bwd = tp_unit_traffic(tu, sp=s.sp, vocab=vocab)
+            norms = sp_norm_grad_traffic(tu, grad_bytes) if s.sp else None
+            for i, op in enumerate(TP_OPS):
+                out[op] += ((passes * fwd[2 * i + 1] + bwd[2 * i + 1]) * scale
+                            + (norms[2 * i + 1] if norms else 0.0)) * s.microbatches
+    return {f"tp_{op}": v for op, v in out.items()}
+
+
+DDP_BUCKET_BYTES = 25 * 2**20   # DistributedDataParallel's default bucket_cap_mb
+
+
+def _tied_sync(c: _Context, rank_end: list[float]) -> tuple[list[float], float]:
+    """Each pipeline rank's end after the all-reduce of tied gradients (GPT-2's embedding and LM head on different
+    ranks): the executor (runtime.forward_backward) all-reduces each tied parameter's local gradient (a ZeRO-2/3
+    shard) over the pipeline ranks holding it, after the data-parallel syncs, so the call starts when the last of
+    them gets there: one call while its ranks run nothing else, priced by the probe's all-reduce fit (comm's
+    `alone`; measured: benchmarks/results/measurements.md, "Tied-gradient all-reduce"). Also returns the bytes
+    pipeline rank 0 all-reduces so."""
+    s, cluster = c.s, c.cluster
+    out = list(rank_end)
+    rank0_bytes = 0.0
+    per = s.dp * s.tp   # a pipeline rank's first global rank is pp_rank x dp x tp
+    for shared in c.profile.shared:
+        ranks = sorted({s.stage_rank(sid) for sid, units in enumerate(s.stages) if set(units) & set(shared.units)})
+        if len(ranks) < 2:
+            continue
+        size = shared.numel * c.grad_bytes / (s.dp if s.zero >= 2 else 1)
+        spread = _crosses_nodes(ranks[0] * per, ranks[-1] * per, cluster)
+        t = collective_time(cluster, "all_reduce", size, len(ranks), ranks_per_node=1 if spread else None, alone=True)
+        end = max(out[r] for r in ranks) + t * c.calibration.dp_comm_scale
+        for r in ranks:
+            out[r] = end
+        rank0_bytes += size if ranks[0] == 0 else 0.0
+    return out, rank0_bytes
+
+
+def _dp_collectives(s: Strategy, units: list[tuple[int, int]], stage_params: list[int], p_b: int,
+                    g_b: int) -> list[tuple[str, int, float, bool]]:
+    """(op, times per step, full buffer bytes, back to back) of every collective one pipeline rank's dp group
+    issues per step, as the executor issues them (module doc): each message pays the latency alpha, so the count
+    matters as much as the bytes. Per-tensor all-reduces (all_reduce_grads) go back to back, with no compute
+    between them (CollectiveFit.predict). `units` holds (parameters, parameter
+    tensors) of the units on this rank, `stage_params` the parameters of each of its stages."""
+    if s.dp == 1:
+        return []
+    m, pipelined = s.microbatches, s.pp > 1
+    total = sum(n for n, _ in units)
+    tensors = [(n / max(1, t), max(1, t)) for n, t in units]   # (elements per tensor, tensors) per unit
+    out: list[tuple[str, int, float, bool]] = []
+    if s.zero <= 1:
+        if pipelined:   # all_reduce_grads: one all-reduce per parameter tensor
+            out += [("all_reduce", count, size * g_b, True) for size, count in tensors]
+        else:           # DDP: one all-reduce per gradient bucket, as backward reaches it
+            buckets = max(1, math.ceil(total * g_b / DDP_BUCKET_BYTES))
+            out.append(("all_reduce", buckets, total * g_b / buckets, False))
+        if s.zero == 1:  # ZeroRedundancyOptimizer broadcasts every updated parameter tensor from its owner, async;
+            # the probe times broadcasts as such a run already (cluster_probe._broadcast_run), so its mean is
+            # their cost: the medians' line is for calls timed one at a time
+            out += [("broadcast", count, size * p_b, False) for size, count in tensors]
+        return out
+    if pipelined:   # one FSDP unit per stage, gathered as _stage_gather counts, reduce-scattered once per step
+        gathers = m + 1 if s.zero == 3 else 1
+        return [(op, count, n * b, False) for n in stage_params
+                for op, count, b in (("all_gather", gathers, p_b), ("reduce_scatter", 1, g_b))]
+    gathers = 2 * m if s.zero == 3 else m
+    # without a pipeline every unit is its own FSDP unit, gathered and reduce-scattered every micro-batch
+    return ([("all_gather", gathers, n * p_b, False) for n, _ in units]
+            + [("reduce_scatter", m, n * g_b, False) for n, _ in units])
+
+
+def _overlapped_dp_time(s: Strategy, params: list[float], tensors: list[int], unit_fb: list[tuple[float, float]],
+                        coll: CollFn, p_b: int, g_b: int) -> float:
+    """Exposed data-parallel time without a pipeline on GPUs, where NCCL runs beside compute.
+
+    FSDP2 wraps each unit and prefetches one unit ahead (Zhao et al. 2023, "PyTorch FSDP", section 3.3): the
+    gather of unit u hides behind the forward of unit u-1 (the first unit's cannot hide), and in backward the
+    gather and reduce-scatter of unit u behind its backward. DDP all-reduces gradient buckets while the last
+    micro-batch's backward runs; ZeroRedundancyOptimizer broadcasts the updated tensors after the step, one call
+    per tensor (exposed). `params`: each unit's parameters on one rank (its TP share), in `tensors` tensors.
+    """
+    m = s.microbatches
+    if s.zero <= 1:
+        ar = coll("all_reduce", sum(params) * g_b)
+        exposed = max(0.0, ar - sum(b for _, b in unit_fb))
+        if s.zero != 1:
+            return exposed
+        return exposed + sum(t * coll("broadcast", n / t * p_b) for n, t in zip(params, tensors) if n)
+    gather = [coll("all_gather", n * p_b) for n in params]
+    reduce = [coll("reduce_scatter", n * g_b) for n in params]
+    fwd = gather[0] + sum(max(0.0, gather[u] - unit_fb[u - 1][0]) for u in range(1, len(params)))
+    if s.zero == 2:   # gathered once per micro-batch, kept through backward; gradients reduce-scattered per unit
+        bwd = sum(max(0.0, reduce[u] - unit_fb[u][1]) for u in range(len(params)))
+    else:             # ZeRO-3 gathers again for backward
+        bwd = sum(max(0.0, gather[u] + reduce[u] - unit_fb[u][1]) for u in range(len(params)))
+    return m * (fwd + bwd)
+
+
+def _memory(c: _Context, stages: tuple[StageEstimate, ...], sim: Simulation, *,
+            per_rank: bool = True) -> tuple[MemoryBreakdown, ...]:
+    """Per-rank memory: model states by ZeRO stage over the rank's stages, the simulated activation peak, buffers."""
+    s = c.s
+    per_pp_rank = [_pp_rank_memory(c, _rank_stages(s, stages, r), sim.peak_activation_bytes.get(r, 0.0))
+                   for r in range(s.pp)]
+    out = []
+    # mesh (pp, dp, tp): the tp ranks of a dp rank hold equal shares; compact: one entry per pipeline rank
+    for rank in (range(s.world_size) if per_rank else range(0, s.world_size, s.dp * s.tp)):
+        pp_rank, d, _ = s.coords(rank)
+        base, shares = per_pp_rank[pp_rank]
+        o = base.optimizer_states
+        if shares is not None:   # ZeroRedundancyOptimizer's uneven split (the compact form keeps the largest);
+            # dp ranks past the tensor count own no tensor (zero1_partition)
+            o = (shares[d] if d < len(shares) else 0) if per_rank else max(shares)
+        out.append(dataclasses.replace(base, rank=rank, optimizer_states=int(o)))
+    return tuple(out)
+
+
+def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
+                    peak_activations: float) -> tuple[MemoryBreakdown, list[float] | None]:
+    """A pipeline rank's memory (optimizer states split evenly over dp), and with ZeRO-1 each dp rank's share of the
+    optimizer states as ZeroRedundancyOptimizer splits whole tensors (None otherwise)."""
+    s = c.s
+    params = sum(st.params for st in mine)
+    largest = max(st.largest_unit_params for st in mine)
+    p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer, mixed=c.mixed)
+    buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
+                                param_bytes=c.param_bytes, grad_bytes=c.grad_bytes)
+    buffers += autocast_copy_bytes(params, autocast=c.autocast)
+    # the largest transient of its units (profile.UnitProfile.transient_bytes, measured on GPUs): an LM head's
+    # backward runs while every micro-batch in flight still holds its activations. Under tensor parallelism taken
+    # as split tp ways (the vocabulary-split head's logits, the column-split MLP's intermediate): an approximation
+    buffers += max(c.profile.unit(u).transient_bytes for st in mine for u in st.units) * c.act_scale / s.tp
+    activations = peak_activations + max(st.working_set_bytes for st in mine)
+    shares = None
+    numels = [n for st in mine for u in st.units
+              for n in _unit_numels(c.profile, u, st.units, tp=s.tp, vocab=c.tp_vocab)]
+    if s.zero == 1 and s.dp > 1 and numels:
+        k_b = held_bytes_per_param(s.precision, s.optimizer, mixed=c.mixed)[2]
+        shares = [k_b * n for n in zero1_partition(numels, s.dp)]
+    base = MemoryBreakdown(rank=0, stages=tuple(st.stage for st in mine), parameters=int(p), gradients=int(g),
+                           optimizer_states=int(o), activations=int(activations), buffers=int(buffers),
+                           overhead=int(overhead_bytes(c.cluster)))
+    return base, shares

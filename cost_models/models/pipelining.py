@@ -1,0 +1,260 @@
+"""Which models the executor can cut into pipeline stages, and why not when it cannot.
+
+A stage must compute exactly what the model's own forward computes, so pipelines are offered only where that is
+known to hold:
+  * "chain": the forward is a chain of its unit modules, one tensor from each unit to the next and nothing else
+    (the zoo's UnitChain; factories whose forward is unit after unit). Checked with torch.fx symbolic tracing,
+    every unit module a leaf, so no tensor runs (meta models too): any op between units (a scaled embedding, a
+    position table, a residual across units), a skip input, a unit run twice or out of order, or a forward fx
+    cannot trace means not a chain;
+  * "hf-llama" / "hf-gpt2": a transformers causal LM of a family the executor has a stage adapter for
+    (executor/hf_stages.py), with the units the profiler derives for it;
+  * "traced": not a chain, but its fx graph (units as leaves) runs every unit once, in order, reads one input and
+    returns one value: executor/traced_stages.py cuts that graph at the stage boundaries, each stage running the
+    model's own operations between its units and passing on every value a later stage needs (what
+    torch.distributed.pipelining's tracer does with split points, on the graph this check already has);
+  * otherwise "no: <reason>": the planner offers only pp = 1 and says why (planner/search.py, planner/manual.py).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from torch import fx, nn
+
+from cost_models.records.profile import PIPELINE_KINDS
+
+Units = Sequence[tuple[str, tuple[str, ...]]]
+
+CHAIN, HF_LLAMA, HF_GPT2, TRACED = PIPELINE_KINDS
+
+
+@dataclass(frozen=True)
+class _HFLayout:
+    """The units the profiler derives for one transformers family, which its stage adapter cuts at."""
+
+    kind: str
+    embed: tuple[str, ...]           # modules the embedding unit must hold
+    embed_optional: tuple[str, ...]  # modules it may also hold (parameter-free: rotary tables, dropout)
+    blocks: str                      # the nn.ModuleList of decoder layers: one unit each
+    head: tuple[str, ...]            # the head unit's modules, in call order
+
+    def describe(self) -> str:
+        extra = "".join(f"[+{m}]" for m in self.embed_optional)
+        return (f"an embedding unit ({'+'.join(self.embed)}{extra}), one unit per {self.blocks}.i, and a head unit "
+                f"({'+'.join(self.head)})")
+
+
+_LLAMA = _HFLayout(kind=HF_LLAMA, embed=("model.embed_tokens",), embed_optional=("model.rotary_emb",),
+                   blocks="model.layers", head=("model.norm", "lm_head"))
+HF_LAYOUTS = {
+    "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA,
+    "gpt2": _HFLayout(kind=HF_GPT2, embed=("transformer.wte", "transformer.wpe"), embed_optional=("transformer.drop",),
+                      blocks="transformer.h", head=("transformer.ln_f", "lm_head")),
+}
+
+
+def pipeline_support(model: nn.Module, units: Units) -> str:
+    """"chain", "hf-llama", "hf-gpt2", or "no: <one line a user understands>" (module doc). `units` are the
+    profile's (name, module names) in order. Never raises: anything unexpected is a "no" saying what."""
+    try:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if isinstance(model_type, str):
+            return _hf_support(model, units, model_type)
+        return _chain_support(model, units)
+    except Exception as exc:   # a user's model can fail in any way; the answer is still one line
+        return f"no: checking its forward failed ({_one_line(exc)})"
+
+
+def _one_line(exc: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --- transformers families ----------------------------------------------------------------------------------------
+
+def _hf_support(model: nn.Module, units: Units, model_type: str) -> str:
+    layout = HF_LAYOUTS.get(model_type)
+    if layout is None:
+        families = ", ".join(sorted(HF_LAYOUTS))
+        return f"no: transformers model type '{model_type}' has no pipeline stage adapter (these do: {families})"
+    mismatch = _layout_mismatch(model, units, layout)
+    if mismatch:
+        return f"no: {mismatch}; its stage adapter cuts {model_type} at {layout.describe()}"
+    return layout.kind
+
+
+def _layout_mismatch(model: nn.Module, units: Units, layout: _HFLayout) -> str | None:
+    try:
+        n_layers = len(model.get_submodule(layout.blocks))
+    except (AttributeError, TypeError):
+        return f"the model has no {layout.blocks}"
+    if len(units) != n_layers + 2:
+        return f"it has {len(units)} units, not {n_layers + 2} ({n_layers} layers, embedding and head)"
+    (first, embed), *blocks, (last, head) = units
+    if not set(layout.embed) <= set(embed) <= set(layout.embed + layout.embed_optional):
+        return f"unit {first} holds {'+'.join(embed)}"
+    for i, (name, mods) in enumerate(blocks):
+        if mods != (f"{layout.blocks}.{i}",):
+            return f"unit {name} holds {'+'.join(mods)}, not {layout.blocks}.{i}"
+    if tuple(head) != layout.head:
+        return f"unit {last} holds {'+'.join(head)}"
+    return None
+
+
+# --- unit chains (torch.fx) ---------------------------------------------------------------------------------------
+
+class _UnitLeaves(fx.Tracer):
+    """Traces the model's own code, but not into its unit modules: each unit is one call_module node."""
+
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
+
+
+def _chain_support(model: nn.Module, units: Units) -> str:
+    if not units:
+        return "no: the profile has no units"
+    for name, mods in units:
+        if len(mods) != 1:
+            return f"no: unit {name} is several modules ({'+'.join(mods)}); a chain stage runs one module per unit"
+    module_unit = {mods[0]: name for name, mods in units}
+    try:
+        graph = _UnitLeaves(set(module_unit)).trace(model)
+    except Exception as exc:
+        return f"no: torch.fx cannot trace its forward ({_one_line(exc)})"
+    order = [name for name, _ in units]
+    verdict = _chain_verdict(model, graph, order, module_unit)
+    if verdict is None:
+        return CHAIN
+    return TRACED if _traced_blocker(model, graph, order, module_unit) is None else f"no: {verdict}"
+
+
+def trace_units(model: nn.Module, unit_modules: Sequence[str]) -> fx.Graph:
+    """The model's forward as an fx graph with every unit module one call_module node (executor.traced_stages cuts
+    it into stages)."""
+    return _UnitLeaves(set(unit_modules)).trace(model)
+
+
+def _traced_blocker(model: nn.Module, graph: fx.Graph, order: list[str], module_unit: dict[str, str]) -> str | None:
+    """Why the traced graph cannot be cut into stages at unit boundaries (executor.traced_stages), or None: every
+    unit runs once, in order; the forward returns one value and reads one input; modules it calls outside the
+    units hold no parameters (a stage could not say whose they are)."""
+    nodes = list(graph.nodes)
+    ran = [module_unit[str(n.target)] for n in nodes if n.op == "call_module" and str(n.target) in module_unit]
+    if ran != order:
+        return "its units do not each run once, in order"
+    output = next(n for n in nodes if n.op == "output")
+    if not isinstance(output.args[0], fx.Node):
+        return "its forward returns several values"
+    if len([n for n in nodes if n.op == "placeholder" and n.users]) != 1:
+        return "its forward reads more than one input"
+    for n in nodes:
+        if n.op == "call_module" and str(n.target) not in module_unit:
+            if any(True for _ in model.get_submodule(str(n.target)).parameters()):
+                return f"its forward calls `self.{n.target}`, which holds parameters, outside every unit"
+    return None
+
+
+def _chain_verdict(model: nn.Module, graph: fx.Graph, order: list[str], module_unit: dict[str, str]) -> str | None:
+    """Why `graph` is not placeholder -> unit 0 -> unit 1 -> ... -> output, or None when it is."""
+    nodes = list(graph.nodes)
+    calls = [n for n in nodes if n.op == "call_module" and n.target in module_unit]
+    for n in calls:
+        n.meta["unit_name"] = module_unit[str(n.target)]
+    ran = [n.meta["unit_name"] for n in calls]
+    for name in order:
+        if ran.count(name) != 1:
+            return f"unit {name} runs {ran.count(name)} times in its forward, not once"
+    if ran != order:
+        return f"its forward runs the units in the order {', '.join(ran)}"
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if not placeholders:
+        return "its forward takes no input"
+    prev = placeholders[0]
+    for node in calls + [next(n for n in nodes if n.op == "output")]:
+        why = _input_verdict(model, nodes, node, prev)
+        if why:
+            return why
+        prev = node
+    stray = next((n for n in nodes if n.op not in ("placeholder", "output") and n not in calls), None)
+    return _op_verdict(nodes, stray) if stray is not None else None
+
+
+def _input_verdict(model: nn.Module, nodes: list[fx.Node], node: fx.Node, prev: fx.Node) -> str | None:
+    """A unit (or the output) must take `prev`, the previous unit's output (the model's first input for unit 0),
+    as its first argument, and nothing else but the unit's own defaults."""
+    unit = node.meta.get("unit_name")
+    main = node.args[0] if node.args else None
+    if unit is None and not isinstance(main, fx.Node):
+        return f"its forward returns a {type(main).__name__}, not the output of unit {prev.meta.get('unit_name')} alone"
+    for other in ([main] if isinstance(main, fx.Node) else []) + node.all_input_nodes:
+        if other is not prev:
+            if _is_op(other):
+                return _op_verdict(nodes, other)
+            also = "" if other is main else "also "
+            return (f"unit {unit} {also}takes {_source(other)} (a skip connection across units)" if unit else
+                    f"its forward returns {_source(other)}")
+    if main is not prev:
+        return f"unit {unit} is called without {_source(prev)}"
+    return _extra_constants(model, node, unit) if unit else None
+
+
+def _extra_constants(model: nn.Module, node: fx.Node, unit: str) -> str | None:
+    """A constant the forward passes to a unit is harmless only where it is that argument's own default (a
+    stage calls the unit with its input alone)."""
+    if len(node.args) < 2 and not node.kwargs:
+        return None
+    signature = inspect.signature(model.get_submodule(str(node.target)).forward)
+    try:
+        bound = signature.bind(None, *node.args[1:], **node.kwargs)
+    except TypeError:
+        return f"unit {unit} is called with more arguments than its forward takes"
+    for arg, value in list(bound.arguments.items())[1:]:
+        default = signature.parameters[arg].default
+        if default is inspect.Parameter.empty or not _same(default, value):
+            return f"unit {unit} is called with {arg}={value!r}, not its default"
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:   # e.g. comparing tensors
+        return False
+
+
+def _is_op(node: fx.Node) -> bool:
+    """Computation outside the units: anything but the model's inputs and the unit calls."""
+    return node.op != "placeholder" and "unit_name" not in node.meta
+
+
+def _source(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return f"the model's input `{node.target}`"
+    return f"the output of unit {node.meta['unit_name']}"
+
+
+def _op_label(node: fx.Node) -> str:
+    if node.op == "call_function":
+        return f"`{getattr(node.target, '__name__', str(node.target))}`"
+    if node.op == "call_method":
+        return f"`{node.target}`"
+    if node.op == "get_attr":
+        return f"`self.{node.target}` (an attribute read outside every unit)"
+    return f"`self.{node.target}` (a module outside every unit)"
+
+
+def _op_verdict(nodes: list[fx.Node], op: fx.Node) -> str:
+    """'its forward does `mul` between units A and B', placed by the unit calls around `op` in the graph."""
+    at = nodes.index(op)
+    before = [n.meta["unit_name"] for n in nodes[:at] if "unit_name" in n.meta]
+    after = [n.meta["unit_name"] for n in nodes[at + 1:] if "unit_name" in n.meta]
+    where = (f"between units {before[-1]} and {after[0]}" if before and after else
+             f"after unit {before[-1]}" if before else f"before unit {after[0]}" if after else "outside every unit")
+    return f"its forward does {_op_label(op)} {where}"

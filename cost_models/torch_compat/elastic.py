@@ -1,0 +1,164 @@
+"""Helpers around torchrun's elastic launcher shared by the cluster probe and the executor.
+
+Single-node jobs listen on no network port. torchrun's c10d rendezvous hosts a TCPStore, and the store the ranks
+bootstrap from is another; TCPStore's server binds every interface whatever host it is given (measured with
+`ss -ltnp` on torch 2.13: `*:PORT`) and has no authentication, so any host that can reach the machine could join
+or feed the job. Locally there is no need for a network store: the rendezvous uses c10d's FileStore backend
+(`rdzv_configs={"store_type": "file"}`, torch.distributed.elastic.rendezvous.c10d_rendezvous_backend), the agent
+is told not to start its shared TCPStore (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, dynamic_rendezvous.py), and the
+ranks build their process group on a FileStore in a private temporary folder (mode 0700). gloo's pair sockets
+and NCCL's bootstrap socket are bound to the loopback interface (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME=lo, as
+NCCL's environment-variable docs describe) unless the user chose an interface; on one node NCCL's data moves over
+NVLink / PCIe / shared memory, not sockets. (NCCL's binding follows its docs; no measurement has checked it.)
+Multi-node jobs need a network rendezvous: there the endpoint is the user's and the README says to keep it on a
+trusted network.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import os
+import re
+import sys
+import tempfile
+import uuid
+from typing import Any, Iterator
+
+from cost_models.torch_compat.host import keep_freed_memory
+
+# Set for the ranks of a single-node job: the file their process group's store lives in.
+STORE_FILE_ENV = "ZEROPIPE_STORE_FILE"
+
+# Messages a rank raises because another rank died first: never the root cause when a real error exists.
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Timed out waiting")
+
+
+@contextlib.contextmanager
+def quiet_elastic_logs():
+    """The agent logs multi-line tracebacks of failed workers; callers turn them into one line instead."""
+    # torch.multiprocessing.spawn logs "Terminating process N via signal SIGTERM" for every peer the agent stops;
+    # several elastic modules set their own level (WARNING), so the parent's level alone does not silence them
+    import torch.distributed.elastic.agent.server.api  # noqa: F401  (creates the agent's loggers)
+    names = ["torch.distributed.elastic", "torch.multiprocessing.spawn",
+             *(n for n in logging.Logger.manager.loggerDict if n.startswith("torch.distributed.elastic."))]
+    logs = [logging.getLogger(name) for name in names]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+def is_consequence(message: str) -> bool:
+    return any(c in message for c in _CONSEQUENCES)
+
+
+def root_failure(exc) -> tuple[int, str]:
+    """(rank, first line of its error) of the failure that caused a ChildFailedError: a rank that raised on its
+    own rather than one that lost its connection to it; the earliest and lowest rank among equals."""
+    candidates = []
+    for rank, failure in exc.failures.items():
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+        line = _signal_line(message.strip().splitlines()[0]) if message.strip() else f"exit code {failure.exitcode}"
+        consequence = is_consequence(message)
+        candidates.append((consequence, failure.timestamp, rank, line))
+    _, _, rank, line = min(candidates)
+    return rank, line
+
+
+def _signal_line(line: str) -> str:
+    """A rank killed by a signal (kill -9, the OOM killer) leaves no exception, only the agent's record of the
+    signal: 'Signal 9 (SIGKILL) received by PID 123' -> 'killed by SIGKILL (signal 9)'."""
+    m = re.match(r"Signal (\d+) \((\w+)\) received by PID \d+", line)
+    return f"killed by {m.group(2)} (signal {m.group(1)})" if m else line
+
+
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the launch (the agent and its ranks inherit them), then restore them."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0,
+                rdzv_endpoint: str | None = None) -> Iterator[tuple[Any, str]]:
+    """(LaunchConfig, private work folder) for torch's elastic_launch, with the agent's multi-line logs silenced.
+
+    One node and no endpoint given: file stores only, nothing listens on a network port (module doc). Otherwise a
+    c10d TCP rendezvous at `rdzv_endpoint` (default 127.0.0.1, any free port). max_restarts=0: a rank that fails
+    ends the job, and the caller names it."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+    with tempfile.TemporaryDirectory(prefix=f"zeropipe-{name}-") as workdir:   # mkdtemp: mode 0700
+        local = nnodes == 1 and rdzv_endpoint is None
+        # the ranks' own stdout/stderr go to files in the work folder (and before torch redirects them, their
+        # inherited fd 2 does: _children_stderr_to): what a failed rank says reaches the user as one line through
+        # the failure notes and the agent's error files
+        logs = DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), redirects=Std.ALL)
+        common = dict(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node, rdzv_backend="c10d",
+                      max_restarts=0, monitor_interval=0.1, logs_specs=logs)
+        if local:
+            config = LaunchConfig(run_id=f"zeropipe-{name}-{uuid.uuid4().hex[:8]}",
+                                  rdzv_endpoint=os.path.join(workdir, "rendezvous"),
+                                  rdzv_configs={"store_type": "file"}, **common)
+            env = {STORE_FILE_ENV: os.path.join(workdir, "store"), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                   **{var: os.environ.get(var, "lo") for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}}
+        else:
+            config = LaunchConfig(run_id=f"zeropipe-{name}" if nnodes > 1 else f"zeropipe-{name}-{uuid.uuid4().hex[:8]}",
+                                  rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
+                                  rdzv_configs={"rank": node_rank} if nnodes > 1 else {}, **common)
+            env = {}
+        with _environ(env), quiet_elastic_logs(), _children_stderr_to(os.path.join(workdir, "ranks.log")):
+            yield config, workdir
+
+
+@contextlib.contextmanager
+def _children_stderr_to(path: str) -> Iterator[None]:
+    """Processes started inside write their fd 2 to `path`, while this process's sys.stderr stays on the terminal.
+    A Ctrl-C reaches every process of the terminal's group, and ranks that are still unpickling their entry point
+    (importing torch takes seconds) print a KeyboardInterrupt traceback each before torch's own redirection starts;
+    the user hears "interrupted" from the launcher instead."""
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 2)
+    os.close(log)
+    saved = sys.stderr
+    sys.stderr = open(terminal, "w", buffering=1, encoding=saved.encoding or "utf-8", errors="backslashreplace",
+                      closefd=False)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stderr = saved
+        os.dup2(terminal, 2)
+        os.close(terminal)
+
+
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """In a rank started by `elastic_job`: join the job's process group (its file store on one node, else the
+    env:// TCP store torchrun set up). Collectives time out after `timeout_s`."""
+    import torch.distributed as dist
+    if backend == "gloo":   # CPU ranks: as the profile computed (host.keep_freed_memory)
+        keep_freed_memory()
+    timeout = dt.timedelta(seconds=timeout_s)
+    path = os.environ.get(STORE_FILE_ENV)
+    if not path:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=dist.FileStore(path, world), rank=int(os.environ["RANK"]),
+                            world_size=world, timeout=timeout)

@@ -1,0 +1,46 @@
+"""This process's memory as the host sees it (the probe's rank baseline, the executor's peak on CPU ranks), and how
+its C allocator hands memory back."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import resource
+
+# glibc's mallopt(3) parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+KEEP_FREED_BELOW = 1 << 30   # blocks up to 1 GiB come from the heap and stay there when freed
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed blocks for reuse instead of unmapping them: every CPU process that times or
+    trains (the profile, the probe's ranks, the executor's ranks) calls it, so all of them compute at the same speed.
+
+    glibc serves a block above its mmap threshold (dynamic, at most 32 MiB on 64-bit: mallopt(3)) with a fresh
+    mmap and unmaps it on free, so the next step page-faults and zeroes it again. A logits tensor crosses that
+    line at a large micro-batch, and its unit then took about twice what the profile's affine model of it (timed
+    at a small micro-batch) says; with this, about what it says (measured: benchmarks/results/measurements.md,
+    "glibc mmap threshold"). A no-op (False) where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, KEEP_FREED_BELOW)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BELOW))
+
+
+def peak_rss_bytes() -> tuple[int, str]:
+    """This process's own peak RSS. Linux keeps getrusage's ru_maxrss across execve (the kernel folds the old
+    address space's high-water mark into the process's maxrss), so a rank the launcher spawned would report the
+    launcher's peak if it was larger (measured: benchmarks/results/measurements.md, "Peak RSS across execve");
+    /proc/self/status's VmHWM belongs to this address space alone (proc(5)). ru_maxrss where there is no /proc."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "peak RSS (VmHWM)"
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS (getrusage ru_maxrss)"
