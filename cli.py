@@ -10,7 +10,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, cast
 
 import typer
 from typer.core import TyperGroup
@@ -19,7 +19,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgress
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from cost_models.records.errors import PlannerError
+from cost_models.records.errors import PlannerError, interrupted
 from cost_models.records.fileio import dumps
 from cost_models.records.schedule import DEFAULT_SCHEDULE, SCHEDULES
 
@@ -36,7 +36,7 @@ class _ErrorBoundary(TyperGroup):
             print(f"error: {exc}", file=sys.stderr)
             raise typer.Exit(exc.exit_code) from None
         except BaseException as exc:
-            if not _interrupted(exc):
+            if not interrupted(exc):
                 raise
             _debug_traceback()
             print("interrupted", file=sys.stderr)
@@ -73,22 +73,6 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 def _command_line() -> str:
     return shlex.join(["planner", *sys.argv[1:]])
-
-
-def _interrupted(exc: BaseException) -> bool:
-    """Ctrl-C or SIGTERM: KeyboardInterrupt here (main installs the SIGTERM handler), or torch elastic's
-    SignalException while ranks run (its agent installs its own handlers, stops every rank, then raises it).
-    The signal can land inside torch's metrics wrapper before it records its start time; the wrapper's `finally`
-    then raises UnboundLocalError with the signal as its context, so the whole chain is searched."""
-    elastic = sys.modules.get("torch.distributed.elastic.multiprocessing.api")
-    signals = (KeyboardInterrupt,) + ((elastic.SignalException,) if elastic is not None else ())
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, signals):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def _confirm_overwrite(path: Path, force: bool) -> bool:
@@ -344,9 +328,10 @@ def estimate(
     """Predict step time and per-rank memory of one strategy; exit 3 if it does not fit. With -o, write it as a plan
     (the same format as `planner plan`'s, chosen by hand) that `planner run` runs."""
     from cost_models.cost.estimate import estimate as run_estimate
-    from cost_models.records.precision import check_training
+    from cost_models.records.precision import Optimizer, Precision, check_training
     from planner.manual import (StrategyRequest, build_strategy, check_fits, executor_refuses, load_profile_for,
                                 manual_plan)
+    from planner.summaries import estimate_json
 
     check_training(precision, optimizer)   # before any file is read
     write_to, overwrite = _prepare_output(output, force) if output else (None, False)
@@ -354,10 +339,11 @@ def estimate(
     _warn_loaded_profile(pf.model, target, precision)
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
-        tp=tp, sp=sp, recompute=recompute, precision=precision, optimizer=optimizer))
+        tp=tp, sp=sp, recompute=recompute,   # check_training above refused any other values
+        precision=cast(Precision, precision), optimizer=cast(Optimizer, optimizer)))
     est = run_estimate(strategy, pf.model, target)
     if as_json:
-        print(dumps({"strategy": strategy.to_dict(), **est.to_dict()}), end="")
+        print(dumps(estimate_json(strategy, est)), end="")
     else:
         _print_estimate(strategy, est)
         refused = executor_refuses(strategy, pf.model)
@@ -402,6 +388,7 @@ def plan(
     """Search every strategy (tensor parallelism x ZeRO 0-3 x pipeline depth x schedule x micro-batching x
     recompute), pick the fastest that fits, and explain why; writes plan.json. With --verify K, run the top K for
     a few steps here and keep the measured best."""
+    from cost_models.records.precision import Optimizer, Precision
     from planner.manual import load_profile_for
     from planner.request import PlanRequest, parse_degrees
     from planner.search import plan as run_plan
@@ -410,9 +397,10 @@ def plan(
     verify_cfg = _verify_config(verify, verify_steps, verify_timeout) if verify else None
     pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
     _warn_loaded_profile(pf.model, target, precision)
+    # typer passes any string; the search refuses other precisions and optimizers (PlanRequest.resolved_gpus)
     request = PlanRequest(gpus=gpus, global_batch_size=global_batch_size, top_k=max(top_k, verify),
-                          time_limit_s=time_limit, precision=precision, optimizer=optimizer,
-                          tp_degrees=parse_degrees(tp) if tp else None)
+                          time_limit_s=time_limit, precision=cast(Precision, precision),
+                          optimizer=cast(Optimizer, optimizer), tp_degrees=parse_degrees(tp) if tp else None)
     result = _planning("planning", lambda on_progress: run_plan(
         pf.model, target, request, profile_path=str(profile_path), command=_command_line(), on_progress=on_progress))
     if verify_cfg:

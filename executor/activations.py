@@ -187,8 +187,11 @@ def checkpointed(fn: Callable, *args, **kwargs):
     out = checkpoint(fn, *args, use_reentrant=False,
                      context_fn=lambda: (contextlib.nullcontext(), _Recomputation(meter)), **kwargs)
     if no_grad and isinstance(out, torch.Tensor) and out.requires_grad:
+        def release_inputs() -> None:
+            for k in no_grad:
+                meter.release(k)
         # inputs that get no gradient (token ids): let go when the region's backward starts
-        out = _ReleaseAfterBackward.apply(_once(lambda: [meter.release(k) for k in no_grad]), out)
+        out = _ReleaseAfterBackward.apply(_once(release_inputs), out)
     return out
 
 

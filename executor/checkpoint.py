@@ -22,24 +22,25 @@ the launcher.
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
+                                                   TensorStorageMetadata)
 
-from cost_models.records.errors import PlannerError
+from cost_models.records.errors import PlannerError, exception_chain
 from cost_models.torch_compat.torch_private import tp_strided
 from executor import checkpoint_layout as layout
+from executor.testing_hooks import DUMP_STATE_ENV, hook
 
 
 def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -97,11 +98,13 @@ def _restore_strided(sd: dict[str, Any]) -> None:
 def _placed_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """A stand-in's state (a plain tensor of the local shard) as a DTensor placed as its parameter, aliasing the
     same storage (DCP loads in place), so the checkpoint records the global shape and this rank's slice."""
-    if not hasattr(param, "device_mesh") or hasattr(value, "device_mesh") or value.shape != param.to_local().shape:
+    # past the first test `param` is a DTensor (it has a device_mesh), typed torch.Tensor: no to_local, placements
+    if (not hasattr(param, "device_mesh") or hasattr(value, "device_mesh")
+            or value.shape != param.to_local().shape):  # type: ignore[attr-defined]
         return value
     from torch.distributed.tensor import DTensor
-    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    return DTensor.from_local(value, param.device_mesh, param.placements,  # type: ignore[attr-defined]
+                              run_check=False, shape=param.shape, stride=param.stride())
 
 
 # The states every rank saves and needs back (cuda only where there is one).
@@ -114,7 +117,9 @@ def rng_state() -> dict[str, torch.Tensor]:
     ('MT19937', 624 uint32 words, position, has_gauss, cached_gaussian). Every int fits int64 and every float is
     a double, so the round trip is exact."""
     version, words, gauss_next = random.getstate()
-    algorithm, np_words, pos, has_gauss, cached = np.random.get_state()
+    # numpy's stubs give get_state() its legacy=False overload (a dict); the default, legacy=True, returns this tuple
+    np_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    algorithm, np_words, pos, has_gauss, cached = np_state
     assert algorithm == "MT19937", algorithm   # the only one np.random's legacy generator has
     out = {"torch": torch.get_rng_state(),
            "py.version": torch.tensor([version], dtype=torch.int64),
@@ -184,10 +189,12 @@ def save(sd: dict[str, Any], root: Path, step: int, meta_fields: dict) -> Path |
         dist.barrier()         # no rank says the folder was removed before it was
         raise _save_failed(root, step, cause) from None
     mine = [layout.digest(p) for p in sorted(tmp.iterdir()) if p.name.startswith(f"__{rank}_")]
-    gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object([f.to_dict() for f in mine], gathered, dst=0)
-    final, outcome = None, [None]
+    final = None
+    outcome: list[str | None] = [None]
     if rank == 0:
+        assert gathered is not None   # rank 0 made the list to gather into
         files = [layout.FileDigest.from_dict(f) for per_rank in gathered for f in per_rank]
         try:
             final = layout.commit(root, step, meta_fields, files)
@@ -220,14 +227,8 @@ class _Writer(dcp.FileSystemWriter):
 
 def _plain(exc: BaseException) -> BaseException:
     """The first OSError with an errno in `exc`'s chain, as a fresh one (no chain to lose), else `exc`."""
-    seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        if isinstance(link, OSError) and link.errno:
-            return OSError(link.errno, link.strerror, link.filename)
-        link = link.__cause__ or link.__context__
-    return exc
+    return next((OSError(link.errno, link.strerror, link.filename) for link in exception_chain(exc)
+                 if isinstance(link, OSError) and link.errno), exc)
 
 
 def _save_failed(root: Path, step: int, cause: str) -> layout.CheckpointSaveError:
@@ -297,7 +298,7 @@ def load(sd: dict[str, Any], step_dir: Path, *, trusted: bool = False) -> dict[s
         raise layout.CheckpointError(f"checkpoint {step_dir} has no {missing[0]} (and {len(missing) - 1} more keys "
                                      f"this plan needs); was it written for another model?")
     # RNG states are read into fresh tensors of the saved size and type (torch's may differ between versions)
-    wanted = {k: torch.empty(saved[k].size, dtype=saved[k].properties.dtype) if k.startswith("rng.") else v
+    wanted = {k: _empty_as_saved(saved[k]) if k.startswith("rng.") else v
               for k, v in sd.items() if k in saved and (not k.startswith("rng.") or hasattr(saved[k], "properties"))}
     try:
         with warnings.catch_warnings():   # without a process group DCP warns that it loads in one process: intended
@@ -307,6 +308,12 @@ def load(sd: dict[str, Any], step_dir: Path, *, trusted: bool = False) -> dict[s
         raise layout.CheckpointError(f"loading checkpoint {step_dir} failed: {failure_text(exc)}") from None
     _restore_strided(sd)
     return {k: v for k, v in wanted.items() if k.startswith("rng.")}
+
+
+def _empty_as_saved(entry: TensorStorageMetadata | BytesStorageMetadata) -> torch.Tensor:
+    """A fresh tensor of a saved tensor's size and type (load keeps only entries with properties: tensors)."""
+    assert isinstance(entry, TensorStorageMetadata)
+    return torch.empty(entry.size, dtype=entry.properties.dtype)
 
 
 def restore_rng(loaded: dict[str, torch.Tensor], rank: int) -> bool:
@@ -329,11 +336,8 @@ def full_state(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-DUMP_STATE_ENV = "ZEROPIPE_DUMP_STATE"   # test hook: a folder; ranks torch.save full_state() after loads and saves
-
-
 def dump_for_tests(sd: dict[str, Any], tag: str) -> None:
-    folder = os.environ.get(DUMP_STATE_ENV)
+    folder = hook(DUMP_STATE_ENV)
     if folder:
         state = full_state(sd)
         torch.save(state, Path(folder) / f"{tag}-rank{dist.get_rank() if dist.is_initialized() else 0}.pt")

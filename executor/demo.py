@@ -74,6 +74,7 @@ def run_demo(out_dir: Path, *, command: str = "", on_progress: ProgressFn | None
     if on_status:
         on_status(f"running the plan on {DEMO_RANKS} ranks for {DEMO_STEPS} steps")
     run = launch(result, RunConfig(steps=DEMO_STEPS, warmup=WARMUP_STEPS))
+    assert run is not None   # launch returns None only on nodes without rank 0; the demo runs on one node
     run_path = out_dir / "run.json"
     run.save(run_path, overwrite=True)
     report_path = write_atomic(out_dir / "report.html", render_html(result, run), overwrite=True)

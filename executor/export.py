@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from cost_models.records.errors import ConfigError, OutputError, OutputExistsError
 from cost_models.records.fileio import check_writable
@@ -106,7 +107,7 @@ def read_model_tensors(step_dir: Path, *, trusted: bool = False) -> dict[str, to
     DCP's metadata, which is unpickled only from the bytes the signed listing vouches for)."""
     saved = checkpoint.verified_reader(step_dir, trusted=trusted).read_metadata().state_dict_metadata
     sd = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in saved.items()
-          if key.startswith(MODEL_PREFIX) and hasattr(entry, "properties")}   # tensors only (never a pickled object)
+          if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)}   # never a pickled object
     if not sd:
         raise layout.CheckpointError(f"checkpoint {step_dir} holds no model tensors (model.* entries); it was not "
                                      f"written by planner run")
@@ -159,12 +160,13 @@ def save_hf(model: nn.Module, tensors: dict[str, torch.Tensor], folder: Path) ->
     with torch.no_grad():
         model.load_state_dict(tensors, strict=False)   # matched() checked the names: only tied aliases are missing
     # zeropipe builds hf models with the cache off (training); the exported model is for use, where it is on
-    model.config.use_cache = True
+    # (config and save_pretrained: a transformers model's attributes, typed Tensor | Module by nn.Module's stubs)
+    model.config.use_cache = True  # type: ignore[union-attr]
     from transformers.utils import logging as hf_logging
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()                  # its "Writing model shards" bar: the CLI has its own status
     try:
-        model.save_pretrained(str(folder))             # safetensors: the default since transformers 4.35
+        model.save_pretrained(str(folder))  # type: ignore[operator]  # safetensors: the default since transformers 4.35
     finally:
         if bar:
             hf_logging.enable_progress_bar()

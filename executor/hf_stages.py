@@ -16,7 +16,7 @@ parameters are not listed twice and FSDP2 / DDP see each once.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch import nn
@@ -64,12 +64,12 @@ def _check_units(model: nn.Module, unit_names: Sequence[str], units: UnitMap, la
 def llama_stage(model: nn.Module, unit_names: Sequence[str], units: UnitMap, *, first: bool, last: bool) -> Stage:
     """LlamaForCausalLM and the families with its decoder shape (Mistral, Qwen2): embed_tokens, layers, norm,
     rotary_emb under `model`, and lm_head."""
-    decoder = model.model
+    decoder: Any = model.model   # an HF decoder: nn.Module's stubs type its submodules as Tensor | Module
     layers = _layers(model, "model", "layers", unit_names, units)
     _check_units(model, unit_names, units, layers, {"model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head"})
     view = module_view(decoder, embed_tokens=decoder.embed_tokens if first else None,
                  layers=nn.ModuleList([m for _, m in layers]), norm=decoder.norm if last else nn.Identity())
-    head = model.lm_head
+    head = cast(nn.Module, model.lm_head)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         out = view(input_ids=x, use_cache=False) if first else view(inputs_embeds=x, use_cache=False)
@@ -82,7 +82,7 @@ def llama_stage(model: nn.Module, unit_names: Sequence[str], units: UnitMap, *, 
 
 def gpt2_stage(model: nn.Module, unit_names: Sequence[str], units: UnitMap, *, first: bool, last: bool) -> Stage:
     """GPT2LMHeadModel: wte, wpe, drop, h, ln_f under `transformer`, and lm_head (tied to wte)."""
-    decoder = model.transformer
+    decoder: Any = model.transformer   # an HF decoder: nn.Module's stubs type its submodules as Tensor | Module
     layers = _layers(model, "transformer", "h", unit_names, units)
     _check_units(model, unit_names, units, layers,
                  {"transformer.wte", "transformer.wpe", "transformer.drop", "transformer.ln_f", "lm_head"})
@@ -90,7 +90,7 @@ def gpt2_stage(model: nn.Module, unit_names: Sequence[str], units: UnitMap, *, f
     view = module_view(decoder, h=nn.ModuleList([m for _, m in layers]),
                  wpe=decoder.wpe if first else _Zeros(width, dtype),
                  drop=decoder.drop if first else nn.Identity(), ln_f=decoder.ln_f if last else nn.Identity())
-    head = model.lm_head
+    head = cast(nn.Module, model.lm_head)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         out = view(input_ids=x, use_cache=False) if first else view(inputs_embeds=x, use_cache=False)

@@ -184,15 +184,16 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
     if run.resume:
         step_dir, meta = _resume_point(run.resume, plan, run.steps, trusted=run.trust_checkpoint, on_resume=on_resume)
         start, seed, lr = meta.step, meta.seed if seed is None else seed, meta.lr if lr is None else lr
+    warmup = max(0, min(WARMUP_STEPS, run.steps - start - 1)) if run.warmup is None else run.warmup
     if run.warmup is None:
-        run = dataclasses.replace(run, warmup=max(0, min(WARMUP_STEPS, run.steps - start - 1)))
-    if run.warmup >= run.steps - start:
-        raise ConfigError(f"--warmup {run.warmup} leaves no timed step of the {run.steps - start} this run makes; "
+        run = dataclasses.replace(run, warmup=warmup)
+    if warmup >= run.steps - start:
+        raise ConfigError(f"--warmup {warmup} leaves no timed step of the {run.steps - start} this run makes; "
                           f"use fewer warm-up steps")
     per_node = plan.strategy.world_size // run.nnodes
     check_fits_here(plan, per_node)
     cfg = TrainConfig(model_source=plan.model.source, seq_len=plan.model.seq_len, input_kind=plan.model.input_kind,
-                      steps=run.steps, warmup=run.warmup, seed=0 if seed is None else seed,
+                      steps=run.steps, warmup=warmup, seed=0 if seed is None else seed,
                       lr=1e-3 if lr is None else lr, start_step=start, resume_from=str(step_dir) if step_dir else None,
                       trust_checkpoint=run.trust_checkpoint, checkpoint_dir=run.checkpoint_dir,
                       checkpoint_every=run.checkpoint_every, checkpoint_keep=run.checkpoint_keep, data=run.data,
@@ -201,9 +202,11 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
     gathered = _start_ranks(plan, run, cfg, per_node)
     if gathered is None:
         return None
-    result = summarize(plan, [RankResult.from_dict(r) for r in gathered], steps=run.steps, warmup=run.warmup,
+    result = summarize(plan, [RankResult.from_dict(r) for r in gathered], steps=run.steps, warmup=warmup,
                        backend=rank_backend())
-    written = tuple(str(Path(run.checkpoint_dir) / layout.step_dir_name(s)) for s in result.ranks[0].checkpoint_steps)
+    # ranks save only into a checkpoint_dir: without one they saved nothing
+    written = (tuple(str(Path(run.checkpoint_dir) / layout.step_dir_name(s)) for s in result.ranks[0].checkpoint_steps)
+               if run.checkpoint_dir else ())
     # how loaded the machine was, beside the measured times: a shared machine's noise is not the model's error
     return dataclasses.replace(result, start_step=start, resumed_from=str(step_dir) if step_dir else None,
                                checkpoints=written, load_1min=(load_before, os.getloadavg()[0]),

@@ -17,7 +17,6 @@ ZEROPIPE_INIT=factory|per-module forces one way (tests use it to check both).
 from __future__ import annotations
 
 import contextlib
-import os
 import zlib
 from typing import Callable, Iterable, Iterator
 
@@ -26,15 +25,15 @@ import torch
 from torch import nn
 
 from cost_models.torch_compat.torch_private import hf_init_weights, own_parameters
+from executor.testing_hooks import INIT_ENV, hook
 
-INIT_ENV = "ZEROPIPE_INIT"
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
 
 
 def init_mode(meta_model: nn.Module, local_ranks: int) -> str:
     """"factory" when `local_ranks` copies of the whole model fit in half the host's available memory (each rank
     builds it once, then frees what it does not hold), else "per-module"; ZEROPIPE_INIT overrides."""
-    forced = os.environ.get(INIT_ENV, "")
+    forced = hook(INIT_ENV)
     if forced in ("factory", "per-module"):
         return forced
     need = sum(p.numel() * p.element_size() for p in meta_model.parameters()) * max(local_ranks, 1)
@@ -53,11 +52,12 @@ def parameters_on_meta() -> Iterator[None]:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
-    nn.Module.register_parameter = register
+    # patched on the class for the duration of the context (mypy refuses assigning to a method)
+    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        nn.Module.register_parameter = original
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def allocate(model: nn.Module, held: Iterable[nn.Module], device: torch.device) -> None:
@@ -151,7 +151,9 @@ def _whole(module: nn.Module, shard: tuple[int, int] | None) -> Iterator[None]:
         yield
     finally:
         for n, p in sharded.items():
-            local, chunks = p.to_local(), slots[n].chunk(shard[1], dim=0)
+            full = slots[n]
+            assert shard is not None and full is not None   # sharded is empty without a shard; full: set above
+            local, chunks = p.to_local(), full.chunk(shard[1], dim=0)
             if shard[0] < len(chunks) and local.numel():
                 local.copy_(chunks[shard[0]][: local.shape[0]])
             slots[n] = p

@@ -93,7 +93,7 @@ class Runtime:
         over dp and across tied stages; returns the replica's mean loss on ranks holding the last stage."""
         s = self.strategy
         if s.n_stages == 1:
-            loss = self._accumulate(inputs, targets)
+            loss: torch.Tensor | None = self._accumulate(inputs, targets)
         else:
             with tensor_parallel.loss_context(self.sharded_logits):
                 losses = pipeline.step(self.schedule, is_first=self.is_first, is_last=self.is_last, inputs=inputs,
@@ -122,7 +122,8 @@ class Runtime:
         for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):
             sync = contextlib.nullcontext()
             if self.wrapped.ddp and i < m - 1:
-                sync = module.no_sync()  # DDP all-reduces once, on the last micro-batch
+                # DDP all-reduces once, on the last micro-batch (wrapped.modules are typed nn.Module)
+                sync = module.no_sync()  # type: ignore[operator]
             t0 = time.perf_counter()
             with sync, tensor_parallel.loss_context(self.sharded_logits):
                 with self._autocast(x):
@@ -213,7 +214,10 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     check_covers_model(meta, s.stages, spec.units, model_level=s.pp == 1 or support == "traced")
     seq_len = example.shape[1] if example is not None and example.dim() > 1 else 0
     tensor_parallel.check_tp(meta, s.tp, sp=s.sp, seq_len=seq_len, rules=spec.tp_rules, pp=s.pp)
-    stage_io = stage_io_shapes(meta, s, spec.units, support, example) if s.n_stages > 1 else []
+    stage_io: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+    if s.n_stages > 1:
+        assert example is not None, "a pipeline needs `example`, one micro-batch, for its static shapes"
+        stage_io = stage_io_shapes(meta, s, spec.units, support, example)
     if s.sp and stage_io:
         stage_io = tensor_parallel.sequence_sharded_io(stage_io, s.tp)
     ties = tied_params(meta, s.stages, s.stage_rank, spec.units)

@@ -102,6 +102,8 @@ class Stage(nn.Module):
     (module names cannot hold dots; `module_names` keeps the real ones), and `run(x)`, the stage's forward (a
     chain of units or an HF adapter, see the module doc)."""
 
+    run: Callable[[torch.Tensor], torch.Tensor]   # declared for the type checker; set in __init__
+
     def __init__(self, parts: list[tuple[str, nn.Module]], run: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.module_names = [name for name, _ in parts]

@@ -59,7 +59,10 @@ def check_tp(meta_model: nn.Module, tp: int, *, sp: bool, seq_len: int, rules: t
 
 def _is_conv1d(module: nn.Module) -> bool:
     """transformers' Conv1D (GPT-2's projections): a linear whose weight is stored (in, out), nn.Linear's transposed."""
-    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2
+    if type(module).__name__ != "Conv1D":
+        return False
+    weight = getattr(module, "weight", None)   # not module.weight: nn.Module's stubs type that Tensor | Module
+    return weight is not None and weight.dim() == 2
 
 
 def _linear_placements(module: nn.Module, style: str, parts: int) -> dict:
@@ -91,7 +94,8 @@ def _split_linear(style: str, parts: int = 1, **layouts):
     def local_output(mod, outputs, device_mesh):
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
-    class SplitLinear(ColwiseParallel if style == "colwise" else RowwiseParallel):
+    # the base class is chosen at run time, which mypy cannot check
+    class SplitLinear(ColwiseParallel if style == "colwise" else RowwiseParallel):  # type: ignore[misc]
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
             if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
                 raise ValueError(f"{style} splits nn.Linear or Conv1D modules, not {type(module).__name__}")
@@ -251,8 +255,9 @@ def _grad_placed_as_param(param: nn.Parameter) -> None:
     vocabulary-split weight's gradient replicated (measured, torch 2.13): a rank would hold all of it, and the
     manual dp all-reduce and ZeRO-1's local shards would see the wrong slice. Replicate -> Shard is a local slice."""
     grad = param.grad
-    if hasattr(grad, "placements") and grad.placements != param.placements:
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+    # DTensors past the hasattr test; torch.Tensor's stubs (Parameter's too) know no placements or device_mesh
+    if hasattr(grad, "placements") and grad.placements != param.placements:  # type: ignore[union-attr, attr-defined]
+        param.grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[union-attr, attr-defined]
 
 
 def _core_checkpointed():

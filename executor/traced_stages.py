@@ -80,8 +80,9 @@ def _stage_graph(graph: fx.Graph, stage: dict[fx.Node, int], sid: int, last: int
 
 
 def traced_stages(model: nn.Module, stages: Sequence[Sequence[str]], stage_ids: Sequence[int],
-                  units: UnitMap) -> list[fx.GraphModule]:
-    """The fx.GraphModule of each stage in `stage_ids`, over `model`'s own modules and parameters."""
+                  units: UnitMap) -> list[nn.Module]:
+    """The fx.GraphModule of each stage in `stage_ids`, over `model`'s own modules and parameters (typed as
+    stage_builders.Builder returns them)."""
     unit_stage = {name: sid for sid, unit_names in enumerate(stages) for u in unit_names for name in units.names(u)}
     graph = trace_units(model, list(unit_stage))
     last = len(stages) - 1

@@ -28,20 +28,13 @@ from executor.activations import ActivationMeter
 from executor.data import TokenFile
 from executor.measure import CommCounter, peak_memory_bytes
 from executor.runtime import ModelSpec, build_runtime, logits_of
+from executor.testing_hooks import INJECT_FAILURE_ENV, SAVE_FILE_LIMIT_ENV, hook
 from executor.stages import UnitMap, canonical_names, state_maps
 from executor.weights import load_weights
 from executor.zero import Precision, mixed_precision
 from planner.plan import Plan
 from planner.run_record import RankResult
 
-# Test hook for failure handling: "RANK:STEP" makes that rank raise at the start of that step, "RANK:STEP:kill" makes it
-# SIGKILL itself there (what kill -9 or the OOM killer does: no exception, no cleanup, no note), "RANK:STEP:stop"
-# SIGSTOP itself (a hung rank: alive, silent, its peers time out waiting for it), "RANK:STEP:nan" sets one of its
-# parameters to NaN after that step's update.
-INJECT_FAILURE_ENV = "ZEROPIPE_INJECT_FAILURE"
-# Test hook for a full disk: "STEP:BYTES" makes every rank's files stop growing at BYTES from the save after STEP on
-# (RLIMIT_FSIZE, with SIGXFSZ ignored, so write(2) fails with a real EFBIG: setrlimit(2), getrlimit(2)).
-SAVE_FILE_LIMIT_ENV = "ZEROPIPE_SAVE_FILE_LIMIT"
 
 
 @record
@@ -161,6 +154,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
         with meter or contextlib.nullcontext():
             replica_loss, elapsed = _timed_step(rt, x, y, device, counter, progress, poison=injected and how == "nan")
         if counting:
+            assert counter is not None   # made above for the counting step
             _count_ddp_buckets(rt, counter)
             break
         _finish_step(rt, cfg, plan, step, device, progress, elapsed, replica_loss)
@@ -239,6 +233,7 @@ def _finish_step(rt, cfg: TrainConfig, plan: Plan | None, step: int, device: tor
 
 def _resume(rt, cfg: TrainConfig) -> float:
     """Load the checkpoint into this rank's share of the (possibly differently laid out) state; seconds taken."""
+    assert cfg.resume_from is not None   # run_on_rank resumes only when it is set
     t0 = time.perf_counter()
     checkpoint.init_optimizer_state(rt.optimizer, list(rt.params_by_name.values()))
     sd = rt.state_dict()
@@ -262,6 +257,7 @@ def _save(rt, cfg: TrainConfig, plan: Plan | None, step: int, last_loss: float, 
     sd = rt.state_dict()
     meta = {"samples_seen": step * plan.strategy.global_batch_size, "seed": cfg.seed, "lr": cfg.lr,
             "loss": last_loss, "world_size": dist.get_world_size(), "plan": plan, "torch_version": torch.__version__}
+    assert cfg.checkpoint_dir is not None   # _finish_step saves only when it is set
     root = Path(cfg.checkpoint_dir)
     _limit_file_size(step)
     checkpoint.save(sd, root, step, meta)
@@ -282,7 +278,7 @@ def _global_loss(replica_loss: torch.Tensor | None, rt, device: torch.device) ->
 
 
 def _limit_file_size(step: int) -> None:
-    spec = os.environ.get(SAVE_FILE_LIMIT_ENV, "")
+    spec = hook(SAVE_FILE_LIMIT_ENV)
     if spec and step >= int(spec.split(":")[0]):
         import resource
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -291,7 +287,7 @@ def _limit_file_size(step: int) -> None:
 
 
 def _injected_failure() -> tuple[int, int, str]:
-    spec = os.environ.get(INJECT_FAILURE_ENV, "")
+    spec = hook(INJECT_FAILURE_ENV)
     if not spec:
         return -1, -1, ""
     rank, step, *how = spec.split(":")

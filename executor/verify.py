@@ -14,24 +14,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import threading
 from typing import Callable, Iterator, Sequence
 
-from cost_models.records.errors import ConfigError, PlannerError
+from cost_models.records.errors import ConfigError, PlannerError, interrupted
 from cost_models.cost.estimate import Estimate, estimate
 from cost_models.records.formatting import duration
 from cost_models.records.profile import ModelProfile
 from cost_models.records.base import Record, record
 from cost_models.records.strategy import Strategy
+from cost_models.torch_compat.elastic import environ
 from executor.launch import WARMUP_STEPS, RunConfig, check_fits_here, launch
-from executor.train import INJECT_FAILURE_ENV
+from executor.testing_hooks import INJECT_FAILURE_ENV, VERIFY_INJECT_ENV, hook
 from planner.plan import VERIFY_TIE_REL, Alternative, Plan, Trial
 from planner.rationale import by_hand, why_lost
 
-# Test hook: "TRIAL:RANK:STEP[:kind]" sets ZEROPIPE_INJECT_FAILURE=RANK:STEP[:kind] (executor.train) for the
-# ranks of trial number TRIAL (0 = the first candidate run) only, so a test can make one candidate fail.
-VERIFY_INJECT_ENV = "ZEROPIPE_TEST_VERIFY_INJECT"
 NOT_RUN = "not run: "   # how a trial this machine could not host starts its failure line
 
 
@@ -127,12 +124,13 @@ def run_trial(p: Plan, cfg: VerifyConfig, *, index: int) -> Trial:
         with _injected(index), dog:
             result = launch(p, run)
     except Exception as exc:   # noqa: BLE001 - any failure of a candidate is that candidate's result
-        if _interrupted(exc):
+        if interrupted(exc):
             raise
         line = (f"no result within --verify-timeout {cfg.timeout_s:g} s (hung or too slow); the watchdog stopped "
                 f"its ranks"
                 if dog.fired else one_line(exc))
         return dataclasses.replace(trial, failure=line)
+    assert result is not None   # launch returns None only on nodes without rank 0; this run has one node
     return dataclasses.replace(trial, measured_s=result.step_time_s["median_s"], failure=None, steps=cfg.steps)
 
 
@@ -142,34 +140,15 @@ def one_line(exc: BaseException) -> str:
     return text if isinstance(exc, PlannerError) else f"{type(exc).__name__}: {text}".rstrip(": ")
 
 
-def _interrupted(exc: BaseException | None) -> bool:
-    """Ctrl-C or SIGTERM while ranks ran: torch elastic's SignalException, anywhere in the chain."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, (SignalException, KeyboardInterrupt)):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 @contextlib.contextmanager
 def _injected(index: int) -> Iterator[None]:
     """The test hook VERIFY_INJECT_ENV: the failure it names for trial `index` in the ranks' environment."""
-    trial, _, spec = os.environ.get(VERIFY_INJECT_ENV, "").partition(":")
+    trial, _, spec = hook(VERIFY_INJECT_ENV).partition(":")
     if not spec or int(trial) != index:
         yield
         return
-    saved = os.environ.get(INJECT_FAILURE_ENV)
-    os.environ[INJECT_FAILURE_ENV] = spec   # the elastic agent's ranks inherit this process's environment
-    try:
+    with environ({INJECT_FAILURE_ENV: spec}):   # the elastic agent's ranks inherit this process's environment
         yield
-    finally:
-        if saved is None:
-            os.environ.pop(INJECT_FAILURE_ENV, None)
-        else:
-            os.environ[INJECT_FAILURE_ENV] = saved
 
 
 class Watchdog:

@@ -25,11 +25,14 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from cost_models.records.errors import WeightsError
 from cost_models.records.base import Record, record
@@ -51,7 +54,7 @@ class WeightsLoaded(Record):
     bytes_read: int    # bytes this rank read for them, in the file's dtype (see the module's note per format)
 
 
-def load_weights(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], source: Path, *,
+def load_weights(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], source: Path, *,
                  trusted: bool = False) -> WeightsLoaded:
     """Fill this rank's `params` (every one must be in `source`) and those of its `buffers` that `source` has, in
     place, from `source`. `trusted` accepts a checkpoint this installation did not sign (executor.checkpoint)."""
@@ -125,7 +128,7 @@ class PreadHFReader(dcp.HuggingFaceStorageReader):
 
     bytes_read = 0   # what read_data read from the files, in their dtype
 
-    def read_data(self, plan, planner):
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         from torch.futures import Future
         headers: dict[str, tuple[int, dict]] = {}
         for req in plan.items:
@@ -169,7 +172,9 @@ def _read_into(path: str, data_at: int, shape: tuple[int, ...], dtype: torch.dty
                target: torch.Tensor) -> int:
     """Read whole rows of a stored tensor into `target` (contiguous, same dtype); the bytes read."""
     row = math.prod(shape[1:]) * dtype.itemsize
-    view = memoryview(target.reshape(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+    # an ndarray has the buffer protocol; numpy's stubs declare it (__buffer__) only for Python 3.12 on
+    view = (memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            if target.numel() else memoryview(b""))
     if len(view):
         with open(path, "rb") as fh:
             fh.seek(data_at + first_row * row)
@@ -216,7 +221,7 @@ def _saved_tensors(reader: dcp.StorageReader, folder: Path) -> dict:
         raise
 
 
-def _wanted(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], saved: dict, prefix: str,
+def _wanted(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], saved: dict, prefix: str,
             folder: Path) -> dict[str, torch.Tensor]:
     """The state dict DCP loads: this rank's tensors (detached aliases: DCP copies into them) under their keys in
     the file, after checking every parameter is there with its shape."""
@@ -269,10 +274,12 @@ class _RecordingPlanner(DefaultLoadPlanner):
 
 def _bytes_read(planner: _RecordingPlanner) -> int:
     """Bytes DCP's file reader read for `planner`'s items: it reads the whole saved chunk each slice lies in."""
+    assert planner.metadata is not None   # DCP sets it before it plans the reads
     saved = planner.metadata.state_dict_metadata
     total = 0
     for item in planner.items:
         entry = saved[item.storage_index.fqn]
+        assert isinstance(entry, TensorStorageMetadata)   # the weights are tensors: no pickled objects to read
         chunk = next(c for c in entry.chunks if tuple(c.offsets) == tuple(item.storage_index.offset))
         total += math.prod(chunk.sizes) * entry.properties.dtype.itemsize
     return total

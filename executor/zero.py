@@ -91,7 +91,7 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         raf = zero == 3
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if compute else MixedPrecisionPolicy()
-        fully_shard = functools.partial(fully_shard, mp_policy=mp)
+        shard = functools.partial(fully_shard, mp_policy=mp)
         if pp == 1:
             # One FSDP group per pipeline unit: gather one at a time, prefetch the next. A unit holding a parameter
             # shared with another unit (a tied embedding) is left to the root's group: FSDP2 would otherwise shard
@@ -100,18 +100,19 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
             shared = _shared_param_ids(groups)
             for g in groups:
                 if g and not any(id(p) in shared for m in g for p in m.parameters()):
-                    fully_shard(g if len(g) > 1 else g[0], mesh=dp_mesh, reshard_after_forward=raf)
+                    shard(g if len(g) > 1 else g[0], mesh=dp_mesh, reshard_after_forward=raf)
         for st in modules:
-            fully_shard(st, mesh=dp_mesh, reshard_after_forward=raf)
+            shard(st, mesh=dp_mesh, reshard_after_forward=raf)
         params = [p for st in modules for p in st.parameters()]
         return Wrapped(modules=list(modules), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params)
     params = [p for st in modules for p in st.parameters()]
     if pp == 1 and tp == 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        wrapped: list[nn.Module] = [DDP(st, process_group=group, gradient_as_bucket_view=True) for st in modules]
+        ddps = [DDP(st, process_group=group, gradient_as_bucket_view=True) for st in modules]
         if compute is not None:   # reduce in the compute dtype (mixed_precision)
-            for d in wrapped:
+            for d in ddps:
                 d.register_comm_hook((group, compute), _low_precision_reduce)
+        wrapped: list[nn.Module] = list(ddps)
         manual = False
     else:
         wrapped, manual = list(modules), True
@@ -169,7 +170,9 @@ def _stand_in(p: nn.Parameter) -> nn.Parameter:
     """A plain parameter on the storage of DTensor `p`'s local tensor (`p` itself when it is plain)."""
     if not hasattr(p, "to_local"):
         return p
-    local = p.detach().to_local()   # a view of the DTensor's storage: updates through the stand-in are the parameter's
+    # a DTensor (hasattr above; its stubs are torch.Tensor's): to_local is a view of its storage, so updates through
+    # the stand-in are the parameter's
+    local = p.detach().to_local()  # type: ignore[attr-defined]
     return nn.Parameter(local, requires_grad=p.requires_grad)
 
 

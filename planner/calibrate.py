@@ -32,7 +32,7 @@ import dataclasses
 import itertools
 import statistics
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from cost_models.records.cluster import Calibration, CalibrationRun, ClusterProfile
 from cost_models.records.errors import ConfigError, FileFormatError
@@ -229,8 +229,11 @@ def fit(pairs: Sequence[tuple[PredictedParts, MeasuredParts]]) -> Fit:
         raise ConfigError("a run has no positive step time; calibrate from runs that timed their steps")
     opt = _optimizer_scale(pairs)
     sol = _compute_terms(pairs, opt if opt is not None else 1.0)
-    values = {"compute_scale": sol["compute_scale"], "optimizer_scale": opt if opt is not None else 1.0,
-              "dp_comm_scale": sol.get("dp_comm_scale", 1.0), "pipeline_action_s": sol.get("pipeline_action_s")}
+    # keyword arguments of predict_after and Fit: floats, pipeline_action_s None where not fitted
+    values: dict[str, Any] = {"compute_scale": sol["compute_scale"],
+                              "optimizer_scale": opt if opt is not None else 1.0,
+                              "dp_comm_scale": sol.get("dp_comm_scale", 1.0),
+                              "pipeline_action_s": sol.get("pipeline_action_s")}
     fitted = tuple(t for t in ("compute_scale", "optimizer_scale", "dp_comm_scale", "pipeline_action_s")
                    if t in sol or (t == "optimizer_scale" and opt is not None))
     before = tuple(p.step_s for p, _ in pairs)
@@ -264,7 +267,7 @@ def pair_runs(run_paths: Sequence[Path], plan_paths: Sequence[Path]) -> list[_Pa
     if not run_paths:
         raise ConfigError("no runs to calibrate from; pass the run.json files `planner run` wrote")
     given = [Plan.load(p) for p in plan_paths]
-    out = []
+    out: list[_Paired] = []
     for raw in run_paths:
         path = _run_path(Path(raw))
         run = RunFile.load(path)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from cost_models.records.errors import ConfigError, InfeasibleError
 from cost_models.records.formatting import fixed
@@ -75,26 +75,44 @@ def dp_partition(problem: PartitionProblem) -> list[tuple[int, int]]:
         ps.append(ps[-1] + (problem.state_bytes[i] if problem.state_bytes else 0.0))
         pa.append(pa[-1] + (problem.act_bytes[i] if problem.act_bytes else 0.0))
     cut = problem.cut_costs
+
+    def step(prev: float, j: int, l: int, i: int) -> float | None:
+        """Stage j holding units l..i-1 after a best split of l units into j - 1 stages: the bottleneck so far,
+        with the cut's send after the stage, or None when the stage's states and in-flight activations overflow."""
+        flight = problem.in_flight[j - 1] if problem.in_flight else 0
+        if (ps[i] - ps[l]) + flight * (pa[i] - pa[l]) > problem.capacity:
+            return None
+        return max(prev, pc[i] - pc[l] + (cut[i - 1] if cut and i < n else 0.0))
+
+    ranges = _contiguous_dp(n, k, step)
+    if ranges is None:
+        raise PartitionInfeasible(f"no split of {n} units into {k} stages fits {fixed(problem.capacity, 'GiB', 2)} "
+                                  f"per rank")
+    return ranges
+
+
+Step = Callable[[float, int, int, int], "float | None"]   # (best value before, stage j, first unit l, end i)
+
+
+def _contiguous_dp(n: int, k: int, step: Step) -> list[tuple[int, int]] | None:
+    """The split of units 0..n-1 into k non-empty contiguous stages that minimises the value `step` builds up, or
+    None when no split is allowed: best[j][i] is the best value of units 0..i-1 in j stages, extended stage by
+    stage by step(best[j-1][l], j, l, i) (None: stage j = units l..i-1 is not allowed); the ranges are read back
+    from the table of argmins. Exact, O(k n^2) calls of `step`."""
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(k + 1)]
     arg = [[-1] * (n + 1) for _ in range(k + 1)]
     best[0][0] = 0.0
     for j in range(1, k + 1):
-        flight = problem.in_flight[j - 1] if problem.in_flight else 0
         for i in range(j, n - (k - j) + 1):
-            tail = cut[i - 1] if cut and i < n else 0.0
             for l in range(j - 1, i):
-                prev = best[j - 1][l]
-                if prev == inf:
+                if best[j - 1][l] == inf:
                     continue
-                if (ps[i] - ps[l]) + flight * (pa[i] - pa[l]) > problem.capacity:
-                    continue
-                value = max(prev, pc[i] - pc[l] + tail)
-                if value < best[j][i]:
+                value = step(best[j - 1][l], j, l, i)
+                if value is not None and value < best[j][i]:
                     best[j][i], arg[j][i] = value, l
     if best[k][n] == inf:
-        raise PartitionInfeasible(f"no split of {n} units into {k} stages fits {fixed(problem.capacity, 'GiB', 2)} "
-                                  f"per rank")
+        return None
     ranges, i = [], n
     for j in range(k, 0, -1):
         l = arg[j][i]
@@ -115,7 +133,8 @@ def balanced_partition(costs: Sequence[float], k: int) -> list[tuple[int, int]]:
     candidates = sorted({prefix[b] - prefix[a] for a in range(n) for b in range(a + 1, n + 1)})
 
     def split(limit: float) -> list[tuple[int, int]] | None:
-        ranges, a = [], 0
+        ranges: list[tuple[int, int]] = []
+        a = 0
         while a < n:
             if len(ranges) == k:
                 return None
@@ -240,29 +259,20 @@ def dag_partition(costs: Sequence[float], edges: Sequence[tuple[int, int, float]
         for c in range(pos[src] + 1, pos[dst] + 1):
             crossing[c] += data["bytes"]
     ordered_costs = [costs[u] for u in order]
-    bound = max(ordered_costs[a:b] and sum(ordered_costs[a:b]) for a, b in balanced_partition(ordered_costs, k))
+    # balanced_partition's ranges are never empty
+    bound = max(sum(ordered_costs[a:b]) for a, b in balanced_partition(ordered_costs, k))
     bound *= 1 + slack
     prefix = [0.0]
     for c in ordered_costs:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    arg = [[-1] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
-    for j in range(1, k + 1):
-        for i in range(j, n - (k - j) + 1):
-            for l in range(j - 1, i):
-                if best[j - 1][l] == inf or prefix[i] - prefix[l] > bound:
-                    continue
-                value = best[j - 1][l] + (crossing[l] if l > 0 else 0.0)
-                if value < best[j][i]:
-                    best[j][i], arg[j][i] = value, l
-    ranges, i = [], n
-    for j in range(k, 0, -1):
-        l = arg[j][i]
-        ranges.append((l, i))
-        i = l
-    return [[order[p] for p in range(a, b)] for a, b in ranges[::-1]]
+
+    def step(prev: float, j: int, l: int, i: int) -> float | None:
+        """Bytes crossing the cuts so far; a stage over the bottleneck bound is not allowed."""
+        return None if prefix[i] - prefix[l] > bound else prev + (crossing[l] if l > 0 else 0.0)
+
+    ranges = _contiguous_dp(n, k, step)
+    assert ranges is not None   # the balanced split itself is within the bound
+    return [[order[p] for p in range(a, b)] for a, b in ranges]
 
 
 def stages_from_ranges(names: Sequence[str], ranges: Sequence[tuple[int, int]]) -> tuple[tuple[str, ...], ...]:

@@ -106,11 +106,15 @@ def profile_digest(path: str) -> str:
         return ""
 
 
+Binding = Literal["memory", "bandwidth", "compute"]
+# cost_models.records.strategy.family_of: the ZeRO-or-pipeline family, "+tp" with tensor parallelism
+WinnerFamily = Literal["zero", "pipeline", "hybrid", "tensor", "zero+tp", "pipeline+tp", "hybrid+tp"]
+
+
 @record
 class Rationale(Record):
-    binding: Literal["memory", "bandwidth", "compute"]
-    # cost_models.records.strategy.family_of: the ZeRO-or-pipeline family, "+tp" with tensor parallelism
-    winner_family: Literal["zero", "pipeline", "hybrid", "tensor", "zero+tp", "pipeline+tp", "hybrid+tp"]
+    binding: Binding
+    winner_family: WinnerFamily
     summary: str
     lines: tuple[str, ...]
     best_by_family: dict[str, float]     # family -> best predicted step time among strategies that fit

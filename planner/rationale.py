@@ -1,14 +1,14 @@
 """Why the plan won, in the terms of the ZeRO-or-pipeline question: which resource binds, with numbers."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, cast
 
 from cost_models.records.cluster import ClusterProfile
 from cost_models.cost.comm import dp_wire_bytes
 from cost_models.cost.estimate import Estimate
 from cost_models.records.strategy import Strategy, family_of
 from cost_models.records.formatting import duration, fixed, size
-from planner.plan import Rationale
+from planner.plan import Binding, Rationale, WinnerFamily
 from planner.space import TPOptions
 
 # the rationale line of a model the executor cannot cut into stages (ModelProfile.pipeline_refusal says why)
@@ -49,7 +49,7 @@ def _states(est: Estimate) -> tuple[int, int]:
     return m.parameters + m.gradients + m.optimizer_states, m.activations
 
 
-def _own_binding(est: Estimate, cluster: ClusterProfile) -> tuple[str, str]:
+def _own_binding(est: Estimate, cluster: ClusterProfile) -> tuple[Binding, str]:
     """What binds a strategy judged on its own breakdown: exposed communication past COMM_BINDS of the step, else
     computation."""
     b = est.breakdown
@@ -75,11 +75,12 @@ def by_hand(s: Strategy, est: Estimate, cluster: ClusterProfile, *, at_tp1: Esti
     """The rationale of a strategy chosen by hand (`planner estimate -o`): what binds it, with its numbers; no other
     strategy was compared. at_tp1: the same strategy at tp = 1 (what tensor parallelism saves in memory)."""
     binding, why = _own_binding(est, cluster)
-    lines = (_chosen_line(s, est).replace("chosen:", "chosen by hand:", 1), why,
-             "not compared with other strategies: `planner plan` searches them all")
+    lines: tuple[str, ...] = (_chosen_line(s, est).replace("chosen:", "chosen by hand:", 1), why,
+                              "not compared with other strategies: `planner plan` searches them all")
     if s.tp > 1:
         lines += (_tp_chosen_line(s, est, cluster, at_tp1),)
-    return Rationale(binding=binding, winner_family=s.family,
+    # Strategy.family is typed str; family_of only ever returns one of WinnerFamily's values
+    return Rationale(binding=binding, winner_family=cast(WinnerFamily, s.family),
                      summary=f"chosen by hand: {s.summary} at {duration(est.step_time_s)} per step; {why}",
                      lines=lines, best_by_family={s.family: est.step_time_s})
 
@@ -124,14 +125,14 @@ def _comm_s(est: Estimate) -> float:
     return est.breakdown.dp_comm_s + est.breakdown.p2p_s + _part(est, "tp_comm_s")
 
 
-def _binding(ws: Strategy, west: Estimate, best: dict, fastest_unfit, cluster: ClusterProfile) -> tuple[str, str]:
+def _binding(ws: Strategy, west: Estimate, best: dict, fastest_unfit, cluster: ClusterProfile) -> tuple[Binding, str]:
     """(binding resource, the line saying why), judged against the best strategy of every other family."""
     others = [(e.step_time_s, s_, e) for fam, (s_, e) in best.items() if fam != ws.family]
     runner = min(others, key=lambda x: x[0], default=None)
     if runner is not None:
         _, rs, re_ = runner
         deltas = {f: _part(re_, f) - _part(west, f) for f, _ in _COMPONENTS}
-        if max(deltas, key=deltas.get) in ("dp_comm_s", "p2p_s", "tp_comm_s"):
+        if max(deltas, key=deltas.__getitem__) in ("dp_comm_s", "p2p_s", "tp_comm_s"):
             # The question was decided by the links: the best other family lost to communication.
             tp_bytes, tp_link, _ = tp_traffic(re_)
             tp_part = f", {size(tp_bytes)} tensor-parallel over {tp_link or 'intra-node'}" if tp_bytes else ""
@@ -182,7 +183,7 @@ def explain(ws: Strategy, west: Estimate, feasible, fastest_unfit, cluster: Clus
             lines.append(f"no {FAMILY_NAMES[fam]} strategy fits or divides the batch on these devices")
     name = FAMILY_NAMES[wf] + (f" with {ws.tp}-way tensor parallelism" if ws.tp > 1 else "")
     summary = f"{name} wins: {ws.summary} at {duration(west.step_time_s)} per step; {why}"
-    return Rationale(binding=binding, winner_family=ws.family, summary=summary, lines=tuple(lines),
+    return Rationale(binding=binding, winner_family=cast(WinnerFamily, ws.family), summary=summary, lines=tuple(lines),
                      best_by_family={f: e.step_time_s for f, (_, e) in best.items()})
 
 

@@ -204,7 +204,7 @@ def trial_rows(plan: Plan) -> list[list[str]]:
         if t.strategy == plan.strategy.name:
             verdict = "chosen"
         elif t.measured_s is None:
-            verdict = t.failure if (t.failure or "").startswith("not run") else f"failed: {t.failure}"
+            verdict = (t.failure or "") if (t.failure or "").startswith("not run") else f"failed: {t.failure}"
         elif chosen is not None and chosen.measured_s is not None and t.measured_s < chosen.measured_s:
             verdict = f"as fast within {VERIFY_TIE_REL:.0%}; ranked lower by prediction"
         else:

@@ -36,7 +36,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, cast
 
 from cost_models.records.cluster import Calibration, ClusterProfile
 from cost_models.cost.comm import collective_time
@@ -45,7 +45,7 @@ from cost_models.records.errors import ConfigError, InfeasibleError
 from cost_models.cost.estimate import Estimate, activation_scale, busy_ranks, dtype_ratio, estimate, tied_copies
 from cost_models.records.formatting import fixed, now_utc
 from cost_models.records.limits import MAX_MICROBATCHES
-from cost_models.records.precision import BYTES_PER_PARAM
+from cost_models.records.precision import BYTES_PER_PARAM, Optimizer, Precision
 from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_at, saved_parts, zero_model_state_bytes
 from cost_models.records.profile import ModelProfile, UnitProfile
 from cost_models.records.schedule import SCHEDULES, forwards_before_backward, get_spec, placement
@@ -73,7 +73,9 @@ class _Partitions:
 
     def __init__(self, profile: ModelProfile, unit_fb: list[tuple[float, float]], *, dtype_ratio: float,
                  at_batch: Callable[[int], list[tuple[float, float]]] | None = None) -> None:
-        self.profile, self.unit_fb, self.cache, self.bottlenecks = profile, unit_fb, {}, {}
+        self.profile, self.unit_fb = profile, unit_fb
+        self.cache: dict[int, tuple[tuple[str, ...], ...]] = {}
+        self.bottlenecks: dict = {}
         # unit_fb at another micro-batch, as the estimate moves measured times (affine, compute._at_batch): None
         # scales unit_fb linearly
         self.at_batch = at_batch
@@ -132,7 +134,7 @@ def runnable(schedule: str, zero: int, dp: int) -> bool:
     return get_spec(schedule).unsafe(zero, dp) is None
 
 
-def _strategy(point: Point, stages, *, precision: str, optimizer: str, recompute=(), selective: bool = False
+def _strategy(point: Point, stages, *, precision: Precision, optimizer: Optimizer, recompute=(), selective: bool = False
               ) -> Strategy:
     return Strategy(dp=point.dp, pp=point.pp, zero=point.zero, schedule=point.schedule, microbatches=point.microbatches,
                     micro_batch_size=point.micro_batch_size, v=point.v, stages=stages, recompute=tuple(recompute),
@@ -191,7 +193,7 @@ def _selective_may_fit(est: Estimate, profile: ModelProfile, cap: int, *, micro_
 
 
 def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, parts: _Partitions,
-                unit_cost: list[float], *, precision: str, optimizer: str, kth: float = math.inf,
+                unit_cost: list[float], *, precision: Precision, optimizer: Optimizer, kth: float = math.inf,
                 must: frozenset[int] = frozenset()) -> tuple[list[_Costed], int]:
     """Estimate a point; if it does not fit, retry with selective recompute (the attention core, Korthikanti et
     al. 2022), then full recompute on the stages that still overflow (selective on the rest), then memory-aware
@@ -224,10 +226,10 @@ def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, pa
 
 
 def _retries(point: Point, profile: ModelProfile, cluster: ClusterProfile, first: Estimate, unit_cost: list[float],
-             attempt, stages, *, precision: str, optimizer: str, recut: bool = True) -> list[_Costed]:
+             attempt, stages, *, precision: Precision, optimizer: Optimizer, recut: bool = True) -> list[_Costed]:
     """_cost_point's retries after a first estimate that does not fit; the last one made is the best attempt."""
     n_stages, cap = point.pp * point.v, cluster.device.memory_bytes
-    precision = executed_precision(precision, cluster.device.kind)   # the bytes the ranks hold (_as_run)
+    precision = _executed(precision, cluster.device.kind)   # the bytes the ranks hold (_as_run)
     out: list[_Costed] = []
     if not _recompute_cannot_help(first, cap):
         if _selective_may_fit(first, profile, cap, micro_batch_size=point.micro_batch_size, precision=precision):
@@ -435,7 +437,8 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     rpn = math.gcd(pt.dp, per_node) if pt.dp > per_node else None
 
     def coll(op: str, size: float) -> float:   # the lesser of the two fits (CollectiveFit.predict): a bound
-        return min(collective_time(cluster, op, size, pt.dp, ranks_per_node=rpn, back_to_back=b) for b in (0, 1))
+        return min(collective_time(cluster, op, size, pt.dp, ranks_per_node=rpn, back_to_back=b)
+                   for b in (False, True))
 
     if pt.zero <= 1:   # ZeroRedundancyOptimizer's updated parameters go out as broadcasts (estimate)
         bcast = coll("broadcast", params * p_b) if pt.zero == 1 else 0.0
@@ -467,9 +470,10 @@ def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], profile: ModelProfile
 
     bound = max(schedule, busiest.start_busy + dp_time(busiest.params), critical.start_busy + dp_time(critical.params))
     held = fullest / (pt.dp if pt.zero >= 1 else 1)
+    busy = busy_ranks(cast(Strategy, pt))   # busy_ranks reads only fields a Point has too
     return bound + cal.optimizer_scale * optimizer_step_time(held, profile=profile, cluster=cluster,
                                                              precision=req.precision, optimizer=req.optimizer,
-                                                             ranks_running=busy_ranks(pt))
+                                                             ranks_running=busy)
 
 
 @dataclass
@@ -697,9 +701,14 @@ def bound_unit_times(profile: ModelProfile, cluster: ClusterProfile, req: PlanRe
     (estimate.busy_ranks >= 1), so the bounds built on them stay lower bounds; mixed precision's factor only where
     it makes units faster, for the same reason."""
     scale = _calibration(cluster).compute_scale   # as the estimate scales them
-    return [tuple(t * scale for t in unit_times(u, profile, cluster, micro_batch_size=micro_batch_size,
-                                                precision=req.precision, ranks_running=1,
-                                                mixed=profile.mixed_factor < 1)) for u in profile.units]
+    times = (unit_times(u, profile, cluster, micro_batch_size=micro_batch_size, precision=req.precision,
+                        ranks_running=1, mixed=profile.mixed_factor < 1) for u in profile.units)
+    return [(f * scale, b * scale) for f, b in times]
+
+
+def _executed(precision: Precision, device_kind: str) -> Precision:
+    """compute.executed_precision, typed as what it returns: `precision` itself or "fp32"."""
+    return cast(Precision, executed_precision(precision, device_kind))
 
 
 def _calibration(cluster: ClusterProfile) -> Calibration:
@@ -712,7 +721,7 @@ def _calibration(cluster: ClusterProfile) -> Calibration:
 def _as_run(req: PlanRequest, cluster: ClusterProfile) -> PlanRequest:
     """The request in the precision its plans run in (estimate.executed: fp32 on CPU ranks), for the bounds and the
     bytes a split must fit, which the estimate counts that way; the plans keep the requested precision."""
-    return replace(req, precision=executed_precision(req.precision, cluster.device.kind))
+    return replace(req, precision=_executed(req.precision, cluster.device.kind))
 
 
 def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *,

@@ -1,7 +1,10 @@
 """Human-readable summaries of a model profile (rows of strings; the CLI renders them with rich)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from cost_models.cost.comm import dp_wire_bytes
+from cost_models.cost.memory import MemoryBreakdown
 from cost_models.records.formatting import duration, fixed, flop_rate, rate, size
 from cost_models.records.profile import ModelProfile, UnitProfile
 
@@ -95,7 +98,7 @@ MEMORY_COLUMNS = ["ranks", "stages", "params", "grads", "optimizer", "activation
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "buffers", "overhead", "total_bytes")
 
 
-def rank_groups(memory_per_rank) -> list[tuple[str, object]]:
+def rank_groups(memory_per_rank: Sequence[MemoryBreakdown]) -> list[tuple[str, MemoryBreakdown]]:
     """("3" or "0-1", breakdown) per group of ranks with identical memory (the dp replicas of a pipeline rank)."""
     groups: dict[tuple, list] = {}
     for m in memory_per_rank:
@@ -143,3 +146,11 @@ def estimate_lines(strategy, est) -> list[str]:
                      f"F {duration(st.fwd_s)}, B {duration(st.bwd_s)} per micro-batch, "
                      f"{st.peak_in_flight} in flight x {size(st.activation_bytes)}")
     return lines
+
+
+def estimate_json(strategy, est) -> dict:
+    """`planner estimate --json`: the strategy and the estimate, with every figure estimate_lines prints that the
+    record derives rather than stores (the data-parallel bytes on the wire, a ring's 2(N-1)/N of the full buffer)."""
+    data = {"strategy": strategy.to_dict(), **est.to_dict()}
+    data["comm"]["dp_wire_bytes_per_rank"] = dp_wire_bytes(est.comm.dp_collectives, strategy.dp)
+    return data

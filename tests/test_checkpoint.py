@@ -15,7 +15,7 @@ from cost_models.models.source import resolve
 from cost_models.records.files import ProfileFile
 from cost_models.records.strategy import Strategy
 from executor import checkpoint_layout as layout
-from executor.checkpoint import DUMP_STATE_ENV
+from executor.testing_hooks import DUMP_STATE_ENV
 from executor.launch import RunConfig, launch
 from executor.train import TrainConfig, single_process_losses
 from tests.plans import plan_file, plan_for

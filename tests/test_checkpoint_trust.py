@@ -22,7 +22,7 @@ from cost_models.records.fileio import dumps, write_atomic
 from executor import checkpoint, trust
 from executor import checkpoint_layout as layout
 from executor.launch import RunConfig, launch
-from executor.train import SAVE_FILE_LIMIT_ENV
+from executor.testing_hooks import SAVE_FILE_LIMIT_ENV
 from tests.plans import plan_file, plan_for
 from tests.test_checkpoint import _fake_checkpoint
 from tests.test_executor import S

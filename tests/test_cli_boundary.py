@@ -34,7 +34,7 @@ def test_a_signal_hidden_behind_another_exception_is_still_an_interruption():
     from torch.distributed.elastic.multiprocessing.api import SignalException
     import signal
 
-    from cli import _interrupted
+    from cost_models.records.errors import interrupted as _interrupted
 
     def raised(inner: BaseException) -> BaseException:
         try:

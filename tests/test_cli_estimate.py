@@ -1,10 +1,13 @@
 """`planner estimate`: JSON for scripts, a per-rank breakdown, exit 3 when the strategy does not fit."""
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from cli import app
 from cost_models.records.fileio import dumps, write_atomic
+from cost_models.records.formatting import size
 from cost_models.records.presets import preset
 from cost_models.records.files import ProfileFile
 from cost_models.records.schedule import SCHEDULES
@@ -29,6 +32,14 @@ def test_estimate_json(tmp_path, tiny_profiles):
     assert rank["total_bytes"] == sum(rank[c] for c in cats)
     assert data["strategy"]["stages"][0][0] == "embed" and len(data["strategy"]["stages"]) == 2
     assert len(data["pipeline_order"]) == 2 and data["pipeline_order"]["0"][:2] == ["0F0", "0F1"]
+    # every figure the text prints is in the JSON: ZeRO-1's all-reduce and broadcast over 4 ranks put a ring's
+    # 2(4-1)/4 of the all-reduce's buffer and (4-1)/4 of the broadcast's on the wire
+    comm = data["comm"]
+    wire = 1.5 * comm["dp_collectives"]["all_reduce"] + 0.75 * comm["dp_collectives"]["broadcast"]
+    assert comm["dp_wire_bytes_per_rank"] == pytest.approx(wire) and wire > 0
+    text = runner.invoke(app, ["estimate", path, "--dp", "4", "--pp", "2", "--zero", "1", "--schedule", "1f1b",
+                               "--microbatches", "8"]).stdout
+    assert f"({size(comm['dp_wire_bytes_per_rank'])} on the wire" in text
 
 
 def test_estimate_that_does_not_fit_exits_3(tmp_path):

@@ -93,3 +93,22 @@ def test_no_function_is_longer_than_60_lines():
     long = [entry for path in _product_files() for entry in _long_functions(path, _tree(path))]
     assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines (file:function:lines, from `def` to the " \
                      f"last line), split them:\n" + "\n".join(long)
+
+
+# environment variables users set (documented in the README and --help) and the launcher's own handshake; every
+# other ZEROPIPE_ variable is a test hook and belongs in executor/testing_hooks.py
+USER_ENV = {"ZEROPIPE_DEBUG", "ZEROPIPE_CHECKPOINT_KEY", "ZEROPIPE_STORE_FILE"}
+HOOKS_HOME = Path("executor/testing_hooks.py")
+
+
+def _env_names(tree: ast.Module) -> set[str]:
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and n.value.startswith("ZEROPIPE_") and n.value.isupper()}
+
+
+def test_test_hooks_are_named_in_one_module():
+    stray = {f"{path}: {name}" for path in _product_files() if path != HOOKS_HOME
+             for name in _env_names(_tree(path)) - USER_ENV}
+    assert not stray, "test hooks outside executor/testing_hooks.py:\n" + "\n".join(sorted(stray))
+    hooks = _env_names(_tree(HOOKS_HOME))
+    assert {"ZEROPIPE_INJECT_FAILURE", "ZEROPIPE_DUMP_STATE", "ZEROPIPE_INIT"} <= hooks and not hooks & USER_ENV

@@ -21,7 +21,7 @@ from cost_models.records.formatting import size
 from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
 from executor import checkpoint_layout as layout
-from executor.checkpoint import DUMP_STATE_ENV
+from executor.testing_hooks import DUMP_STATE_ENV
 from executor.export import canonical_keys
 from executor.launch import RunConfig, launch
 from tests.plans import plan_for

@@ -13,7 +13,7 @@ from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
 from cost_models.records.strategy import Strategy
 from executor.launch import run_many
-from executor.materialize import INIT_ENV
+from executor.testing_hooks import INIT_ENV
 from executor.train import TrainConfig, single_process_losses
 from tests.plans import plan_for
 

@@ -189,6 +189,7 @@ def tree_all_reduce_time(cluster: ClusterProfile, size_bytes: float, g: int, k: 
     in presets' module doc (tests/test_comm.py). collective_time uses it on GPU clusters only (gloo has no tree)
     and not where a probe fitted the network's phases."""
     intra, inter = cluster.intra_node, cluster.inter_node
+    assert inter is not None, "a tree across nodes needs the cluster's inter_node link"
     levels = k.bit_length() - 1   # tuning.cc's log2i: floor(log2 k)
     steps = (2 * (g - 1) * RING_STEP_LATENCY_S.get(intra.kind, 0.0)
              + 2 * levels * RING_STEP_LATENCY_S.get(inter.kind, 0.0))

@@ -31,10 +31,13 @@ assumption, not a measurement (hidden 8192 at t = 8: 90% of the full width's rat
 """
 from __future__ import annotations
 
+from typing import Literal, TypeVar
+
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.profile import ModelProfile, UnitProfile
 
 GEMM_N_HALF = 128   # columns per rank at which a GEMM runs at half its large-size rate (module doc)
+_P = TypeVar("_P", bound=str)   # a precision: a Strategy's Literal one stays Literal through executed_precision
 
 
 def executed_dtype(precision: str, device_kind: str) -> str:
@@ -43,7 +46,7 @@ def executed_dtype(precision: str, device_kind: str) -> str:
     return "fp32" if device_kind == "cpu" else compute_dtype(precision)
 
 
-def executed_precision(precision: str, device_kind: str) -> str:
+def executed_precision(precision: _P, device_kind: str) -> _P | Literal["fp32"]:
     """The precision a plan runs in: fp32 on CPU ranks (executed_dtype), the plan's own elsewhere."""
     return "fp32" if executed_dtype(precision, device_kind) == "fp32" else precision
 
@@ -139,9 +142,10 @@ def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile
     if uses_measured_times(profile, cluster, precision):
         factor = _measured_factor(profile, cluster, ranks_running, mixed)
         b0 = profile.micro_batch_size
-        return tuple(_in_model(_at_batch(at, one, b0, micro_batch_size), _at_batch(at, one, b0, b0), profile,
-                               cluster) * factor
-                     for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)))
+        fwd, bwd = (_in_model(_at_batch(at, one, b0, micro_batch_size), _at_batch(at, one, b0, b0), profile,
+                              cluster) * factor
+                    for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)))
+        return fwd, bwd
     dtype = executed_dtype(precision, cluster.device.kind)
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
     rate = peak * cluster.device.matmul_efficiency

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Protocol, Sequence
 
 from cost_models.records.cluster import Calibration, ClusterProfile, ComputeProbe, action_seconds
 from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
@@ -57,7 +57,12 @@ from cost_models.records.tensor_parallel import vocab_divides
 
 # presets carry no probe: no per-call overheads are assumed there (GPU launches mostly hide behind kernels)
 _NO_OVERHEADS = ComputeProbe(dtype="", matmul_n=0, ranks=1, threads_per_rank=1, flops_per_rank=0.0, flops_alone=0.0)
-CollFn = Callable[[str, float], float]   # (op, full buffer bytes) -> seconds over the strategy's dp group
+
+
+class CollFn(Protocol):
+    def __call__(self, op: str, size: float, back_to_back: bool = False) -> float:
+        """(op, full buffer bytes, one of a run of calls with no compute between them) -> seconds over the
+        strategy's dp group."""
 
 
 @record
@@ -226,7 +231,7 @@ class _Context:
         return _Context(s=s, profile=profile, cluster=cluster, param_bytes=p_b, grad_bytes=g_b, act_scale=scale,
                         overheads=overheads, calibration=cal,
                         unit_index={u.name: i for i, u in enumerate(profile.units)},
-                        tp_on=s.tp > 1 or s.selective, tp_vocab=bool(shape) and vocab_divides(shape, s.tp),
+                        tp_on=s.tp > 1 or s.selective, tp_vocab=shape is not None and vocab_divides(shape, s.tp),
                         tp_cost=tp_cost, mixed=mixed,
                         autocast=mixed and (s.zero < 2 or s.dp == 1))
 
@@ -282,7 +287,8 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     if selective:
         b += core
     if s.tp > 1 and u.tp is not None:
-        fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=c.profile.tensor_parallel.vocab if c.tp_vocab else 0)
+        shape = c.profile.tensor_parallel   # never None where tp_vocab is set (_Context.of)
+        fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=shape.vocab if c.tp_vocab and shape else 0)
         norms = sp_norm_grad_traffic(u.tp, c.grad_bytes) if s.sp else None
         tf, tb = _tp_seconds(c, fwd_t), _tp_seconds(c, bwd_t) + (_tp_seconds(c, norms) if norms else 0.0)
         f, b = f + tf, b + tb
@@ -830,8 +836,8 @@ def _dp_collectives(s: Strategy, units: list[tuple[int, int]], stage_params: lis
                 for op, count, b in (("all_gather", gathers, p_b), ("reduce_scatter", 1, g_b))]
     gathers = 2 * m if s.zero == 3 else m
     # without a pipeline every unit is its own FSDP unit, gathered and reduce-scattered every micro-batch
-    return ([("all_gather", gathers, n * p_b, False) for n, _ in units]
-            + [("reduce_scatter", m, n * g_b, False) for n, _ in units])
+    return [(op, count, n * b, False) for op, count, b in (("all_gather", gathers, p_b), ("reduce_scatter", m, g_b))
+            for n, _ in units]
 
 
 def _overlapped_dp_time(s: Strategy, params: list[float], tensors: list[int], unit_fb: list[tuple[float, float]],
@@ -881,7 +887,7 @@ def _memory(c: _Context, stages: tuple[StageEstimate, ...], sim: Simulation, *,
 
 
 def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
-                    peak_activations: float) -> tuple[MemoryBreakdown, list[float] | None]:
+                    peak_activations: float) -> tuple[MemoryBreakdown, list[int] | None]:
     """A pipeline rank's memory (optimizer states split evenly over dp), and with ZeRO-1 each dp rank's share of the
     optimizer states as ZeroRedundancyOptimizer splits whole tensors (None otherwise)."""
     s = c.s

@@ -274,7 +274,7 @@ def _memory_timeline(c: _Compiled, start: list[float], end: list[float],
     ev_rank = np.array([c.rank[i] for i in ev_index.tolist()], dtype=np.int64)
     peak: dict[int, int] = {}
     peak_bytes: dict[int, float] = {}
-    for key, out, weight in ((ev_stage, peak, None), (ev_rank, peak_bytes, costs)):
+    for key, weight in ((ev_stage, None), (ev_rank, costs)):
         idx = np.lexsort((ev_index, ev_delta, ev_time, key))   # by owner, then time, frees first, then order
         owners, first = np.unique(key[idx], return_index=True)
         bounds = list(first[1:]) + [len(idx)]
@@ -286,5 +286,8 @@ def _memory_timeline(c: _Compiled, start: list[float], end: list[float],
             values = np.where(ev_delta[idx] > 0, grow, keep - grow)
         for owner, lo, hi in zip(owners.tolist(), first.tolist(), bounds):
             top = np.cumsum(values[lo:hi]).max()
-            out[owner] = max(0, int(top)) if weight is None else max(0.0, float(top))
+            if weight is None:
+                peak[owner] = max(0, int(top))
+            else:
+                peak_bytes[owner] = max(0.0, float(top))
     return peak, peak_bytes

@@ -19,10 +19,10 @@ class UnitChain(nn.Module):
         by the constructor (init_weights), and per module by executor.materialize for models built on meta."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-        elif callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+            if (bias := getattr(module, "bias", None)) is not None:   # an Embedding has none
+                nn.init.zeros_(bias)
+        elif callable(reset := getattr(module, "reset_parameters", None)):
+            reset()
 
     def init_weights(self) -> None:
         self.apply(self._init_weights)

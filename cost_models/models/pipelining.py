@@ -88,7 +88,7 @@ def _hf_support(model: nn.Module, units: Units, model_type: str) -> str:
 
 def _layout_mismatch(model: nn.Module, units: Units, layout: _HFLayout) -> str | None:
     try:
-        n_layers = len(model.get_submodule(layout.blocks))
+        n_layers = len(model.get_submodule(layout.blocks))   # type: ignore[arg-type]  # no len(): TypeError, below
     except (AttributeError, TypeError):
         return f"the model has no {layout.blocks}"
     if len(units) != n_layers + 2:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from cost_models.records.errors import ModelSourceError
+from cost_models.models.mlp import MLPConfig
 from cost_models.models.zoo import ZOO, ZooEntry, build_zoo_model
 from cost_models.records.profile import InputSpec
 
@@ -139,7 +140,9 @@ def _zoo_source(entry: ZooEntry) -> ModelSource:
     def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
         cfg = entry.config
         if entry.input_kind == "tokens":
+            assert not isinstance(cfg, MLPConfig)   # the GPT and Llama families take tokens (ZooEntry.input_kind)
             return (torch.randint(0, cfg.vocab_size, (b, s)),)
+        assert isinstance(cfg, MLPConfig)   # the one family fed features
         return (torch.randn(b, s, cfg.in_dim),)
 
     return ModelSource(ref=entry.name, kind="zoo", name=entry.name, _build=lambda: build_zoo_model(entry),
@@ -187,8 +190,8 @@ def _factory_source(ref: str, input_ref: str | None) -> ModelSource:
     def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
         if input_fn is not None:
             return input_fn(b, s)
-        if callable(getattr(model, "example_input", None)):
-            return model.example_input(b, s)
+        if callable(example_input := getattr(model, "example_input", None)):
+            return example_input(b, s)
         emb = _first_embedding(model)
         if emb is not None:
             return (torch.randint(0, emb.num_embeddings, (b, s)),)

@@ -8,7 +8,7 @@ import contextlib
 import contextvars
 import fnmatch
 import math
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from cost_models.models.gpt import GPT
 from cost_models.models.llama import Llama
@@ -29,10 +29,10 @@ def tp_shape(model) -> TPShape:
         return TPShape(plan="zoo-llama", heads=c.n_heads, kv_heads=c.n_kv_heads, ffn=c.ffn_dim, hidden=c.dim,
                        vocab=c.vocab_size, vocab_split=True)
     if isinstance(model, GPT):
-        c = model.cfg
-        return TPShape(plan="zoo-gpt", heads=c.n_heads, kv_heads=c.n_heads, ffn=4 * c.dim, hidden=c.dim,
-                       vocab=c.vocab_size, vocab_split=not c.tie_embeddings)
-    config = getattr(model, "config", None)
+        g = model.cfg
+        return TPShape(plan="zoo-gpt", heads=g.n_heads, kv_heads=g.n_heads, ffn=4 * g.dim, hidden=g.dim,
+                       vocab=g.vocab_size, vocab_split=not g.tie_embeddings)
+    config: Any = getattr(model, "config", None)   # transformers' config, untyped; not None where kind is
     kind = getattr(config, "model_type", None)
     if kind in ("llama", "mistral", "qwen2"):
         tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -52,7 +52,8 @@ def tp_shape(model) -> TPShape:
                         "module:function gives one)")
 
 
-_CUSTOM_PLAN: contextvars.ContextVar[tuple[str, object] | None] = contextvars.ContextVar("tp_plan", default=None)
+_CUSTOM_PLAN: contextvars.ContextVar[tuple[str, Callable[..., Any]] | None] = contextvars.ContextVar(
+    "tp_plan", default=None)
 
 
 @contextlib.contextmanager
@@ -97,9 +98,10 @@ def check_rules(model, rules: tuple[TPRule, ...], ref: str) -> None:
         if all(style_of(n, rules) is not r for n in matched):
             raise ConfigError(f"--tp-plan {ref}: {r.pattern!r} only matches modules an earlier rule styles (the "
                               "first matching rule wins); put it before them")
-        wrong = [n for n in matched if STYLE_KINDS[r.style] and kinds[n] not in STYLE_KINDS[r.style]]
+        allowed = STYLE_KINDS[r.style] or ()   # none: the style takes a module of any kind
+        wrong = [n for n in matched if allowed and kinds[n] not in allowed]
         if wrong:
-            raise ConfigError(f"--tp-plan {ref}: {r.style} splits {' or '.join(STYLE_KINDS[r.style])} modules, but "
+            raise ConfigError(f"--tp-plan {ref}: {r.style} splits {' or '.join(allowed)} modules, but "
                               f"{wrong[0]} is a {kinds[wrong[0]]}")
         if r.parts > 1 and r.style != "colwise":
             raise ConfigError(f"--tp-plan {ref}: parts={r.parts} on {r.pattern!r}: only colwise rules take parts")

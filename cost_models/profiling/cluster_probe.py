@@ -34,14 +34,14 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 import torch
 import torch.distributed as dist
 
-from cost_models.records.cluster import (ClusterProfile, CollectiveFit, ComputeProbe, DeviceSpec, LinkSpec, Sample,
-                                         Topology)
+from cost_models.records.cluster import (ClusterProfile, CollectiveFit, CollectiveOp, ComputeProbe, DeviceSpec,
+                                         LinkSpec, Sample, Topology)
 from cost_models.torch_compat.elastic import elastic_job, init_process_group, root_failure
 from cost_models.torch_compat.devices import claim_device, rank_backend
 from cost_models.records.errors import ConfigError, ProfileError
@@ -373,7 +373,8 @@ def run_local_probe(ranks: int, cfg: ProbeConfig) -> dict[str, Any]:
 
 def _fits(raw: list[dict[str, Any]]) -> list[CollectiveFit]:
     """One alpha-beta fit per (op, scope, group size) series of the probe's rows."""
-    series: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    # the rows _measure_collectives writes name an op of cfg.ops and a scope of the groups: CollectiveFit's names
+    series: dict[tuple[CollectiveOp, Literal["intra", "inter"], int], list[dict[str, Any]]] = {}
     for r in raw:
         series.setdefault((r["op"], r["scope"], r["group_size"]), []).append(r)
     fits = []

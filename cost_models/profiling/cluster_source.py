@@ -32,10 +32,10 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         while sizes[-1] * 4 <= hi:
             sizes.append(sizes[-1] * 4)
         return tuple(sizes)
-    sizes = tuple(sorted(parse_size(t) for t in text.split(",") if t.strip()))
-    if len(sizes) < 2:
+    listed = tuple(sorted(parse_size(t) for t in text.split(",") if t.strip()))
+    if len(listed) < 2:
         raise ConfigError("--probe-sizes needs at least two sizes to fit latency and bandwidth")
-    return sizes
+    return listed
 
 
 def check_cluster_args(spec: str, *, nodes: int | None, ranks: int | None) -> None:

@@ -23,11 +23,12 @@ profiler substitutes torch's fused CPU flash kernel (which has meta support) so 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import psutil
 import torch
@@ -355,8 +356,13 @@ def _parse_units(spec: str | list[str], model: nn.Module) -> list[tuple[str, tup
     return units
 
 
+def _block_names(model: nn.Module, list_name: str) -> list[str]:
+    """The module names of the blocks in `list_name`, the nn.ModuleList _largest_module_list found."""
+    return [f"{list_name}.{i}" for i in range(len(cast(nn.ModuleList, model.get_submodule(list_name))))]
+
+
 def _derive_units(model: nn.Module, list_name: str, order: list[str]) -> list[tuple[str, tuple[str, ...]]]:
-    blocks = [f"{list_name}.{i}" for i in range(len(model.get_submodule(list_name)))]
+    blocks = _block_names(model, list_name)
     pos = {name: i for i, name in enumerate(order)}
     missing = [b for b in blocks if b not in pos]
     if missing:
@@ -613,7 +619,8 @@ def _split_kept_in_stages(model: nn.Module, unit_defs, capture: _Capture, result
     earlier ones extrapolated by the last measured step. Where the units do not chain (a module's one positional
     input is not the previous module's output) a unit keeps its alone value."""
     n = len(unit_defs)
-    spans, flat = [], []             # unit -> its modules' range in flat; flat: (module, its captured kwargs)
+    spans: list[tuple[int, int]] = []                    # unit -> its modules' range in flat
+    flat: list[tuple[nn.Module, dict[str, Any]]] = []    # (module, its captured kwargs)
     for _, mods, _ in results_by_unit:
         spans.append((len(flat), len(flat) + len(mods)))
         flat += [(model.get_submodule(m), _fresh(((), capture.inputs[m][1]))[1]) for m in mods]
@@ -809,7 +816,7 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
                    loss: str, timed: bool, warmup: int, repeats: int, rules: tuple[TPRule, ...] | None,
                    seq_len: int, on_progress: ProgressFn | None,
                    on_estimate: Callable[[float], None] | None,
-                   ) -> tuple[UnitResults, int, set[str], tuple["UnitEdge", ...]]:
+                   ) -> tuple[UnitResults, int, set[str], tuple["UnitEdge", ...], float]:
     """Find the units (steps 1-2 of the module doc), then measure each of their modules alone: all counted
     (step 3), then, in real mode, all timed (step 4). `on_estimate(seconds)`, in real mode, gets the time the
     timed runs should take, between the two passes."""
@@ -818,7 +825,7 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
         watched = {m: model.get_submodule(m) for _, mods in explicit for m in mods}
     else:
         list_name = _largest_module_list(model)
-        names = _path_siblings(model, list_name) + [f"{list_name}.{i}" for i in range(len(model.get_submodule(list_name)))]
+        names = _path_siblings(model, list_name) + _block_names(model, list_name)
         watched = {n: model.get_submodule(n) for n in names}
     model_fc = _flop_counter()
     capture = _Capture(watched, model_fc)
@@ -874,7 +881,7 @@ def _time_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_u
         progress.unit(f"timing {name}")
         for m, res in zip(mods, results):
             _time_into(res, model.get_submodule(m), capture.inputs[m], loss=loss if m == last else None,
-                       warmup=warmup, repeats=repeats, batch=batch, tick=lambda share, m=m: progress.tick(m, share))
+                       warmup=warmup, repeats=repeats, batch=batch, tick=functools.partial(progress.tick, m))
     progress.unit("timing the whole model")
     return _in_model_factor(model, inputs, results_by_unit, loss=loss, warmup=warmup, repeats=repeats)
 
@@ -922,6 +929,7 @@ def _mixed_factor(source: ModelSource, model: nn.Module, inputs: tuple[torch.Ten
     plain = _whole_model_seconds(model, inputs, target, loss=loss, warmup=warmup, repeats=repeats)
     if not plain:
         return 1.0
+    master: nn.Module | None = None   # the fp32 copy, dropped before the cache is emptied
     try:
         master = source.build(device=inputs[0].device, dtype=torch.float32)
         master.train()

@@ -46,9 +46,10 @@ def detect_topology(nvml: Any | None = None) -> tuple[Topology | None, str | Non
     """Return (topology, note). With no NVIDIA driver: (None, one line saying so)."""
     if nvml is None:
         try:
-            import pynvml as nvml  # nvidia-ml-py
+            import pynvml  # nvidia-ml-py
         except ImportError:
             return None, "nvidia-ml-py is not installed: no GPU topology; probing CPU ranks with gloo"
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:

@@ -66,7 +66,7 @@ def optimizer_dtensor_seconds(device: torch.device) -> float:
     return _median_time(opt.step) / len(params)
 
 
-def _plain_layers(device: torch.device) -> nn.Module:
+def _plain_layers(device: torch.device) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to(device)
 

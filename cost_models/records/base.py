@@ -11,11 +11,14 @@ import types
 import typing
 from typing import Any, ClassVar, TypeVar
 
+from typing_extensions import dataclass_transform   # typing's own from Python 3.11; torch depends on the package
+
 from cost_models.records.errors import FileFormatError
 
 T = TypeVar("T", bound="Record")
 
 
+@dataclass_transform(frozen_default=True, kw_only_default=True)   # PEP 681: type checkers see the dataclass
 def record(cls: type[T]) -> type[T]:
     """Class decorator: a frozen, keyword-only dataclass (the house style for every data type)."""
     return dataclasses.dataclass(frozen=True, kw_only=True)(cls)

@@ -75,7 +75,9 @@ class CollectiveFit(Record):
     def _median_line(self) -> tuple[float, float] | None:
         if len(self.samples) < 2 or any(s.median_s is None or s.median_s <= 0 for s in self.samples):
             return None
-        return fit_alpha_beta([s.size_bytes for s in self.samples], [s.median_s for s in self.samples])[:2]
+        # the check above leaves no sample without a median: the filter only narrows the type
+        medians = [s.median_s for s in self.samples if s.median_s is not None]
+        return fit_alpha_beta([s.size_bytes for s in self.samples], medians)[:2]
 
 
 @record

@@ -32,7 +32,7 @@ Styles:
 from __future__ import annotations
 
 import fnmatch
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 from cost_models.records.base import Record, record
 
@@ -182,9 +182,11 @@ def rules_for(plan: TPPlan, *, vocab_split: bool) -> tuple[TPRule, ...]:
     embedding enters the sequence split, an sp_entry, unless the plan enters it later: then it has no rule)."""
     if vocab_split:
         return plan.rules
-    demoted = {"embedding": None if enters_late(plan.rules) else "sp_entry", "head": "region"}
-    return tuple(TPRule(pattern=r.pattern, style=demoted[r.style]) if r.style in demoted else r for r in plan.rules
-                 if demoted.get(r.style, r.style) is not None)
+    demoted: dict[str, Style | None] = {"embedding": None if enters_late(plan.rules) else "sp_entry",
+                                        "head": "region"}
+    # the filter drops the rules demoted to None, so a rule rebuilt here has a style
+    return tuple(TPRule(pattern=r.pattern, style=cast(Style, demoted[r.style])) if r.style in demoted else r
+                 for r in plan.rules if demoted.get(r.style, r.style) is not None)
 
 
 def enters_late(rules: tuple[TPRule, ...]) -> bool:

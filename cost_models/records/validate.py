@@ -223,6 +223,7 @@ def _check_saved_parts(u: UnitProfile, at: str, where: str, fix: str) -> None:
 def _check_tp_unit(u: UnitProfile, path: str, where: str, fix: str) -> None:
     """model_profiler gives every saved storage at most one role and flags each counted tensor once (TPUnit)."""
     t = u.tp
+    assert t is not None   # the caller checks only units with a TP record
     roles = t.saved_split + t.saved_seq + t.saved_col_input + t.saved_core
     if roles > u.saved_bytes:
         _fail(where, f"{path}.saved_split", t.saved_split,

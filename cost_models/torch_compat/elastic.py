@@ -78,7 +78,7 @@ def _signal_line(line: str) -> str:
 
 
 @contextlib.contextmanager
-def _environ(updates: dict[str, str]) -> Iterator[None]:
+def environ(updates: dict[str, str]) -> Iterator[None]:
     """Set environment variables for the launch (the agent and its ranks inherit them), then restore them."""
     saved = {k: os.environ.get(k) for k in updates}
     os.environ.update(updates)
@@ -108,8 +108,8 @@ def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: i
         # inherited fd 2 does: _children_stderr_to): what a failed rank says reaches the user as one line through
         # the failure notes and the agent's error files
         logs = DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), redirects=Std.ALL)
-        common = dict(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node, rdzv_backend="c10d",
-                      max_restarts=0, monitor_interval=0.1, logs_specs=logs)
+        common: dict[str, Any] = dict(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
+                                      rdzv_backend="c10d", max_restarts=0, monitor_interval=0.1, logs_specs=logs)
         if local:
             config = LaunchConfig(run_id=f"zeropipe-{name}-{uuid.uuid4().hex[:8]}",
                                   rdzv_endpoint=os.path.join(workdir, "rendezvous"),
@@ -121,7 +121,7 @@ def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: i
                                   rdzv_endpoint=rdzv_endpoint or "127.0.0.1:0",
                                   rdzv_configs={"rank": node_rank} if nnodes > 1 else {}, **common)
             env = {}
-        with _environ(env), quiet_elastic_logs(), _children_stderr_to(os.path.join(workdir, "ranks.log")):
+        with environ(env), quiet_elastic_logs(), _children_stderr_to(os.path.join(workdir, "ranks.log")):
             yield config, workdir
 
 

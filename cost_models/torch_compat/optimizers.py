@@ -64,7 +64,8 @@ def time_optimizers(model: nn.Module, device: torch.device, *, warmup: int, repe
                     max_params: int = TIMED_PARAMS_MAX) -> tuple[OptimizerTiming, ...]:
     """Every optimizer's step over fp32 copies of `model`'s parameters in order, up to `max_params` of them (the
     whole model where it is smaller; at least one tensor), and per tensor over tiny ones."""
-    chosen, total = [], 0
+    chosen: list[nn.Parameter] = []
+    total = 0
     for p in model.parameters():
         if chosen and total + p.numel() > max_params:
             break

@@ -63,7 +63,9 @@ def default_group_timeout(device: torch.device) -> timedelta:
     """The timeout init_process_group was given. torch 2.13 exposes it only as the backend's Options._timeout
     (ProcessGroup._get_backend; distributed_c10d._set_pg_timeout reads the same backend)."""
     import torch.distributed as dist
-    return dist.group.WORLD._get_backend(device).options._timeout
+    world = dist.group.WORLD
+    assert world is not None, "init_process_group runs first: there is no timeout before it"
+    return world._get_backend(device).options._timeout
 
 
 def set_group_timeout(group, timeout: timedelta) -> None:
