@@ -32,7 +32,7 @@ def test_a_real_profile_times_every_optimizer_on_the_whole_small_model(tiny_prof
     for t in prof.optimizer_timings:
         assert t.params == prof.total_params and t.tensors == tensors
         assert t.step.min_s <= t.step.median_s <= t.step.max_s and t.step.repeats == 3
-        assert 0 < t.tensor_s < t.step.median_s
+        assert t.tensor_s > 0   # timed; how it compares with the step is a timing, which load can reorder
         assert t.param_seconds() == pytest.approx((t.step.median_s - t.tensors * t.tensor_s) / t.params)
     assert tiny_profiles["gpt-tiny", True].optimizer_timings == ()   # meta: nothing timed
 
