@@ -3,7 +3,7 @@ activation term (cost_models.cost.estimate: the schedule's in-flight micro-batch
 with recompute, one unit's saved bytes while it is recomputed).
 
 What is counted, by storage (views share one), parameters left out, as the profiler counts a unit's saved bytes
-(cost_models.profiling.model_profiler):
+(cost_models.profiling.counting):
 - every tensor autograd saves for backward (torch.autograd.graph.saved_tensors_hooks: the hook's handle lives as
   long as autograd keeps the tensor, and is dropped when the node that saved it has run backward);
 - in a checkpointed region (full recompute of a unit, or the selective recompute of the attention kernel), what the

@@ -99,4 +99,5 @@ def gpt2_stage(model: nn.Module, unit_names: Sequence[str], units: UnitMap, *, f
     return Stage(_parts(model, unit_names, units), run)
 
 
+# keyed by the family's name (cost_models.models.families: the pipeline kind pipeline_support answers)
 ADAPTERS = {"hf-llama": llama_stage, "hf-gpt2": gpt2_stage}

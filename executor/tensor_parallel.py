@@ -264,7 +264,7 @@ def _core_checkpointed():
     """A function mode that runs scaled_dot_product_attention under torch.utils.checkpoint: the attention core
     (Korthikanti et al. 2022, section 5: QK^T, softmax, dropout, attention over V) keeps only its inputs q, k and v
     and is recomputed in backward; the kernel's output and softmax statistics are not kept. This is exactly the
-    profiler's "core" role (cost_models.profiling.model_profiler: what SDPA saves beyond q, k and v), so the estimate's
+    profiler's "core" role (cost_models.profiling.tp_watch: what SDPA saves beyond q, k and v), so the estimate's
     selective term and the run measure the same thing. With a fused kernel there is no s x s matrix to drop (the
     5as/h term is 0), only the output; a math-path or unfused attention drops the scores too. A policy-based
     selective checkpoint of the whole attention module kept more than no checkpointing at all (measured:
@@ -319,7 +319,7 @@ def layer_kept_bytes(model: nn.Module, layer: nn.Module, example: torch.Tensor) 
     `example` (collective under tensor parallelism: every tp rank must call it): the layer's input plus every
     storage its forward made that is still alive when the model's forward has returned (held by autograd's saved
     tensors or by a checkpoint's cache), by storage, parameters and the layer's output (the next layer's input)
-    left out. Unlike a saved_tensors_hooks count (cost_models.profiling.model_profiler) this sees inside checkpointed
+    left out. Unlike a saved_tensors_hooks count (cost_models.profiling.counting) this sees inside checkpointed
     regions, so full and selective recompute can be compared with Korthikanti et al. 2022, Table 2 (per layer, at t
     ranks: sbh(10 + 24/t + 5as/(ht)), with SP sbh(34/t + 5as/(ht)), with SP and selective recompute 34sbh/t, in 2-byte
     units)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from cost_models.cost.compute import executed_dtype
 from cost_models.records.formatting import GIB, duration, fixed, measured, size
-from cost_models.cost.estimate import send_delay
+from cost_models.cost.sharing import send_delay
 from cost_models.records.precision import DTYPE_BYTES
 from cost_models.records.schedule import SCHEDULES, parse_order
 from cost_models.cost.simulator import simulate

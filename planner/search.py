@@ -40,13 +40,15 @@ from typing import Callable, cast
 
 from cost_models.records.cluster import Calibration, ClusterProfile
 from cost_models.cost.comm import collective_time
-from cost_models.cost.compute import executed_precision, optimizer_step_time, unit_times
+from cost_models.cost.compute import executed_precision
 from cost_models.records.errors import ConfigError, InfeasibleError
-from cost_models.cost.estimate import Estimate, activation_scale, busy_ranks, dtype_ratio, estimate, tied_copies
+from cost_models.cost.estimate import (Estimate, activation_scale, dp_ranks_per_node, dtype_ratio, estimate,
+                                       held_params, optimizer_seconds, saved_bytes, unit_costs, unit_seconds)
+from cost_models.cost.sharing import busy_ranks
 from cost_models.records.formatting import fixed, now_utc
 from cost_models.records.limits import MAX_MICROBATCHES
 from cost_models.records.precision import BYTES_PER_PARAM, Optimizer, Precision
-from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_at, saved_parts, zero_model_state_bytes
+from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_parts, zero_model_state_bytes
 from cost_models.records.profile import ModelProfile, UnitProfile
 from cost_models.records.schedule import SCHEDULES, forwards_before_backward, get_spec, placement
 from cost_models.records.strategy import Strategy
@@ -150,9 +152,9 @@ def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterPr
     problem = PartitionProblem(
         costs=tuple(unit_cost), n_stages=point.pp * point.v,
         # every tied parameter a unit uses, wherever the cut puts its owner (an upper bound)
-        state_bytes=tuple((u.params + sum(tied_copies(profile, u.name, ()))) * per_param for u in profile.units),
-        act_bytes=tuple(saved_at(u, micro_batch_size=point.micro_batch_size, profile_batch=profile.micro_batch_size,
-                                 dtype_ratio=dtype_ratio(profile, precision)) * act_scale for u in profile.units),
+        state_bytes=tuple(held_params(profile, u.name, ()) * per_param for u in profile.units),
+        act_bytes=tuple(saved_bytes(profile, u, micro_batch_size=point.micro_batch_size, precision=precision)
+                        * act_scale for u in profile.units),
         in_flight=tuple(max(1, st.peak_in_flight) for st in est.stages),
         capacity=(cluster.device.memory_bytes - overhead_bytes(cluster)) / point.v)
     return stages_from_ranges([u.name for u in profile.units], dp_partition(problem))
@@ -164,6 +166,13 @@ def _least_saved(u: UnitProfile, dtype_ratio: float) -> float:
     dtype counted at its own size): the pruning bounds' activation term."""
     grow, grow_other, _, _ = saved_parts(u)
     return max(0.0, grow + grow_other / dtype_ratio - (u.tp.saved_core if u.tp else 0))
+
+
+def _core_bytes(profile: ModelProfile, *, micro_batch_size: int, precision: str) -> dict[str, float]:
+    """Unit -> the attention core's saved bytes per micro-batch before tp divides them (what selective recompute
+    drops: memory.tp_saved_bytes), at this micro-batch in the compute dtype."""
+    scale = activation_scale(profile, micro_batch_size=micro_batch_size, precision=precision)
+    return {u.name: (u.tp.saved_core if u.tp else 0) * scale for u in profile.units}
 
 
 def _overflow(est: Estimate, cap: int) -> set[int]:
@@ -181,8 +190,7 @@ def _selective_may_fit(est: Estimate, profile: ModelProfile, cap: int, *, micro_
                        precision: str) -> bool:
     """Selective recompute drops the attention core's saved tensors (the units' tp.saved_core) of every
     micro-batch in flight: a rank past the capacity by more than all of those cannot fit with it (no estimate)."""
-    scale = activation_scale(profile, micro_batch_size=micro_batch_size, precision=precision)
-    core = {u.name: (u.tp.saved_core if u.tp else 0) * scale for u in profile.units}
+    core = _core_bytes(profile, micro_batch_size=micro_batch_size, precision=precision)
     by_stage = {st.stage: st for st in est.stages}
     for m in est.memory_per_rank:
         drops = sum(max(1, by_stage[sid].peak_in_flight) * sum(core[u] for u in by_stage[sid].units)
@@ -312,7 +320,7 @@ def _splits_tie(pt: Point, parts: "_Partitions", ties, req: PlanRequest) -> bool
 
 def _one_microbatch_schedule(pp: int) -> str | None:
     """A schedule of the registry that runs pp one-chunk stages on one micro-batch without split backward (the
-    per-unit proxy's: its stage times are the units' own)."""
+    per-unit proxy strategy's, _UnitTimes: one unit per stage)."""
     for name, spec in SCHEDULES.items():
         if not spec.split_backward and 1 in spec.searched_v:
             try:
@@ -324,12 +332,13 @@ def _one_microbatch_schedule(pp: int) -> str | None:
 
 
 class _UnitTimes:
-    """Per-unit (forward, backward) seconds of one micro-batch on one TP rank as the estimate prices them (compute
-    share, narrow-GEMM efficiency and exposed TP collectives), per (tp, sp, micro-batch size): read off one estimate
-    that puts every unit in its own stage (GPipe, one micro-batch). Each size is estimated, not scaled from another:
-    a GPU profile's in-model gap is a fixed cost per call (compute._in_model), so per-sample time can grow with the
-    batch. Only on clusters without a compute probe (presets), where unit times do not depend on how many ranks
-    run; None elsewhere (the bound falls back to the profile's unit times / tp)."""
+    """Per-unit (forward, backward) seconds of one micro-batch on one TP rank as the estimate prices them in its
+    stages (estimate.unit_costs, the function the estimate's stages sum: compute share, narrow-GEMM efficiency and
+    exposed TP collectives), per (tp, sp, micro-batch size), for a strategy that puts every unit in its own stage
+    and runs one micro-batch. Each size is priced, not scaled from another: a GPU profile's in-model gap is a fixed
+    cost per call (compute._in_model), so per-sample time can grow with the batch. Only on clusters without a
+    compute probe (presets), where unit times do not depend on how many ranks run; None elsewhere (the bound falls
+    back to the profile's unit times / tp)."""
 
     def __init__(self, profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest) -> None:
         self.profile, self.cluster, self.req = profile, cluster, req
@@ -349,8 +358,7 @@ class _UnitTimes:
         s = Strategy(dp=1, pp=n, zero=0, schedule=schedule, microbatches=1, micro_batch_size=mbs,
                      stages=tuple((u,) for u in self.names), tp=tp, sp=sp, precision=self.req.precision,
                      optimizer=self.req.optimizer)
-        est = estimate(s, self.profile, self.cluster, compact=True)
-        return [(st.fwd_s, st.bwd_s) for st in est.stages]
+        return unit_costs(s, self.profile, self.cluster)
 
     def stage_fb(self, pt: Point, parts: _Partitions) -> list[tuple[float, float]] | None:
         """(forward, backward) per stage of the point's cut, per micro-batch of its size (None: no proxy)."""
@@ -433,8 +441,7 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     if pt.dp == 1 or (pt.pp == 1 and pt.zero != 1):
         return 0.0
     p_b, g_b, _ = BYTES_PER_PARAM[(req.precision, req.optimizer)]
-    per_node = max(1, cluster.devices_per_node // pt.tp)
-    rpn = math.gcd(pt.dp, per_node) if pt.dp > per_node else None
+    rpn = dp_ranks_per_node(cluster, dp=pt.dp, tp=pt.tp)
 
     def coll(op: str, size: float) -> float:   # the lesser of the two fits (CollectiveFit.predict): a bound
         return min(collective_time(cluster, op, size, pt.dp, ranks_per_node=rpn, back_to_back=b)
@@ -471,9 +478,9 @@ def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], profile: ModelProfile
     bound = max(schedule, busiest.start_busy + dp_time(busiest.params), critical.start_busy + dp_time(critical.params))
     held = fullest / (pt.dp if pt.zero >= 1 else 1)
     busy = busy_ranks(cast(Strategy, pt))   # busy_ranks reads only fields a Point has too
-    return bound + cal.optimizer_scale * optimizer_step_time(held, profile=profile, cluster=cluster,
-                                                             precision=req.precision, optimizer=req.optimizer,
-                                                             ranks_running=busy)
+    # the update alone, its fixed cost per tensor left out (a lower bound)
+    return bound + optimizer_seconds(held, 0.0, profile=profile, cluster=cluster, precision=req.precision,
+                                     optimizer=req.optimizer, ranks_running=busy, dtensors=False)
 
 
 @dataclass
@@ -623,8 +630,7 @@ def _known_overflow(pt: Point, plain: Estimate | None, parts: _Partitions, profi
         return frozenset()
     k = pt.pp * pt.v
     params = parts.stage_params(k)
-    scale = activation_scale(profile, micro_batch_size=pt.micro_batch_size, precision=req.precision)
-    core = {u.name: (u.tp.saved_core if u.tp else 0) * scale for u in profile.units}
+    core = _core_bytes(profile, micro_batch_size=pt.micro_batch_size, precision=req.precision)
     by_stage = {st.stage: st for st in plain.stages}
     out: set[int] = set()
     for m in plain.memory_per_rank:
@@ -697,13 +703,12 @@ def _branch_and_bound(frontier: _Frontier, bounds: _Bounds, profile: ModelProfil
 
 def bound_unit_times(profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest,
                      micro_batch_size: int) -> list[tuple[float, float]]:
-    """Each unit's (forward, backward) of one micro-batch with one rank computing: no plan's units run faster
-    (estimate.busy_ranks >= 1), so the bounds built on them stay lower bounds; mixed precision's factor only where
+    """Each unit's (forward, backward) of one micro-batch as the estimate prices a unit without tensor parallelism
+    (estimate.unit_seconds, its calibration included), with one rank computing: no plan's units run faster
+    (sharing.busy_ranks >= 1), so the bounds built on them stay lower bounds; mixed precision's factor only where
     it makes units faster, for the same reason."""
-    scale = _calibration(cluster).compute_scale   # as the estimate scales them
-    times = (unit_times(u, profile, cluster, micro_batch_size=micro_batch_size, precision=req.precision,
-                        ranks_running=1, mixed=profile.mixed_factor < 1) for u in profile.units)
-    return [(f * scale, b * scale) for f, b in times]
+    return [unit_seconds(u, profile, cluster, micro_batch_size=micro_batch_size, precision=req.precision,
+                         ranks_running=1, mixed=profile.mixed_factor < 1) for u in profile.units]
 
 
 def _executed(precision: Precision, device_kind: str) -> Precision:

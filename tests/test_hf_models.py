@@ -53,7 +53,7 @@ def test_grouped_query_attention_counts_the_same_where_torch_cannot_count_it(mon
     here, with a torch that counts GQA natively: the same FLOPs per unit."""
     import torch.nn.functional as F
 
-    import cost_models.profiling.model_profiler as mp
+    import cost_models.profiling.flops as mp
     src = resolve(LLAMA)
     native = profile_model(src, micro_batch_size=2, seq_len=16, meta=meta, repeats=1, warmup=0)
     monkeypatch.setattr(mp, "COUNTS_GQA", False)

@@ -184,7 +184,8 @@ def test_a_gpu_profiles_in_model_gap_is_a_fixed_cost_per_call(tiny_profiles):
 def test_cpu_contention_counts_the_ranks_that_compute_at_once(tiny_profiles):
     """4 CPU ranks on 2 cores slow each other 2x when all compute; a pipeline's ranks are busy n / (n + p - 1) of
     the step (GPipe's bubble), so a 4-stage pipeline of one micro-batch computes at full speed."""
-    from cost_models.cost.estimate import _Context, _stage_pass, busy_ranks
+    from cost_models.cost.estimate import _Context, _stage_pass
+    from cost_models.cost.sharing import busy_ranks
     prof = tiny_profiles["mlp-deep", False]
     cpu = _cpu_cluster(prof, ranks=4, cores=2)
     names = [u.name for u in prof.units]

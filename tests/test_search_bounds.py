@@ -153,3 +153,78 @@ def test_bounds_hold_on_a_calibrated_cluster(tiny_profiles):
     req = PlanRequest(global_batch_size=32, precision="fp32", micro_batch_sizes=(1, 2, 4), tp_degrees=(1,))
     checked = [(b, t) for b, t, _ in _bounds_and_estimates(prof, c, req)]
     assert len(checked) > 50 and all(b <= t * (1 + 1e-9) for b, t in checked)
+
+
+def _cut(names, k):
+    """`names` in k contiguous stages of near-equal length."""
+    bounds = [round(i * len(names) / k) for i in range(k + 1)]
+    return tuple(tuple(names[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+@pytest.mark.parametrize("dp, pp, v, tp, sp, mbs, schedule, zero", [
+    (1, 1, 1, 1, False, 2, "gpipe", 0),
+    (2, 2, 1, 1, False, 1, "1f1b", 1),
+    (1, 2, 1, 2, False, 1, "1f1b", 0),
+    (2, 2, 2, 4, True, 2, "interleaved-1f1b", 1),
+    (1, 3, 1, 2, True, 4, "zb-interleaved", 0),
+])
+def test_the_bounds_unit_times_are_the_estimates(tiny_profiles, calibrated, dp, pp, v, tp, sp, mbs, schedule, zero):
+    """The time bound's per-unit (forward, backward) on a preset (planner.search._UnitTimes) is what the estimate
+    prices each unit at (estimate.unit_costs), and each of the estimate's stages is its units' sum plus the
+    per-action overhead the bound leaves out: the bound reads the estimate's function, so the two cannot drift. A
+    calibration's per-action overhead stays out of the units (once counted per unit, it lifted the bounds of
+    multi-unit stages above their estimates). With tp = 1 a stage's parameters and activations are its units'
+    held_params and saved_bytes, which the memory-aware partitioner reads."""
+    import dataclasses
+    from cost_models.cost.estimate import (action_cost, activation_scale, estimate, held_params, saved_bytes,
+                                           unit_costs)
+    from cost_models.records.cluster import Calibration
+    from cost_models.records.strategy import Strategy
+    from planner import search as S
+    prof = tiny_profiles["gpt-tiny", True]
+    c = preset("dgx-h100")
+    if calibrated:
+        c = dataclasses.replace(c, calibration=Calibration(compute_scale=0.8, pipeline_action_s=1e-3,
+                                                           fitted=("compute_scale", "pipeline_action_s")))
+    names = [u.name for u in prof.units]
+    s = Strategy(dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=4, micro_batch_size=mbs, v=v,
+                 stages=_cut(names, pp * v), tp=tp, sp=sp)
+    req = PlanRequest(global_batch_size=s.global_batch_size)
+    per_unit = S._UnitTimes(prof, c, S._as_run(req, c)).units(tp, sp, mbs)
+    assert per_unit is not None and per_unit == unit_costs(s, prof, c)
+    action = action_cost(s, c) if s.n_stages > 1 else 0.0
+    scale = activation_scale(prof, micro_batch_size=mbs, precision=s.precision)
+    for st in estimate(s, prof, c).stages:
+        mine = [per_unit[names.index(u)] for u in st.units]
+        assert st.fwd_s == pytest.approx(sum(f for f, _ in mine) + action, rel=1e-12)
+        assert st.bwd_s == pytest.approx(sum(b for _, b in mine) + action * (1 + s.spec.split_backward), rel=1e-12)
+        if tp == 1:
+            assert st.params == sum(held_params(prof, u, st.units) for u in st.units)
+            assert st.activation_bytes == pytest.approx(
+                sum(saved_bytes(prof, prof.unit(u), micro_batch_size=mbs, precision=s.precision)
+                    for u in st.units) * scale, rel=1e-12)
+
+
+@pytest.mark.parametrize("mbs", [1, 2, 4])
+def test_the_fallback_unit_times_are_the_estimates_with_one_rank_computing(tiny_profiles, mbs):
+    """Where unit times depend on the ranks computing (a probed CPU cluster), the bound prices units as the
+    estimate does with one rank computing (planner.search.bound_unit_times, estimate.unit_seconds), calibration
+    included: a one-rank plan's estimate is its units' sum."""
+    import dataclasses
+    from cost_models.cost.estimate import estimate
+    from cost_models.records.cluster import Calibration
+    from cost_models.records.strategy import Strategy
+    from planner import search as S
+    from tests.clusters import cpu_cluster
+    prof = tiny_profiles["gpt-tiny", False]
+    c = dataclasses.replace(cpu_cluster(ranks=4, threads=prof.threads, cores=2),
+                            calibration=Calibration(compute_scale=0.7, fitted=("compute_scale",)))
+    names = tuple(u.name for u in prof.units)
+    s = Strategy(dp=1, pp=1, zero=0, schedule="gpipe", microbatches=2, micro_batch_size=mbs, stages=(names,),
+                 precision="fp32")
+    req = PlanRequest(global_batch_size=s.global_batch_size, precision="fp32")
+    per_unit = S.bound_unit_times(prof, c, req, mbs)
+    (st,) = estimate(s, prof, c).stages
+    assert st.fwd_s == pytest.approx(sum(f for f, _ in per_unit), rel=1e-12)
+    assert st.bwd_s == pytest.approx(sum(b for _, b in per_unit), rel=1e-12)

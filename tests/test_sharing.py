@@ -2,8 +2,9 @@
 timelines, and the estimate using them."""
 import pytest
 
-from cost_models.cost.estimate import _Context, _stage_pass, busy_ranks, estimate, send_delay
-from cost_models.cost.compute import contention
+from cost_models.cost.estimate import _Context, _stage_pass, estimate
+from cost_models.cost.sharing import busy_ranks, send_delay
+from cost_models.cost.sharing import contention
 from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
 from cost_models.records.presets import preset

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Literal, TypeVar
 
+from cost_models.cost.sharing import contention, memory_contention
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.profile import ModelProfile, UnitProfile
 
@@ -70,36 +71,6 @@ def _same_device(profile: ModelProfile, cluster: ClusterProfile) -> bool:
     """A real-mode profile taken on the cluster's kind of device (a GPU profile: on the same GPU model)."""
     same_gpu = profile.device != "gpu" or not profile.device_name or profile.device_name == cluster.device.name
     return profile.mode == "real" and profile.device == cluster.device.kind and same_gpu
-
-
-def effective_cores(cluster: ClusterProfile) -> float | None:
-    """How many ranks' worth of compute the CPU ranks get together: the probe's ranks x each one's FLOP/s while all
-    run, over one rank's alone (about the cores, measured: benchmarks/results/measurements.md, "Compute contention
-    on shared cores"). None on GPUs or without a probe."""
-    c = cluster.compute
-    if cluster.device.kind != "cpu" or c is None or c.flops_alone <= 0:
-        return None
-    return c.ranks * c.flops_per_rank / c.flops_alone
-
-
-def contention(cluster: ClusterProfile, ranks_running: float) -> float:
-    """How much slower each of `ranks_running` CPU ranks computes than one rank alone (1.0 on GPUs)."""
-    cores_eff = effective_cores(cluster)
-    return 1.0 if cores_eff is None else max(1.0, ranks_running / cores_eff)
-
-
-def memory_contention(cluster: ClusterProfile, ranks_running: float) -> float:
-    """How much slower each of `ranks_running` CPU ranks runs memory-bound work (the optimizer step) than one rank
-    alone: the probe's copy bandwidth alone over all ranks' (ComputeProbe.copy_alone_Bps), linear in the ranks
-    running between 1 (one) and that ratio (all), and never below the compute contention (cores are shared too).
-    Where the probe did not measure it (older files), the compute contention."""
-    c = cluster.compute
-    core = contention(cluster, ranks_running)
-    if cluster.device.kind != "cpu" or c is None or c.copy_alone_Bps <= 0 or c.copy_Bps <= 0 or c.ranks <= 1:
-        return core
-    full = c.copy_alone_Bps / c.copy_Bps
-    share = min(1.0, max(0.0, (ranks_running - 1) / (c.ranks - 1)))
-    return max(core, 1.0 + (full - 1.0) * share)
 
 
 def _measured_factor(profile: ModelProfile, cluster: ClusterProfile, ranks_running: float, mixed: bool) -> float:

@@ -38,11 +38,11 @@ import dataclasses
 import math
 from typing import Protocol, Sequence
 
-from cost_models.records.cluster import Calibration, ClusterProfile, ComputeProbe, action_seconds
+from cost_models.records.cluster import Calibration, ClusterProfile, ComputeProbe
 from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                    tp_unit_traffic)
-from cost_models.cost.compute import (compute_dtype, contention, effective_cores, executed_precision,
-                                      optimizer_step_time, tp_unit_times, unit_times, uses_measured_times)
+from cost_models.cost.compute import (compute_dtype, executed_precision, optimizer_step_time, tp_unit_times, unit_times,
+                                      uses_measured_times)
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
                                      held_bytes_per_param, overhead_bytes, saved_at, torch_mixed, tp_param_share,
                                      tp_saved_bytes, zero1_partition)
@@ -51,7 +51,9 @@ from cost_models.records.profile import ModelProfile, UnitProfile
 from cost_models.records.base import Record, record
 from cost_models.records.schedule import format_order, get_spec
 from cost_models.cost.simulator import Simulation, StageCost, simulate_schedule
-from cost_models.cost.sharing import stretched_backward, stretches
+from cost_models.cost.sharing import (action_seconds, busy_ranks, contention, effective_cores, send_delay,
+                                      stretched_backward,
+                                      stretches)
 from cost_models.records.strategy import Strategy
 from cost_models.records.tensor_parallel import vocab_divides
 
@@ -168,14 +170,17 @@ def tied_copies(profile: ModelProfile, unit: str, stage_units: Sequence[str]) ->
     return [sp.numel for sp in profile.shared if uses & set(sp.aliases) and sp.units[0] not in stage_units]
 
 
-def _held_params(profile: ModelProfile, unit: str, stage_units: Sequence[str]) -> int:
+def held_params(profile: ModelProfile, unit: str, stage_units: Sequence[str]) -> int:
+    """Parameters `unit` holds in a stage of `stage_units` without tensor parallelism: its own and a copy of each
+    tied parameter whose owner is elsewhere (tied_copies; no stage units: every tied parameter it uses). The
+    stages' model states count these (_rank_params), and so does the memory-aware partitioner (planner.search)."""
     return profile.unit(unit).params + sum(tied_copies(profile, unit, stage_units))
 
 
 def _rank_params(c: "_Context", unit: str, stage_units: Sequence[str]) -> int:
     """Parameters one rank holds of `unit` in its stage: with tp > 1 the split modules' share (tied copies whole:
     only a tied or indivisible vocabulary is tied, and that stays whole)."""
-    held = _held_params(c.profile, unit, stage_units)
+    held = held_params(c.profile, unit, stage_units)
     if c.s.tp == 1:
         return held
     return round(tp_param_share(held, c.profile.unit(unit).tp, c.s.tp, c.tp_vocab))
@@ -306,18 +311,6 @@ _UNIT_COSTS: dict[tuple[int, int], tuple[ModelProfile, ClusterProfile, dict]] = 
 _UNIT_COST_PAIRS = 4
 
 
-def busy_ranks(s: Strategy) -> float:   # s: a Strategy, or the planner's search Point (the same fields)
-    """How many ranks compute at once, on average over a step: all of them without a pipeline; with one, each
-    pipeline rank is busy n / (n + p - 1) of the time for n = m x v micro-batch chunks (the bubble fraction
-    (p - 1) / (m + p - 1) of GPipe, Huang et al. 2019, section 2.3, and (p - 1) / (v m) interleaved, Narayanan et
-    al. 2021, section 2.2). CPU ranks that share cores slow each other by how many compute at once
-    (compute.contention): a 4-stage pipeline of one micro-batch on 4 ranks over fewer cores runs one stage at a
-    time, at full speed (priced at every rank's contention it came out far too slow: measured in
-    benchmarks/results/measurements.md, "Compute contention on shared cores")."""
-    n = s.microbatches * s.v
-    return s.dp * s.tp * s.pp * n / (n + s.pp - 1)
-
-
 def action_cost(s: Strategy, cluster: ClusterProfile) -> float:
     """One pipeline schedule action's overhead for `s` on `cluster`, beyond its compute and p2p: a calibration's
     fitted value as it is (fitted from runs, whatever the schedule's kind); else the probe's for the schedule's kind
@@ -330,7 +323,7 @@ def action_cost(s: Strategy, cluster: ClusterProfile) -> float:
     if cluster.compute is None:
         return 0.0
     return action_seconds(cluster.compute, multi_stage=s.spec.multi_stage, split_backward=s.spec.split_backward,
-                          pipelines_at_once=s.dp * s.tp)
+                          pipelines_at_once=s.ranks_per_stage)
 
 
 def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, float, tuple[float, ...]]:
@@ -353,17 +346,43 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
             f, b, kept = _tp_unit(c, u, recompute, acc)
             hit = (f, b, kept, tuple(acc))
         else:
-            f, b = (t * c.calibration.compute_scale for t in unit_times(
-                u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-                ranks_running=busy_ranks(s), mixed=c.autocast))
+            f, b = unit_seconds(u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
+                                ranks_running=busy_ranks(s), mixed=c.autocast)
             hit = (f, b, _saved(c, u), ())
         entry[2][key] = hit
     return hit
 
 
+def unit_seconds(u: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, *, micro_batch_size: int,
+                 precision: str, ranks_running: float, mixed: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch through `u` without tensor parallelism or selective
+    recompute, as a stage's units are priced (_unit_cost): compute.unit_times scaled by the cluster's calibration.
+    `mixed`: under torch's autocast (_Context.autocast). The planner's bounds price units with it too."""
+    scale = (cluster.calibration or Calibration()).compute_scale
+    f, b = unit_times(u, profile, cluster, micro_batch_size=micro_batch_size, precision=precision,
+                      ranks_running=ranks_running, mixed=mixed)
+    return f * scale, b * scale
+
+
+def unit_costs(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> list[tuple[float, float]]:
+    """Each unit's (forward, backward) seconds of one micro-batch on one TP rank as `estimate` prices it in a stage
+    of `strategy` without recompute (_unit_cost: its compute share, TP collectives, selective recompute's core in
+    the backward), before what the stage adds (per-action and FSDP-hook overheads, the sharing of CPU cores). The
+    strategy's stages are not read. The planner's time bounds read them (planner.search._UnitTimes)."""
+    c = _Context.of(executed(strategy, cluster), profile, cluster)
+    return [_unit_cost(c, u.name, False)[:2] for u in profile.units]
+
+
+def saved_bytes(profile: ModelProfile, u: UnitProfile, *, micro_batch_size: int, precision: str) -> float:
+    """What one micro-batch through `u` saves for backward without tensor parallelism or recompute, at the
+    profile's scale (times activation_scale: bytes): memory.saved_at at this micro-batch in the compute dtype, as a
+    stage's activations count it (_saved) and the memory-aware partitioner too (planner.search)."""
+    return saved_at(u, micro_batch_size=micro_batch_size, profile_batch=profile.micro_batch_size,
+                    dtype_ratio=dtype_ratio(profile, precision))
+
+
 def _saved(c: _Context, u: UnitProfile) -> float:
-    return saved_at(u, micro_batch_size=c.s.micro_batch_size, profile_batch=c.profile.micro_batch_size,
-                    dtype_ratio=dtype_ratio(c.profile, c.s.precision))
+    return saved_bytes(c.profile, u, micro_batch_size=c.s.micro_batch_size, precision=c.s.precision)
 
 
 def _working_set(c: _Context, units: tuple[str, ...], saved: list[float], stage_input: float) -> float:
@@ -376,7 +395,7 @@ def _working_set(c: _Context, units: tuple[str, ...], saved: list[float], stage_
 
 def _kept(c: _Context, sid: int, units: tuple[str, ...], recompute: bool) -> float:
     """What each micro-batch keeps on a stage until the step ends under torch's split backward (I, then W): the saved
-    tensors of its nodes on no weight's path, measured in context by model_profiler._split_kept_in_stages (a last
+    tensors of its nodes on no weight's path, measured in context by profiling.split_backward.split_kept_in_stages (a last
     stage from its first unit to the loss; a middle stage as its first unit alone plus each later one after the
     unit before it). I runs with retain_graph and W starts from the
     intermediates I kept, so those are freed only with the graph, which a stage holds to the end of the step (the
@@ -491,12 +510,19 @@ def _dp_coll(c: _Context) -> CollFn:
     """collective_time over the strategy's dp group: its ranks are tp apart (mesh (pp, dp, tp)), so a node holds
     devices_per_node / tp of them."""
     s, cluster = c.s, c.cluster
-    per_node = max(1, cluster.devices_per_node // s.tp)
-    dp_rpn = math.gcd(s.dp, per_node) if s.dp > per_node else None
+    dp_rpn = dp_ranks_per_node(cluster, dp=s.dp, tp=s.tp)
 
     def coll(op: str, size: float, back_to_back: bool = False) -> float:
         return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn, back_to_back=back_to_back)
     return coll
+
+
+def dp_ranks_per_node(cluster: ClusterProfile, *, dp: int, tp: int) -> int | None:
+    """The ranks_per_node collective_time is given for a dp group (_dp_coll): its ranks are tp apart (mesh (pp,
+    dp, tp)), so a node holds devices_per_node / tp of them; None where the group fits in a node. The planner's
+    data-parallel bound places the group so too (planner.search._dp_bound)."""
+    per_node = max(1, cluster.devices_per_node // tp)
+    return math.gcd(dp, per_node) if dp > per_node else None
 
 
 def _p2p_times(c: _Context, sid: int, boundary: float, stage_input: float) -> tuple[float, float]:
@@ -504,7 +530,7 @@ def _p2p_times(c: _Context, sid: int, boundary: float, stage_input: float) -> tu
     A neighbour on the same rank (the turn of a V) is handed the tensor in memory: no p2p (torch's stage skips the
     send there)."""
     s, cluster = c.s, c.cluster
-    here, per = s.stage_rank(sid), s.dp * s.tp   # a pipeline rank's first global rank is pp_rank x dp x tp
+    here, per = s.stage_rank(sid), s.ranks_per_stage   # a pipeline rank's first global rank is pp_rank x dp x tp
     send_f = send_b = 0.0
     if sid < s.n_stages - 1 and s.stage_rank(sid + 1) != here:
         send_f = p2p_time(cluster, boundary, crosses_nodes=_crosses_nodes(here * per, s.stage_rank(sid + 1) * per,
@@ -536,7 +562,7 @@ def _shared(s: Strategy, cluster: ClusterProfile, stages: tuple[StageEstimate, .
     if cores is None or s.n_stages == 1:
         return stages
     out = stretches(s.simulated_schedule, s.pp, s.microbatches, s.v, tuple(st.cost() for st in stages),
-                    replicas=s.dp * s.tp, cores=cores, priced_at=contention(cluster, busy_ranks(s)),
+                    replicas=s.ranks_per_stage, cores=cores, priced_at=contention(cluster, busy_ranks(s)),
                     send_delay_s=send_delay_s)
     shared = []
     for st, x in zip(stages, out):
@@ -557,26 +583,6 @@ def _pipeline_pass(s: Strategy, stages: tuple[StageEstimate, ...], *, compact: b
         return sim, sim
     free = tuple(dataclasses.replace(x, send_fwd_s=0.0, send_bwd_s=0.0) for x in costs)
     return sim, simulate_schedule(s.simulated_schedule, s.pp, s.microbatches, s.v, free, send_delay_s=send_delay_s)
-
-
-# The most a gloo send waits for a core when every core is busy: the median of the plateau benchmarks/send_delay.py
-# measures with twice as many ranks as cores (benchmarks/results/send_delay.json; measurements.md, "CPU pipeline
-# sends wait for a core"). A scheduler's time slice, not a link's cost.
-SEND_DELAY_CAP_S = 3.8e-3
-
-
-def send_delay(s: Strategy, cluster: ClusterProfile) -> float:
-    """How long a pipeline's sends may wait for the sender's next wait (simulator._evaluate), on average over its
-    sends: SEND_DELAY_CAP_S while every core is busy, none while one is free (gloo's I/O thread then runs at once;
-    NCCL's transfers need no core). CPU ranks only. The share of a step with every core busy is taken as the ranks
-    computing at once beyond one less than the probe's effective cores (busy_ranks; compute.effective_cores),
-    clamped to [0, 1]: a pipeline of one micro-batch runs one rank at a time (little or no delay), one of many
-    micro-batches on more ranks than cores keeps them all busy (the cap). Scored offline against fidelity
-    measurements: benchmarks/results/measurements.md, "CPU pipeline sends wait for a core"."""
-    cores = effective_cores(cluster)
-    if cores is None:
-        return 0.0
-    return SEND_DELAY_CAP_S * min(1.0, max(0.0, busy_ranks(s) - (cores - 1.0)))
 
 
 def _rank_stages(s: Strategy, stages: tuple[StageEstimate, ...], r: int) -> list[StageEstimate]:
@@ -632,12 +638,22 @@ def _optimizer_pass(c: _Context, stages: tuple[StageEstimate, ...]) -> float:
     # FSDP2's shards (ZeRO-2/3) and a TP model's parameters are DTensors: every op of their update is dispatched
     # by DTensor, about ten times a plain tensor's cost (measured: benchmarks/results/measurements.md, "DTensor
     # optimizer overhead")
-    dtensors = (s.zero >= 2 or s.tp > 1) and c.overheads.optimizer_dtensor_s > 0
-    per_tensor = c.overheads.optimizer_dtensor_s if dtensors else c.overheads.optimizer_tensor_s
-    return c.calibration.optimizer_scale * (
-        optimizer_step_time(opt_params_rank, profile=c.profile, cluster=c.cluster, precision=s.precision,
-                            optimizer=s.optimizer, ranks_running=busy_ranks(s))
-        + opt_tensors_rank * per_tensor)
+    return optimizer_seconds(opt_params_rank, opt_tensors_rank, profile=c.profile, cluster=c.cluster,
+                             precision=s.precision, optimizer=s.optimizer, ranks_running=busy_ranks(s),
+                             dtensors=s.zero >= 2 or s.tp > 1)
+
+
+def optimizer_seconds(params: float, tensors: float, *, profile: ModelProfile, cluster: ClusterProfile,
+                      precision: str, optimizer: str, ranks_running: float, dtensors: bool) -> float:
+    """One rank's optimizer step as the estimate prices it (_optimizer_pass): the update of `params` parameters on
+    one of `ranks_running` busy ranks plus the probe's fixed cost per tensor for `tensors` tensors (DTensor's where
+    `dtensors` and the probe measured it), scaled by the cluster's calibration. The planner's time bound passes no
+    tensors (planner.search._point_bound)."""
+    probe = cluster.compute or _NO_OVERHEADS
+    per_tensor = probe.optimizer_dtensor_s if dtensors and probe.optimizer_dtensor_s > 0 else probe.optimizer_tensor_s
+    return (cluster.calibration or Calibration()).optimizer_scale * (
+        optimizer_step_time(params, profile=profile, cluster=cluster, precision=precision, optimizer=optimizer,
+                            ranks_running=ranks_running) + tensors * per_tensor)
 
 
 # --- pass 5: throughput and traffic -------------------------------------------------------------------------------
@@ -681,10 +697,10 @@ def _comm_volume(c: _Context, stages: tuple[StageEstimate, ...], dp_bytes: dict[
     # boundaries between ranks: the same-rank turn of a V moves nothing
     between = [i for i in range(s.n_stages - 1) if s.stage_rank(i) != s.stage_rank(i + 1)]
     p2p_bytes = sum(2 * stages[i].boundary_bytes for i in between) * s.microbatches
-    per = s.dp * s.tp
+    per = s.ranks_per_stage
     crossing = sum(_crosses_nodes(s.stage_rank(i) * per, s.stage_rank(i + 1) * per, cluster) for i in between)
     p2p_link = f"{crossing} of {len(between)} stage boundaries inter-node" if s.n_stages > 1 else "none"
-    dp_link = "inter-node" if s.dp * s.tp > cluster.devices_per_node else "intra-node"
+    dp_link = "inter-node" if s.ranks_per_stage > cluster.devices_per_node else "intra-node"
     tp_bytes = _tp_step_bytes(s, stages, 0)
     tp_link = "none" if s.tp == 1 else "intra-node" if s.tp <= cluster.devices_per_node else "inter-node"
     return CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()), dp_collectives=dp_bytes,
@@ -791,7 +807,7 @@ def _tied_sync(c: _Context, rank_end: list[float]) -> tuple[list[float], float]:
     s, cluster = c.s, c.cluster
     out = list(rank_end)
     rank0_bytes = 0.0
-    per = s.dp * s.tp   # a pipeline rank's first global rank is pp_rank x dp x tp
+    per = s.ranks_per_stage   # a pipeline rank's first global rank is pp_rank x dp x tp
     for shared in c.profile.shared:
         ranks = sorted({s.stage_rank(sid) for sid, units in enumerate(s.stages) if set(units) & set(shared.units)})
         if len(ranks) < 2:
@@ -875,7 +891,7 @@ def _memory(c: _Context, stages: tuple[StageEstimate, ...], sim: Simulation, *,
                    for r in range(s.pp)]
     out = []
     # mesh (pp, dp, tp): the tp ranks of a dp rank hold equal shares; compact: one entry per pipeline rank
-    for rank in (range(s.world_size) if per_rank else range(0, s.world_size, s.dp * s.tp)):
+    for rank in (range(s.world_size) if per_rank else range(0, s.world_size, s.ranks_per_stage)):
         pp_rank, d, _ = s.coords(rank)
         base, shares = per_pp_rank[pp_rank]
         o = base.optimizer_states

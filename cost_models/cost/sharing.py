@@ -1,4 +1,12 @@
-"""CPU ranks that share cores, priced phase by phase over a pipeline step (processor sharing).
+"""CPU ranks that share cores: every correction the estimate makes for it, in one place.
+
+GPUs compute alone; CPU ranks share the host's cores, so each computes slower the more compute at once. Here:
+  * effective_cores: how many ranks' worth of compute the host gives (the cluster probe's matmul rates);
+  * busy_ranks, contention, memory_contention: the step's average slowdown of compute and of memory-bound work;
+  * stretches: the same phase by phase over a pipeline step (processor sharing, below);
+  * send_delay: how long a gloo send waits for a core while every core is busy;
+  * action_seconds: torch's per-action pipeline runtime cost with the plan's pipelines running at once.
+On GPUs every one of them is the identity (1.0, 0 s, or the probe's value).
 
 The estimate prices a CPU rank's compute at the contention of the ranks busy on average over the step
 (estimate.busy_ranks, compute.contention). A pipeline of few micro-batches is not average: PP2 x DP2 at one
@@ -17,6 +25,8 @@ import dataclasses
 from typing import Sequence
 
 from cost_models.records.base import Record, record
+from cost_models.records.cluster import ClusterProfile, ComputeProbe
+from cost_models.records.strategy import Strategy
 from cost_models.cost.simulator import Event, StageCost, schedule_timeline
 
 # Re-simulations, each from the busy ranks of the previous one's timeline: over the fidelity configurations, 3
@@ -89,3 +99,90 @@ def stretches(schedule: str, p: int, m: int, v: int, costs: tuple[StageCost, ...
                             weight=factor.get((sid, "W"), factor.get((sid, "B"), 1.0))) for sid in range(len(costs)))
         current = tuple(_apply(c, x) for c, x in zip(costs, out))
     return out
+
+
+def effective_cores(cluster: ClusterProfile) -> float | None:
+    """How many ranks' worth of compute the CPU ranks get together: the probe's ranks x each one's FLOP/s while all
+    run, over one rank's alone (about the cores, measured: benchmarks/results/measurements.md, "Compute contention
+    on shared cores"). None on GPUs or without a probe."""
+    c = cluster.compute
+    if cluster.device.kind != "cpu" or c is None or c.flops_alone <= 0:
+        return None
+    return c.ranks * c.flops_per_rank / c.flops_alone
+
+
+def contention(cluster: ClusterProfile, ranks_running: float) -> float:
+    """How much slower each of `ranks_running` CPU ranks computes than one rank alone (1.0 on GPUs)."""
+    cores_eff = effective_cores(cluster)
+    return 1.0 if cores_eff is None else max(1.0, ranks_running / cores_eff)
+
+
+def memory_contention(cluster: ClusterProfile, ranks_running: float) -> float:
+    """How much slower each of `ranks_running` CPU ranks runs memory-bound work (the optimizer step) than one rank
+    alone: the probe's copy bandwidth alone over all ranks' (ComputeProbe.copy_alone_Bps), linear in the ranks
+    running between 1 (one) and that ratio (all), and never below the compute contention (cores are shared too).
+    Where the probe did not measure it (older files), the compute contention."""
+    c = cluster.compute
+    core = contention(cluster, ranks_running)
+    if cluster.device.kind != "cpu" or c is None or c.copy_alone_Bps <= 0 or c.copy_Bps <= 0 or c.ranks <= 1:
+        return core
+    full = c.copy_alone_Bps / c.copy_Bps
+    share = min(1.0, max(0.0, (ranks_running - 1) / (c.ranks - 1)))
+    return max(core, 1.0 + (full - 1.0) * share)
+
+
+def busy_ranks(s: Strategy) -> float:   # s: a Strategy, or the planner's search Point (the same fields)
+    """How many ranks compute at once, on average over a step: all of them without a pipeline; with one, each
+    pipeline rank is busy n / (n + p - 1) of the time for n = m x v micro-batch chunks (the bubble fraction
+    (p - 1) / (m + p - 1) of GPipe, Huang et al. 2019, section 2.3, and (p - 1) / (v m) interleaved, Narayanan et
+    al. 2021, section 2.2). CPU ranks that share cores slow each other by how many compute at once
+    (compute.contention): a 4-stage pipeline of one micro-batch on 4 ranks over fewer cores runs one stage at a
+    time, at full speed (priced at every rank's contention it came out far too slow: measured in
+    benchmarks/results/measurements.md, "Compute contention on shared cores")."""
+    n = s.microbatches * s.v
+    return s.dp * s.tp * s.pp * n / (n + s.pp - 1)
+
+
+# The most a gloo send waits for a core when every core is busy: the median of the plateau benchmarks/send_delay.py
+# measures with twice as many ranks as cores (benchmarks/results/send_delay.json; measurements.md, "CPU pipeline
+# sends wait for a core"). A scheduler's time slice, not a link's cost.
+SEND_DELAY_CAP_S = 3.8e-3
+
+
+def send_delay(s: Strategy, cluster: ClusterProfile) -> float:
+    """How long a pipeline's sends may wait for the sender's next wait (simulator._evaluate), on average over its
+    sends: SEND_DELAY_CAP_S while every core is busy, none while one is free (gloo's I/O thread then runs at once;
+    NCCL's transfers need no core). CPU ranks only. The share of a step with every core busy is taken as the ranks
+    computing at once beyond one less than the probe's effective cores (busy_ranks; compute.effective_cores),
+    clamped to [0, 1]: a pipeline of one micro-batch runs one rank at a time (little or no delay), one of many
+    micro-batches on more ranks than cores keeps them all busy (the cap). Scored offline against fidelity
+    measurements: benchmarks/results/measurements.md, "CPU pipeline sends wait for a core"."""
+    cores = effective_cores(cluster)
+    if cores is None:
+        return 0.0
+    return SEND_DELAY_CAP_S * min(1.0, max(0.0, busy_ranks(s) - (cores - 1.0)))
+
+
+def action_seconds(probe: "ComputeProbe", *, multi_stage: bool, split_backward: bool,
+                   pipelines_at_once: float) -> float:
+    """One pipeline action's overhead for a schedule of that kind (torch's single-stage classes, its multi-stage
+    runtime, that runtime with the backward split) when `pipelines_at_once` pipelines run together (the plan's
+    dp x tp); a kind not probed (older cluster files) costs as the first.
+
+    The probe measured two shapes (overhead_probe): every pair of ranks at once (probe.ranks // 2 pipelines) and
+    one pipeline over all ranks; a plan between them is interpolated linearly in its pipelines at once, and a
+    probe of one shape only (2 ranks, older files) gives the pairs' value. On CPU ranks sharing cores the two
+    differ, either way round depending on the schedule kind (measured: benchmarks/results/measurements.md,
+    "Pipeline action overhead")."""
+    def kind(prefix: str) -> tuple[float, float]:
+        return getattr(probe, prefix + "_s"), getattr(probe, prefix + "_one_s")
+    pairs, one = kind("pipeline_action")
+    if multi_stage:
+        value = kind("pipeline_split_action" if split_backward else "pipeline_runtime_action")
+        if value[0] > 0:
+            pairs, one = value
+    most = probe.ranks // 2   # 3 ranks: one pair at a time, one pipeline is the only other shape
+    if one <= 0:
+        return pairs
+    share = 0.0 if most <= 1 else min(1.0, max(0.0, (pipelines_at_once - 1) / (most - 1)))
+    return one + (pairs - one) * share

@@ -18,41 +18,16 @@ known to hold:
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from torch import fx, nn
 
+from cost_models.models.families import HF_MODEL_TYPES, HFLayout, hf_family
 from cost_models.records.profile import PIPELINE_KINDS
 
 Units = Sequence[tuple[str, tuple[str, ...]]]
 
-CHAIN, HF_LLAMA, HF_GPT2, TRACED = PIPELINE_KINDS
-
-
-@dataclass(frozen=True)
-class _HFLayout:
-    """The units the profiler derives for one transformers family, which its stage adapter cuts at."""
-
-    kind: str
-    embed: tuple[str, ...]           # modules the embedding unit must hold
-    embed_optional: tuple[str, ...]  # modules it may also hold (parameter-free: rotary tables, dropout)
-    blocks: str                      # the nn.ModuleList of decoder layers: one unit each
-    head: tuple[str, ...]            # the head unit's modules, in call order
-
-    def describe(self) -> str:
-        extra = "".join(f"[+{m}]" for m in self.embed_optional)
-        return (f"an embedding unit ({'+'.join(self.embed)}{extra}), one unit per {self.blocks}.i, and a head unit "
-                f"({'+'.join(self.head)})")
-
-
-_LLAMA = _HFLayout(kind=HF_LLAMA, embed=("model.embed_tokens",), embed_optional=("model.rotary_emb",),
-                   blocks="model.layers", head=("model.norm", "lm_head"))
-HF_LAYOUTS = {
-    "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA,
-    "gpt2": _HFLayout(kind=HF_GPT2, embed=("transformer.wte", "transformer.wpe"), embed_optional=("transformer.drop",),
-                      blocks="transformer.h", head=("transformer.ln_f", "lm_head")),
-}
+CHAIN, TRACED = PIPELINE_KINDS[0], PIPELINE_KINDS[-1]   # between them: the transformers families (families.py)
 
 
 def pipeline_support(model: nn.Module, units: Units) -> str:
@@ -76,17 +51,17 @@ def _one_line(exc: BaseException, limit: int = 160) -> str:
 # --- transformers families ----------------------------------------------------------------------------------------
 
 def _hf_support(model: nn.Module, units: Units, model_type: str) -> str:
-    layout = HF_LAYOUTS.get(model_type)
-    if layout is None:
-        families = ", ".join(sorted(HF_LAYOUTS))
-        return f"no: transformers model type '{model_type}' has no pipeline stage adapter (these do: {families})"
-    mismatch = _layout_mismatch(model, units, layout)
+    family = hf_family(model_type)
+    if family is None or family.layout is None:
+        return (f"no: transformers model type '{model_type}' has no pipeline stage adapter (these do: "
+                f"{', '.join(sorted(HF_MODEL_TYPES))})")
+    mismatch = _layout_mismatch(model, units, family.layout)
     if mismatch:
-        return f"no: {mismatch}; its stage adapter cuts {model_type} at {layout.describe()}"
-    return layout.kind
+        return f"no: {mismatch}; its stage adapter cuts {model_type} at {family.layout.describe()}"
+    return family.name
 
 
-def _layout_mismatch(model: nn.Module, units: Units, layout: _HFLayout) -> str | None:
+def _layout_mismatch(model: nn.Module, units: Units, layout: HFLayout) -> str | None:
     try:
         n_layers = len(model.get_submodule(layout.blocks))   # type: ignore[arg-type]  # no len(): TypeError, below
     except (AttributeError, TypeError):

@@ -10,8 +10,7 @@ import fnmatch
 import math
 from typing import Any, Callable, Iterator
 
-from cost_models.models.gpt import GPT
-from cost_models.models.llama import Llama
+from cost_models.models.families import HF_MODEL_TYPES, family_of
 from cost_models.models.source import load_attr
 from cost_models.records.errors import ConfigError
 from cost_models.records.tensor_parallel import (CUSTOM, CUSTOM_STYLES, SPLIT_STYLES, STYLE_KINDS, TPRule, TPShape,
@@ -24,29 +23,14 @@ def tp_shape(model) -> TPShape:
     custom = _CUSTOM_PLAN.get()
     if custom is not None:
         return custom_shape(model, _plan_rules(custom[1](model), custom[0]), f"{CUSTOM}{custom[0]}")
-    if isinstance(model, Llama):
-        c = model.cfg
-        return TPShape(plan="zoo-llama", heads=c.n_heads, kv_heads=c.n_kv_heads, ffn=c.ffn_dim, hidden=c.dim,
-                       vocab=c.vocab_size, vocab_split=True)
-    if isinstance(model, GPT):
-        g = model.cfg
-        return TPShape(plan="zoo-gpt", heads=g.n_heads, kv_heads=g.n_heads, ffn=4 * g.dim, hidden=g.dim,
-                       vocab=g.vocab_size, vocab_split=not g.tie_embeddings)
-    config: Any = getattr(model, "config", None)   # transformers' config, untyped; not None where kind is
-    kind = getattr(config, "model_type", None)
-    if kind in ("llama", "mistral", "qwen2"):
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        return TPShape(plan="hf-llama", heads=config.num_attention_heads,
-                       kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                       ffn=config.intermediate_size, hidden=config.hidden_size, vocab=config.vocab_size,
-                       vocab_split=not tied)
-    if kind == "gpt2":
-        # tied head (GPT2LMHeadModel ties it to wte): the vocabulary stays whole, the plan has no vocab rules
-        return TPShape(plan="hf-gpt2", heads=config.n_head, kv_heads=config.n_head,
-                       ffn=config.n_inner or 4 * config.n_embd, hidden=config.n_embd, vocab=config.vocab_size)
+    family = family_of(model)
+    if family is not None:
+        return TPShape(plan=family.name, **family.dims(model))
+    kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind is not None:
-        return TPShape(plan=f"no: no tensor-parallel plan for transformers' {kind} models yet (llama, mistral, "
-                            "qwen2 and gpt2 have one; planner profile --tp-plan module:function gives one)")
+        known = ", ".join(HF_MODEL_TYPES[:-1]) + f" and {HF_MODEL_TYPES[-1]}"
+        return TPShape(plan=f"no: no tensor-parallel plan for transformers' {kind} models yet ({known} have one; "
+                            "planner profile --tp-plan module:function gives one)")
     return TPShape(plan=f"no: no tensor-parallel plan for {type(model).__name__} (the zoo's GPT and Llama and "
                         "transformers' Llama, Mistral, Qwen2 and GPT-2 have one; planner profile --tp-plan "
                         "module:function gives one)")

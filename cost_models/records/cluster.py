@@ -133,31 +133,6 @@ class ComputeProbe(Record):
                                        # tensor (memory.overhead_bytes); 0 on GPUs, in presets and older files
 
 
-def action_seconds(probe: "ComputeProbe", *, multi_stage: bool, split_backward: bool,
-                   pipelines_at_once: float) -> float:
-    """One pipeline action's overhead for a schedule of that kind (torch's single-stage classes, its multi-stage
-    runtime, that runtime with the backward split) when `pipelines_at_once` pipelines run together (the plan's
-    dp x tp); a kind not probed (older cluster files) costs as the first.
-
-    The probe measured two shapes (overhead_probe): every pair of ranks at once (probe.ranks // 2 pipelines) and
-    one pipeline over all ranks; a plan between them is interpolated linearly in its pipelines at once, and a
-    probe of one shape only (2 ranks, older files) gives the pairs' value. On CPU ranks sharing cores the two
-    differ, either way round depending on the schedule kind (measured: benchmarks/results/measurements.md,
-    "Pipeline action overhead")."""
-    def kind(prefix: str) -> tuple[float, float]:
-        return getattr(probe, prefix + "_s"), getattr(probe, prefix + "_one_s")
-    pairs, one = kind("pipeline_action")
-    if multi_stage:
-        value = kind("pipeline_split_action" if split_backward else "pipeline_runtime_action")
-        if value[0] > 0:
-            pairs, one = value
-    most = probe.ranks // 2   # 3 ranks: one pair at a time, one pipeline is the only other shape
-    if one <= 0:
-        return pairs
-    share = 0.0 if most <= 1 else min(1.0, max(0.0, (pipelines_at_once - 1) / (most - 1)))
-    return one + (pairs - one) * share
-
-
 @record
 class CalibrationRun(Record):
     """One run a calibration was fitted on: where it came from and its step time before and after the fit."""

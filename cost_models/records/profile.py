@@ -151,7 +151,7 @@ class UnitProfile(Record):
     bwd_time_one: Timing | None = None
     tp: TPUnit | None = None             # what tensor parallelism splits here; None in older files (nothing splits)
     split_kept_bytes: int = 0            # of saved_bytes, what torch's split backward (I, then W) frees only with the
-                                         # graph (model_profiler._split_kept_bytes); 0 in older files
+                                         # graph (profiling.split_backward); 0 in older files
     split_after_bytes: int = 0           # the same when the unit before it is in its stage (the pair, measured)
     split_suffix_bytes: int | None = None  # what a last stage starting here keeps per micro-batch (to the loss);
                                          # None: not measured (units that do not chain), summed per unit instead

@@ -78,8 +78,14 @@ class Strategy(Record):
         return shape + f", {self.microbatches} micro-batch(es) of {self.micro_batch_size}" + recompute
 
     @property
+    def ranks_per_stage(self) -> int:
+        """dp x tp: the ranks holding each stage, hence the pipelines running at once and the stride between
+        pipeline ranks' first global ranks on the (pp, dp, tp) mesh."""
+        return self.dp * self.tp
+
+    @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.ranks_per_stage * self.pp
 
     @property
     def n_stages(self) -> int:
@@ -118,12 +124,12 @@ class Strategy(Record):
         """Global ranks holding `stage`: mesh (pp, dp, tp) with tp innermost (torchtitan's order), so a tp group is
         adjacent ranks inside a node and, without tp, a dp group is contiguous ranks."""
         pp_rank = self.stage_rank(stage)
-        per_stage = self.dp * self.tp
+        per_stage = self.ranks_per_stage
         return tuple(pp_rank * per_stage + i for i in range(per_stage))
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp_rank, dp_rank, tp_rank) of a global rank on the (pp, dp, tp) mesh."""
-        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+        return rank // self.ranks_per_stage, rank // self.tp % self.dp, rank % self.tp
 
     def split_tie(self, tied_units: Iterable[Sequence[str]]) -> str | None:
         """Why this schedule cannot run a parameter shared by units in two stages on one pipeline rank, or None.

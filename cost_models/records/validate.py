@@ -172,7 +172,7 @@ def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str
     if unit_bytes > p.total_param_bytes:
         _fail(where, f"{path}.total_param_bytes", p.total_param_bytes,
               f"total_param_bytes >= sum of units[].param_bytes = {unit_bytes}", fix)
-    for i, e in enumerate(p.edges):  # edges run from an earlier unit to a later one (model_profiler._data_flow_edges)
+    for i, e in enumerate(p.edges):  # edges run from an earlier unit to a later one (profiling.units.data_flow_edges)
         if not 0 <= e.src < e.dst < len(p.units):
             _fail(where, f"{path}.edges[{i}]", f"{e.src} -> {e.dst}",
                   f"unit indices with src < dst < {len(p.units)}", fix)
@@ -206,8 +206,8 @@ def _check_optimizer_timings(p: ModelProfile, path: str, where: str, fix: str) -
 
 
 def _check_saved_parts(u: UnitProfile, at: str, where: str, fix: str) -> None:
-    """A unit's parts of saved_bytes (model_profiler._count_module, _saved_fixed) within it and each other."""
-    if not 0 <= u.saved_fixed_bytes <= u.saved_bytes:   # a part of saved_bytes (model_profiler._saved_fixed)
+    """A unit's parts of saved_bytes (profiling.counting.count_module) within it and each other."""
+    if not 0 <= u.saved_fixed_bytes <= u.saved_bytes:   # a part of saved_bytes (profiling.counting)
         _fail(where, f"{at}.saved_fixed_bytes", u.saved_fixed_bytes, f"0 to saved_bytes ({u.saved_bytes})", fix)
     if not 0 <= u.saved_other_dtype_bytes <= u.saved_bytes:   # a part of saved_bytes (_count_module)
         _fail(where, f"{at}.saved_other_dtype_bytes", u.saved_other_dtype_bytes,

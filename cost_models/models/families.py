@@ -1,0 +1,98 @@
+"""Every model family zeropipe knows, one entry each: how its torch model is recognised, the dimensions that decide
+its tensor-parallel degrees, and where its pieces live.
+
+An entry's `name` is its tensor-parallel plan's name in cost_models.records.tensor_parallel.PLANS (data the cost
+model reads without torch); a transformers family's `name` is also its pipeline kind (ModelProfile.pipelining) and
+its stage adapter's key in executor.hf_stages.ADAPTERS, and its `layout` the units that adapter cuts at. The zoo
+families are unit chains (cost_models.models.gpt, cost_models.models.llama): their pipelines need no adapter.
+Adding a family: an entry here, its plan in PLANS and, for a transformers family, its adapter
+(tests/test_families.py checks that every name an entry gives resolves).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from cost_models.models.gpt import GPT
+from cost_models.models.llama import Llama
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFLayout:
+    """The units the profiler derives for one transformers family, which its stage adapter cuts at."""
+
+    embed: tuple[str, ...]           # modules the embedding unit must hold
+    embed_optional: tuple[str, ...]  # modules it may also hold (parameter-free: rotary tables, dropout)
+    blocks: str                      # the nn.ModuleList of decoder layers: one unit each
+    head: tuple[str, ...]            # the head unit's modules, in call order
+
+    def describe(self) -> str:
+        extra = "".join(f"[+{m}]" for m in self.embed_optional)
+        return (f"an embedding unit ({'+'.join(self.embed)}{extra}), one unit per {self.blocks}.i, and a head unit "
+                f"({'+'.join(self.head)})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    name: str                                     # its TP plan in PLANS; a transformers family's pipeline kind too
+    dims: Callable[[Any], dict[str, Any]]         # model -> TPShape's dimension fields
+    zoo_class: type[nn.Module] | None = None      # a zoo family: its model class
+    model_types: tuple[str, ...] = ()             # a transformers family: the config.model_type values it covers
+    layout: HFLayout | None = None                # a transformers family: the units its stage adapter cuts at
+
+    def matches(self, model: nn.Module) -> bool:
+        if self.zoo_class is not None:
+            return isinstance(model, self.zoo_class)
+        return getattr(getattr(model, "config", None), "model_type", None) in self.model_types
+
+
+def _zoo_llama(model: Any) -> dict[str, Any]:
+    c = model.cfg
+    return dict(heads=c.n_heads, kv_heads=c.n_kv_heads, ffn=c.ffn_dim, hidden=c.dim, vocab=c.vocab_size,
+                vocab_split=True)
+
+
+def _zoo_gpt(model: Any) -> dict[str, Any]:
+    g = model.cfg
+    return dict(heads=g.n_heads, kv_heads=g.n_heads, ffn=4 * g.dim, hidden=g.dim, vocab=g.vocab_size,
+                vocab_split=not g.tie_embeddings)
+
+
+def _hf_llama(model: Any) -> dict[str, Any]:
+    config = model.config
+    return dict(heads=config.num_attention_heads,
+                kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                ffn=config.intermediate_size, hidden=config.hidden_size, vocab=config.vocab_size,
+                vocab_split=not bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def _hf_gpt2(model: Any) -> dict[str, Any]:
+    # tied head (GPT2LMHeadModel ties it to wte): the vocabulary stays whole, the plan has no vocab rules
+    config = model.config
+    return dict(heads=config.n_head, kv_heads=config.n_head, ffn=config.n_inner or 4 * config.n_embd,
+                hidden=config.n_embd, vocab=config.vocab_size)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family(name="zoo-llama", zoo_class=Llama, dims=_zoo_llama),
+    Family(name="zoo-gpt", zoo_class=GPT, dims=_zoo_gpt),
+    Family(name="hf-llama", model_types=("llama", "mistral", "qwen2"), dims=_hf_llama,
+           layout=HFLayout(embed=("model.embed_tokens",), embed_optional=("model.rotary_emb",), blocks="model.layers",
+                           head=("model.norm", "lm_head"))),
+    Family(name="hf-gpt2", model_types=("gpt2",), dims=_hf_gpt2,
+           layout=HFLayout(embed=("transformer.wte", "transformer.wpe"), embed_optional=("transformer.drop",),
+                           blocks="transformer.h", head=("transformer.ln_f", "lm_head"))),
+)
+HF_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
+
+
+def family_of(model: nn.Module) -> Family | None:
+    """The family this torch model belongs to, or None (a user's own model)."""
+    return next((f for f in FAMILIES if f.matches(model)), None)
+
+
+def hf_family(model_type: str) -> Family | None:
+    """The transformers family covering `model_type`, or None."""
+    return next((f for f in FAMILIES if model_type in f.model_types), None)

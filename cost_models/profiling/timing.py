@@ -1,0 +1,138 @@
+"""Timing, in real mode (steps 4 and 5 of model_profiler's module doc): each module's forward and backward on its
+captured input, after warm-up, at the micro-batch and on one sample; the whole model end to end over its units' sum
+(ModelProfile.in_model_factor) and under autocast over plain bf16 (ModelProfile.mixed_factor); and a unit's Timing
+from its modules' runs."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from cost_models.models.source import ModelSource
+from cost_models.profiling.counting import ModuleResult, UnitResults
+from cost_models.profiling.progress import Progress
+from cost_models.profiling.tensors import backward_roots, fresh, one_sample
+from cost_models.profiling.units import Capture
+from cost_models.records.profile import Timing
+
+
+def _sync() -> None:
+    """Wait for queued GPU kernels, so a host clock times them (CUDA launches are asynchronous); nothing on CPU."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _time_module(module: nn.Module, captured, loss: str | None, target, warmup: int,
+                 repeats: int, tick: Callable[[], None]) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of each repeat after `warmup` untimed runs; `tick()` after every run."""
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        args, kwargs = fresh(captured)
+        _sync()
+        t0 = time.perf_counter()
+        roots = backward_roots(module(*args, **kwargs), loss, target)
+        _sync()
+        t1 = time.perf_counter()
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+        _sync()
+        t2 = time.perf_counter()
+        module.zero_grad(set_to_none=True)
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        tick()
+    return fwd, bwd
+
+
+def _time_into(res: ModuleResult, module: nn.Module, captured, *, loss: str | None, warmup: int, repeats: int,
+               batch: int, tick: Callable[[float], None]) -> None:
+    """Forward and backward times at the profile's micro-batch and, when that is larger, at one sample, so time
+    can be modelled as a + b * batch (fixed per-call overhead plus per-sample work) rather than proportional to the
+    batch. `tick(share)` after every run: 1 for a run at the micro-batch, 1 / batch for one on one sample."""
+    res.fwd_times, res.bwd_times = _time_module(module, captured, loss, res.target, warmup, repeats, lambda: tick(1.0))
+    if batch > 1:
+        target = res.target[:1] if res.target is not None else None
+        res.fwd_times_one, res.bwd_times_one = _time_module(module, one_sample(captured, batch), loss, target, warmup,
+                                                            repeats, lambda: tick(1 / batch))
+
+
+def unit_timing(per_module: list[list[float]]) -> Timing:
+    """Unit time = sum over its modules; median, min and max are taken per module and summed."""
+    return Timing(median_s=sum(statistics.median(t) for t in per_module), min_s=sum(min(t) for t in per_module),
+                  max_s=sum(max(t) for t in per_module), repeats=len(per_module[0]))
+
+
+def time_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_unit: UnitResults, capture: Capture,
+               progress: Progress, *, loss: str, last: str, batch: int, warmup: int, repeats: int) -> float:
+    """Step 4 of model_profiler's module doc into each module's result, then step 5: the whole model's
+    in_model_factor."""
+    for name, mods, results in results_by_unit:
+        progress.unit(f"timing {name}")
+        for m, res in zip(mods, results):
+            _time_into(res, model.get_submodule(m), capture.inputs[m], loss=loss if m == last else None,
+                       warmup=warmup, repeats=repeats, batch=batch, tick=functools.partial(progress.tick, m))
+    progress.unit("timing the whole model")
+    return _in_model_factor(model, inputs, results_by_unit, loss=loss, warmup=warmup, repeats=repeats)
+
+
+def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_unit: UnitResults, *,
+                     loss: str, warmup: int, repeats: int) -> float:
+    """The whole model's forward, loss and backward, timed end to end (median of repeats), over the sum of its
+    units' medians (ModelProfile.in_model_factor). 1.0 where the model's output is neither a tensor nor has
+    .logits (no loss to take here)."""
+    target = results_by_unit[-1][2][-1].target
+    units_s = sum(statistics.median(r.fwd_times) + statistics.median(r.bwd_times)
+                  for _, _, results in results_by_unit for r in results)
+    whole = _whole_model_seconds(model, inputs, target, loss=loss, warmup=warmup, repeats=repeats)
+    return whole / units_s if whole and units_s > 0 else 1.0
+
+
+def _whole_model_seconds(model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None, *,
+                         loss: str, warmup: int, repeats: int, autocast: torch.dtype | None = None) -> float | None:
+    """Median seconds of the whole model's forward, loss and backward (forward under torch.autocast in `autocast`
+    if given); None where there is no target or the output is neither a tensor nor has .logits (no loss here)."""
+
+    class _Logits(nn.Module):   # the loss is taken on an output object's .logits (transformers' causal LMs)
+        def forward(self, *args):
+            cast = torch.autocast(args[0].device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+            with cast:
+                out = model(*args)
+            return out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if target is None:
+        return None
+    with torch.no_grad():
+        if not isinstance(_Logits()(*inputs), torch.Tensor):
+            return None
+    fwd, bwd = _time_module(_Logits(), (inputs, {}), loss, target, warmup, repeats, lambda: None)
+    model.zero_grad(set_to_none=True)
+    return statistics.median([f + b for f, b in zip(fwd, bwd)])
+
+
+def mixed_factor(source: ModelSource, model: nn.Module, inputs: tuple[torch.Tensor, ...], target, *, loss: str,
+                 warmup: int, repeats: int) -> float:
+    """ModelProfile.mixed_factor: the model built in fp32 under autocast to bf16 (torch's mixed precision, as the
+    executor runs bf16-mixed on GPUs), over the bf16 model, each timed whole: a plan priced from plain bf16 unit
+    times ran far slower under autocast (measured on an H200: benchmarks/results/measurements.md, "GPU
+    observations").
+    1.0 where either cannot be timed, or the fp32 copy does not fit beside the bf16 model."""
+    plain = _whole_model_seconds(model, inputs, target, loss=loss, warmup=warmup, repeats=repeats)
+    if not plain:
+        return 1.0
+    master: nn.Module | None = None   # the fp32 copy, dropped before the cache is emptied
+    try:
+        master = source.build(device=inputs[0].device, dtype=torch.float32)
+        master.train()
+        mixed = _whole_model_seconds(master, inputs, target, loss=loss, warmup=warmup, repeats=repeats,
+                                     autocast=torch.bfloat16)
+    except torch.cuda.OutOfMemoryError:
+        return 1.0
+    finally:
+        master = None
+        torch.cuda.empty_cache()
+    return mixed / plain if mixed else 1.0
