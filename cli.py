@@ -13,15 +13,16 @@ from pathlib import Path
 from typing import Annotated, Optional, cast
 
 import typer
-from typer.core import TyperGroup
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
+from typer.core import TyperGroup
 
 from cost_models.records.errors import PlannerError, interrupted
 from cost_models.records.fileio import dumps
 from cost_models.records.schedule import DEFAULT_SCHEDULE, SCHEDULES
+
 
 class _ErrorBoundary(TyperGroup):
     """The one error boundary of every command (main() and tests' CliRunner both go through it): a PlannerError is
@@ -153,19 +154,19 @@ def profile(
     as_json: AsJson = False,
 ) -> None:
     """Measure a model unit by unit (parameters, FLOPs, activation bytes, times) and write profile.json."""
-    from cost_models.profiling.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
-    from cost_models.records.formatting import about
-    from cost_models.records.files import ProfileFile
-    from planner.summaries import UNIT_COLUMNS, unit_rows
     from cost_models.models.tp_shape import custom_tp_plan
+    from cost_models.profiling.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
+    from cost_models.records.files import ProfileFile
+    from cost_models.records.formatting import about
+    from planner.summaries import UNIT_COLUMNS, unit_rows
 
     write_to, overwrite = _prepare_output(output, force)
     sizes = parse_sizes(probe_sizes) if probe_sizes else None
     check_cluster_args(cluster, nodes=nodes, ranks=ranks)
     if cluster != "local":  # presets and files before the model (torch's import alone takes seconds)
         cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     source = resolve(model, input_ref=input_fn)
     with _progress(counts=False) as bar, custom_tp_plan(tp_plan):   # --tp-plan: imported here, recorded in prof
         task = bar.add_task(f"profiling {source.name}: forward pass of the whole model", total=None)
@@ -232,9 +233,9 @@ def profile_cluster(
     as_json: AsJson = False,
 ) -> None:
     """Describe a cluster (probe this machine, or expand a preset / file) and write cluster.json."""
-    from cost_models.records.files import ClusterFile
     from cost_models.profiling.cluster_source import parse_sizes, resolve_cluster
     from cost_models.records.errors import ConfigError
+    from cost_models.records.files import ClusterFile
 
     if cluster == "none":
         raise ConfigError("--cluster none describes nothing; use local, a preset or a cluster file")
@@ -281,8 +282,8 @@ def models(as_json: AsJson = False) -> None:
 @app.command()
 def demo(out_dir: Path = typer.Option(Path("zeropipe-demo"), "--out-dir", help="folder for the demo's files (its own, overwritten on rerun)")) -> None:
     """Run the main job on a built-in default model on this machine."""
-    from planner.summaries import UNIT_COLUMNS, unit_rows
     from executor.demo import run_demo
+    from planner.summaries import UNIT_COLUMNS, unit_rows
 
     with _progress(counts=False) as bar:
         task = bar.add_task("demo: profiling", total=None)
@@ -358,7 +359,7 @@ def estimate(
 
 def _print_estimate(strategy, est) -> None:
     from cost_models.records.formatting import fixed
-    from planner.summaries import estimate_lines, memory_rows, MEMORY_COLUMNS
+    from planner.summaries import MEMORY_COLUMNS, estimate_lines, memory_rows
     for line in estimate_lines(strategy, est):
         out.print(line, highlight=False)
     out.print(_table(MEMORY_COLUMNS, memory_rows(est), title=f"memory per rank (GiB = 2^30 B), capacity "

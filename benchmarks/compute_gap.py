@@ -39,9 +39,10 @@ SEQ_LEN, BATCH = 32, 4          # as benchmarks/fidelity.py profiles
 def _in_model(model_name: str, iters: int, barrier=None) -> dict:
     """B: forward + loss + backward of the whole model, 1 thread; per-unit seconds from module hooks (medians)."""
     import torch
-    from cost_models.profiling.model_profiler import profile_model  # noqa: F401  (same import cost as the other paths)
+
     from cost_models.models.losses import compute_loss, synthetic_target
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model  # noqa: F401  (same import cost as the other paths)
     from executor.runtime import logits_of
     torch.set_num_threads(1)
     source = resolve(model_name)
@@ -106,8 +107,8 @@ def _two_at_once(model_name: str, iters: int) -> list[dict]:
 
 
 def _profile(model_name: str) -> dict:
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     prof = profile_model(resolve(model_name), micro_batch_size=BATCH, seq_len=SEQ_LEN, dtype="fp32", threads=1,
                          repeats=5, warmup=2)
     units = {u.name: (u.fwd_time.median_s, u.bwd_time.median_s) for u in prof.units}

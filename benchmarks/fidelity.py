@@ -143,11 +143,11 @@ def _over_passes(passes: list, field: str, warmup: int) -> float:
 
 def run_config(model: str, gpus: int, batch: int, *, steps: int, warmup: int, passes: int, cluster) -> dict:
     from cost_models.cost.estimate import estimate
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     from executor.train import TrainConfig
-    from planner.request import PlanRequest
     from planner.calibrate import predicted_parts
+    from planner.request import PlanRequest
     from planner.search import search
 
     prof = profile_model(resolve(model), micro_batch_size=PROFILE_BATCH, seq_len=SEQ_LEN, dtype="fp32", threads=1,

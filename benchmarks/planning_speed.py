@@ -85,8 +85,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.cold:
         return _cold(args)
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     from planner.search import MILP_AUTO
 
     t0 = time.perf_counter()

@@ -27,8 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from pipeline_overlap import _free_port   # this script's folder is on sys.path: run as a script
+from pipeline_overlap import _free_port  # this script's folder is on sys.path: run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPUTE_MS = (1, 2, 4, 8, 16, 32)

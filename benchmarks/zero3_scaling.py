@@ -67,8 +67,8 @@ def main() -> None:
     ap.add_argument("--global-batch-size", type=int, default=1024, help="sequences per step")
     ap.add_argument("--max-gpus", type=int, default=1024)
     args = ap.parse_args()
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     prof = profile_model(resolve(args.model), micro_batch_size=1, seq_len=args.seq_len, meta=True, dtype="bf16")
     base = preset(args.cluster)
     rows: list[dict] = []

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.presets import preset
 from executor.api import apply_plan
 from executor.data import TokenFile

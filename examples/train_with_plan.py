@@ -14,9 +14,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.gpt import GPT, GPTConfig
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.presets import preset
 from executor.api import apply_plan
 from planner.request import PlanRequest

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from cost_models.records.errors import ConfigError
-from cost_models.torch_compat.host import keep_freed_memory
-from cost_models.torch_compat.devices import claim_device, rank_backend, rank_device
 from cost_models.records.strategy import Strategy
+from cost_models.torch_compat.devices import claim_device, rank_backend, rank_device
+from cost_models.torch_compat.host import keep_freed_memory
 from executor.runtime import LossFn, ModelSpec, Runtime, build_runtime
 from executor.stages import UnitMap
 from executor.weights import load_weights, weights_format

@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 
 from cost_models.records.errors import PlannerError, exception_chain
 from cost_models.torch_compat.torch_private import tp_strided

@@ -28,11 +28,11 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from cost_models.records.base import Record, record
 from cost_models.records.errors import ConfigError, FileFormatError
 from cost_models.records.file_record import FileRecord
 from cost_models.records.fileio import write_atomic
 from cost_models.records.formatting import now_utc
-from cost_models.records.base import Record, record
 from executor import trust
 from planner.plan import Plan
 

@@ -10,16 +10,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cost_models.profiling.cluster_source import StatusFn, probe_local
-from cost_models.records.fileio import write_atomic
-from cost_models.profiling.model_profiler import ProgressFn, profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.cluster_source import StatusFn, probe_local
+from cost_models.profiling.model_profiler import ProgressFn, profile_model
+from cost_models.records.fileio import write_atomic
 from cost_models.records.files import ProfileFile
 from executor.launch import WARMUP_STEPS, RunConfig, launch
 from planner.plan import Plan
-from planner.run_record import RunFile
 from planner.report import render_html, render_markdown
 from planner.request import PlanRequest
+from planner.run_record import RunFile
 from planner.search import plan
 
 DEMO_MODEL = "gpt-tiny"

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from cost_models.models.source import resolve
+from cost_models.records.base import Record, record
 from cost_models.records.errors import ConfigError, OutputError, OutputExistsError
 from cost_models.records.fileio import check_writable
 from cost_models.records.formatting import size
-from cost_models.models.source import resolve
-from cost_models.records.base import Record, record
 from executor import checkpoint
 from executor import checkpoint_layout as layout
 

@@ -22,17 +22,17 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from cost_models.torch_compat.elastic import elastic_job, init_process_group, is_consequence, root_failure
-from cost_models.torch_compat.devices import claim_device, rank_backend
+from cost_models.records.base import Record, record
 from cost_models.records.errors import ConfigError, PlannerError
 from cost_models.records.formatting import fixed, now_utc
-from cost_models.records.base import Record, record
+from cost_models.torch_compat.devices import claim_device, rank_backend
+from cost_models.torch_compat.elastic import elastic_job, init_process_group, is_consequence, root_failure
 from executor import checkpoint_layout as layout
 from executor import trust
 from executor.data import TokenFile
-from executor.train import TrainConfig, run_on_rank, summarize_times
 from executor.runtime import logits_of
 from executor.stages import UnitMap, check_covers_model
+from executor.train import TrainConfig, run_on_rank, summarize_times
 from executor.weights import weights_format
 from planner.plan import Plan, check_plan
 from planner.run_record import Measure, RankResult, RunFile
@@ -263,8 +263,8 @@ def _check_model(plan: Plan):
     """Before any rank starts: the plan's model builds (on the meta device: no memory), its stages hold all of it
     (executor.stages.check_covers_model), and a pipeline plan's model can be pipelined
     (cost_models.models.pipelining). Returns the meta model."""
-    from cost_models.models.source import DTYPES, resolve
     from cost_models.models.pipelining import pipeline_support
+    from cost_models.models.source import DTYPES, resolve
     model = resolve(plan.model.source).build(device="meta", dtype=DTYPES["fp32"])
     units = UnitMap.of(plan.model.units, plan.model.unit_modules)
     support = ""

@@ -15,18 +15,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cost_models.models.pipelining import pipeline_support
 from cost_models.records.errors import ConfigError
 from cost_models.records.strategy import Strategy
 from cost_models.torch_compat.devices import rank_device
 from cost_models.torch_compat.torch_private import (default_group_timeout, default_store, schedule_stages,
                                                     set_group_timeout)
 from executor import checkpoint, pipeline, tensor_parallel
-from cost_models.models.pipelining import pipeline_support
 from executor.materialize import allocate, init_held, init_mode, parameters_on_meta, release_unheld
-from executor.traced_stages import as_tuple
 from executor.stage_builders import build_stages
 from executor.stages import (UnitMap, canonical_names, check_covers_model, recompute_units, state_maps, tied_params,
                              tied_units)
+from executor.traced_stages import as_tuple
 from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

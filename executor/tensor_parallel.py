@@ -26,10 +26,10 @@ import fnmatch
 import torch
 from torch import nn
 
+from cost_models.models.tp_shape import custom_shape, tp_shape
 from cost_models.records.errors import ConfigError
 from cost_models.records.tensor_parallel import (CUSTOM, SPLIT_STYLES, TPRule, TPShape, enters_late, rules_for,
                                                  style_of, vocab_divides)
-from cost_models.models.tp_shape import custom_shape, tp_shape
 from cost_models.torch_compat.torch_private import TorchDispatchMode, storage_id, strided_shard, tree_leaves
 
 # The last name part of the modules holding the attention core (zoo Llama, zoo GPT, transformers' Llama family):
@@ -271,6 +271,7 @@ def _core_checkpointed():
     it caches op outputs autograd would not have saved), hence the kernel alone."""
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
+
     from executor.activations import checkpointed
 
     class CoreCheckpointed(TorchFunctionMode):

@@ -20,8 +20,8 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from cost_models.records.errors import ConfigError
 from cost_models.models.pipelining import trace_units
+from cost_models.records.errors import ConfigError
 from executor.stages import UnitMap
 
 

@@ -15,26 +15,25 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cost_models.torch_compat import optimizers
-from cost_models.torch_compat.devices import rank_device
-from cost_models.records.errors import ConfigError
 from cost_models.models.losses import compute_loss
 from cost_models.models.source import meta_forward_context, resolve
 from cost_models.records.base import Record, record
+from cost_models.records.errors import ConfigError
 from cost_models.records.strategy import Strategy
 from cost_models.records.tensor_parallel import TPRule
+from cost_models.torch_compat import optimizers
+from cost_models.torch_compat.devices import rank_device
 from executor import checkpoint, checkpoint_layout
 from executor.activations import ActivationMeter
 from executor.data import TokenFile
 from executor.measure import CommCounter, peak_memory_bytes
 from executor.runtime import ModelSpec, build_runtime, logits_of
-from executor.testing_hooks import INJECT_FAILURE_ENV, SAVE_FILE_LIMIT_ENV, hook
 from executor.stages import UnitMap, canonical_names, state_maps
+from executor.testing_hooks import INJECT_FAILURE_ENV, SAVE_FILE_LIMIT_ENV, hook
 from executor.weights import load_weights
 from executor.zero import Precision, mixed_precision
 from planner.plan import Plan
 from planner.run_record import RankResult
-
 
 
 @record

@@ -17,11 +17,11 @@ import dataclasses
 import threading
 from typing import Callable, Iterator, Sequence
 
-from cost_models.records.errors import ConfigError, PlannerError, interrupted
 from cost_models.cost.estimate import Estimate, estimate
+from cost_models.records.base import Record, record
+from cost_models.records.errors import ConfigError, PlannerError, interrupted
 from cost_models.records.formatting import duration
 from cost_models.records.profile import ModelProfile
-from cost_models.records.base import Record, record
 from cost_models.records.strategy import Strategy
 from cost_models.torch_compat.elastic import environ
 from executor.launch import WARMUP_STEPS, RunConfig, check_fits_here, launch

@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from cost_models.records.errors import WeightsError
 from cost_models.records.base import Record, record
+from cost_models.records.errors import WeightsError
 from executor import checkpoint
 from executor import checkpoint_layout as layout
 

@@ -34,11 +34,11 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+from cost_models.cost.estimate import Estimate, action_cost
+from cost_models.records.base import Record, record
 from cost_models.records.cluster import Calibration, CalibrationRun, ClusterProfile
 from cost_models.records.errors import ConfigError, FileFormatError
-from cost_models.cost.estimate import Estimate, action_cost
 from cost_models.records.formatting import duration, now_utc
-from cost_models.records.base import Record, record
 from cost_models.records.strategy import Strategy
 from planner.plan import Plan
 from planner.run_record import RankResult, RunFile

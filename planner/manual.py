@@ -5,22 +5,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cost_models.records.cluster import ClusterProfile
 from cost_models.cost.compute import unit_times
-from cost_models.records.errors import ConfigError, InfeasibleError
 from cost_models.cost.estimate import estimate
+from cost_models.records.base import Record, record
+from cost_models.records.cluster import ClusterProfile
+from cost_models.records.errors import ConfigError, InfeasibleError
+from cost_models.records.files import ProfileFile
 from cost_models.records.formatting import fixed, now_utc
 from cost_models.records.limits import check_global_batch, check_gpus, check_microbatches
-from cost_models.records.profile import ModelProfile
-from cost_models.records.files import ProfileFile
-from cost_models.records.base import Record, record
-from cost_models.records.schedule import DEFAULT_SCHEDULE
 from cost_models.records.precision import Optimizer, Precision
+from cost_models.records.profile import ModelProfile
+from cost_models.records.schedule import DEFAULT_SCHEDULE
 from cost_models.records.strategy import Strategy, check_tp_degree, tp_node_refusal
 from cost_models.records.validate import validate_cluster
+from planner.partition import balanced_partition, stages_from_ranges
 from planner.plan import Plan, Provenance, installed_versions, model_ref, profile_digest
 from planner.rationale import by_hand
-from planner.partition import balanced_partition, stages_from_ranges
 
 
 def load_profile_for(path: str | Path, *, cluster: str | None = None,

@@ -5,13 +5,13 @@ import hashlib
 from pathlib import Path
 from typing import Literal
 
+from cost_models.cost.estimate import Estimate
+from cost_models.records.base import Record, record
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.errors import ConfigError, FileFormatError
-from cost_models.cost.estimate import Estimate
-from cost_models.records.precision import DTYPE_BYTES
 from cost_models.records.file_record import FileRecord
+from cost_models.records.precision import DTYPE_BYTES
 from cost_models.records.profile import ModelProfile, pipeline_refusal
-from cost_models.records.base import Record, record
 from cost_models.records.schedule import format_order
 from cost_models.records.strategy import Strategy, tp_node_refusal
 from cost_models.records.tensor_parallel import TPRule
@@ -88,6 +88,7 @@ def installed_versions() -> dict[str, str]:
     """What made a plan: zeropipe, torch, pulp and Python versions (a plan's provenance)."""
     import platform
     from importlib.metadata import PackageNotFoundError, version
+
     import pulp
     import torch
     try:

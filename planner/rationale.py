@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Mapping, cast
 
-from cost_models.records.cluster import ClusterProfile
 from cost_models.cost.comm import dp_wire_bytes
 from cost_models.cost.estimate import Estimate
-from cost_models.records.strategy import Strategy, family_of
+from cost_models.records.cluster import ClusterProfile
 from cost_models.records.formatting import duration, fixed, size
+from cost_models.records.strategy import Strategy, family_of
 from planner.plan import Binding, Rationale, WinnerFamily
 from planner.space import TPOptions
 

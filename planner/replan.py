@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cost_models.profiling.cluster_source import check_cluster_args
 from cost_models.records.errors import ConfigError
 from cost_models.records.files import ProfileFile
-from cost_models.profiling.cluster_source import check_cluster_args
 from planner.plan import Plan, check_plan, profile_digest
 from planner.request import PlanRequest
 from planner.search import ProgressFn, plan

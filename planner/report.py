@@ -12,15 +12,15 @@ import math
 from dataclasses import dataclass, field
 
 from cost_models.cost.compute import executed_dtype
-from cost_models.records.formatting import GIB, duration, fixed, measured, size
 from cost_models.cost.sharing import send_delay
+from cost_models.cost.simulator import simulate
+from cost_models.records.formatting import GIB, duration, fixed, measured, size
 from cost_models.records.precision import DTYPE_BYTES
 from cost_models.records.schedule import SCHEDULES, parse_order
-from cost_models.cost.simulator import simulate
-from planner.summaries import rank_groups
 from planner.plan import VERIFY_TIE_REL, Plan
 from planner.rationale import tp_traffic
 from planner.run_record import RunFile
+from planner.summaries import rank_groups
 
 KIND_COLOR = {"F": "#4e79a7", "B": "#59a14f", "I": "#f28e2b", "W": "#b07aa1"}
 MEMORY_COLOR = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_states": "#e15759",

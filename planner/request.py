@@ -1,12 +1,12 @@
 """What `planner plan` is asked: the devices, the batch, the training setup and the part of the space to search."""
 from __future__ import annotations
 
+from cost_models.records.base import Record, record
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.errors import ConfigError
 from cost_models.records.limits import check_global_batch, check_gpus
-from cost_models.records.base import Record, record
-from cost_models.records.schedule import get_spec
 from cost_models.records.precision import Optimizer, Precision, check_training
+from cost_models.records.schedule import get_spec
 
 
 @record

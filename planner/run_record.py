@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from cost_models.records.base import Record, record
 from cost_models.records.errors import FileFormatError
 from cost_models.records.file_record import FileRecord
 from cost_models.records.formatting import duration
-from cost_models.records.base import Record, record
 from planner.plan import Plan
 
 RUN_KIND = "zeropipe.run"

@@ -38,17 +38,17 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, cast
 
-from cost_models.records.cluster import Calibration, ClusterProfile
 from cost_models.cost.comm import collective_time
 from cost_models.cost.compute import executed_precision
-from cost_models.records.errors import ConfigError, InfeasibleError
 from cost_models.cost.estimate import (Estimate, activation_scale, dp_ranks_per_node, dtype_ratio, estimate,
                                        held_params, optimizer_seconds, saved_bytes, unit_costs, unit_seconds)
+from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_parts, zero_model_state_bytes
 from cost_models.cost.sharing import busy_ranks
+from cost_models.records.cluster import Calibration, ClusterProfile
+from cost_models.records.errors import ConfigError, InfeasibleError
 from cost_models.records.formatting import fixed, now_utc
 from cost_models.records.limits import MAX_MICROBATCHES
 from cost_models.records.precision import BYTES_PER_PARAM, Optimizer, Precision
-from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_parts, zero_model_state_bytes
 from cost_models.records.profile import ModelProfile, UnitProfile
 from cost_models.records.schedule import SCHEDULES, forwards_before_backward, get_spec, placement
 from cost_models.records.strategy import Strategy

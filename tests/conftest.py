@@ -32,8 +32,8 @@ def _own_checkpoint_key(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_profiles():
     """Real and meta profiles of the tiny zoo models, shared by tests that only read them."""
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     out = {}
     for name in ("gpt-tiny", "llama-tiny", "mlp-deep"):
         for meta in (False, True):

@@ -7,12 +7,12 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.records.cluster import Calibration, ComputeProbe
-from cost_models.records.files import ClusterFile
-from cost_models.records.errors import ConfigError, FileFormatError
 from cost_models.cost.estimate import estimate
+from cost_models.records.cluster import Calibration, ComputeProbe
+from cost_models.records.errors import ConfigError, FileFormatError
+from cost_models.records.files import ClusterFile
 from cost_models.records.presets import preset
-from planner.calibrate import (MeasuredParts, calibrate, fit, measured_parts, predict_after, predicted_parts)
+from planner.calibrate import MeasuredParts, calibrate, fit, measured_parts, predict_after, predicted_parts
 from planner.run_record import RankResult
 from tests.plans import plan_file, plan_for
 
@@ -23,8 +23,8 @@ PROBED_ACTION_S = 1e-4
 def setup():
     """gpt-tiny (meta) on a DGX-A100 preset that carries a probed per-action cost, and a spread of strategies:
     with and without a pipeline, data parallelism and ZeRO stages."""
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     from planner.request import PlanRequest
     from planner.search import search
     prof = profile_model(resolve("gpt-tiny"), micro_batch_size=2, seq_len=16, dtype="fp32", meta=True)

@@ -9,18 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from cost_models.records.fileio import dumps, write_atomic
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
+from cost_models.records.fileio import dumps, write_atomic
 from cost_models.records.files import ProfileFile
 from cost_models.records.strategy import Strategy
 from executor import checkpoint_layout as layout
-from executor.testing_hooks import DUMP_STATE_ENV
 from executor.launch import RunConfig, launch
+from executor.testing_hooks import DUMP_STATE_ENV
 from executor.train import TrainConfig, single_process_losses
 from tests.plans import plan_file, plan_for
 from tests.test_executor import CFG, S
-
 
 
 @pytest.fixture(scope="module")

@@ -42,8 +42,8 @@ def own_checkpoint_key(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def profile():
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     return profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
 
 

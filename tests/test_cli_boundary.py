@@ -31,8 +31,9 @@ def test_every_command_goes_through_the_boundary_and_shared_options_are_declared
 def test_a_signal_hidden_behind_another_exception_is_still_an_interruption():
     """torch elastic's metrics wrapper turns a SIGTERM that lands before its start time into UnboundLocalError whose
     context is the signal (seen in CI): the boundary still says 'interrupted'; an unrelated error is not."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from cost_models.records.errors import interrupted as _interrupted
 

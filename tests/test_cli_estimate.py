@@ -2,14 +2,13 @@
 import json
 
 import pytest
-
 from typer.testing import CliRunner
 
 from cli import app
 from cost_models.records.fileio import dumps, write_atomic
+from cost_models.records.files import ProfileFile
 from cost_models.records.formatting import size
 from cost_models.records.presets import preset
-from cost_models.records.files import ProfileFile
 from cost_models.records.schedule import SCHEDULES
 
 runner = CliRunner()
@@ -43,8 +42,8 @@ def test_estimate_json(tmp_path, tiny_profiles):
 
 
 def test_estimate_that_does_not_fit_exits_3(tmp_path):
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     prof = profile_model(resolve("llama2-7b"), micro_batch_size=1, seq_len=64, meta=True, dtype="bf16")
     path = _profile_file(tmp_path, prof, preset("l4-pcie"))
     res = runner.invoke(app, ["estimate", path, "--dp", "1", "--pp", "1", "--microbatches", "1"])
@@ -115,6 +114,7 @@ def test_a_profile_timed_on_an_overloaded_machine_is_named_where_its_times_price
     profile, and not where the times are not used (a GPU preset prices FLOPs)."""
     import dataclasses
     import os
+
     from tests.clusters import cpu_cluster
     real = tiny_profiles["gpt-tiny", False]
     assert len(real.load_1min) == 2 and min(real.load_1min) >= 0 and real.cpus == os.cpu_count()

@@ -1,9 +1,9 @@
 """`planner profile` as a user runs it: exit codes, one-line errors, JSON on stdout, files written safely."""
-import pytest
 import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from cli import app

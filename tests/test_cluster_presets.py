@@ -6,9 +6,9 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.records.files import ClusterFile
 from cost_models.profiling.cluster_source import parse_sizes, resolve_cluster
 from cost_models.records.errors import ConfigError, FileFormatError
+from cost_models.records.files import ClusterFile
 from cost_models.records.presets import PRESETS, preset
 
 

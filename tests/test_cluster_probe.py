@@ -99,8 +99,8 @@ def test_one_rank_probes_compute_and_prices_no_link_it_could_not_measure():
     assert prof.world_size == 1 and prof.fits == () and prof.compute.flops_per_rank > 0
     assert prof.intra_node.bandwidth_Bps == PCIE4.bandwidth_Bps and prof.intra_node.source.startswith("not measured")
     assert any("no collective or link to measure" in n for n in prof.notes)
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     meta = profile_model(resolve("gpt-tiny"), micro_batch_size=2, seq_len=16, meta=True, dtype="fp32")
     est = estimate(Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=2,
                             stages=(tuple(u.name for u in meta.units),), precision="fp32"), meta, prof)

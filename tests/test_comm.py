@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from cost_models.records.cluster import CollectiveFit
 from cost_models.cost.comm import collective_time, dp_wire_bytes, p2p_time, ring_phase, tree_all_reduce_time, wire_bytes
+from cost_models.records.cluster import CollectiveFit
 from cost_models.records.presets import RING_STEP_LATENCY_S, preset
 
 
@@ -139,8 +139,8 @@ def test_zero1_prices_one_probed_broadcast_per_parameter_tensor(tiny_profiles):
     data-parallel time is ZeRO-0's (the DDP all-reduce) plus, per tensor, the broadcast fit's mean at that tensor's
     bytes (the probe timed broadcasts as such a run, so not the medians' line). With all-gather pricing the 4-rank
     plans of benchmarks/fidelity.py were predicted at 1.6-2.6x their measured step."""
-    from cost_models.records.cluster import Sample
     from cost_models.cost.estimate import estimate
+    from cost_models.records.cluster import Sample
     from cost_models.records.strategy import Strategy
     from tests.clusters import cpu_cluster
     prof = tiny_profiles["gpt-tiny", True]

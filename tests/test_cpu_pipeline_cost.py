@@ -5,14 +5,13 @@ import dataclasses
 
 import pytest
 
-from cost_models.records.cluster import Calibration
-from cost_models.cost.sharing import action_seconds
 from cost_models.cost.estimate import _Context, _stage_pass, action_cost, estimate
-from cost_models.cost.sharing import SEND_DELAY_CAP_S, busy_ranks, send_delay
-from cost_models.profiling.model_profiler import profile_model
-from cost_models.models.source import resolve
-from cost_models.records.presets import preset
+from cost_models.cost.sharing import SEND_DELAY_CAP_S, action_seconds, busy_ranks, send_delay
 from cost_models.cost.simulator import simulate_schedule
+from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
+from cost_models.records.cluster import Calibration
+from cost_models.records.presets import preset
 from cost_models.records.strategy import Strategy
 from tests.clusters import cpu_cluster
 

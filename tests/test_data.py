@@ -8,9 +8,9 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.records.errors import ConfigError
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
+from cost_models.records.errors import ConfigError
 from executor.data import TokenFile
 from executor.launch import run_many
 from executor.train import TrainConfig, single_process_losses

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from cost_models.cost.estimate import estimate
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.presets import preset
 from cost_models.records.strategy import Strategy
-from executor.train import TrainConfig, single_process_losses
 from executor.launch import WARMUP_STEPS, run_many
+from executor.train import TrainConfig, single_process_losses
 from tests.plans import plan_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,6 +162,7 @@ def test_torchrun_example_runs():
 
 def test_run_refuses_a_plan_this_machine_cannot_host(tmp_path):
     from typer.testing import CliRunner
+
     from cli import app
     from planner.request import PlanRequest
     from planner.search import plan as make_plan

@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.records.formatting import size
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
+from cost_models.records.formatting import size
 from executor import checkpoint_layout as layout
-from executor.testing_hooks import DUMP_STATE_ENV
 from executor.export import canonical_keys
 from executor.launch import RunConfig, launch
+from executor.testing_hooks import DUMP_STATE_ENV
 from tests.plans import plan_for
 from tests.test_executor import S
 

@@ -8,14 +8,13 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
+from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.cluster import CollectiveFit
-from cost_models.records.files import ClusterFile
 from cost_models.records.errors import FileFormatError
 from cost_models.records.fileio import dumps
-from cost_models.profiling.model_profiler import profile_model
-from cost_models.models.source import resolve
+from cost_models.records.files import ClusterFile, ProfileFile
 from cost_models.records.presets import PRESETS, preset
-from cost_models.records.files import ProfileFile
 from cost_models.records.validate import validate_cluster
 
 runner = CliRunner()

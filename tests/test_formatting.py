@@ -4,11 +4,11 @@ import re
 import pytest
 
 from cost_models.cost.estimate import estimate
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
+from cost_models.records.formatting import about, duration, fixed, flop_rate, load_line, measured, rate, size
 from cost_models.records.presets import preset
 from cost_models.records.strategy import Strategy
-from cost_models.records.formatting import about, duration, fixed, flop_rate, load_line, measured, rate, size
 from planner.summaries import estimate_lines, unit_rows
 from tests.plans import GPT_TINY_UNITS, plan_for
 

@@ -8,8 +8,8 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from cost_models.profiling.model_profiler import profile_model  # noqa: E402
 from cost_models.models.source import resolve  # noqa: E402
+from cost_models.profiling.model_profiler import profile_model  # noqa: E402
 from cost_models.records.strategy import Strategy  # noqa: E402
 from executor.launch import run_many  # noqa: E402
 from executor.train import TrainConfig, batch_source, single_process_losses  # noqa: E402

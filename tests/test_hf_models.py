@@ -3,8 +3,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from cost_models.profiling.model_profiler import profile_model  # noqa: E402
 from cost_models.models.source import resolve  # noqa: E402
+from cost_models.profiling.model_profiler import profile_model  # noqa: E402
 
 GPT2 = "hf:gpt2?n_layer=2&n_embd=64&n_head=2&vocab_size=1000&n_positions=64"
 LLAMA = ("hf:llama?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&num_key_value_heads=2"

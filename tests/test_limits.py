@@ -7,12 +7,12 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
+from cost_models.cost.memory import zero1_partition
 from cost_models.records.errors import ConfigError
 from cost_models.records.fileio import dumps, write_atomic
-from cost_models.records.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_MICROBATCHES
-from cost_models.cost.memory import zero1_partition
-from cost_models.records.presets import preset
 from cost_models.records.files import ProfileFile
+from cost_models.records.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_MICROBATCHES
+from cost_models.records.presets import preset
 from cost_models.records.strategy import Strategy
 from planner.request import PlanRequest
 from planner.search import plan

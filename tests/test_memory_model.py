@@ -317,8 +317,9 @@ def test_the_optimizer_step_of_dtensor_parameters_costs_the_probed_dtensor_rate(
     plain one where a cluster file has no DTensor figure). Measured on 2 CPU ranks: 0.30-0.32 ms per DTensor, 0.035
     ms per plain tensor; gpt-wide ZeRO-2 dp=2: 12.4 ms measured, 10.5 predicted, 2.5 before."""
     import dataclasses as dc
-    from cost_models.records.cluster import ComputeProbe
+
     from cost_models.cost.estimate import estimate
+    from cost_models.records.cluster import ComputeProbe
     from cost_models.records.presets import preset
     from cost_models.records.strategy import Strategy
     prof = tiny_profiles["gpt-tiny", True]

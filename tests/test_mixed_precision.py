@@ -59,9 +59,9 @@ def test_the_estimate_splits_mixed_bytes_as_torch_holds_them_on_gpus(tiny_profil
 def _mixed_runs(items: list[tuple[dict, bool]]) -> list | None:
     import torch.distributed as dist
 
-    from cost_models.torch_compat.elastic import init_process_group
     from cost_models.models.losses import compute_loss
     from cost_models.models.source import resolve
+    from cost_models.torch_compat.elastic import init_process_group
     from executor.runtime import ModelSpec, build_runtime
     from executor.stages import UnitMap
     from executor.train import optimizer_for

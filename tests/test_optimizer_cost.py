@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from cost_models.cost.compute import optimizer_step_time
-from cost_models.cost.sharing import contention, memory_contention
 from cost_models.cost.estimate import estimate
-from cost_models.cost.sharing import busy_ranks
-from cost_models.torch_compat.optimizers import OPTIMIZERS, build, time_optimizers
+from cost_models.cost.sharing import busy_ranks, contention, memory_contention
 from cost_models.records.presets import preset
 from cost_models.records.profile import Timing
 from cost_models.records.strategy import Strategy
+from cost_models.torch_compat.optimizers import OPTIMIZERS, build, time_optimizers
 from tests.clusters import cpu_cluster
 
 

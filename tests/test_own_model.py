@@ -8,10 +8,10 @@ import torch.distributed as dist
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.torch_compat.elastic import elastic_job, init_process_group
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.strategy import Strategy
+from cost_models.torch_compat.elastic import elastic_job, init_process_group
 from executor.launch import run_many
 from executor.testing_hooks import INIT_ENV
 from executor.train import TrainConfig, single_process_losses
@@ -102,6 +102,7 @@ def test_every_layout_starts_from_the_models_own_init(factory):
     mode (for models too large to build on every rank): drawn by each module's own reset_parameters, identical
     under every layout. PosNet's position table (read outside the units) rides on its traced first stage."""
     from torch.distributed.launcher.api import elastic_launch
+
     from tests import custom_models
     units = ("emb", "blocks.0", "blocks.1", "head")
     layouts = [_zero(units, 2, 0), _zero(units, 2, 3),

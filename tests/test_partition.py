@@ -82,8 +82,8 @@ def _crossing(stages, edges):
 
 def test_dag_partition_on_a_profiled_skip_model():
     # SkipNet: stem, 6 blocks, out; block 1's output also feeds block 4 (found by the profiler as an edge).
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     prof = profile_model(resolve("tests.custom_models:make_skipnet"), micro_batch_size=2, seq_len=4, meta=True)
     assert not prof.is_chain
     skip = [(e.src, e.dst) for e in prof.edges if e.dst != e.src + 1]

@@ -5,14 +5,14 @@ import dataclasses
 
 import pytest
 
-from cost_models.records.cluster import CollectiveFit
 from cost_models.cost.comm import collective_time
 from cost_models.cost.estimate import estimate
-from cost_models.records.precision import BYTES_PER_PARAM
-from cost_models.profiling.model_profiler import profile_model
-from cost_models.models.source import resolve
-from cost_models.records.presets import preset
 from cost_models.cost.simulator import simulate_schedule
+from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
+from cost_models.records.cluster import CollectiveFit
+from cost_models.records.precision import BYTES_PER_PARAM
+from cost_models.records.presets import preset
 from cost_models.records.strategy import Strategy
 
 

@@ -7,14 +7,14 @@ from torch import nn
 from typer.testing import CliRunner
 
 from cli import app
+from cost_models.models.pipelining import pipeline_support
+from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.errors import ConfigError, FileFormatError
 from cost_models.records.fileio import dumps, write_atomic
-from cost_models.profiling.model_profiler import profile_model
-from cost_models.models.source import resolve
-from cost_models.models.pipelining import pipeline_support
+from cost_models.records.files import ProfileFile
 from cost_models.records.presets import preset
 from cost_models.records.profile import ModelProfile
-from cost_models.records.files import ProfileFile
 from cost_models.records.strategy import Strategy
 from planner.manual import StrategyRequest, build_strategy, manual_plan
 from planner.plan import Plan, check_plan

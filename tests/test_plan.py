@@ -5,12 +5,12 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
+from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.errors import InfeasibleError
 from cost_models.records.fileio import dumps, write_atomic
-from cost_models.profiling.model_profiler import profile_model
-from cost_models.models.source import resolve
-from cost_models.records.presets import preset
 from cost_models.records.files import ProfileFile
+from cost_models.records.presets import preset
 from cost_models.records.schedule import SCHEDULES
 from planner.plan import PLAN_KIND, Plan
 from planner.request import PlanRequest

@@ -1,9 +1,9 @@
 """The per-unit numbers of the model profiler against formulas and hand counts."""
 import pytest
 
-from cost_models.records.errors import ConfigError, ModelSourceError, ProfileError
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
+from cost_models.records.errors import ConfigError, ModelSourceError, ProfileError
 
 
 def test_gpt_block_flops_match_narayanan():
@@ -142,6 +142,7 @@ def test_meta_progress_has_no_estimate_and_ends_at_the_total():
 
 def test_profile_cli_says_how_long_a_long_real_profile_takes(tmp_path, monkeypatch):
     from typer.testing import CliRunner
+
     import cli
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli, "LONG_PROFILE_S", 0.0)   # every profile counts as long
@@ -174,9 +175,9 @@ def test_factory_token_ids_count_at_int64():
 
 
 def test_factory_token_model_throughput_counts_tokens():
-    from planner.summaries import estimate_lines
     from executor.launch import summarize
     from planner.run_record import RankResult
+    from planner.summaries import estimate_lines
     from tests.plans import plan_for
     prof, s, est = _tiny_lm_estimate()
     assert (est.tokens_per_step, est.throughput_unit) == (2 * 3 * 5, "tokens")    # 6 sequences x 5 tokens

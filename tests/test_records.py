@@ -2,13 +2,12 @@ import json
 
 import pytest
 
-from cost_models.records.files import ClusterFile
 from cost_models.records.errors import FileFormatError, OutputExistsError
 from cost_models.records.file_record import FileRecord
 from cost_models.records.fileio import dumps, write_atomic
+from cost_models.records.files import ClusterFile, ProfileFile
 from cost_models.records.presets import preset
 from cost_models.records.profile import PROFILE_KIND, SCHEMA_VERSION
-from cost_models.records.files import ProfileFile
 
 
 def test_profile_round_trips_through_json(tiny_profiles, tmp_path):

@@ -7,10 +7,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.records.strategy import Strategy
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.formatting import duration, fixed, size
+from cost_models.records.strategy import Strategy
 from planner.report import render_html, render_markdown
 from tests.plans import GPT_TINY_UNITS, plan_file, plan_for
 
@@ -91,6 +91,7 @@ def test_the_run_section_renders_typed_rows_with_their_units(pipeline_plan):
 
 def test_a_run_json_of_the_old_format_is_refused_saying_to_re_run(tmp_path, pipeline_plan):
     import json
+
     from cost_models.records.errors import FileFormatError
     from planner.run_record import load_run
     plan, _ = pipeline_plan
@@ -125,6 +126,7 @@ def test_report_renders_in_headless_chromium_without_console_errors(tmp_path, pi
 
 def _with_candidates(plan, times_s, mems_gib):
     import dataclasses
+
     from planner.plan import Candidate
     cands = tuple(Candidate(label=f"c{i}", family="zero", step_time_s=t, peak_memory_bytes=int(m * 2**30), fits=True)
                   for i, (t, m) in enumerate(zip(times_s, mems_gib)))

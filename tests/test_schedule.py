@@ -1,12 +1,13 @@
 """The schedule IR: our generators against torch's own pipeline_order, and the simulator against the papers."""
 import random
+
 import pytest
 from torch.distributed.pipelining import schedules as S
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from cost_models.cost.simulator import ScheduleDeadlock, StageCost, simulate
 from cost_models.records.errors import ConfigError
 from cost_models.records.schedule import SCHEDULES, Action, format_grid, format_order, generate, parse_order
-from cost_models.cost.simulator import ScheduleDeadlock, StageCost, simulate
 
 
 class MockStage(_PipelineStageBase):
@@ -193,8 +194,8 @@ def test_schedule_names_appear_in_product_code_only_in_the_registry():
 
 
 def test_zbv_is_planned_for_an_untied_model_and_not_where_a_tie_would_share_a_rank():
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.records.presets import preset
     from planner.request import PlanRequest
     from planner.search import search
@@ -213,8 +214,8 @@ def test_zbv_is_planned_for_an_untied_model_and_not_where_a_tie_would_share_a_ra
 def test_the_estimate_holds_zbv_stages_where_the_v_puts_them():
     from cost_models.cost.estimate import estimate
     from cost_models.cost.memory import executor_state_bytes
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     from cost_models.records.presets import preset
     from cost_models.records.strategy import Strategy
     prof = profile_model(resolve("llama-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")

@@ -1,8 +1,8 @@
 """A schedule added to the registry runs for real: ZB-V (V placement, split backward) on 2 gloo ranks."""
 import pytest
 
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.strategy import Strategy
 from executor.launch import RunFailed, run_many
 from executor.train import TrainConfig, single_process_losses

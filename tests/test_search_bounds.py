@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from cost_models.profiling.model_profiler import profile_model
+from cost_models.cost.simulator import StageCost, simulate
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.presets import preset
 from cost_models.records.schedule import SCHEDULES, forwards_before_backward, generate
-from cost_models.cost.simulator import StageCost, simulate
 from planner.request import PlanRequest
 from planner.search import search
 
@@ -58,8 +58,8 @@ def test_forwards_before_the_first_backward_are_alive_together_in_the_simulation
 def _bounds_and_estimates(prof, cluster, req):
     """Every point's time bound (P2) beside its first estimate (the balanced cut, no recompute), as search builds
     them: a bound above its own estimate can prune a plan the exhaustive search keeps."""
-    from planner import search as S
     from cost_models.cost.estimate import dtype_ratio
+    from planner import search as S
     at = functools.partial(S.bound_unit_times, prof, cluster, req)
     run = S._as_run(req, cluster)
     parts = S._Partitions(prof, at(prof.micro_batch_size), dtype_ratio=dtype_ratio(prof, run.precision), at_batch=at)
@@ -90,6 +90,7 @@ def test_bounds_hold_when_a_gpu_profiles_per_sample_time_grows_with_the_batch(ti
     to the batch, per-sample time then grows with it, and bounds scaled down from the largest micro-batch exceeded
     their estimates. Each micro-batch size is now estimated. (GPU fields set by hand: CI has no GPU.)"""
     import dataclasses
+
     from cost_models.records.profile import Timing
     base = tiny_profiles["gpt-tiny", False]   # real profile at micro-batch 2
     h100 = preset("dgx-h100")
@@ -109,6 +110,7 @@ def test_bounds_hold_on_a_probed_cpu_cluster_above_the_profiles_micro_batch(tiny
     2 with one sample at 0.9 of it: 4x the profile's time where the estimate has 1.6x; 1x at 1.1). Each micro-batch is now
     read off the same line."""
     import dataclasses
+
     from cost_models.records.profile import Timing
     from tests.clusters import cpu_cluster
     base = tiny_profiles["gpt-tiny", False]   # real profile at micro-batch 2
@@ -144,6 +146,7 @@ def test_bounds_hold_on_a_calibrated_cluster(tiny_profiles):
     search's bounds left them unscaled and exceeded their estimates (5 of 96 points at 0.5), so the pruned search
     could drop a plan the exhaustive one keeps."""
     import dataclasses
+
     from cost_models.records.cluster import Calibration
     from tests.clusters import cpu_cluster
     prof = tiny_profiles["gpt-tiny", False]
@@ -177,8 +180,8 @@ def test_the_bounds_unit_times_are_the_estimates(tiny_profiles, calibrated, dp, 
     multi-unit stages above their estimates). With tp = 1 a stage's parameters and activations are its units'
     held_params and saved_bytes, which the memory-aware partitioner reads."""
     import dataclasses
-    from cost_models.cost.estimate import (action_cost, activation_scale, estimate, held_params, saved_bytes,
-                                           unit_costs)
+
+    from cost_models.cost.estimate import action_cost, activation_scale, estimate, held_params, saved_bytes, unit_costs
     from cost_models.records.cluster import Calibration
     from cost_models.records.strategy import Strategy
     from planner import search as S
@@ -212,6 +215,7 @@ def test_the_fallback_unit_times_are_the_estimates_with_one_rank_computing(tiny_
     estimate does with one rank computing (planner.search.bound_unit_times, estimate.unit_seconds), calibration
     included: a one-rank plan's estimate is its units' sum."""
     import dataclasses
+
     from cost_models.cost.estimate import estimate
     from cost_models.records.cluster import Calibration
     from cost_models.records.strategy import Strategy

@@ -3,14 +3,13 @@ timelines, and the estimate using them."""
 import pytest
 
 from cost_models.cost.estimate import _Context, _stage_pass, estimate
-from cost_models.cost.sharing import busy_ranks, send_delay
-from cost_models.cost.sharing import contention
-from cost_models.profiling.model_profiler import profile_model
+from cost_models.cost.sharing import (Stretch, busy_ranks, contention, mean_slowdown, send_delay, stretched_backward,
+                                      stretches)
+from cost_models.cost.simulator import Event, StageCost, simulate_schedule
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.presets import preset
 from cost_models.records.schedule import Action
-from cost_models.cost.simulator import Event, StageCost, simulate_schedule
-from cost_models.cost.sharing import Stretch, mean_slowdown, stretched_backward, stretches
 from cost_models.records.strategy import Strategy
 from tests.clusters import cpu_cluster
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from cost_models.models.source import resolve
+from cost_models.models.tp_shape import custom_tp_plan, tp_shape
 from cost_models.records.strategy import Strategy
 from cost_models.records.tensor_parallel import SPLIT_STYLES, rules_for, style_of, vocab_divides
-from cost_models.models.tp_shape import custom_tp_plan, tp_shape
 from executor.train import TrainConfig, single_process_losses
 
 UNITS = ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head")

@@ -11,9 +11,9 @@ from torch import nn
 from cost_models.cost.comm import TP_OPS
 from cost_models.cost.estimate import estimate, tp_bytes_per_step
 from cost_models.cost.memory import korthikanti_layer_bytes, tp_saved_bytes
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.gpt import GPT, GPTConfig
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.presets import preset
 from cost_models.records.strategy import Strategy
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from cost_models.records.errors import ConfigError, ModelSourceError
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.models.tp_shape import custom_tp_plan, tp_shape
+from cost_models.profiling.model_profiler import profile_model
+from cost_models.records.errors import ConfigError, ModelSourceError
 from cost_models.records.profile import ModelProfile
 from cost_models.records.tensor_parallel import TPRule, TPShape, rules_for, style_of
-from cost_models.models.tp_shape import custom_tp_plan, tp_shape
 
 MODEL = "tests.test_tp_custom:tiny_model"
 PLAN = "tests.test_tp_custom:tiny_plan"

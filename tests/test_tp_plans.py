@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from cost_models.records.errors import ConfigError
 from cost_models.models.source import resolve
+from cost_models.models.tp_shape import tp_shape
+from cost_models.records.errors import ConfigError
 from cost_models.records.strategy import Strategy
 from cost_models.records.tensor_parallel import LINEAR_KINDS, PLANS, STYLE_KINDS, rules_for, style_of, vocab_divides
-from cost_models.models.tp_shape import tp_shape
 
 HF_LLAMA = ("hf:{kind}?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&num_key_value_heads=2"
             "&intermediate_size=128&vocab_size=256&max_position_embeddings=64")

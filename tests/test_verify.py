@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from cost_models.cost.estimate import estimate
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
-from cost_models.records.presets import preset
+from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.files import ProfileFile
+from cost_models.records.presets import preset
 from executor import verify as V
 from planner.plan import Plan, Trial
 from planner.report import render_markdown, trial_rows
@@ -129,9 +129,10 @@ def test_older_plans_without_trials_load_and_a_plan_must_have_measured_its_choic
     data = searched.to_dict()
     assert data.pop("trials") == []
     assert Plan.from_dict(data).trials == ()
+    from dataclasses import replace
+
     from cost_models.records.errors import ConfigError
     from planner.plan import check_plan
-    from dataclasses import replace
     bad = replace(searched, trials=(T("someone else", 1.0, 0.01),))
     with pytest.raises(ConfigError, match="trials do not include a measurement of the chosen strategy"):
         check_plan(bad)
@@ -171,8 +172,9 @@ def test_verify_runs_k_hostable_candidates_in_predicted_order_and_reports_each(s
 
 
 def test_an_interrupt_while_a_candidate_runs_ends_the_command(searched, profile, monkeypatch):
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     def launch(p, run):
         try:
@@ -196,6 +198,7 @@ def test_the_test_hook_injects_a_failure_into_the_named_trial_only(monkeypatch):
 
 def test_bad_verify_settings_are_refused_in_one_line_before_the_search():
     from typer.testing import CliRunner
+
     from cli import app
     result = CliRunner().invoke(app, ["plan", "missing.json", "-B", "8", "--verify", "-1", "-o", "-"])
     assert result.exit_code == 2

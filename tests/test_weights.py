@@ -168,8 +168,8 @@ def test_what_does_not_fit_is_refused_in_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def plan():
     """A plan to list in checkpoints' meta (load_weights reads only the model's tensors of a checkpoint)."""
-    from cost_models.profiling.model_profiler import profile_model
     from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
     profile = profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=16, meta=True, dtype="fp32")
     return plan_for(Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=1,
                              stages=(GPT_TINY_UNITS,)), profile)
@@ -251,8 +251,9 @@ def _sharded(model: nn.Module, mesh) -> nn.Module:
 
 
 def _rank_loads_its_shard(rank: int, tmp: Path, meta_fields: dict) -> None:
-    from executor import weights
     from torch.distributed.device_mesh import init_device_mesh
+
+    from executor import weights
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=2)
     try:

@@ -1,8 +1,8 @@
 """Exact parameter counts of the zoo, taken through the profiler (meta mode) so the unit accounting is checked too."""
 import pytest
 
-from cost_models.profiling.model_profiler import profile_model
 from cost_models.models.source import resolve
+from cost_models.profiling.model_profiler import profile_model
 
 # Published counts: GPT-2 (tied head, vocab 50257) and Meta's Llama releases.
 EXPECTED = {

@@ -38,7 +38,6 @@ import dataclasses
 import math
 from typing import Protocol, Sequence
 
-from cost_models.records.cluster import Calibration, ClusterProfile, ComputeProbe
 from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                    tp_unit_traffic)
 from cost_models.cost.compute import (compute_dtype, executed_precision, optimizer_step_time, tp_unit_times, unit_times,
@@ -46,14 +45,14 @@ from cost_models.cost.compute import (compute_dtype, executed_precision, optimiz
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
                                      held_bytes_per_param, overhead_bytes, saved_at, torch_mixed, tp_param_share,
                                      tp_saved_bytes, zero1_partition)
+from cost_models.cost.sharing import (action_seconds, busy_ranks, contention, effective_cores, send_delay,
+                                      stretched_backward, stretches)
+from cost_models.cost.simulator import Simulation, StageCost, simulate_schedule
+from cost_models.records.base import Record, record
+from cost_models.records.cluster import Calibration, ClusterProfile, ComputeProbe
 from cost_models.records.precision import BYTES_PER_PARAM, DTYPE_BYTES
 from cost_models.records.profile import ModelProfile, UnitProfile
-from cost_models.records.base import Record, record
 from cost_models.records.schedule import format_order, get_spec
-from cost_models.cost.simulator import Simulation, StageCost, simulate_schedule
-from cost_models.cost.sharing import (action_seconds, busy_ranks, contention, effective_cores, send_delay,
-                                      stretched_backward,
-                                      stretches)
 from cost_models.records.strategy import Strategy
 from cost_models.records.tensor_parallel import vocab_divides
 

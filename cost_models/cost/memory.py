@@ -42,12 +42,11 @@ Transformer Models", section 4 and Table 2; s sequence, b micro-batch, h hidden,
 from __future__ import annotations
 
 import heapq
-
 from typing import TYPE_CHECKING
 
+from cost_models.records.base import Record, record
 from cost_models.records.precision import BYTES_PER_PARAM
 from cost_models.records.profile import TPUnit, UnitProfile
-from cost_models.records.base import Record, record
 
 if TYPE_CHECKING:
     from cost_models.records.cluster import ClusterProfile

@@ -24,10 +24,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from cost_models.cost.simulator import Event, StageCost, schedule_timeline
 from cost_models.records.base import Record, record
 from cost_models.records.cluster import ClusterProfile, ComputeProbe
 from cost_models.records.strategy import Strategy
-from cost_models.cost.simulator import Event, StageCost, schedule_timeline
 
 # Re-simulations, each from the busy ranks of the previous one's timeline: over the fidelity configurations, 3
 # rounds price every step as 6 do and one round does not (benchmarks/results/measurements.md, "Processor sharing

@@ -265,7 +265,7 @@ def _memory_timeline(c: _Compiled, start: list[float], end: list[float],
     """A micro-batch's activations live from its forward's start until its last backward piece (B, or W) ends,
     but for the part its stage keeps to the end of the step (StageCost.kept_bytes); at equal times frees come first (then the order the actions were compiled in). Per stage the most micro-batches
     alive, per rank the most bytes."""
-    import numpy as np   # here, not at the top: every CLI command imports this module, few simulate
+    import numpy as np  # here, not at the top: every CLI command imports this module, few simulate
     ev_time = np.array([start[i] for i in c.grows] + [end[i] for i in c.frees])
     ev_delta = np.concatenate([np.ones(len(c.grows), dtype=np.int64), -np.ones(len(c.frees), dtype=np.int64)])
     ev_index = np.array(c.grows + c.frees, dtype=np.int64)

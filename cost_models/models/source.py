@@ -23,9 +23,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from cost_models.records.errors import ModelSourceError
 from cost_models.models.mlp import MLPConfig
 from cost_models.models.zoo import ZOO, ZooEntry, build_zoo_model
+from cost_models.records.errors import ModelSourceError
 from cost_models.records.profile import InputSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -26,9 +26,8 @@ used to absorb) should not set a size's cost. The median is kept beside the mean
 """
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -40,15 +39,15 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from cost_models.records.base import Record, record
 from cost_models.records.cluster import (ClusterProfile, CollectiveFit, CollectiveOp, ComputeProbe, DeviceSpec,
                                          LinkSpec, Sample, Topology)
-from cost_models.torch_compat.elastic import elastic_job, init_process_group, root_failure
-from cost_models.torch_compat.devices import claim_device, rank_backend
 from cost_models.records.errors import ConfigError, ProfileError
 from cost_models.records.fit import fit_alpha_beta
 from cost_models.records.formatting import fixed
+from cost_models.torch_compat.devices import claim_device, rank_backend
+from cost_models.torch_compat.elastic import elastic_job, init_process_group, root_failure
 from cost_models.torch_compat.host import peak_rss_bytes
-from cost_models.records.base import Record, record
 
 KIB, MIB = 2**10, 2**20
 # broadcast: ZeroRedundancyOptimizer sends each updated parameter tensor from its owner with one (its
@@ -458,9 +457,9 @@ def _unmeasured_link(gpu: bool) -> LinkSpec:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point under torchrun for multi-node probes: every rank runs it, rank 0 writes the cluster file."""
-    from cost_models.records.files import ClusterFile
-    from cost_models.records.fileio import dumps, write_atomic
     from cost_models.profiling.nvml_topology import detect_topology
+    from cost_models.records.fileio import dumps, write_atomic
+    from cost_models.records.files import ClusterFile
 
     ap = argparse.ArgumentParser(prog="python -m cost_models.profiling.cluster_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("-o", "--output", default="cluster.json")

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Callable
 
 from cost_models.records.cluster import ClusterProfile
-from cost_models.records.files import ClusterFile
 from cost_models.records.errors import ConfigError
+from cost_models.records.files import ClusterFile
 from cost_models.records.presets import PRESETS, preset
 from cost_models.records.validate import validate_cluster
 

@@ -37,17 +37,10 @@ import psutil
 import torch
 from torch import nn
 
-from cost_models.records.errors import ConfigError, ProfileError
-from cost_models.records.formatting import fixed, now_utc
-from cost_models.torch_compat.host import keep_freed_memory
 from cost_models.models.losses import loss_kind
-from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
-from cost_models.torch_compat.optimizers import time_optimizers
 from cost_models.models.pipelining import pipeline_support
-from cost_models.records.profile import ModelProfile, SharedParam, TPUnit, UnitEdge, UnitProfile
-from cost_models.records.tensor_parallel import TPRule
+from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.models.tp_shape import tp_shape
-from cost_models.torch_compat.torch_private import storage_id
 from cost_models.profiling.counting import ModuleResult, UnitResults, count_module
 from cost_models.profiling.flops import FusedAttentionOnMeta, attention_ops
 from cost_models.profiling.progress import Progress, ProgressFn
@@ -56,6 +49,13 @@ from cost_models.profiling.tensors import tensor_bytes
 from cost_models.profiling.timing import mixed_factor, time_units, unit_timing
 from cost_models.profiling.tp_watch import in_norm, model_tp_rules, param_split
 from cost_models.profiling.units import data_flow_edges, find_units
+from cost_models.records.errors import ConfigError, ProfileError
+from cost_models.records.formatting import fixed, now_utc
+from cost_models.records.profile import ModelProfile, SharedParam, TPUnit, UnitEdge, UnitProfile
+from cost_models.records.tensor_parallel import TPRule
+from cost_models.torch_compat.host import keep_freed_memory
+from cost_models.torch_compat.optimizers import time_optimizers
+from cost_models.torch_compat.torch_private import storage_id
 
 
 def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_name: str, units, *, excluded: set[int],

@@ -14,7 +14,6 @@ from cost_models.profiling.tensors import tensor_bytes
 from cost_models.records.tensor_parallel import TPRule, enters_late, rules_for, style_of
 from cost_models.torch_compat.torch_private import storage_id, tree_leaves
 
-
 _SPLIT_LINEAR = ("colwise", "rowwise")
 # role of a tensor saved inside a module of each style (TPUnit's doc); region: see TPWatch.role
 _ROLE_OF_STYLE = {"colwise": "col_input", "head": "col_input", "rowwise": "split", "norm": "seq"}

@@ -11,7 +11,7 @@ import types
 import typing
 from typing import Any, ClassVar, TypeVar
 
-from typing_extensions import dataclass_transform   # typing's own from Python 3.11; torch depends on the package
+from typing_extensions import dataclass_transform  # typing's own from Python 3.11; torch depends on the package
 
 from cost_models.records.errors import FileFormatError
 

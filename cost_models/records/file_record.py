@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from cost_models.records.base import Record
 from cost_models.records.errors import ConfigError, FileFormatError
 from cost_models.records.fileio import decode, dumps, parse_json, read_bytes, write_atomic
-from cost_models.records.base import Record
 
 F = TypeVar("F", bound="FileRecord")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterator, Literal, Mapping, Sequence
 
 from cost_models.records.errors import ConfigError

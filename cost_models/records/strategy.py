@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
+from cost_models.records.base import Record, record
 from cost_models.records.errors import ConfigError
 from cost_models.records.limits import check_global_batch, check_gpus, check_microbatches
 from cost_models.records.precision import Optimizer, Precision, check_training
-from cost_models.records.base import Record, record
 from cost_models.records.schedule import DEFAULT_SCHEDULE, Action, ScheduleSpec, cached_order, get_spec
+
 
 def family_of(*, dp: int, pp: int, tp: int = 1) -> str:
     """'zero' (no pipeline), 'pipeline' (no data parallelism) or 'hybrid': the ZeRO-or-pipeline question's terms;

@@ -12,12 +12,12 @@ import dataclasses
 import math
 from typing import Any, Iterator, NoReturn
 
+from cost_models.records.base import Record
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.errors import FileFormatError
 from cost_models.records.limits import MAX_GPUS
 from cost_models.records.precision import DTYPE_BYTES
 from cost_models.records.profile import OPTIMIZERS, PIPELINE_KINDS, ModelProfile, Timing, UnitProfile
-from cost_models.records.base import Record
 from cost_models.records.tensor_parallel import CUSTOM, PLANS
 
 PROFILE_FIX = "re-run planner profile"

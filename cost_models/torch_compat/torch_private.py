@@ -11,12 +11,14 @@ from typing import Iterator
 
 import torch
 from torch import nn
-# torch 2.13 has no public pytree module (torch.utils.pytree does not exist; only _pytree and _cxx_pytree):
-# tree_leaves / tree_map walk the nested args, kwargs and outputs of a module call.
-from torch.utils._pytree import tree_leaves, tree_map
+
 # No public path in torch 2.13 (torch.overrides has only TorchFunctionMode): a dispatch mode sees the c10d ops
 # that FSDP2, ZeroRedundancyOptimizer and pipelining issue below the Python API.
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# torch 2.13 has no public pytree module (torch.utils.pytree does not exist; only _pytree and _cxx_pytree):
+# tree_leaves / tree_map walk the nested args, kwargs and outputs of a module call.
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 def strided_shard(dim: int, split_factor: int):
