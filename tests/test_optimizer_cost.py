@@ -34,7 +34,8 @@ def test_a_real_profile_times_every_optimizer_on_the_whole_small_model(tiny_prof
         assert t.params == prof.total_params and t.tensors == tensors
         assert t.step.min_s <= t.step.median_s <= t.step.max_s and t.step.repeats == 3
         assert t.tensor_s > 0   # timed; how it compares with the step is a timing, which load can reorder
-        assert t.param_seconds() == pytest.approx((t.step.median_s - t.tensors * t.tensor_s) / t.params)
+        # the step beyond its per-tensor part, per parameter; none where load made the tensors' part the larger
+        assert t.param_seconds() == pytest.approx(max(0.0, t.step.median_s - t.tensors * t.tensor_s) / t.params)
     assert tiny_profiles["gpt-tiny", True].optimizer_timings == ()   # meta: nothing timed
 
 
