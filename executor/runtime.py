@@ -358,7 +358,7 @@ def _tie_groups(s: Strategy, ties, rank: int) -> list[tuple[str, object]]:
     for tied in ties:
         for d in range(s.dp):
             for t in range(s.tp):
-                members = [(r * s.dp + d) * s.tp + t for r in tied.pp_ranks]
+                members = [s.rank_at(r, d, t) for r in tied.pp_ranks]
                 group = _cached_group(("tie", *members), lambda: dist.new_group(ranks=members, timeout=timeout))
                 if rank in members:
                     out.append((tied.canonical, group))

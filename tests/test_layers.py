@@ -106,3 +106,12 @@ def test_the_checks_see_a_cycle_and_a_wrong_way_import(tmp_path):
     modules = {"pkg": pkg / "__init__.py", "pkg.a": pkg / "a.py", "pkg.b": pkg / "b.py"}
     assert _imported("pkg.a", modules["pkg.a"], modules) == {"pkg.b"}
     assert _imported("pkg.b", modules["pkg.b"], modules) == {"pkg.a"}
+
+
+def test_each_room_says_what_every_module_in_it_is_for():
+    """A room's docstring names each of its modules, so a reader of the package doc finds every file's job."""
+    for room in (r for r in ROOMS if r.startswith("cost_models.")):
+        folder = ROOT / room.replace(".", "/")
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))) or ""
+        unnamed = [p.stem for p in folder.glob("*.py") if p.stem != "__init__" and p.stem not in doc]
+        assert not unnamed, f"{room}'s docstring does not say what {unnamed} hold"

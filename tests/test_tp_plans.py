@@ -137,8 +137,28 @@ def test_mesh_puts_tp_innermost():
 ])
 def test_bad_tensor_parallel_settings_are_one_line_errors(kw, message):
     with pytest.raises(ConfigError) as err:
-        _strategy(**kw).validate(("u0", "u1"))
+        _strategy(**kw)   # a strategy checks its own shape when it is made: nothing wrong is ever passed on
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(dp=1, zero=2), "ZeRO-2 shards over data parallel ranks; with --dp 1 use --zero 0"),
+    (dict(microbatches=0), "--microbatches must be >= 1, got 0"),
+    (dict(pp=2), "1 stages given for pp=2 x v=1 = 2"),
+    (dict(recompute=(True, False)), "recompute has 2 entries for 1 stages"),
+    (dict(schedule="no-such"), None),
+])
+def test_a_strategy_refuses_a_bad_shape_when_it_is_made(kw, message):
+    with pytest.raises(ConfigError) as err:
+        _strategy(**kw)
+    assert message is None or str(err.value) == message
+    assert "\n" not in str(err.value)
+
+
+def test_rank_at_inverts_coords_on_the_pp_dp_tp_mesh():
+    s = _strategy(dp=2, tp=2, pp=2, stages=(("u0",), ("u1",)))
+    assert [s.rank_at(*s.coords(r)) for r in range(s.world_size)] == list(range(8))
+    assert s.coords(5) == (1, 0, 1) and s.rank_at(1, 1, 0) == 6 and s.ranks_per_stage == 4
 
 
 def test_old_plans_without_tp_load_as_tp1():

@@ -45,8 +45,7 @@ from cost_models.cost.compute import (compute_dtype, executed_precision, optimiz
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
                                      held_bytes_per_param, overhead_bytes, saved_at, torch_mixed, tp_param_share,
                                      tp_saved_bytes, zero1_partition)
-from cost_models.cost.sharing import (action_seconds, busy_ranks, contention, effective_cores, send_delay,
-                                      stretched_backward, stretches)
+from cost_models.cost.sharing import CoreSharing, action_seconds, core_sharing, stretched_backward, stretches
 from cost_models.cost.simulator import Simulation, StageCost, simulate_schedule
 from cost_models.records.base import Record, record
 from cost_models.records.cluster import Calibration, ClusterProfile, ComputeProbe
@@ -217,6 +216,7 @@ class _Context:
     calibration: Calibration = Calibration()       # the cluster's, or the neutral one
     mixed: bool = False         # torch's mixed precision (memory.torch_mixed): fp32 masters, bf16 compute
     autocast: bool = False      # ... through torch.autocast (no FSDP2 casting for it): unit times pay mixed_factor
+    sharing: CoreSharing = CoreSharing(busy=1.0, cores=None, contention=1.0, send_delay_s=0.0)   # CPU cores shared
 
     @staticmethod
     def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> "_Context":
@@ -237,7 +237,7 @@ class _Context:
                         unit_index={u.name: i for i, u in enumerate(profile.units)},
                         tp_on=s.tp > 1 or s.selective, tp_vocab=shape is not None and vocab_divides(shape, s.tp),
                         tp_cost=tp_cost, mixed=mixed,
-                        autocast=mixed and (s.zero < 2 or s.dp == 1))
+                        autocast=mixed and (s.zero < 2 or s.dp == 1), sharing=core_sharing(s, cluster))
 
 
 def dtype_ratio(profile: ModelProfile, precision: str) -> float:
@@ -286,7 +286,7 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     selective = s.selective and not recompute
     f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
         u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-        ranks_running=busy_ranks(s), tp=s.tp, vocab=c.tp_vocab, mixed=c.autocast))
+        ranks_running=c.sharing.busy, tp=s.tp, vocab=c.tp_vocab, mixed=c.autocast))
     saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective)
     if selective:
         b += core
@@ -335,7 +335,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
         if len(_UNIT_COSTS) >= _UNIT_COST_PAIRS:
             _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
         entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {})
-    key = (name, s.micro_batch_size, s.precision, busy_ranks(s), s.tp, s.sp, s.selective, recompute, c.tp_on,
+    key = (name, s.micro_batch_size, s.precision, c.sharing.busy, s.tp, s.sp, s.selective, recompute, c.tp_on,
            c.tp_vocab, s.optimizer, c.autocast)
     hit = entry[2].get(key)
     if hit is None:
@@ -346,7 +346,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
             hit = (f, b, kept, tuple(acc))
         else:
             f, b = unit_seconds(u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-                                ranks_running=busy_ranks(s), mixed=c.autocast)
+                                ranks_running=c.sharing.busy, mixed=c.autocast)
             hit = (f, b, _saved(c, u), ())
         entry[2][key] = hit
     return hit
@@ -547,8 +547,7 @@ def _stage_pass(c: _Context) -> tuple[tuple[StageEstimate, ...], list[tuple[floa
 
 # --- pass 2: the pipeline -----------------------------------------------------------------------------------------
 
-def _shared(s: Strategy, cluster: ClusterProfile, stages: tuple[StageEstimate, ...],
-            send_delay_s: float) -> tuple[StageEstimate, ...]:
+def _shared(c: _Context, stages: tuple[StageEstimate, ...]) -> tuple[StageEstimate, ...]:
     """A pipeline's stages on CPU ranks that share cores, each action priced at the ranks busy while it runs
     (sharing.stretches) instead of at the step's average (busy_ranks). Everything in an action's fwd_s / bwd_s is
     CPU work on these ranks (the units, torch's per-action runtime, FSDP's hooks), so all of it is stretched; its
@@ -557,12 +556,12 @@ def _shared(s: Strategy, cluster: ClusterProfile, stages: tuple[StageEstimate, .
     against fidelity measurements, it brought pipelines of one micro-batch closer to measured
     (benchmarks/results/measurements.md, "Processor sharing in a pipeline step"). GPUs, and pipelines of one
     stage, as priced."""
-    cores = effective_cores(cluster)
+    s, cores = c.s, c.sharing.cores
     if cores is None or s.n_stages == 1:
         return stages
     out = stretches(s.simulated_schedule, s.pp, s.microbatches, s.v, tuple(st.cost() for st in stages),
-                    replicas=s.ranks_per_stage, cores=cores, priced_at=contention(cluster, busy_ranks(s)),
-                    send_delay_s=send_delay_s)
+                    replicas=s.ranks_per_stage, cores=cores, priced_at=c.sharing.contention,
+                    send_delay_s=c.sharing.send_delay_s)
     shared = []
     for st, x in zip(stages, out):
         bwd, frac = stretched_backward(st.bwd_s, st.bwd_input_fraction, x)
@@ -638,7 +637,7 @@ def _optimizer_pass(c: _Context, stages: tuple[StageEstimate, ...]) -> float:
     # by DTensor, about ten times a plain tensor's cost (measured: benchmarks/results/measurements.md, "DTensor
     # optimizer overhead")
     return optimizer_seconds(opt_params_rank, opt_tensors_rank, profile=c.profile, cluster=c.cluster,
-                             precision=s.precision, optimizer=s.optimizer, ranks_running=busy_ranks(s),
+                             precision=s.precision, optimizer=s.optimizer, ranks_running=c.sharing.busy,
                              dtensors=s.zero >= 2 or s.tp > 1)
 
 
@@ -738,9 +737,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     s.validate(tuple(u.name for u in profile.units))
     c = _Context.of(s, profile, cluster)
     stages, unit_fb = _stage_pass(c)
-    delay = send_delay(s, cluster)
-    stages = _shared(s, cluster, stages, delay)
-    sim, free = _pipeline_pass(s, stages, compact=compact, send_delay_s=delay)
+    stages = _shared(c, stages)
+    sim, free = _pipeline_pass(s, stages, compact=compact, send_delay_s=c.sharing.send_delay_s)
     rank_dp, dp_bytes = _dp_pass(c, stages, unit_fb)
     rank_end, tied_bytes = _tied_sync(c, [sim.finish_s.get(r, 0.0) + rank_dp[r] for r in range(s.pp)])
     optimizer_s = _optimizer_pass(c, stages)

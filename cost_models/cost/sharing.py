@@ -186,3 +186,20 @@ def action_seconds(probe: "ComputeProbe", *, multi_stage: bool, split_backward: 
         return pairs
     share = 0.0 if most <= 1 else min(1.0, max(0.0, (pipelines_at_once - 1) / (most - 1)))
     return one + (pairs - one) * share
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreSharing:
+    """How CPU ranks sharing cores slow one strategy's work: what every pass of the estimate reads, computed once
+    per estimate (core_sharing). On GPUs nothing is shared: cores None, contention 1, no send delay."""
+
+    busy: float              # ranks computing at once on average over the step (busy_ranks)
+    cores: float | None      # effective cores (effective_cores); None on GPUs or without a probe
+    contention: float        # each busy rank's compute slowdown over one rank alone, at `busy`
+    send_delay_s: float      # how long a pipeline send waits for a core (send_delay)
+
+
+def core_sharing(s: Strategy, cluster: ClusterProfile) -> CoreSharing:
+    busy = busy_ranks(s)
+    return CoreSharing(busy=busy, cores=effective_cores(cluster), contention=contention(cluster, busy),
+                       send_delay_s=send_delay(s, cluster))

@@ -132,6 +132,10 @@ class Strategy(Record):
         """(pp_rank, dp_rank, tp_rank) of a global rank on the (pp, dp, tp) mesh."""
         return rank // self.ranks_per_stage, rank // self.tp % self.dp, rank % self.tp
 
+    def rank_at(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        """The global rank at these mesh coordinates (coords' inverse)."""
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
     def split_tie(self, tied_units: Iterable[Sequence[str]]) -> str | None:
         """Why this schedule cannot run a parameter shared by units in two stages on one pipeline rank, or None.
         tied_units: for each tied parameter, the units using it (ModelProfile.shared[i].units)."""
