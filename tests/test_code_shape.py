@@ -72,8 +72,8 @@ def test_torch_private_names_are_used_only_in_torch_private():
     own = _own_names(trees)
     uses = [f"{path}:{line}: {what}" for path, tree in trees.items() if path != PRIVATE_HOME
             for line, what in sorted(set(_library_private_uses(tree, own)))]
-    assert not uses, ("private names of torch (or another library) outside cost_models/torch_compat/torch_private.py; wrap them "
-                      "there with why and the torch version checked:\n" + "\n".join(uses))
+    assert not uses, ("private names of torch (or another library) outside cost_models/torch_compat/torch_private.py; "
+                      "wrap them there with why and the torch version checked:\n" + "\n".join(uses))
 
 
 def test_the_private_name_check_sees_each_form():

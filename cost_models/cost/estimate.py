@@ -394,8 +394,8 @@ def _working_set(c: _Context, units: tuple[str, ...], saved: list[float], stage_
 
 def _kept(c: _Context, sid: int, units: tuple[str, ...], recompute: bool) -> float:
     """What each micro-batch keeps on a stage until the step ends under torch's split backward (I, then W): the saved
-    tensors of its nodes on no weight's path, measured in context by profiling.split_backward.split_kept_in_stages (a last
-    stage from its first unit to the loss; a middle stage as its first unit alone plus each later one after the
+    tensors of its nodes on no weight's path, measured in context by profiling.split_backward.split_kept_in_stages (a
+    last stage from its first unit to the loss; a middle stage as its first unit alone plus each later one after the
     unit before it). I runs with retain_graph and W starts from the
     intermediates I kept, so those are freed only with the graph, which a stage holds to the end of the step (the
     last stage's outputs and losses; measured by executor.activations, torch 2.13: every stage but the first, which

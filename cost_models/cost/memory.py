@@ -1,9 +1,9 @@
 """Per-rank memory: model states by ZeRO stage, activations by schedule, buffers and overhead (pure functions).
 
 Model states per parameter: cost_models.records.precision.BYTES_PER_PARAM (Rajbhandari et al. 2020, "ZeRO",
-sections 3.1 and 5). ZeRO over N data-parallel ranks divides: stage 1 the optimizer states, stage 2 also the gradients, stage 3 also
-the parameters: per rank (mixed Adam) 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (zero_model_state_bytes: the paper's
-formula, Figure 1).
+sections 3.1 and 5). ZeRO over N data-parallel ranks divides: stage 1 the optimizer states, stage 2 also the gradients,
+stage 3 also the parameters: per rank (mixed Adam) 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (zero_model_state_bytes: the
+paper's formula, Figure 1).
 
 ZeRO-2 as the executor runs it holds 2Ψ + 16Ψ/N at its peak, not the paper's 2Ψ + 14Ψ/N: FSDP2 keeps every
 parameter's shard (2Ψ/N) as the optimizer's parameter and, with reshard_after_forward=False, the gathered copy (2Ψ)

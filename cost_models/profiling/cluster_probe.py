@@ -461,7 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     from cost_models.records.fileio import dumps, write_atomic
     from cost_models.records.files import ClusterFile
 
-    ap = argparse.ArgumentParser(prog="python -m cost_models.profiling.cluster_probe", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m cost_models.profiling.cluster_probe",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("-o", "--output", default="cluster.json")
     ap.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", choices=list(_DTYPES))
     ap.add_argument("--force", action="store_true")

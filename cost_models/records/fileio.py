@@ -1,5 +1,6 @@
 """Atomic, non-clobbering file output and strict JSON input shared by every zeropipe file format (the kind and
-schema version of a file are checked by cost_models.records.file_record.FileRecord, which reads and writes through here)."""
+schema version of a file are checked by cost_models.records.file_record.FileRecord, which reads and writes through
+here)."""
 from __future__ import annotations
 
 import json

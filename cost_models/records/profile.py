@@ -40,9 +40,9 @@ OPTIMIZERS = ("adamw", "adam", "sgd")   # Strategy.optimizer's values, in the or
 
 @record
 class OptimizerTiming(Record):
-    """One optimizer's step (the executor's, cost_models.torch_compat.optimizers.build) timed in a real-mode profile, on fp32
-    copies of the model's parameters (every plan updates fp32 weights: fp32, and bf16-mixed's torch mixed precision)
-    with gradients set, beside the same step over many tiny tensors (its fixed cost per tensor)."""
+    """One optimizer's step (the executor's, cost_models.torch_compat.optimizers.build) timed in a real-mode profile,
+    on fp32 copies of the model's parameters (every plan updates fp32 weights: fp32, and bf16-mixed's torch mixed
+    precision) with gradients set, beside the same step over many tiny tensors (its fixed cost per tensor)."""
 
     optimizer: str                       # "adamw" | "adam" | "sgd"
     step: Timing                         # one step over `params` parameters in `tensors` tensors
@@ -68,8 +68,9 @@ class InputSpec(Record):
 @record
 class TPUnit(Record):
     """What tensor parallelism needs of one unit, measured on its module tree at tp = 1 (one micro-batch of the
-    profile, its dtype) against the model's TP plan (cost_models.records.tensor_parallel.rules_for(plan, vocab_split=True):
-    the vocabulary-split parts are kept apart because whether they split depends on tp, vocab_divides).
+    profile, its dtype) against the model's TP plan (cost_models.records.tensor_parallel.rules_for(plan,
+    vocab_split=True): the vocabulary-split parts are kept apart because whether they split depends on tp,
+    vocab_divides).
 
     Roles of the bytes saved for backward (Korthikanti et al. 2022, section 4.1, whose per-layer terms they are;
     each saved storage is given to the innermost running module with a TP style):
@@ -205,10 +206,12 @@ class ModelProfile(Record):
     attention_kernels: tuple[str, ...]   # SDPA kernels seen (meta mode substitutes the fused CPU kernel)
     largest_unit: str
     edges: tuple[UnitEdge, ...] = ()     # data flow between units; empty in files written before edges were recorded
-    pipelining: str = ""                 # cost_models.models.pipelining: "chain" | "hf-llama" | "hf-gpt2" | "no: <why>";
-                                         # "" in files written before it was recorded (pipelines offered as before)
-    tensor_parallel: TPShape | None = None  # cost_models.records.tensor_parallel: the model's TP plan and dimensions; None in
-                                         # files written before it was recorded (no TP offered: re-profile)
+    pipelining: str = ""                 # cost_models.models.pipelining: "chain" | "hf-llama" | "hf-gpt2" |
+                                         # "no: <why>"; "" in files written before it was recorded (pipelines
+                                         # offered as before)
+    tensor_parallel: TPShape | None = None  # cost_models.records.tensor_parallel: the model's TP plan and
+                                         # dimensions; None in files written before it was recorded (no TP
+                                         # offered: re-profile)
     # real mode: the whole model's forward + loss + backward timed end to end (median), over the sum of its units'
     # medians. Units are timed alone, each repeated on its own input, so their weights and activations sit in
     # cache; inside the model the units before evict them (measured by benchmarks/compute_gap.py:
