@@ -22,9 +22,12 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from cost_models.models.pipelining import pipeline_support
+from cost_models.models.source import DTYPES, meta_forward_context, resolve
 from cost_models.records.base import Record, record
 from cost_models.records.errors import ConfigError, PlannerError
 from cost_models.records.formatting import fixed, now_utc
+from cost_models.records.strategy import Strategy
 from cost_models.torch_compat.devices import claim_device, rank_backend
 from cost_models.torch_compat.elastic import elastic_job, init_process_group, is_consequence, root_failure
 from executor import checkpoint_layout as layout
@@ -263,8 +266,6 @@ def _check_model(plan: Plan):
     """Before any rank starts: the plan's model builds (on the meta device: no memory), its stages hold all of it
     (executor.stages.check_covers_model), and a pipeline plan's model can be pipelined
     (cost_models.models.pipelining). Returns the meta model."""
-    from cost_models.models.pipelining import pipeline_support
-    from cost_models.models.source import DTYPES, resolve
     model = resolve(plan.model.source).build(device="meta", dtype=DTYPES["fp32"])
     units = UnitMap.of(plan.model.units, plan.model.unit_modules)
     support = ""
@@ -280,7 +281,6 @@ def _check_model(plan: Plan):
 def _check_data(plan: Plan, path: str, model) -> None:
     """Before any rank starts: the token file opens, holds a window, and every id is in the (meta) model's
     vocabulary."""
-    from cost_models.models.source import meta_forward_context, resolve
     if plan.model.input_kind != "tokens":
         raise ConfigError(f"--data feeds token ids; {plan.model.name} takes {plan.model.input_kind} inputs")
     tokens = TokenFile(path, plan.model.seq_len)
@@ -393,7 +393,6 @@ def _many_worker(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float, f
 
 
 def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list | None:
-    from cost_models.records.strategy import Strategy
     claim_device(one_thread=True)
     init_process_group(rank_backend(), timeout_s)
     try:

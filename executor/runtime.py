@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cost_models.models.pipelining import pipeline_support
+from cost_models.models.source import meta_forward_context
 from cost_models.records.errors import ConfigError
 from cost_models.records.strategy import Strategy
 from cost_models.torch_compat.devices import rank_device
@@ -381,7 +382,6 @@ def stage_io_shapes(meta: nn.Module, s: Strategy, units: UnitMap, support: str,
                     example_input: torch.Tensor) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
     """Example (input, output) tensors of one micro-batch per stage (the float ones with requires_grad, as torch's
     PipelineStage needs), from running every stage in turn on the meta model."""
-    from cost_models.models.source import meta_forward_context
     device = rank_device()
     stages = build_stages(meta, s.stages, list(range(s.n_stages)), units=units, support=support, recompute=())
     io = []

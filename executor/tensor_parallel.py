@@ -31,6 +31,7 @@ from cost_models.records.errors import ConfigError
 from cost_models.records.tensor_parallel import (CUSTOM, SPLIT_STYLES, TPRule, TPShape, enters_late, rules_for,
                                                  style_of, vocab_divides)
 from cost_models.torch_compat.torch_private import TorchDispatchMode, storage_id, strided_shard, tree_leaves
+from executor.activations import checkpointed
 
 # The last name part of the modules holding the attention core (zoo Llama, zoo GPT, transformers' Llama family):
 # what selective recompute checkpoints.
@@ -272,7 +273,6 @@ def _core_checkpointed():
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    from executor.activations import checkpointed
 
     class CoreCheckpointed(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
