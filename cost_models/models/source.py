@@ -104,7 +104,7 @@ def source_input_kind(source: ModelSource, model: nn.Module, inputs: tuple[torch
     ('tokens', vocab) for integer (batch, seq_len) ids: an LM, trained with cross-entropy, 8 bytes an id (int64);
     ('features', None) for float (batch, seq_len, ...) sequences, like the zoo's MLP: seq_len positions a sample;
     ('custom', None) for anything else (an image, a vector): throughput counts samples, not positions."""
-    if source.kind == "zoo":
+    if source.kind == "zoo" and source.ref in ZOO:   # a zoo-shaped entry outside ZOO reads as a factory's
         entry = ZOO[source.ref]
         return entry.input_kind, getattr(entry.config, "vocab_size", None)
     first = inputs[0]
@@ -124,7 +124,7 @@ def resolve(ref: str, *, input_ref: str | None = None) -> ModelSource:
     if ref in ZOO:
         if input_ref:
             raise ModelSourceError("--input applies to module:factory models only; zoo models make their own input")
-        return _zoo_source(ZOO[ref])
+        return zoo_source(ZOO[ref])
     if ref.startswith("hf:"):
         return _hf_source(ref)
     if ":" in ref:
@@ -136,7 +136,9 @@ def resolve(ref: str, *, input_ref: str | None = None) -> ModelSource:
 
 # --- zoo --------------------------------------------------------------------------------------------------------
 
-def _zoo_source(entry: ZooEntry) -> ModelSource:
+def zoo_source(entry: ZooEntry) -> ModelSource:
+    """A zoo-shaped model from its entry: a named one of ZOO, or a configuration of its families (benchmarks
+    build the published runs' GPT sizes so)."""
     def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
         cfg = entry.config
         if entry.input_kind == "tokens":
