@@ -344,9 +344,9 @@ def estimate(
         precision=cast(Precision, precision), optimizer=cast(Optimizer, optimizer)))
     est = run_estimate(strategy, pf.model, target)
     if as_json:
-        print(dumps(estimate_json(strategy, est)), end="")
+        print(dumps(estimate_json(strategy, est, target.device.name)), end="")
     else:
-        _print_estimate(strategy, est)
+        _print_estimate(strategy, est, target.device.name)
         refused = executor_refuses(strategy, pf.model)
         if refused:   # the estimate stands; the planner never offers it and `planner run` refuses it
             err.print(f"note: planner run would refuse this strategy: {refused}", highlight=False, soft_wrap=True)
@@ -357,13 +357,17 @@ def estimate(
         err.print(f"wrote {write_to}", highlight=False)
 
 
-def _print_estimate(strategy, est) -> None:
+def _print_estimate(strategy, est, device: str) -> None:
     from cost_models.records.formatting import fixed
+    from cost_models.records.published import implausible_mfu
     from planner.summaries import MEMORY_COLUMNS, estimate_lines, memory_rows
     for line in estimate_lines(strategy, est):
         out.print(line, highlight=False)
     out.print(_table(MEMORY_COLUMNS, memory_rows(est), title=f"memory per rank (GiB = 2^30 B), capacity "
                      f"{fixed(est.capacity_bytes, 'GiB')}"))
+    warning = implausible_mfu(est.mfu, device, strategy.precision)
+    if warning:
+        err.print(f"warning: {warning}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -511,7 +515,7 @@ def _print_plan(p) -> None:
               f"{p.global_batch_size} x {p.model.seq_len}", highlight=False)
     for line in r.lines:
         out.print(line, highlight=False)
-    _print_estimate(p.strategy, p.prediction)
+    _print_estimate(p.strategy, p.prediction, p.cluster.device.name)
     from planner.report import mesh_cell
     gib = (lambda n: fixed(n, "GiB", show_unit=False))
     rows = [[p.strategy.name, mesh_cell(p.strategy), duration(p.prediction.step_time_s),

@@ -16,6 +16,7 @@ from cost_models.cost.sharing import send_delay
 from cost_models.cost.simulator import simulate
 from cost_models.records.formatting import GIB, duration, fixed, measured, size
 from cost_models.records.precision import DTYPE_BYTES
+from cost_models.records.published import implausible_mfu
 from cost_models.records.schedule import SCHEDULES, parse_order
 from planner.plan import VERIFY_TIE_REL, Plan
 from planner.rationale import tp_traffic
@@ -75,6 +76,8 @@ def _summary(plan: Plan) -> Section:
         + ".",
         f"Peak memory per rank {fixed(peak, 'GiB')} (lowest {fixed(low, 'GiB')}) of {fixed(est.capacity_bytes, 'GiB')} "
         f"capacity: {'fits' if est.fits else 'DOES NOT FIT'}.",
+        *(f"Warning: {w}." for w in [implausible_mfu(est.mfu, plan.cluster.device.name, plan.strategy.precision)]
+          if w),
     ])
 
 

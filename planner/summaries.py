@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from cost_models.cost.comm import dp_wire_bytes
 from cost_models.cost.memory import MemoryBreakdown
 from cost_models.records.formatting import duration, fixed, flop_rate, rate, size
+from cost_models.records.published import implausible_mfu
 from cost_models.records.profile import ModelProfile, UnitProfile
 
 
@@ -148,9 +149,11 @@ def estimate_lines(strategy, est) -> list[str]:
     return lines
 
 
-def estimate_json(strategy, est) -> dict:
-    """`planner estimate --json`: the strategy and the estimate, with every figure estimate_lines prints that the
-    record derives rather than stores (the data-parallel bytes on the wire, a ring's 2(N-1)/N of the full buffer)."""
+def estimate_json(strategy, est, device: str) -> dict:
+    """`planner estimate --json`: the strategy and the estimate, with every figure the text prints that the record
+    derives rather than stores: the data-parallel bytes on the wire (a ring's 2(N-1)/N of the full buffer), and the
+    warning when the MFU is above the best published for the device (records.published; None otherwise)."""
     data = {"strategy": strategy.to_dict(), **est.to_dict()}
     data["comm"]["dp_wire_bytes_per_rank"] = dp_wire_bytes(est.comm.dp_collectives, strategy.dp)
+    data["implausible_mfu"] = implausible_mfu(est.mfu, device, strategy.precision)
     return data
