@@ -1,6 +1,7 @@
 """Planning speed: llama3-70b (meta profile) on dgx-h100 x 128 nodes (1,024 GPUs) and x 2,048 nodes (16,384 GPUs),
-with tensor parallelism in the space (tp 1, 2, 4, 8 with and without sequence parallelism: ~4x the points).
-Targets on this machine: <= 2 s at 1,024 GPUs, <= 10 s at 16,384.
+and llama3-405b on 16,384, with tensor parallelism in the space (tp 1, 2, 4, 8 with and without sequence
+parallelism: ~4x the points). Targets on this machine: <= 2 s for 70B at 1,024 GPUs, <= 10 s at 16,384 (both
+models).
 
 Each measurement is `plan()` cold, as a fresh `planner plan` runs it: a new process (imports and the profile's
 loading not counted) plans once. The sizes are interleaved and repeated (--repeats), and each figure is printed as
@@ -27,8 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-TARGETS_S = {1024: 2.0, 16384: 10.0}
-NODES = (128, 2048)
+# (model, nodes of 8 GPUs) -> the target in seconds
+SIZES = {("llama3-70b", 128): 2.0, ("llama3-70b", 2048): 10.0, ("llama3-405b", 2048): 10.0}
 
 
 def _request(nodes: int, args):
@@ -45,6 +46,7 @@ def _cold(args) -> None:
     cluster = preset("dgx-h100", nodes=args.cold)
     request = _request(args.cold, args)
     load = os.getloadavg()[0]
+    model = prof.name
     c0, t0 = os.times(), time.perf_counter()
     p = plan(prof, cluster, request)
     wall, c1 = time.perf_counter() - t0, os.times()
@@ -52,7 +54,7 @@ def _cold(args) -> None:
     # plan costs less the time it waited for a core
     cpu = sum(getattr(c1, f) - getattr(c0, f) for f in ("user", "system", "children_user", "children_system"))
     pv = p.provenance
-    print(json.dumps({"gpus": 8 * args.cold, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+    print(json.dumps({"model": model, "gpus": 8 * args.cold, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
                       "load_1min": round(load, 2),
                       "considered": pv.points_considered, "pruned": pv.points_pruned, "costed": pv.points_costed,
                       "milp_status": pv.milp_status, "chosen": p.strategy.name,
@@ -89,41 +91,45 @@ def main() -> None:
     from cost_models.profiling.model_profiler import profile_model
     from planner.search import MILP_AUTO
 
-    t0 = time.perf_counter()
-    prof = profile_model(resolve("llama3-70b"), micro_batch_size=1, seq_len=args.seq_len, meta=True, dtype="bf16")
-    profile_s = time.perf_counter() - t0
-    runs: dict[int, list[dict]] = {n: [] for n in NODES}
+    profiles, profile_s = {}, {}
+    for model in sorted({m for m, _ in SIZES}):
+        t0 = time.perf_counter()
+        profiles[model] = profile_model(resolve(model), micro_batch_size=1, seq_len=args.seq_len, meta=True,
+                                        dtype="bf16")
+        profile_s[model] = time.perf_counter() - t0
+    runs: dict[tuple[str, int], list[dict]] = {size: [] for size in SIZES}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "profile.pickle"
-        path.write_bytes(pickle.dumps(prof))
+        paths = {m: Path(tmp) / f"{m}.pickle" for m in profiles}
+        for m, path in paths.items():
+            path.write_bytes(pickle.dumps(profiles[m]))
         extra = ["--time-limit", str(args.time_limit)] if args.time_limit is not None else []
         for _ in range(args.repeats):
-            for nodes in NODES:
-                out = subprocess.run([sys.executable, __file__, "--cold", str(nodes), "--cold-profile", str(path),
-                                      "--seq-len", str(args.seq_len), "--global-batch-size",
+            for model, nodes in SIZES:
+                out = subprocess.run([sys.executable, __file__, "--cold", str(nodes), "--cold-profile",
+                                      str(paths[model]), "--seq-len", str(args.seq_len), "--global-batch-size",
                                       str(args.global_batch_size), *extra],
                                      capture_output=True, text=True, check=True, cwd=ROOT)
-                runs[nodes].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                runs[model, nodes].append(json.loads(out.stdout.strip().splitlines()[-1]))
     milp = (f"{args.time_limit:g} s" if args.time_limit is not None else
             "the default: up to {:g} s on cuts of up to {} unit x stage binaries".format(*MILP_AUTO))
-    print(f"llama3-70b meta profile: {profile_s:.1f} s (not counted); global batch {args.global_batch_size} x "
+    print(f"meta profiles: {', '.join(f'{m} {s:.1f} s' for m, s in profile_s.items())} (not counted); global batch {args.global_batch_size} x "
           f"{args.seq_len}; MILP cross-check {milp}; {os.cpu_count()} CPUs; {args.repeats} cold runs per size, "
           f"interleaved, each in a fresh process")
-    print(f"{'GPUs':>6} {'wall s: median [min - max]':>27} {'CPU s':>6} {'load':>11} {'considered':>10} {'pruned':>7} "
+    print(f"{'model':<12} {'GPUs':>6} {'wall s: median [min - max]':>27} {'CPU s':>6} {'load':>11} {'considered':>10} {'pruned':>7} "
           f"{'costed':>7}  target  chosen")
     rows = []
-    for nodes in NODES:
-        rs = runs[nodes]
+    for (model, nodes), target in SIZES.items():
+        rs = runs[model, nodes]
         walls, loads = [r["wall_s"] for r in rs], [r["load_1min"] for r in rs]
         med, cpu = statistics.median(walls), statistics.median(r["cpu_s"] for r in rs)
         r0 = rs[0]
-        row = {**{k: r0[k] for k in ("gpus", "considered", "pruned", "costed", "milp_status", "chosen", "step_time_s")},
+        row = {**{k: r0[k] for k in ("model", "gpus", "considered", "pruned", "costed", "milp_status", "chosen", "step_time_s")},
                "wall_s": walls, "wall_median_s": med, "cpu_median_s": cpu, "load_1min": loads,
-               "target_s": TARGETS_S[r0["gpus"]], "met": med <= TARGETS_S[r0["gpus"]],
-               "top_functions": _top_functions(prof, nodes, args) if args.top else []}
+               "target_s": target, "met": med <= target,
+               "top_functions": _top_functions(profiles[model], nodes, args) if args.top else []}
         rows.append(row)
         spread = f"{med:.2f} [{min(walls):.2f} - {max(walls):.2f}]"
-        print(f"{r0['gpus']:>6} {spread:>27} {cpu:>6.2f} {min(loads):>5.1f}-{max(loads):<5.1f} {r0['considered']:>10} "
+        print(f"{model:<12} {r0['gpus']:>6} {spread:>27} {cpu:>6.2f} {min(loads):>5.1f}-{max(loads):<5.1f} {r0['considered']:>10} "
               f"{r0['pruned']:>7} {r0['costed']:>7}  {'met' if row['met'] else 'MISSED':<6}  {r0['chosen']} "
               f"({r0['step_time_s']:.2f} s/step)")
         print(f"       MILP check: {r0['milp_status']}")
@@ -131,7 +137,7 @@ def main() -> None:
             print("       " + line)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "planning_speed.json").write_text(json.dumps({
-        "schema_version": 3, "kind": "zeropipe.benchmark.planning_speed", "rows": rows, "targets_s": TARGETS_S,
+        "schema_version": 4, "kind": "zeropipe.benchmark.planning_speed", "rows": rows,
         "global_batch_size": args.global_batch_size, "seq_len": args.seq_len, "milp_cross_check": milp,
         "repeats": args.repeats,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
