@@ -20,11 +20,13 @@ lists has its size and sha256: the signature vouches for the digests, the digest
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -274,9 +276,14 @@ def locked(root: Path, command: str) -> Iterator[None]:
     run; the file stays (removing it would let a third run lock a new file while the second holds the old one)."""
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a symlink planted as the lock file must not make a run truncate the file it points at
+        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
-        raise CheckpointError(f"cannot use --checkpoint-dir {root}: {exc.strerror}") from None
+        why = (f"{LOCK_NAME} is a symbolic link; remove it" if exc.errno == errno.ELOOP else exc.strerror)
+        raise CheckpointError(f"cannot use --checkpoint-dir {root}: {why}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):   # a FIFO or device planted there is no lock to truncate
+        os.close(fd)
+        raise CheckpointError(f"cannot use --checkpoint-dir {root}: {LOCK_NAME} is not a regular file; remove it")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import stat
 from pathlib import Path
 
 from cost_models.records.errors import ConfigError
@@ -33,11 +34,25 @@ def key_path() -> Path:
 
 
 def load_key(path: Path) -> bytes | None:
-    """The key at `path`, or None when there is none."""
+    """The key at `path`, or None when there is none. Refused, as ssh refuses a private key others can read
+    (ssh(1), FILES: "not accessible by others"), when it is not a regular file or its mode lets other users read or
+    write it: whoever can read the key can sign a checkpoint that --resume then runs code from."""
     try:
-        key = path.read_bytes()
+        st = path.stat()
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the checkpoint key {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"the checkpoint key {path} is not a regular file; point {KEY_ENV} at a key file, or unset "
+                          f"it to use this installation's own")
+    if st.st_mode & 0o077:
+        mode = stat.S_IMODE(st.st_mode)
+        raise ConfigError(f"the checkpoint key {path} is accessible to other users (mode {mode:04o}): anyone who can "
+                          f"read it can sign checkpoints; chmod 600 {path}")
+    try:
+        with open(path, "rb") as f:
+            key = f.read(4 * KEY_BYTES)   # a key file is KEY_BYTES long: read no more than a few keys' worth
     except OSError as exc:
         raise ConfigError(f"cannot read the checkpoint key {path}: {exc.strerror}") from None
     if len(key) < KEY_BYTES:

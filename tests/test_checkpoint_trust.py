@@ -10,6 +10,8 @@ import stat
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -86,8 +88,28 @@ def test_the_key_is_private_made_once_and_kept_outside_checkpoints(tmp_path, mon
     assert not trust.verify(b"listing", signature, bytes(32))
     assert not trust.verify(b"listing", "\u00e9", key)
     (tmp_path / "short.key").write_bytes(b"0123")
+    (tmp_path / "short.key").chmod(0o600)
     with pytest.raises(ConfigError, match="holds 4 bytes, a key needs 32"):
         trust.load_key(tmp_path / "short.key")
+
+
+def test_a_key_others_can_read_or_that_is_no_file_is_refused(tmp_path):
+    """As ssh refuses a private key others can read: a copied key at 0644 signs nothing; a device is no key (reading
+    /dev/zero would never end)."""
+    shared = tmp_path / "copied.key"
+    shared.write_bytes(bytes(range(32)))
+    for mode in (0o644, 0o660, 0o606):
+        shared.chmod(mode)
+        with pytest.raises(ConfigError) as err:
+            trust.load_key(shared)
+        assert str(err.value) == (f"the checkpoint key {shared} is accessible to other users (mode {mode:04o}): anyone "
+                                  f"who can read it can sign checkpoints; chmod 600 {shared}")
+    shared.chmod(0o600)
+    assert trust.load_key(shared) == bytes(range(32))
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        trust.load_key(Path("/dev/zero"))
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        trust.load_key(tmp_path)
 
 
 def test_a_checkpoint_with_rewritten_files_and_digests_is_refused_before_anything_unpickles_it(
@@ -261,3 +283,25 @@ def test_a_failed_save_says_why_in_one_line_and_removes_its_partial_folder(tmp_p
     resumed = _cli(tmp_path, "run", plan.name, "--steps", "2", "--warmup", "0", "--resume", "ck", "-o", "-")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "from ck/step-00000001, signature and checksums verified; same plan" in resumed.stderr
+
+
+def test_a_planted_lock_file_is_refused_and_what_it_points_at_is_untouched(tmp_path):
+    """The checkpoint folder's lock is opened without following links: a symlink planted as DIR/.zeropipe.lock
+    would otherwise have every run truncate and write the file it names; a FIFO or device is no lock either."""
+    folder, target = tmp_path / "ck", tmp_path / "precious.txt"
+    folder.mkdir()
+    target.write_text("the user's own file\n")
+    (folder / layout.LOCK_NAME).symlink_to(target)
+    with pytest.raises(layout.CheckpointError) as err:
+        with layout.locked(folder, "planner run"):
+            pass
+    assert str(err.value) == f"cannot use --checkpoint-dir {folder}: {layout.LOCK_NAME} is a symbolic link; remove it"
+    assert target.read_text() == "the user's own file\n"
+    (folder / layout.LOCK_NAME).unlink()
+    os.mkfifo(folder / layout.LOCK_NAME)
+    with pytest.raises(layout.CheckpointError, match=f"{layout.LOCK_NAME} is not a regular file; remove it"):
+        with layout.locked(folder, "planner run"):
+            pass
+    (folder / layout.LOCK_NAME).unlink()
+    with layout.locked(folder, "planner run"):   # a real lock file: taken, and it records the holder
+        assert (folder / layout.LOCK_NAME).read_text() == f"{os.getpid()}\nplanner run\n"

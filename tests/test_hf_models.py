@@ -46,6 +46,26 @@ def test_hf_errors_are_one_line():
         resolve("hf:not-a-model-type")
 
 
+@pytest.mark.parametrize("key", ["trust_remote_code", "revision", "cache_dir", "_commit_hash"])
+def test_hf_overrides_are_config_fields_never_loading_options(tmp_path, key):
+    """A folder whose config names code to run (auto_map) with ?trust_remote_code=true: refused in one line before
+    transformers sees it, and the folder's code never runs (it would leave a marker file)."""
+    import json
+
+    from cost_models.records.errors import ModelSourceError
+    marker = tmp_path / "ran"
+    (tmp_path / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (tmp_path / "configuration_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",
+                                            "AutoModelForCausalLM": "modeling_evil.EvilModel"}}))
+    with pytest.raises(ModelSourceError) as err:
+        resolve(f"hf:{tmp_path}?{key}=true")
+    assert str(err.value) == (f"hf override '{key}' is a loading option, not a config field; hf: models are built "
+                              "from their config alone and never run code from a folder")
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("meta", [True, False])
 def test_grouped_query_attention_counts_the_same_where_torch_cannot_count_it(monkeypatch, meta):
     """torch 2.11's SDPA FLOP formula refuses K/V with fewer heads than the query (HF Llama, Mistral and Qwen2 failed

@@ -212,15 +212,32 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def _hf_source(ref: str) -> ModelSource:
-    body = ref[len("hf:"):]
-    target, _, query = body.partition("?")
+# Keywords transformers' AutoConfig.from_pretrained / for_model read as loading instructions, not config fields
+# (PretrainedConfig.get_config_dict): an `hf:` override must never make it fetch, or run code from, anywhere.
+# trust_remote_code would run the Python files of a folder's auto_map.
+HF_LOADER_KEYS = frozenset({"trust_remote_code", "code_revision", "revision", "cache_dir", "force_download",
+                            "resume_download", "proxies", "token", "use_auth_token", "local_files_only", "subfolder",
+                            "return_unused_kwargs", "from_pipeline", "from_auto"})
+
+
+def _hf_overrides(query: str) -> dict[str, Any]:
+    """`key=value&...` of an `hf:` reference: config fields only, one line refusing anything else."""
     overrides: dict[str, Any] = {}
     for item in filter(None, query.split("&")):
         key, eq, value = item.partition("=")
         if not eq:
             raise ModelSourceError(f"hf override '{item}' must be key=value (e.g. hf:gpt2?n_layer=4&n_embd=256)")
+        if key in HF_LOADER_KEYS or key.startswith("_"):
+            raise ModelSourceError(f"hf override '{key}' is a loading option, not a config field; hf: models are "
+                                   "built from their config alone and never run code from a folder")
         overrides[key] = _parse_value(value)
+    return overrides
+
+
+def _hf_source(ref: str) -> ModelSource:
+    body = ref[len("hf:"):]
+    target, _, query = body.partition("?")
+    overrides = _hf_overrides(query)
     try:
         import transformers
     except ImportError:
