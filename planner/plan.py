@@ -11,7 +11,7 @@ from cost_models.records.cluster import ClusterProfile
 from cost_models.records.errors import ConfigError, FileFormatError
 from cost_models.records.file_record import FileRecord
 from cost_models.records.precision import DTYPE_BYTES
-from cost_models.records.profile import ModelProfile, pipeline_refusal
+from cost_models.records.profile import ModelProfile, items_per_sequence, pipeline_refusal
 from cost_models.records.schedule import format_order
 from cost_models.records.strategy import Strategy, tp_node_refusal
 from cost_models.records.tensor_parallel import TPRule
@@ -200,6 +200,11 @@ def check_plan(plan: Plan) -> None:
         raise ConfigError(f"strategy dp x microbatches x micro_batch_size = {s.dp} x {s.microbatches} x "
                           f"{s.micro_batch_size} = {s.global_batch_size} sequences but global_batch_size is "
                           f"{plan.global_batch_size}; {fix}")
+    per_step = plan.global_batch_size * items_per_sequence(plan.model.input_kind, plan.model.seq_len)
+    if plan.prediction.tokens_per_step != per_step:   # an edited seq_len would run other work than was priced
+        raise ConfigError(f"model.seq_len {plan.model.seq_len} x global_batch_size {plan.global_batch_size} is not "
+                          f"the {plan.prediction.tokens_per_step:,} {plan.prediction.throughput_unit} per step the "
+                          f"prediction is for; {fix}")
     if s.world_size != plan.gpus:
         raise ConfigError(f"strategy dp x tp x pp = {s.dp} x {s.tp} x {s.pp} = {s.world_size} ranks but gpus is "
                           f"{plan.gpus}; {fix}")

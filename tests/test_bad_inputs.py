@@ -70,6 +70,7 @@ EDITS = {  # what the matrix did to plan.json -> a word the refusal must contain
     "memory entries dropped": (lambda d: d["prediction"].update(memory_per_rank=d["prediction"]["memory_per_rank"][:1]),
                                "memory_per_rank"),
     "model dtype fp8": (lambda d: d["model"].update(dtype="fp8"), "model.dtype"),
+    "seq_len doubled": (lambda d: d["model"].update(seq_len=2 * d["model"]["seq_len"]), "model.seq_len"),
     "negative other-dtype bytes": (lambda d: d["model"].update(saved_other_dtype_bytes=-4), "saved_other_dtype_bytes"),
 }
 

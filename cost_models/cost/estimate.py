@@ -50,7 +50,7 @@ from cost_models.cost.simulator import Simulation, StageCost, simulate_schedule
 from cost_models.records.base import Record, record
 from cost_models.records.cluster import Calibration, ClusterProfile, ComputeProbe
 from cost_models.records.precision import BYTES_PER_PARAM, DTYPE_BYTES
-from cost_models.records.profile import ModelProfile, UnitProfile
+from cost_models.records.profile import ModelProfile, UnitProfile, counts_positions, items_per_sequence
 from cost_models.records.schedule import format_order, get_spec
 from cost_models.records.strategy import Strategy
 from cost_models.records.tensor_parallel import vocab_divides
@@ -664,8 +664,8 @@ def _throughput(c: _Context, total: float) -> tuple[int, str, float | None, floa
     its forward) and the recomputed forwards. HFU is usually the higher (a first layer whose input needs no gradient
     runs less backward than PaLM's 2 x forward)."""
     s, profile, cluster = c.s, c.profile, c.cluster
-    per_sequence = profile.input.kind in ("tokens", "features")   # "custom": no sequence axis, count samples
-    tokens = s.global_batch_size * (profile.seq_len if per_sequence else 1)
+    per_sequence = counts_positions(profile.input.kind)
+    tokens = s.global_batch_size * items_per_sequence(profile.input.kind, profile.seq_len)
     per_sample = s.global_batch_size / profile.micro_batch_size
     model_flops = 3 * sum(u.fwd_flops for u in profile.units) * per_sample
     peak = cluster.device.peak_flops.get(compute_dtype(s.precision))

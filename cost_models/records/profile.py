@@ -55,6 +55,17 @@ class OptimizerTiming(Record):
         return max(0.0, self.step.median_s - self.tensors * self.tensor_s) / max(1, self.params)
 
 
+def counts_positions(input_kind: str) -> bool:
+    """Whether throughput counts the input's positions (token and feature sequences: "tokens") rather than its
+    samples (an input with no sequence axis, "custom")."""
+    return input_kind in ("tokens", "features")
+
+
+def items_per_sequence(input_kind: str, seq_len: int) -> int:
+    """What throughput counts per sequence of the input: its seq_len positions, or one sample (counts_positions)."""
+    return seq_len if counts_positions(input_kind) else 1
+
+
 @record
 class InputSpec(Record):
     """One micro-batch of model input (shape of the first positional input)."""
