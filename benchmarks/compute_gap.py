@@ -13,7 +13,7 @@ D1 executor:   D on one rank (dp=1: no DDP, no collectives): the executor's own 
 D  executor:   `run_many` on 2 gloo ranks, ZeRO-0 dp=2, one micro-batch per step: the run's compute_s (time inside
                forward/backward, DDP's bucket all-reduce included), per micro-batch.
 E  estimate:   the estimate's compute_s for that plan on this machine's probed cluster (probe_local, 2 ranks): A times
-               the probe's contention factor for 2 ranks (cost_models.cost.compute.contention); "E + all-reduce" adds
+               the probe's contention factor for 2 ranks (cost_models.cost.sharing.contention); "E + all-reduce" adds
                the estimate's exposed data-parallel time (DDP's all-reduce, which D's compute_s contains).
 The table prints the medians with [min - max] over repeats and the machine's 1-minute load beside them; JSON goes to
 benchmarks/results/compute_gap.json.

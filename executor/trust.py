@@ -22,6 +22,7 @@ from cost_models.records.errors import ConfigError
 
 KEY_ENV = "ZEROPIPE_CHECKPOINT_KEY"
 KEY_BYTES = 32
+KEY_FILE_MAX = 4096   # bytes: far past any key (HMAC takes keys of any length, RFC 2104 section 2)
 
 
 def key_path() -> Path:
@@ -50,9 +51,11 @@ def load_key(path: Path) -> bytes | None:
         mode = stat.S_IMODE(st.st_mode)
         raise ConfigError(f"the checkpoint key {path} is accessible to other users (mode {mode:04o}): anyone who can "
                           f"read it can sign checkpoints; chmod 600 {path}")
+    if st.st_size > KEY_FILE_MAX:   # the whole file is the key: refuse a file far past any key rather than cut it
+        raise ConfigError(f"the checkpoint key {path} is {st.st_size:,} bytes, more than a key file holds "
+                          f"({KEY_FILE_MAX:,} at most); point {KEY_ENV} at the key file")
     try:
-        with open(path, "rb") as f:
-            key = f.read(4 * KEY_BYTES)   # a key file is KEY_BYTES long: read no more than a few keys' worth
+        key = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read the checkpoint key {path}: {exc.strerror}") from None
     if len(key) < KEY_BYTES:

@@ -850,8 +850,8 @@ def _provenance(found: SearchResult, winner: _Costed, profile: ModelProfile, clu
 # The MILP cross-check's default (PlanRequest.time_limit_s None): up to 1 s on cuts of up to 256 unit x stage
 # binaries, none past them: CBC proves random cuts up to that size within a second and larger ones not within
 # seconds (measured: benchmarks/results/measurements.md, "MILP cross-check time limit"). Past that size it cannot
-# settle in seconds what
-# the exact DP already has, and would cost more than the whole search (benchmarks/planning_speed.py).
+# settle in seconds what the exact DP already has, and would cost more than the whole search
+# (benchmarks/planning_speed.py).
 MILP_AUTO = (1.0, 256)
 
 

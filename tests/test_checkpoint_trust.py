@@ -106,6 +106,11 @@ def test_a_key_others_can_read_or_that_is_no_file_is_refused(tmp_path):
                                   f"who can read it can sign checkpoints; chmod 600 {shared}")
     shared.chmod(0o600)
     assert trust.load_key(shared) == bytes(range(32))
+    shared.write_bytes(bytes(200))   # a longer key is read whole (HMAC takes any length), never cut short
+    assert trust.load_key(shared) == bytes(200)
+    shared.write_bytes(bytes(trust.KEY_FILE_MAX + 1))
+    with pytest.raises(ConfigError, match="more than a key file holds"):
+        trust.load_key(shared)
     with pytest.raises(ConfigError, match="is not a regular file"):
         trust.load_key(Path("/dev/zero"))
     with pytest.raises(ConfigError, match="is not a regular file"):

@@ -80,7 +80,7 @@ def test_probe_fits_predict_held_out_sizes(ranks):
            prof.compute.pipeline_split_action_one_s)
     assert all(0.0 <= cost < 0.05 for cost in one) and (any(one) if ranks > 2 else one == (0.0, 0.0, 0.0))
     assert prof.device.peak_flops["fp32"] == prof.compute.flops_per_rank
-    # copy bandwidth alone and with every rank copying (compute.memory_contention), in the same unit: one rank alone
+    # copy bandwidth alone and with every rank copying (sharing.memory_contention), in the same unit: one rank alone
     # gets about what one rank gets among them, up to all of them together (2 ranks here: 46 GB/s alone, 24 each)
     assert 0.5 * prof.compute.copy_Bps < prof.compute.copy_alone_Bps < 2 * ranks * prof.compute.copy_Bps
     assert any("share" in n for n in prof.notes)

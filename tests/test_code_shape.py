@@ -106,9 +106,31 @@ def _env_names(tree: ast.Module) -> set[str]:
             and n.value.startswith("ZEROPIPE_") and n.value.isupper()}
 
 
+def _environ_reads(tree: ast.Module) -> set[str]:
+    """Names read straight from the environment (os.environ[X], os.environ.get(X), os.getenv(X))."""
+    def is_environ(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and is_environ(n.value) and isinstance(n.slice, ast.Name):
+            out.add(n.slice.id)
+        elif (isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Name)
+              and isinstance(n.func, ast.Attribute)
+              and ((n.func.attr == "get" and is_environ(n.func.value)) or n.func.attr == "getenv")):
+            out.add(n.args[0].id)
+    return out
+
+
 def test_test_hooks_are_named_in_one_module():
     stray = {f"{path}: {name}" for path in _product_files() if path != HOOKS_HOME
              for name in _env_names(_tree(path)) - USER_ENV}
     assert not stray, "test hooks outside executor/testing_hooks.py:\n" + "\n".join(sorted(stray))
+    hook_names = {n.targets[0].id for n in _tree(HOOKS_HOME).body if isinstance(n, ast.Assign)
+                  and isinstance(n.targets[0], ast.Name) and n.targets[0].id.endswith("_ENV")}
+    direct = {f"{path}: {name}" for path in _product_files() if path != HOOKS_HOME
+              for name in _environ_reads(_tree(path)) & hook_names}
+    assert not direct, "test hooks read around testing_hooks.hook:\n" + "\n".join(sorted(direct))
+    planted = ast.parse("a = os.environ.get(INIT_ENV, '')\nb = os.environ[DUMP_STATE_ENV]\nc = os.getenv(X)\n")
+    assert _environ_reads(planted) == {"INIT_ENV", "DUMP_STATE_ENV", "X"}
     hooks = _env_names(_tree(HOOKS_HOME))
     assert {"ZEROPIPE_INJECT_FAILURE", "ZEROPIPE_DUMP_STATE", "ZEROPIPE_INIT"} <= hooks and not hooks & USER_ENV

@@ -1,6 +1,6 @@
-"""What a pipeline pays on CPU ranks that share cores: messages that wait for a core (estimate.send_delay, measured
+"""What a pipeline pays on CPU ranks that share cores: messages that wait for a core (sharing.send_delay, measured
 by benchmarks/send_delay.py) and a per-action overhead that depends on how many pipelines run at once (probed in
-two shapes by overhead_probe, interpolated by cluster.action_seconds)."""
+two shapes by overhead_probe, interpolated by sharing.action_seconds)."""
 import dataclasses
 
 import pytest

@@ -210,13 +210,13 @@ class _Context:
     act_scale: float          # profile's saved bytes -> this micro-batch size and compute dtype
     overheads: ComputeProbe
     unit_index: dict[str, int]  # unit name -> position in the model's chain
+    sharing: CoreSharing        # how CPU ranks sharing cores slow this strategy (sharing.core_sharing)
     tp_on: bool = False         # tensor parallelism or selective recompute: units are costed by TP role
     tp_vocab: bool = False      # the embedding and head split on the vocabulary at this tp
     tp_cost: tuple[tuple[float, float], ...] = ()  # per op in TP_OPS: (s per call, s per profile byte) over tp
     calibration: Calibration = Calibration()       # the cluster's, or the neutral one
     mixed: bool = False         # torch's mixed precision (memory.torch_mixed): fp32 masters, bf16 compute
     autocast: bool = False      # ... through torch.autocast (no FSDP2 casting for it): unit times pay mixed_factor
-    sharing: CoreSharing = CoreSharing(busy=1.0, cores=None, contention=1.0, send_delay_s=0.0)   # CPU cores shared
 
     @staticmethod
     def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> "_Context":
@@ -313,7 +313,7 @@ _UNIT_COST_PAIRS = 4
 def action_cost(s: Strategy, cluster: ClusterProfile) -> float:
     """One pipeline schedule action's overhead for `s` on `cluster`, beyond its compute and p2p: a calibration's
     fitted value as it is (fitted from runs, whatever the schedule's kind); else the probe's for the schedule's kind
-    with the plan's dp x tp pipelines running at once (cluster.action_seconds): on CPU ranks that share cores, the
+    with the plan's dp x tp pipelines running at once (sharing.action_seconds): on CPU ranks that share cores, the
     pairs' cost priced one pipeline over all ranks at twice its measured step, and plans that run as pairs close
     to theirs (measured: benchmarks/results/measurements.md, "Pipeline action overhead")."""
     cal = cluster.calibration

@@ -9,7 +9,7 @@ GPUs compute alone; CPU ranks share the host's cores, so each computes slower th
 On GPUs every one of them is the identity (1.0, 0 s, or the probe's value).
 
 The estimate prices a CPU rank's compute at the contention of the ranks busy on average over the step
-(estimate.busy_ranks, compute.contention). A pipeline of few micro-batches is not average: PP2 x DP2 at one
+(busy_ranks, contention). A pipeline of few micro-batches is not average: PP2 x DP2 at one
 micro-batch on 4 ranks over fewer cores runs its forwards two ranks at a time (the other two wait for their input)
 and part of its backward four at a time (the first stage's backward beside the last stage's weight-backward). Per
 action, the wall time then ranges from about the action's CPU time (two busy) to about twice it (four busy), where
@@ -82,7 +82,7 @@ def stretches(schedule: str, p: int, m: int, v: int, costs: tuple[StageCost, ...
               cores: float, priced_at: float, send_delay_s: float = 0.0) -> tuple[Stretch, ...]:
     """Per stage, how much longer (or shorter) its actions run than `costs` say, for CPU ranks that share `cores`
     effective cores: each kind's duration-weighted mean_slowdown over `priced_at`, the contention the costs were
-    priced at (compute.contention of estimate.busy_ranks). ROUNDS re-simulations."""
+    priced at (contention of busy_ranks). ROUNDS re-simulations."""
     current = costs
     out = tuple(Stretch() for _ in costs)
     for _ in range(ROUNDS):
@@ -136,7 +136,7 @@ def busy_ranks(s: Strategy) -> float:   # s: a Strategy, or the planner's search
     pipeline rank is busy n / (n + p - 1) of the time for n = m x v micro-batch chunks (the bubble fraction
     (p - 1) / (m + p - 1) of GPipe, Huang et al. 2019, section 2.3, and (p - 1) / (v m) interleaved, Narayanan et
     al. 2021, section 2.2). CPU ranks that share cores slow each other by how many compute at once
-    (compute.contention): a 4-stage pipeline of one micro-batch on 4 ranks over fewer cores runs one stage at a
+    (contention): a 4-stage pipeline of one micro-batch on 4 ranks over fewer cores runs one stage at a
     time, at full speed (priced at every rank's contention it came out far too slow: measured in
     benchmarks/results/measurements.md, "Compute contention on shared cores")."""
     n = s.microbatches * s.v
@@ -153,7 +153,7 @@ def send_delay(s: Strategy, cluster: ClusterProfile) -> float:
     """How long a pipeline's sends may wait for the sender's next wait (simulator._evaluate), on average over its
     sends: SEND_DELAY_CAP_S while every core is busy, none while one is free (gloo's I/O thread then runs at once;
     NCCL's transfers need no core). CPU ranks only. The share of a step with every core busy is taken as the ranks
-    computing at once beyond one less than the probe's effective cores (busy_ranks; compute.effective_cores),
+    computing at once beyond one less than the probe's effective cores (busy_ranks; effective_cores),
     clamped to [0, 1]: a pipeline of one micro-batch runs one rank at a time (little or no delay), one of many
     micro-batches on more ranks than cores keeps them all busy (the cap). Scored offline against fidelity
     measurements: benchmarks/results/measurements.md, "CPU pipeline sends wait for a core"."""

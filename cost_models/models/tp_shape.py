@@ -10,7 +10,7 @@ import fnmatch
 import math
 from typing import Any, Callable, Iterator
 
-from cost_models.models.families import HF_MODEL_TYPES, family_of
+from cost_models.models.families import FAMILIES, HF_MODEL_TYPES, family_of
 from cost_models.models.source import load_attr
 from cost_models.records.errors import ConfigError
 from cost_models.records.tensor_parallel import (CUSTOM, CUSTOM_STYLES, SPLIT_STYLES, STYLE_KINDS, TPRule, TPShape,
@@ -27,13 +27,19 @@ def tp_shape(model) -> TPShape:
     if family is not None:
         return TPShape(plan=family.name, **family.dims(model))
     kind = getattr(getattr(model, "config", None), "model_type", None)
+    own = "planner profile --tp-plan module:function gives one"
     if kind is not None:
-        known = ", ".join(HF_MODEL_TYPES[:-1]) + f" and {HF_MODEL_TYPES[-1]}"
-        return TPShape(plan=f"no: no tensor-parallel plan for transformers' {kind} models yet ({known} have one; "
-                            "planner profile --tp-plan module:function gives one)")
-    return TPShape(plan=f"no: no tensor-parallel plan for {type(model).__name__} (the zoo's GPT and Llama and "
-                        "transformers' Llama, Mistral, Qwen2 and GPT-2 have one; planner profile --tp-plan "
-                        "module:function gives one)")
+        return TPShape(plan=f"no: no tensor-parallel plan for transformers' {kind} models yet "
+                            f"({_listed(HF_MODEL_TYPES)} have one; {own})")
+    zoo = [f.zoo_class.__name__ for f in FAMILIES if f.zoo_class is not None]
+    return TPShape(plan=f"no: no tensor-parallel plan for {type(model).__name__} (the zoo's {_listed(zoo)} and "
+                        f"transformers' {_listed(HF_MODEL_TYPES)} models have one; {own})")
+
+
+def _listed(names) -> str:
+    """'a, b and c'."""
+    names = list(names)
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
 
 
 _CUSTOM_PLAN: contextvars.ContextVar[tuple[str, Callable[..., Any]] | None] = contextvars.ContextVar(

@@ -208,11 +208,6 @@ def _copy_rate(numel: int, seconds: float, device: torch.device) -> float:
     return 2 * numel * 4 * iters / (time.perf_counter() - t0)
 
 
-def _rank_device() -> torch.device:
-    """This rank's GPU (made current) when there are GPUs, else the CPU with one thread."""
-    return claim_device(one_thread=True)   # ranks share the host's cores: one thread each, as the executor runs them
-
-
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """NCCL reduces only device tensors; gloo takes the CPU tensor as it is."""
     return t.to(device) if device.type == "cuda" else t
@@ -289,7 +284,7 @@ def _measure_compute(cfg: ProbeConfig, device: torch.device) -> dict[str, Any]:
     fp32s = _gathered(_matmul_rate(n, torch.float32, cfg.matmul_seconds, device) if on_gpu else 0.0, device)
     # 64 MiB per buffer: far beyond any cache, so this is DRAM / HBM bandwidth with all ranks copying.
     copies = _gathered(_copy_rate(16 * MIB, cfg.matmul_seconds, device), device)
-    # and rank 0 alone: how far ranks slow each other's memory-bound work (compute.memory_contention): one core's
+    # and rank 0 alone: how far ranks slow each other's memory-bound work (sharing.memory_contention): one core's
     # copy can take most of a host's memory bandwidth (measured: benchmarks/results/measurements.md, "Memory
     # bandwidth contention")
     copy_alone = _copy_rate(16 * MIB, cfg.matmul_seconds, device) if dist.get_rank() == 0 else 0.0
@@ -321,7 +316,7 @@ def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
     from cost_models.profiling.overhead_probe import overhead_probe
 
     cfg = ProbeConfig.from_dict(cfg_data)
-    device = _rank_device()
+    device = claim_device(one_thread=True)   # ranks share the host's cores: one thread each, as executor ranks
     use_cuda = device.type == "cuda"
     backend = rank_backend()
     init_process_group(backend, cfg.timeout_s)

@@ -152,7 +152,7 @@ def overhead_probe(device: torch.device, fits: dict[tuple[str, int], tuple[float
     # Two shapes, the ends of what plans run: ranks 2i and 2i+1 form pair i and every pair runs the schedule at once
     # (world / 2 pipelines of 2 stages: PP2 x DP or TP); and one pipeline over all ranks. CPU ranks sharing cores
     # pay differently in the two (measured: benchmarks/results/measurements.md, "Pipeline action overhead"), and
-    # the estimate interpolates between them by the plan's pipelines at once (cluster.action_seconds).
+    # the estimate interpolates between them by the plan's pipelines at once (sharing.action_seconds).
     pairs = [dist.new_group(ranks=[i, i + 1]) for i in range(0, world - 1, 2)]
     pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
     for field, torch_class in PIPELINE_KINDS:

@@ -119,7 +119,7 @@ def validate_cluster(c: ClusterProfile, where: str, *, path: str = "cluster", fi
     for i, f in enumerate(c.fits):
         if f.group_size < 1:
             _fail(where, f"{path}.fits[{i}].group_size", f.group_size, "group_size >= 1", fix)
-    if c.compute is not None:  # compute.contention and unit_times divide by these
+    if c.compute is not None:  # sharing.contention and unit_times divide by these
         for name in ("ranks", "threads_per_rank"):
             if getattr(c.compute, name) < 1:
                 _fail(where, f"{path}.compute.{name}", getattr(c.compute, name), f"{name} >= 1", fix)
