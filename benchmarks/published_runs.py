@@ -51,6 +51,8 @@ class Row:
     published: float
     unit: str                  # "TFLOP/s/GPU (Narayanan eq. 3)" | "TFLOP/s/GPU (Megatron-LM)" | "tokens/s/GPU"
     chosen: str = ""           # what the source leaves open and this row chose
+    attention: str = "fused"   # the GPT's attention (cost_models.models.gpt.GPTConfig.attention)
+    dropout: float = 0.0       # the GPT's dropout (hidden and attention)
 
     @property
     def schedule(self) -> str:
@@ -62,7 +64,8 @@ _NU = "TFLOP/s/GPU (Narayanan eq. 3)"
 _T = "torchtitan docs/performance.md"
 _M = "Megatron-LM README, H100 table"
 _MU = "TFLOP/s/GPU (Megatron-LM)"
-_MCHOSEN = "micro-batch 1, distributed optimizer (ZeRO-1), sequence parallelism with TP, no recompute, 1F1B"
+_MCHOSEN = ("micro-batch 1, distributed optimizer (ZeRO-1), sequence parallelism with TP, no recompute, 1F1B, "
+            "dropout 0.1 (Megatron-LM's default)")
 
 
 def _gpt(l: int, h: int, a: int, vocab: int, seq: int, tied: bool) -> str:
@@ -73,7 +76,7 @@ def _narayanan(id_: str, l: int, h: int, a: int, gpus: int, tp: int, pp: int, v:
                published: float) -> Row:
     return Row(id=id_, source=_N, model=_gpt(l, h, a, 51200, 2048, True), preset="dgx-a100", gpus=gpus, tp=tp, pp=pp,
                v=v, dp=dp, micro_batch=mbs, microbatches=m, seq=2048, zero=0, sp=False, recompute="full",
-               published=published, unit=_NU)
+               published=published, unit=_NU, attention="unfused", dropout=0.1)
 
 
 def _megatron_h100(id_: str, l: int, h: int, a: int, gpus: int, tp: int, pp: int, batch: int,
@@ -81,7 +84,7 @@ def _megatron_h100(id_: str, l: int, h: int, a: int, gpus: int, tp: int, pp: int
     dp = gpus // (tp * pp)
     return Row(id=id_, source=_M, model=_gpt(l, h, a, 131072, 4096, False), preset="dgx-h100", gpus=gpus, tp=tp,
                pp=pp, v=1, dp=dp, micro_batch=1, microbatches=batch // dp, seq=4096, zero=1 if dp > 1 else 0,
-               sp=tp > 1, recompute="none", published=published, unit=_MU, chosen=_MCHOSEN)
+               sp=tp > 1, recompute="none", published=published, unit=_MU, chosen=_MCHOSEN, dropout=0.1)
 
 
 def _torchtitan(id_: str, model: str, seq: int, local_batch: int, recompute: str, published: float) -> Row:
@@ -115,14 +118,15 @@ def flops_per_token(row: Row) -> float:
     return 72 * l * h * h * (1 + seq / (6 * h) + vocab / (12 * l * h))
 
 
-def _source(model: str):
+def _source(row: Row):
     from cost_models.models.gpt import GPTConfig
     from cost_models.models.source import resolve, zoo_source
     from cost_models.models.zoo import ZooEntry
-    if not model.startswith("gpt:"):
-        return resolve(model)
-    l, h, a, vocab, seq, tied = (int(x) for x in model.removeprefix("gpt:").split(","))
-    cfg = GPTConfig(vocab_size=vocab, max_seq_len=seq, dim=h, n_layers=l, n_heads=a, tie_embeddings=bool(tied))
+    if not row.model.startswith("gpt:"):
+        return resolve(row.model)
+    l, h, a, vocab, seq, tied = (int(x) for x in row.model.removeprefix("gpt:").split(","))
+    cfg = GPTConfig(vocab_size=vocab, max_seq_len=seq, dim=h, n_layers=l, n_heads=a, tie_embeddings=bool(tied),
+                    attention=row.attention, dropout=row.dropout)
     return zoo_source(ZooEntry(name=f"gpt-{l}l-{h}h", family="gpt", description="published run's GPT", config=cfg))
 
 
@@ -132,9 +136,9 @@ def predict(row: Row, profiles: dict) -> dict:
     from cost_models.profiling.model_profiler import profile_model
     from cost_models.records.presets import preset
     from planner.manual import StrategyRequest, build_strategy
-    key = (row.model, row.micro_batch, row.seq)
+    key = (row.model, row.micro_batch, row.seq, row.attention, row.dropout)
     if key not in profiles:
-        profiles[key] = profile_model(_source(row.model), micro_batch_size=row.micro_batch, seq_len=row.seq,
+        profiles[key] = profile_model(_source(row), micro_batch_size=row.micro_batch, seq_len=row.seq,
                                       meta=True, dtype="bf16")
     profile = profiles[key]
     cluster = preset(row.preset, nodes=row.gpus // 8)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cost_models.cost.compute import unit_times
+from cost_models.cost.kernels import work_seconds
 from cost_models.cost.estimate import estimate
 from cost_models.cost.memory import OVERHEAD_BYTES, zero_model_state_bytes
 from cost_models.records.precision import BYTES_PER_PARAM
@@ -131,7 +132,7 @@ def test_a_noisy_one_sample_timing_leaves_the_profiles_own_micro_batch_as_measur
 
 def test_a_gpu_profiles_times_hold_for_its_own_gpu_model_only(tiny_profiles):
     """A real profile taken on one GPU model prices units by its times on clusters of that model; another GPU model
-    gets FLOPs / (peak x efficiency), however the kinds match. (The profile's fields are set by hand: CI has no GPU.)"""
+    gets its work by kind priced at that model's rates, however the kinds match. (The profile's fields are set by hand: CI has no GPU.)"""
     from cost_models.cost.compute import uses_measured_times
     h100 = preset("dgx-h100")
     on_h100 = dataclasses.replace(tiny_profiles["gpt-tiny", False], device="gpu", device_name=h100.device.name)
@@ -144,9 +145,9 @@ def test_a_gpu_profiles_times_hold_for_its_own_gpu_model_only(tiny_profiles):
     threaded = dataclasses.replace(on_h100, threads=16)
     assert unit_times(u, threaded, h100, micro_batch_size=2, precision="fp32", ranks_running=8)[0] == \
         pytest.approx(u.fwd_time.median_s * on_h100.in_model_factor)
-    rate = h100.device.peak_flops["fp32"] * h100.device.matmul_efficiency
+    # another GPU model: the unit's work by kind at the H100's rates (cost.kernels)
     assert unit_times(u, on_h200, h100, micro_batch_size=2, precision="fp32", ranks_running=8)[0] == \
-        pytest.approx(u.fwd_flops / rate)
+        pytest.approx(work_seconds(u.fwd_work, h100.device, "fp32", backward=False))
 
 
 def test_a_gpu_profiles_in_model_gap_is_a_fixed_cost_per_call(tiny_profiles):

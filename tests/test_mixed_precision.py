@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cost_models.cost.estimate import estimate
+from cost_models.cost.kernels import work_seconds
 from cost_models.cost.memory import executor_state_bytes
 from cost_models.records.presets import preset
 from cost_models.records.strategy import Strategy
@@ -126,8 +127,8 @@ def test_mixed_precision_computes_in_bf16_and_keeps_fp32_masters_on_two_ranks(ti
 
 def test_gpu_profile_times_price_only_their_own_dtype_and_mixed_plans_pay_the_measured_autocast_factor(tiny_profiles):
     """A bf16 profile timed on a GPU (fields set by hand: CI has none) prices bf16-mixed plans with its unit times,
-    times its mixed_factor where torch's mixed precision runs (no pipeline), and fp32 plans by FLOPs at the fp32
-    rate: on an H200 an fp32 gpt2-small plan priced from bf16 times was predicted at 101 ms and ran 590 ms."""
+    times its mixed_factor where torch's mixed precision runs (no pipeline), and fp32 plans by their work by kind at
+    the fp32 rates (cost.kernels): on an H200 an fp32 gpt2-small plan priced from bf16 times was predicted at 101 ms and ran 590 ms."""
     h100 = preset("dgx-h100")
     gpu = dataclasses.replace(tiny_profiles["gpt-tiny", False], device="gpu", device_name=h100.device.name,
                               dtype="bf16")
@@ -143,9 +144,9 @@ def test_gpu_profile_times_price_only_their_own_dtype_and_mixed_plans_pay_the_me
     # a pipeline runs plain bf16: no autocast, no factor
     assert estimate(piped, slower, h100).stages[0].fwd_s == pytest.approx(estimate(piped, gpu, h100).stages[0].fwd_s)
     fp32 = estimate(S(dp=1, precision="fp32"), slower, h100)
-    assert fp32.compute_source == "flops"
-    rate = h100.device.peak_flops["fp32"] * h100.device.matmul_efficiency
-    assert fp32.stages[0].fwd_s == pytest.approx(sum(u.fwd_flops for u in gpu.units) / rate)
+    assert fp32.compute_source == "kernels"
+    assert fp32.stages[0].fwd_s == pytest.approx(sum(work_seconds(u.fwd_work, h100.device, "fp32", backward=False)
+                                                     for u in gpu.units))
 
 
 def test_a_measured_transient_adds_to_the_ranks_that_hold_its_unit(tiny_profiles):

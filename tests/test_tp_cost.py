@@ -172,12 +172,13 @@ def test_tp_bytes_follow_the_pipeline_rank_and_full_recompute():
 # dp16z3's step for InfiniBand at 0.92 of line rate, as NCCL's maintainers measure it (presets.NET_EFFICIENCY);
 # pp2rec's and pp2dp2z2's steps for the all-reduce of gpt-tiny's tied embedding across the two pipeline ranks
 # (estimate._tied_sync: +24.2 us each), pp2dp2z2's also for its stages' FSDP gathers inside the schedule
-# (estimate._stage_gather).
+# (estimate._stage_gather); all four steps for compute priced by kind of work on GPUs (cost.kernels: gpt-tiny's
+# hundreds of kernels at a microsecond's gap each outweigh its FLOPs).
 _BEFORE = {
-    ("gpt-tiny", "dp4z0"): (4.185514854489572e-05, 1077903810 + 2 * 241_024 + 320),
-    ("gpt-tiny", "dp16z3"): (0.0027543005633467008, 1074588354 + 320),
-    ("gpt-tiny", "pp2dp2z2"): (0.00011008969158194127, 1075697536 + 384),
-    ("gpt-tiny", "pp2rec"): (7.367903838157102e-05, 1076075520),
+    ("gpt-tiny", "dp4z0"): (0.00034297536750719224, 1077903810 + 2 * 241_024 + 320),
+    ("gpt-tiny", "dp16z3"): (0.0027692340012443937, 1074588354 + 320),
+    ("gpt-tiny", "pp2dp2z2"): (0.0005401739128528429, 1075697536 + 384),
+    ("gpt-tiny", "pp2rec"): (0.0005822680338431588, 1076075520),
 }
 
 

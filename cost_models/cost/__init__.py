@@ -1,2 +1,2 @@
 """Pure cost functions over records: step time, memory and communication of a strategy (estimate, compute,
-comm, memory, sharing) and the schedule simulator. Nothing here imports torch or a probe (tests check)."""
+kernels, comm, memory, sharing) and the schedule simulator. Nothing here imports torch or a probe (tests check)."""

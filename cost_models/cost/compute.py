@@ -17,8 +17,11 @@ Two sources, in order of trust:
      cores_eff = ranks * flops_per_rank / flops_alone rank-threads, and N ranks slow each other by
      max(1, N / cores_eff). A profile taken with T threads runs T times slower on one thread (linear scaling,
      an approximation that overstates small kernels' slowdown).
-  2. FLOPs / (device peak x matmul efficiency) for any other target (a GPU preset from a CPU or meta profile).
-     This is the roofline's compute side; memory-bound ops (norms, activations) make it optimistic.
+  2. For a GPU target with no such times (a preset, from a CPU or meta profile): the unit's work by kind
+     (profile.UnitProfile.fwd_work / bwd_work), each kind at its own rate (cost_models.cost.kernels: products by
+     shape, fused attention, memory-bound bytes, kernel gaps), scaled linearly with the micro-batch except the
+     kernel gaps. Profiles without that record (older files), and CPU targets: FLOPs / (device peak x matmul
+     efficiency), the roofline's compute side, which memory-bound ops make optimistic.
 
 Tensor parallelism over t ranks (tp_unit_times): the share f of a unit's FLOPs inside split modules (profile.TPUnit;
 backward assumed split in the same share) runs on 1/t of the weights. Measured: the affine fit's fixed part (the
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 from typing import Literal, TypeVar
 
+from cost_models.cost.kernels import KERNEL_GAP_S, Split, attention_seconds, work_seconds
 from cost_models.cost.sharing import contention, memory_contention
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.profile import ModelProfile, UnitProfile
@@ -65,6 +69,13 @@ def uses_measured_times(profile: ModelProfile, cluster: ClusterProfile, precisio
     rate."""
     return (_same_device(profile, cluster) and profile.dtype == executed_dtype(precision, cluster.device.kind)
             and all(u.fwd_time is not None for u in profile.units))
+
+
+def compute_source(profile: ModelProfile, cluster: ClusterProfile, precision: str) -> str:
+    """How a plan's units are priced (module doc): "measured" times, "kernels" (work by kind on a GPU) or "flops"."""
+    if uses_measured_times(profile, cluster, precision):
+        return "measured"
+    return "kernels" if all(_by_kind(u, cluster) for u in profile.units) else "flops"
 
 
 def _same_device(profile: ModelProfile, cluster: ClusterProfile) -> bool:
@@ -118,9 +129,41 @@ def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile
                     for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)))
         return fwd, bwd
     dtype = executed_dtype(precision, cluster.device.kind)
+    if _by_kind(unit, cluster):
+        return _kind_times(unit, cluster, dtype, scale, Split())
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
     rate = peak * cluster.device.matmul_efficiency
     return unit.fwd_flops * scale / rate, unit.bwd_flops * scale / rate
+
+
+def _by_kind(unit: UnitProfile, cluster: ClusterProfile) -> bool:
+    """Whether a unit is priced by kind of work (module doc, 2): a GPU target and a profile that recorded it."""
+    return cluster.device.kind == "gpu" and unit.fwd_work is not None and unit.bwd_work is not None
+
+
+def _kind_times(unit: UnitProfile, cluster: ClusterProfile, dtype: str, scale: float,
+                split: Split) -> tuple[float, float]:
+    """(forward, backward) by kind of work at `scale` times the profile's micro-batch; kernel gaps do not scale."""
+    out = []
+    for work, backward in ((unit.fwd_work, False), (unit.bwd_work, True)):
+        assert work is not None   # _by_kind
+        gaps = work.kernels * KERNEL_GAP_S
+        out.append((work_seconds(work, cluster.device, dtype, backward=backward, split=split) - gaps) * scale + gaps)
+    return out[0], out[1]
+
+
+def tp_split(unit: UnitProfile, *, tp: int, vocab: bool, sp: bool) -> Split:
+    """What tensor parallelism divides of a unit's work (cost.kernels.Split): the split share of its product FLOPs
+    (split linears, and a vocabulary-split head when it splits), the attention by heads, and the share of its
+    memory-bound bytes that runs on split tensors, read from where its saved bytes sit (profile.TPUnit's roles:
+    inside the split region and the attention core always; norms, residual places and column inputs under SP)."""
+    tu, work = unit.tp, unit.fwd_work
+    if tp == 1 or tu is None or work is None:
+        return Split()
+    gemm = (tu.split_flops + (tu.vocab_flops if vocab else 0) - tu.core_flops) / max(1, work.gemm_flops)
+    kept = tu.saved_split + tu.saved_core + (tu.saved_seq + tu.saved_col_input if sp else 0)
+    return Split(tp=tp, gemm=min(1.0, max(0.0, gemm)), memory=min(1.0, kept / max(1, unit.saved_bytes)),
+                 attention=tu.core_flops > 0)
 
 
 def gemm_width_efficiency(width: int, tp: int) -> float:
@@ -133,7 +176,7 @@ def gemm_width_efficiency(width: int, tp: int) -> float:
 
 def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, *, micro_batch_size: int,
                   precision: str, ranks_running: float, tp: int, vocab: bool,
-                  mixed: bool = False) -> tuple[float, float, float]:
+                  mixed: bool = False, sp: bool = False) -> tuple[float, float, float]:
     """(forward, backward, attention-core forward) seconds of one micro-batch through `unit` on one of tp ranks
     (module doc), without the collectives; the core's forward is what selective recompute adds to the backward."""
     tu = unit.tp
@@ -152,6 +195,12 @@ def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProf
         # the attention core's work alone, recomputed inside a call: per-sample work, no gap of its own
         core_scale = 1.0 if _gap_per_call(profile, cluster) else profile.in_model_factor
         return out[0], out[1], fwd_work * core / tp * factor * core_scale
+    if _by_kind(unit, cluster):
+        dtype, scale = executed_dtype(precision, cluster.device.kind), micro_batch_size / profile.micro_batch_size
+        parts = tp_split(unit, tp=tp, vocab=vocab, sp=sp)
+        fwd, bwd = _kind_times(unit, cluster, dtype, scale, parts)
+        assert unit.fwd_work is not None   # _by_kind
+        return fwd, bwd, attention_seconds(unit.fwd_work, cluster.device, dtype, parts) * scale
     fwd, bwd = unit_times(unit, profile, cluster, micro_batch_size=micro_batch_size, precision=precision,
                           ranks_running=ranks_running, mixed=mixed)
     width = profile.tensor_parallel.hidden if profile.tensor_parallel else 0

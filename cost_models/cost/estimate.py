@@ -40,8 +40,8 @@ from typing import Protocol, Sequence
 
 from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
                                    tp_unit_traffic)
-from cost_models.cost.compute import (compute_dtype, executed_precision, optimizer_step_time, tp_unit_times, unit_times,
-                                      uses_measured_times)
+from cost_models.cost.compute import (compute_dtype, compute_source, executed_precision, optimizer_step_time,
+                                      tp_unit_times, unit_times)
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
                                      held_bytes_per_param, overhead_bytes, saved_at, torch_mixed, tp_param_share,
                                      tp_saved_bytes, zero1_partition)
@@ -147,7 +147,8 @@ class Estimate(Record):
     capacity_bytes: int
     fits: bool
     comm: CommVolume
-    compute_source: str      # "measured" (profile times on this device kind) | "flops" (FLOPs / peak x efficiency)
+    compute_source: str      # "measured" (profile times on this device kind) | "kernels" (work by kind on a GPU:
+                             # cost.kernels) | "flops" (FLOPs / peak x efficiency)
     pipeline_order: dict[str, list[str]]
     hfu: float | None = None # hardware FLOPs (with recompute, torch's attention backward) / the same; see _throughput
     calibrated_by: str = ""  # "" as probed; else Calibration.describe() of the cluster's calibration (which runs)
@@ -286,7 +287,7 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     selective = s.selective and not recompute
     f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
         u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
-        ranks_running=c.sharing.busy, tp=s.tp, vocab=c.tp_vocab, mixed=c.autocast))
+        ranks_running=c.sharing.busy, tp=s.tp, vocab=c.tp_vocab, mixed=c.autocast, sp=s.sp))
     saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective)
     if selective:
         b += core
@@ -758,7 +759,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         stages=stages, memory_per_rank=memory, capacity_bytes=cluster.device.memory_bytes,
         fits=max(m.total_bytes for m in memory) <= cluster.device.memory_bytes,
         comm=dataclasses.replace(_comm_volume(c, stages, dp_bytes), tied_bytes_per_rank=tied_bytes),
-        compute_source="measured" if uses_measured_times(profile, cluster, s.precision) else "flops",
+        compute_source=compute_source(profile, cluster, s.precision),
         pipeline_order=format_order(s.action_order()) if per_rank else {},
         calibrated_by=cluster.calibration.describe() if cluster.calibration else "")
 

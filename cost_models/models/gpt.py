@@ -23,6 +23,7 @@ class GPTConfig(Record):
     n_heads: int
     dropout: float = 0.0
     tie_embeddings: bool = True
+    attention: str = "fused"   # "fused": SDPA's fused kernel; "unfused": the score matrix materialized (below)
 
 
 class GPTEmbedding(nn.Module):
@@ -45,6 +46,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.dim, 3 * cfg.dim)
         self.c_proj = nn.Linear(cfg.dim, cfg.dim)
         self.dropout = cfg.dropout
+        self.unfused = cfg.attention == "unfused"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Heads are counted from the projection's output, not the config: under tensor parallelism this rank's
@@ -53,8 +55,24 @@ class CausalSelfAttention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        p = self.dropout if self.training else 0.0
+        y = _unfused_attention(q, k, v, p) if self.unfused else F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                              dropout_p=p)
         return self.c_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def _unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal attention with the score matrix materialized, as Megatron-LM computed it before FlashAttention
+    (Narayanan et al. 2021; megatron/model/transformer.py's CoreAttention): scores = baddbmm with the 1/sqrt(d)
+    scale as alpha (here the causal mask rides in as the added bias; Megatron fused scale, mask and softmax in one
+    kernel), softmax, dropout over the probabilities, then probabilities @ V. The same math as SDPA's, with the
+    score matrix's memory traffic and bytes saved for backward (Korthikanti et al. 2022's 5as/h term)."""
+    b, heads, s, d = q.shape
+    mask = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    scores = torch.baddbmm(mask.expand(b * heads, s, s), q.reshape(b * heads, s, d),
+                           k.reshape(b * heads, s, d).transpose(1, 2), alpha=d ** -0.5)
+    probs = F.dropout(scores.softmax(dim=-1), p=dropout_p, training=dropout_p > 0)
+    return torch.bmm(probs, v.reshape(b * heads, s, d)).view(b, heads, s, d)
 
 
 class GPTMLP(nn.Module):

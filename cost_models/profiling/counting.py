@@ -16,7 +16,9 @@ from cost_models.profiling.flops import attention_ops, flop_counter
 from cost_models.profiling.split_backward import kept_after_split
 from cost_models.profiling.tensors import backward_roots, fresh, one_sample, tensor_bytes
 from cost_models.profiling.tp_watch import TPWatch
+from cost_models.profiling.work_counter import WorkCounter
 from cost_models.records.tensor_parallel import TPRule
+from cost_models.records.work import WorkCounts
 from cost_models.torch_compat.torch_private import storage_id, tree_leaves, tree_map
 
 
@@ -31,6 +33,7 @@ class ModuleResult:
         self.saved_other_bytes = 0                  # of saved_bytes, storages not in the model's float dtype
         self.saved_other_fixed_bytes = 0            # of saved_fixed_bytes, the same (_saved_fixed)
         self.transient_bytes = 0                    # count_module, on GPUs
+        self.fwd_work = self.bwd_work = WorkCounts()  # the passes' work by kind (profiling.work_counter)
         self.fwd_times: list[float] = []
         self.bwd_times: list[float] = []
         self.fwd_times_one: list[float] = []   # the same with a micro-batch of one sample
@@ -97,6 +100,7 @@ def count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, A
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         fwd_fc = stack.enter_context(flop_counter())
+        fwd_work = stack.enter_context(WorkCounter())
         if rules is not None:
             watch.append(stack.enter_context(TPWatch(module, name, rules, fwd_fc, seq_len)))
             stack.callback(watch[0].remove)
@@ -106,19 +110,18 @@ def count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, A
     res.tp = watch[0].counts if watch else {}
     res.output_bytes = sum(tensor_bytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     res.saved_bytes, res.saved_other_bytes = sum(saved.values()), sum(other.values())
-    res.fwd_flops = fwd_fc.get_total_flops()
-    with flop_counter() as bwd_fc:
+    with flop_counter() as bwd_fc, WorkCounter() as bwd_work:
         if roots:
             torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
-    res.bwd_flops = bwd_fc.get_total_flops()
+    res.fwd_flops, res.bwd_flops = fwd_fc.get_total_flops(), bwd_fc.get_total_flops()
+    res.fwd_work, res.bwd_work = fwd_work.counts(), bwd_work.counts()
     res.attention = attention_ops(fwd_fc) | attention_ops(bwd_fc)
     if on_gpu:
         grads = sum(tensor_bytes(p.grad) for p in module.parameters() if p.grad is not None)
         peak = torch.cuda.max_memory_allocated() - base
         res.transient_bytes = max(0, peak - res.saved_bytes - res.output_bytes - grads)
     del out, roots
-    module.zero_grad(set_to_none=True)
-    # after this count's backward: a second count on one sample, not two graphs alive at once
+    module.zero_grad(set_to_none=True)   # before the count on one sample: never two graphs alive at once
     res.saved_fixed_bytes, res.saved_other_fixed_bytes = _saved_fixed(
         module, captured, res.saved_bytes, res.saved_other_bytes, batch=batch, excluded=excluded, loss=loss,
         dtype=dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from cost_models.torch_compat.torch_private import CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD
 
@@ -24,6 +24,8 @@ _FLOP_MAPPING = {
     CPU_FLASH_ATTENTION: _cpu_flash_fwd_flop,
     CPU_FLASH_ATTENTION_BACKWARD: _cpu_flash_bwd_flop,
 }
+# The same formulas over shapes, as torch's own registry holds them (profiling.work_counter calls them directly)
+CPU_FLASH_FLOPS = {op: shape_wrapper(formula) for op, formula in _FLOP_MAPPING.items()}
 _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 
 

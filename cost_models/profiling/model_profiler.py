@@ -28,6 +28,7 @@ progress (the progress report).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections import OrderedDict
@@ -53,6 +54,7 @@ from cost_models.records.errors import ConfigError, ProfileError
 from cost_models.records.formatting import fixed, now_utc
 from cost_models.records.profile import ModelProfile, SharedParam, TPUnit, UnitEdge, UnitProfile
 from cost_models.records.tensor_parallel import TPRule
+from cost_models.records.work import WorkCounts
 from cost_models.torch_compat.host import keep_freed_memory
 from cost_models.torch_compat.optimizers import time_optimizers
 from cost_models.torch_compat.torch_private import storage_id
@@ -279,6 +281,8 @@ def _account_params(model: nn.Module, unit_results,
             bwd_time_one=(unit_timing([r.bwd_times_one for r in results])
                           if timed and results[0].bwd_times_one else None),
             tp=_tp_unit(numels, splits, norms, results) if rules is not None else None,
+            fwd_work=functools.reduce(WorkCounts.plus, (r.fwd_work for r in results)),
+            bwd_work=functools.reduce(WorkCounts.plus, (r.bwd_work for r in results)),
         ))
     numel = {id(p): p.numel() for p in model.parameters()}
     shared = [SharedParam(name=owner[pid][0], aliases=tuple(a for a, _ in al),

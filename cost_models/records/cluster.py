@@ -30,6 +30,11 @@ class DeviceSpec(Record):
     matmul_efficiency: float           # achieved / peak for large matmuls (measured by the compute probe if present)
     source: str
     memory_bandwidth_Bps: float = 0.0  # device memory bandwidth (datasheet, or measured copy rate per rank)
+    sm_count: int = 0                  # streaming multiprocessors (GPU datasheet): the waves GEMM tiles run in
+                                       # (cost.kernels); 0: unknown, no wave quantization
+    attention_efficiency: dict[str, float] = dataclasses.field(default_factory=dict)
+                                       # "fwd" / "bwd": fused attention's achieved / peak (cost.kernels);
+                                       # empty: the matmul rate
 
 
 @record

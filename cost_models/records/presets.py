@@ -19,9 +19,15 @@ and NVLink 4) ~350 GB/s (github.com/NVIDIA/nccl-tests/issues/283); 192 GB/s acro
 (github.com/NVIDIA/nccl/issues/812). The all-gather's drop comes from the hierarchical ring (cost_models.cost.comm: the
 network phase adds to the NVLink one); the all-reduce holds up because NCCL runs it as a tree across nodes, whose
 phases overlap (cost_models.cost.comm.tree_all_reduce_time).
-Matmul efficiency (achieved / dense peak on large bf16 GEMMs) is MATMUL_EFFICIENCY unless probed: cuBLAS reaches
-about 70% of dense peak on H100/A100-class parts for large square bf16 GEMMs (NVIDIA cuBLAS/Transformer Engine
-benchmarks); a cluster file can set its own.
+Matmul efficiency (achieved / dense peak) is the maximum achievable matmul FLOPS over a search of bf16 shapes
+(stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table"): A100 SXM
+271.2 of 312 TFLOP/s (86.9%), A100 PCIe 252.9 (81.1%), H100 SXM 794.5 of 989 (80.3%); parts it does not list get
+MATMUL_EFFICIENCY, an assumption. cost_models.cost.kernels takes it down for shapes that waste tiles, over the SMs
+(sm_count: A100 108, H100 SXM5 132, L4 58; NVIDIA's A100 and H100 architecture whitepapers, L4 datasheet).
+Attention efficiency: the fused kernels' published benchmarks. A100: FlashAttention-2 (Dao 2023, arXiv 2307.08691)
+reaches 50-73% of peak, its forward up to 73%; the backward is the slower pass, at the range's low end. H100:
+FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608) forward up to 75% of peak in bf16/fp16, its backward 1.5-1.75x
+FlashAttention-2's, which reaches 35% on H100: 0.55. Best published figures: short causal sequences run below them.
 """
 from __future__ import annotations
 
@@ -33,7 +39,12 @@ NCCL_EFFICIENCY = 0.8
 # (NCCL maintainer, github.com/NVIDIA/nccl-tests/issues/290), and DGX A100's 8 x 200 Gb/s HDR measure 192 GB/s
 # all-reduce busbw across nodes (NCCL maintainer, github.com/NVIDIA/nccl/issues/812): 0.92-0.96 of line rate.
 NET_EFFICIENCY = 0.92
-MATMUL_EFFICIENCY = 0.7
+MATMUL_EFFICIENCY = 0.7   # parts with no published maximum achievable matmul rate (module doc)
+A100_SXM_MAMF = 271.2 / 312
+A100_PCIE_MAMF = 252.9 / 312
+H100_SXM_MAMF = 794.5 / 989
+FLASH_ATTENTION_2 = {"fwd": 0.73, "bwd": 0.50}   # A100 (module doc)
+FLASH_ATTENTION_3 = {"fwd": 0.75, "bwd": 0.55}   # H100 (module doc)
 MIB = 2**20
 GB = 1e9
 
@@ -48,24 +59,28 @@ def _link(kind: str, line_rate_Bps: float, alpha_s: float, source: str,
 # nvidia-smi reports 81,559 MiB on an 80 GB part.
 H100_SXM = DeviceSpec(name="H100-SXM5-80GB", kind="gpu", memory_bytes=81_559 * MIB,
                       peak_flops={"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12},
-                      matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
-                      memory_bandwidth_Bps=3.35e12)  # HBM3, 3.35 TB/s (datasheet)
+                      matmul_efficiency=H100_SXM_MAMF, source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+                      memory_bandwidth_Bps=3.35e12,  # HBM3, 3.35 TB/s (datasheet)
+                      sm_count=132, attention_efficiency=FLASH_ATTENTION_3)
 # NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16, 19.5 TFLOP/s FP32 (156 TF32); 80 GB part: 81,920 MiB,
 # 40 GB part: 40,960 MiB in nvidia-smi.
 A100_SXM_80 = DeviceSpec(name="A100-SXM4-80GB", kind="gpu", memory_bytes=81_920 * MIB,
                          peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-                         matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA A100 Tensor Core GPU datasheet",
-                         memory_bandwidth_Bps=2.039e12)  # HBM2e, 2,039 GB/s (datasheet, 80 GB SXM)
+                         matmul_efficiency=A100_SXM_MAMF, source="NVIDIA A100 Tensor Core GPU datasheet",
+                         memory_bandwidth_Bps=2.039e12,  # HBM2e, 2,039 GB/s (datasheet, 80 GB SXM)
+                         sm_count=108, attention_efficiency=FLASH_ATTENTION_2)
 A100_PCIE_40 = DeviceSpec(name="A100-PCIE-40GB", kind="gpu", memory_bytes=40_960 * MIB,
                           peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-                          matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA A100 Tensor Core GPU datasheet (PCIe)",
-                          memory_bandwidth_Bps=1.555e12)  # HBM2, 1,555 GB/s (datasheet, 40 GB PCIe)
+                          matmul_efficiency=A100_PCIE_MAMF, source="NVIDIA A100 Tensor Core GPU datasheet (PCIe)",
+                          memory_bandwidth_Bps=1.555e12,  # HBM2, 1,555 GB/s (datasheet, 40 GB PCIe)
+                          sm_count=108, attention_efficiency=FLASH_ATTENTION_2)
 # NVIDIA L4 datasheet: 121 TFLOP/s dense BF16/FP16 (242 with sparsity), 30.3 TFLOP/s FP32, 24 GB
 # (nvidia-smi: 23,034 MiB), PCIe Gen4 x16.
 L4 = DeviceSpec(name="L4-24GB", kind="gpu", memory_bytes=23_034 * MIB,
                 peak_flops={"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
                 matmul_efficiency=MATMUL_EFFICIENCY, source="NVIDIA L4 Tensor Core GPU datasheet",
-                memory_bandwidth_Bps=300e9)  # GDDR6, 300 GB/s (datasheet)
+                memory_bandwidth_Bps=300e9,  # GDDR6, 300 GB/s (datasheet)
+                sm_count=58)
 
 # NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU = 450 GB/s per direction, all GPUs through NVSwitch (DGX H100 datasheet).
 NVLINK4 = _link("nvlink4", 450 * GB, 12e-6, "DGX H100 datasheet: NVLink 4, 900 GB/s bidirectional per GPU")

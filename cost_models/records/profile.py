@@ -10,6 +10,7 @@ from typing import Literal
 
 from cost_models.records.base import Record, record
 from cost_models.records.tensor_parallel import TPShape
+from cost_models.records.work import WorkCounts
 
 SCHEMA_VERSION = 1
 PROFILE_KIND = "zeropipe.profile"
@@ -176,6 +177,8 @@ class UnitProfile(Record):
     transient_bytes: int = 0             # GPU real mode: the peak the unit's forward + backward allocates beyond what
                                          # it saves, outputs and leaves as gradients (an LM head's float logits and
                                          # their gradient); 0 on CPU (no allocator statistics), meta and older files
+    fwd_work: WorkCounts | None = None   # the forward's work by kind (records.work); None in older files
+    bwd_work: WorkCounts | None = None   # the backward's (incl. the input gradient); None in older files
 
 
 @record

@@ -39,12 +39,21 @@ def tp_strided(t: torch.Tensor) -> bool:
 __all__ = ["tree_leaves", "tree_map", "TorchDispatchMode", "storage_id", "CPU_FLASH_ATTENTION",
            "CPU_FLASH_ATTENTION_BACKWARD", "persistent_buffers", "default_group_timeout", "set_group_timeout",
            "schedule_stages", "compute_action_strings", "own_parameters", "hf_init_weights", "module_view", "strided_shard",
-           "tp_strided"]
+           "tp_strided", "op_argument"]
 
 # The fused CPU flash-attention kernels (aten ops with private names; torch.nn.functional.scaled_dot_product_attention
 # picks them on CPU). The profiler runs them on meta and gives FlopCounterMode a formula for them.
 CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def op_argument(func, name: str, args: tuple, kwargs: dict, default=None):
+    """An aten op's argument by its schema name (positional or keyword), as a dispatch mode receives it: the
+    OpOverload's _schema is the only record of the names (torch 2.13)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            return kwargs.get(name, args[i] if i < len(args) else default)
+    return default
 
 
 def storage_id(t: torch.Tensor) -> int:
