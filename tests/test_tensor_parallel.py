@@ -121,7 +121,7 @@ def reference(cfg: TrainConfig) -> list[float]:
 
 
 def _units(cfg: TrainConfig) -> tuple[str, ...]:
-    if cfg.model_source in ("gpt-tiny", "llama-tiny"):
+    if cfg.model_source in ("gpt-tiny", "gpt-tiny-untied", "llama-tiny"):
         return UNITS
     from cost_models.profiling.model_profiler import profile_model
     return tuple(u.name for u in profile_model(resolve(cfg.model_source), micro_batch_size=1, seq_len=SEQ,
@@ -183,7 +183,9 @@ def _custom_cfg() -> TrainConfig:
 @pytest.mark.slow
 def test_tp2_and_sp_on_2_ranks_zoo_and_hf_llama():
     gpt, llama, hf, gpt2 = cfg_for("gpt-tiny"), cfg_for("llama-tiny"), cfg_for(HF_LLAMA), cfg_for(HF_GPT2)
+    untied = cfg_for("gpt-tiny-untied")   # its embedding and head split on the vocabulary
     items = [("train", S(tp=2), gpt), ("train", S(tp=2, sp=True, selective=True), gpt),
+             ("train", S(tp=2), untied), ("train", S(tp=2, sp=True), untied),
              ("train", S(tp=2), llama), ("train", S(tp=2, sp=True), llama),
              ("train", S(tp=2, units=_units(hf)), hf), ("train", S(tp=2, sp=True, units=_units(hf)), hf),
              ("train", S(tp=2, units=_units(gpt2)), gpt2)]
@@ -196,9 +198,9 @@ def test_tp2_and_sp_on_2_ranks_zoo_and_hf_llama():
     # 2 micro-batches of 4 x 16 tokens x 64 fp32: bsh below is per sequence, 8 sequences a step)
     bsh = 1 * SEQ * 64 * 4
     # ... and the loss on the vocabulary shards (loss parallelism): 3 all-reduces of one fp32 value per token
-    assert results[2][0]["comm_bytes"]["tp_all_reduce"] == 8 * ((4 * 4 + 2) * bsh + 3 * SEQ * 4)
+    assert results[4][0]["comm_bytes"]["tp_all_reduce"] == 8 * ((4 * 4 + 2) * bsh + 3 * SEQ * 4)
     # with SP the all-reduces become all-gathers and reduce-scatters of the same full buffers
-    sp = results[3][0]["comm_bytes"]
+    sp = results[5][0]["comm_bytes"]
     assert sp["tp_reduce_scatter"] == 8 * (4 * 4 + 2) * bsh and "all_reduce" not in sp
     # and the cost model predicts every TP collective's bytes per step (issue 17: within 5%)
     for (_, s, cfg), ranks in zip(items, results):

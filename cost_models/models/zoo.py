@@ -56,6 +56,8 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
     _llama("llama3-405b", vocab=128256, dim=16384, layers=126, heads=128, kv=8, ffn=53248, ctx=8192, theta=5e5),
     ZooEntry(name="gpt-tiny", family="gpt", description="GPT 4L d64 (CPU tests and demo)",
              config=GPTConfig(vocab_size=512, max_seq_len=128, dim=64, n_layers=4, n_heads=4)),
+    ZooEntry(name="gpt-tiny-untied", family="gpt", description="GPT 4L d64, head untied (CPU tests: vocabulary split)",
+             config=GPTConfig(vocab_size=512, max_seq_len=128, dim=64, n_layers=4, n_heads=4, tie_embeddings=False)),
     ZooEntry(name="llama-tiny", family="llama", description="Llama 4L d64 4h/2kv (CPU tests and demo)",
              config=LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=128)),
     ZooEntry(name="gpt-wide", family="gpt", description="GPT 2L d256 (CPU fidelity suite: wide and shallow)",

@@ -143,15 +143,17 @@ PLANS: dict[str, TPPlan] = {p.name: p for p in [
         TPRule(pattern="head.norm", style="norm"),
         TPRule(pattern="head.output", style="head"),
     )),
-    # GPT-2 ties its head to the token embedding: both stay whole (a split embedding and a split head would need
-    # two layouts of one tensor); the sum of token and position embeddings enters the split region whole.
-    TPPlan(name="zoo-gpt", source="Megatron-LM's GPT split (Shoeybi et al. 2019, section 3), tied embedding replicated",
-           rules=(
-        TPRule(pattern="embed", style="sp_entry"),
+    # An untied GPT splits its token embedding and head on the vocabulary (Megatron's VocabParallelEmbedding and
+    # the column-split output layer); the token embedding's output is all-reduced before the position embedding is
+    # added, so the sequence split starts at the first block's input (sp_input). A tied GPT (GPT-2) keeps both
+    # whole (rules_for): the executor does not tie a split weight again.
+    TPPlan(name="zoo-gpt", source="Megatron-LM's GPT split (Shoeybi et al. 2019, section 3)", rules=(
+        TPRule(pattern="embed.wte", style="embedding"),
+        TPRule(pattern="blocks.0", style="sp_input"),
         *_block_rules("blocks.*", "attn", "mlp", ("ln_1", "ln_2"), ("attn.c_attn", "mlp.c_fc"),
                       ("attn.c_proj", "mlp.c_proj"), fused=3),
         TPRule(pattern="head.ln_f", style="norm"),
-        TPRule(pattern="head.lm_head", style="region"),
+        TPRule(pattern="head.lm_head", style="head"),
     )),
     # the sequence split starts at the first decoder layer's input (sp_input), after LlamaModel.forward has made
     # the rotary tables and the mask for the whole sequence (transformers 5: the layers take them as keywords)
