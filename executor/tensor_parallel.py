@@ -215,15 +215,40 @@ def parallelize(model: nn.Module, held: list[nn.Module], tp_mesh, *, sp: bool, r
         if style is not None:
             plan[name] = style
     if plan:
+        ties = _tied_slots(named)
         # every rank built the same full parameters (one seed, or one draw per module), so each takes its own slice
         # (src_data_rank=None) instead of receiving it from tp rank 0
         parallelize_module(model, tp_mesh, plan, src_data_rank=None)
+        _tie_again(ties)
     _localize_widths(named, shape.tp_plan.local_widths, tp)
     for m in held:
         for param in m.parameters():
             if hasattr(param, "device_mesh"):
                 param.register_post_accumulate_grad_hook(_grad_placed_as_param)
     return loss_parallel and any(r.style == "head" for n, _ in named if (r := style_of(n, rules)))
+
+
+def _tied_slots(named: list[tuple[str, nn.Module]]) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, attribute) slots of each parameter held in more than one (a GPT's token embedding and head)."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, module in named:
+        for attr, param in module.named_parameters(recurse=False):
+            slots.setdefault(id(param), []).append((module, attr))
+    return [s for s in slots.values() if len(s) > 1]
+
+
+def _tie_again(ties: list[list[tuple[nn.Module, str]]]) -> None:
+    """Point every slot of a tied parameter at the first slot's parameter again: parallelize_module replaces each
+    module's parameter with its own DTensor, which would untie them. A vocabulary-split embedding and head hold
+    the same layout (Shard(0) of the (vocab, dim) weight, Megatron's tied split), so one DTensor serves both."""
+    for slots in ties:
+        first = getattr(*slots[0])
+        for module, attr in slots[1:]:
+            other = getattr(module, attr)
+            if getattr(other, "placements", None) != getattr(first, "placements", None):
+                raise ConfigError(f"a tied parameter would be split two ways ({getattr(first, 'placements', 'whole')} "
+                                  f"and {getattr(other, 'placements', 'whole')}); plan with --tp 1")
+            setattr(module, attr, first)
 
 
 def loss_context(sharded_logits: bool):

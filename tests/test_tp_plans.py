@@ -54,13 +54,13 @@ def test_every_rule_names_modules_of_its_kind(ref, plan):
 
 def test_dimensions_decide_the_tp_a_model_admits():
     gpt, llama = tp_shape(_meta("gpt-tiny")), tp_shape(_meta("llama-tiny"))
-    assert (gpt.heads, gpt.kv_heads, gpt.ffn, gpt.hidden, gpt.vocab_split) == (4, 4, 256, 64, False)
+    assert (gpt.heads, gpt.kv_heads, gpt.ffn, gpt.hidden, gpt.vocab_split) == (4, 4, 256, 64, True)
     assert (llama.heads, llama.kv_heads, llama.ffn, llama.hidden, llama.vocab_split) == (4, 2, 176, 64, True)
     assert gpt.tp_refusal(4) is None and gpt.tp_refusal(8) == "tp=8 does not divide the 4 attention heads"
     assert llama.tp_refusal(2) is None and llama.tp_refusal(4) == "tp=4 does not divide the 2 key/value heads"
     assert llama.tp_refusal(2, sp=True, seq_len=31) == "sequence parallelism needs tp=2 to divide the sequence length 31"
-    # GPT-2 ties its head to the embedding: both stay whole, so no rule splits a vocabulary there
-    assert not vocab_divides(gpt, 2) and vocab_divides(llama, 2)
+    # the zoo GPT splits its tied vocabulary as one weight; 512 does not divide 3 ways: both stay whole
+    assert vocab_divides(gpt, 2) and vocab_divides(llama, 2) and not vocab_divides(gpt, 3)
     assert {r.style for r in rules_for(PLANS["zoo-gpt"], vocab_split=False)}.isdisjoint({"embedding", "head"})
     llama_rules = rules_for(PLANS["zoo-llama"], vocab_split=False)
     assert style_of("embed.tok_embeddings", llama_rules).style == "sp_entry"

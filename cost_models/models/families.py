@@ -56,8 +56,10 @@ def _zoo_llama(model: Any) -> dict[str, Any]:
 
 def _zoo_gpt(model: Any) -> dict[str, Any]:
     g = model.cfg
+    # tied or not, the embedding and head split on the vocabulary: a tied weight has one layout for both
+    # (executor.tensor_parallel ties them again after the split)
     return dict(heads=g.n_heads, kv_heads=g.n_heads, ffn=4 * g.dim, hidden=g.dim, vocab=g.vocab_size,
-                vocab_split=not g.tie_embeddings)
+                vocab_split=True)
 
 
 def _hf_llama(model: Any) -> dict[str, Any]:

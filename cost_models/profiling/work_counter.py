@@ -11,15 +11,11 @@ from torch.utils.flop_counter import flop_registry
 
 from cost_models.profiling.flops import CPU_FLASH_FLOPS
 from cost_models.records.work import Gemm, WorkCounts
-from cost_models.torch_compat.torch_private import TorchDispatchMode, op_argument, tree_leaves
+from cost_models.torch_compat.torch_private import NO_KERNEL_OPS, TorchDispatchMode, op_argument, tree_leaves
 
 _aten = torch.ops.aten
 _MM = {_aten.mm: (0, 1), _aten.addmm: (1, 2), _aten.bmm: (0, 1), _aten.baddbmm: (1, 2)}   # operand positions
 _ATTENTION_MARKS = ("attention",)
-# Ops that launch no kernel although their schema does not call them views (a reshape's result that aliases a fresh
-# copy, metadata, allocation without initialisation)
-_FREE = {_aten._unsafe_view, _aten.detach, _aten.alias, _aten.lift_fresh, _aten.empty, _aten.empty_like, _aten.empty_strided,
-         _aten.new_empty, _aten.new_empty_strided}
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:
@@ -42,7 +38,7 @@ class WorkCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        if func.is_view or packet in _FREE:
+        if func.is_view or packet in NO_KERNEL_OPS:
             return out
         self.kernels += 1
         if packet in _MM:

@@ -75,7 +75,7 @@ class TPShape(Record):
     ffn: int = 0                # MLP width; a custom plan's: the gcd of its split widths
     hidden: int = 0
     vocab: int = 0
-    vocab_split: bool = False   # the embedding / head split on the vocabulary (not tied)
+    vocab_split: bool = False   # the embedding / head split on the vocabulary (untied, or a zoo GPT)
     # a custom plan's rules (planner profile --tp-plan), recorded so that planning and runs need not import it
     rules: tuple[TPRule, ...] = ()
 
@@ -143,10 +143,10 @@ PLANS: dict[str, TPPlan] = {p.name: p for p in [
         TPRule(pattern="head.norm", style="norm"),
         TPRule(pattern="head.output", style="head"),
     )),
-    # An untied GPT splits its token embedding and head on the vocabulary (Megatron's VocabParallelEmbedding and
-    # the column-split output layer); the token embedding's output is all-reduced before the position embedding is
-    # added, so the sequence split starts at the first block's input (sp_input). A tied GPT (GPT-2) keeps both
-    # whole (rules_for): the executor does not tie a split weight again.
+    # The zoo GPT splits its token embedding and head on the vocabulary (Megatron's VocabParallelEmbedding and
+    # the column-split output layer), tied or not: both split the (vocab, dim) weight on dim 0; the token
+    # embedding's output is all-reduced before the position embedding is added, so the sequence split starts at
+    # the first block's input (sp_input).
     TPPlan(name="zoo-gpt", source="Megatron-LM's GPT split (Shoeybi et al. 2019, section 3)", rules=(
         TPRule(pattern="embed.wte", style="embedding"),
         TPRule(pattern="blocks.0", style="sp_input"),

@@ -39,12 +39,19 @@ def tp_strided(t: torch.Tensor) -> bool:
 __all__ = ["tree_leaves", "tree_map", "TorchDispatchMode", "storage_id", "CPU_FLASH_ATTENTION",
            "CPU_FLASH_ATTENTION_BACKWARD", "persistent_buffers", "default_group_timeout", "set_group_timeout",
            "schedule_stages", "compute_action_strings", "own_parameters", "hf_init_weights", "module_view", "strided_shard",
-           "tp_strided", "op_argument"]
+           "tp_strided", "op_argument", "NO_KERNEL_OPS"]
 
 # The fused CPU flash-attention kernels (aten ops with private names; torch.nn.functional.scaled_dot_product_attention
 # picks them on CPU). The profiler runs them on meta and gives FlopCounterMode a formula for them.
 CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+# aten ops that launch no kernel although their schemas do not mark them views (torch 2.13): _unsafe_view (a
+# reshape's result aliasing a fresh copy), detach, alias, lift_fresh, and allocation without initialisation
+_aten = torch.ops.aten
+NO_KERNEL_OPS = frozenset({_aten._unsafe_view, _aten.detach, _aten.alias, _aten.lift_fresh, _aten.empty,
+                           _aten.empty_like, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided})
 
 
 def op_argument(func, name: str, args: tuple, kwargs: dict, default=None):
