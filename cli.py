@@ -310,6 +310,9 @@ def estimate(
     dp: int = typer.Option(1, "--dp", help="data-parallel degree (the ZeRO group)"),
     pp: int = typer.Option(1, "--pp", help="pipeline degree"),
     zero: int = typer.Option(0, "--zero", help="ZeRO stage over dp: 0, 1, 2, 3"),
+    distributed_optimizer: bool = typer.Option(
+        False, "--distributed-optimizer", help="ZeRO-1 as Megatron-LM's distributed optimizer: parameters gathered "
+        "ahead of the forward, gradients reduce-scattered in fp32 on the last micro-batch (--zero 1, --pp 1)"),
     schedule: str = typer.Option(DEFAULT_SCHEDULE, "--schedule", help=" | ".join(SCHEDULES)),
     microbatches: int = typer.Option(1, "--microbatches", "-m", help="micro-batches per step"),
     micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", "-b", help="default: the profile's"),
@@ -340,8 +343,8 @@ def estimate(
     _warn_loaded_profile(pf.model, target, precision)
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
-        tp=tp, sp=sp, recompute=recompute,   # check_training above refused any other values
-        precision=cast(Precision, precision), optimizer=cast(Optimizer, optimizer)))
+        tp=tp, sp=sp, recompute=recompute, distributed_optimizer=distributed_optimizer,
+        precision=cast(Precision, precision), optimizer=cast(Optimizer, optimizer)))   # check_training: no other
     est = run_estimate(strategy, pf.model, target)
     if as_json:
         print(dumps(estimate_json(strategy, est, target.device.name)), end="")

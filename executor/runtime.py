@@ -125,6 +125,9 @@ class Runtime:
             if self.wrapped.ddp and i < m - 1:
                 # DDP all-reduces once, on the last micro-batch (wrapped.modules are typed nn.Module)
                 sync = module.no_sync()  # type: ignore[operator]
+            if self.wrapped.sync_last_only:   # FSDP2: gradients accumulate whole, parameters stay gathered
+                module.set_requires_gradient_sync(i == m - 1)  # type: ignore[operator]
+                module.set_reshard_after_backward(i == m - 1)  # type: ignore[operator]
             t0 = time.perf_counter()
             with sync, tensor_parallel.loss_context(self.sharded_logits):
                 with self._autocast(x):
@@ -238,7 +241,8 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     _recompute(s, model, held, stage_ids, spec.units)
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,
-                   tp=s.tp, compute=compute if s.pp == 1 else None)
+                   tp=s.tp, compute=compute if s.pp == 1 else None,
+                   distributed_optimizer=s.distributed_optimizer and s.dp > 1)
     if _shards_later(s, mode):
         _allocate_shards(wrapped, optimizer_fn, device, model=model, mode=mode, seed=seed, dp_rank=dp_rank, dp=s.dp)
     schedule = None
@@ -330,7 +334,7 @@ def _shards_later(s: Strategy, mode: str) -> bool:
     the model is the root and each parameter's owner is the same on every rank) to draw module by module."""
     # with tp > 1 the parameters are split first, from real tensors (executor.materialize draws FSDP2's dp shards
     # of whole parameters only)
-    return s.zero >= 2 and s.dp > 1 and s.tp == 1 and (mode == "loaded" or (mode == "per-module" and s.pp == 1))
+    return s.gathers_per_unit and s.tp == 1 and (mode == "loaded" or (mode == "per-module" and s.pp == 1))
 
 
 def _allocate_shards(wrapped: Wrapped, optimizer_fn, device: torch.device, *, model: nn.Module, mode: str,

@@ -8,6 +8,8 @@ Trillion Parameter Models", SC20, sections 5.1-5.3).
     ZeRO-2       FSDP2 fully_shard on each unit's modules,     FSDP2 fully_shard(stage), reshard_after_forward=False
                  then the model, reshard_after_forward=False
     ZeRO-3       the same, reshard_after_forward=True          FSDP2 fully_shard(stage), reshard_after_forward=True
+    ZeRO-1       as ZeRO-2, gradients reduce-scattered (fp32)  (not offered: the ZeRO-2 column already gathers once
+    dist-opt     on the last micro-batch only                  and reduce-scatters once per step)
 Why the pipeline column differs: torch's pipelining drives a DDP-wrapped stage by reaching into DDP's reducer
 (torch 2.13, torch/distributed/pipelining/stage.py, backward_maybe_with_nosync: no_sync on every backward but the
 last, then reducer.prepare_for_backward), and when this module was written DDP-wrapped stages failed here under
@@ -73,24 +75,29 @@ class Wrapped:
     params: list[nn.Parameter] = field(default_factory=list)
     autocast: torch.dtype | None = None      # run forward under torch.autocast in this dtype (mixed precision)
     reduce_dtype: torch.dtype | None = None  # manual_grad_sync: all-reduce gradients cast to this dtype
+    sync_last_only: bool = False             # FSDP2 reduce-scatters and reshards on the last micro-batch only
 
 
 def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn,
-         unit_groups: list[list[nn.Module]] | None = None, tp: int = 1, compute: torch.dtype | None = None) -> Wrapped:
+         unit_groups: list[list[nn.Module]] | None = None, tp: int = 1, compute: torch.dtype | None = None,
+         distributed_optimizer: bool = False) -> Wrapped:
     """Apply the mapping to this rank's modules (pp = 1: the model itself; else its stages) and build the optimizer
     over its (local) parameters. `unit_groups` (pp = 1): the modules of each unit, sharded one FSDP2 group each.
     `tp` > 1: the modules are already split over the tp mesh (executor.tensor_parallel). `compute`: mixed
-    precision's compute dtype (mixed_precision): FSDP2 casts for it, else Wrapped.autocast asks the caller to."""
+    precision's compute dtype (mixed_precision): FSDP2 casts for it, else Wrapped.autocast asks the caller to.
+    `distributed_optimizer` (ZeRO-1, pp = 1): Megatron-LM's distributed optimizer on FSDP2 (the table above):
+    gradients reduced in fp32, as Megatron-LM reduces bf16 training's (its grad buffer is fp32)."""
     dp = dp_mesh.size() if dp_mesh is not None else 1
     if dp == 1:
         params = [p for st in modules for p in st.parameters()]
         return Wrapped(modules=list(modules), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params,
                        autocast=compute)
     group = dp_mesh.get_group()
-    if zero >= 2:
+    if zero >= 2 or distributed_optimizer:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         raf = zero == 3
-        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if compute else MixedPrecisionPolicy()
+        reduce = torch.float32 if distributed_optimizer else compute
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce) if compute else MixedPrecisionPolicy()
         shard = functools.partial(fully_shard, mp_policy=mp)
         if pp == 1:
             # One FSDP group per pipeline unit: gather one at a time, prefetch the next. A unit holding a parameter
@@ -104,7 +111,8 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
         for st in modules:
             shard(st, mesh=dp_mesh, reshard_after_forward=raf)
         params = [p for st in modules for p in st.parameters()]
-        return Wrapped(modules=list(modules), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params)
+        return Wrapped(modules=list(modules), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params,
+                       sync_last_only=distributed_optimizer)
     params = [p for st in modules for p in st.parameters()]
     if pp == 1 and tp == 1:
         from torch.nn.parallel import DistributedDataParallel as DDP

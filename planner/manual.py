@@ -75,6 +75,7 @@ class StrategyRequest(Record):
     recompute: str = "none"               # none | selective | full (or all) | stage indices, e.g. "0,1"
     precision: Precision = "bf16-mixed"
     optimizer: Optimizer = "adamw"
+    distributed_optimizer: bool = False   # ZeRO-1 as Megatron-LM's (Strategy.zero_label)
 
 
 def check_tp(profile: ModelProfile, cluster: ClusterProfile, *, tp: int, sp: bool, pp: int = 1) -> None:
@@ -121,7 +122,8 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
     recompute, selective = parse_recompute(r.recompute, n_stages)
     return Strategy(dp=dp, pp=pp, zero=r.zero, schedule=r.schedule, microbatches=microbatches, micro_batch_size=mbs,
                     v=v, stages=stages_from_ranges([u.name for u in profile.units], ranges), recompute=recompute,
-                    tp=tp, sp=r.sp, selective=selective, precision=precision, optimizer=r.optimizer)
+                    tp=tp, sp=r.sp, selective=selective, precision=precision, optimizer=r.optimizer,
+                    distributed_optimizer=r.distributed_optimizer)
 
 
 def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:

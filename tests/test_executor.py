@@ -73,9 +73,16 @@ def test_two_ranks_every_zero_stage_and_pipeline_schedule(reference, profile):
                                                    S(1, 2, schedule="interleaved-1f1b", v=2, m=4),
                                                    S(1, 2, schedule="zb-interleaved", m=4),
                                                    dataclasses.replace(S(1, 2, m=4), recompute=(True, False)),
-                                                   dataclasses.replace(S(2, 1, 1), recompute=(True,))]
+                                                   dataclasses.replace(S(2, 1, 1), recompute=(True,)),
+                                                   dataclasses.replace(S(2, 1, 1), distributed_optimizer=True)]
     results = [[r.to_dict() for r in ranks] for ranks in run_many(2, strategies, CFG)]
     check(strategies, results, reference, profile)
+    # the distributed optimizer gathers and reduce-scatters each unit once per step, ZeRO-2 once per micro-batch
+    # (4 here), each as the estimate counts them
+    for i in (2, len(strategies) - 1):
+        predicted = estimate(strategies[i], profile, preset("dgx-a100")).comm.dp_collectives
+        assert results[i][0]["comm_bytes"] == predicted, strategies[i].name
+    assert results[2][0]["comm_bytes"]["all_gather"] == 4 * results[-1][0]["comm_bytes"]["all_gather"]
     # the reference really trains: every step sees another batch and updated weights, so no two losses repeat
     assert len(set(round(x, 6) for x in reference)) == 5
 

@@ -238,7 +238,7 @@ class _Context:
                         unit_index={u.name: i for i, u in enumerate(profile.units)},
                         tp_on=s.tp > 1 or s.selective, tp_vocab=shape is not None and vocab_divides(shape, s.tp),
                         tp_cost=tp_cost, mixed=mixed,
-                        autocast=mixed and (s.zero < 2 or s.dp == 1), sharing=core_sharing(s, cluster))
+                        autocast=mixed and not s.gathers_per_unit, sharing=core_sharing(s, cluster))
 
 
 def dtype_ratio(profile: ModelProfile, precision: str) -> float:
@@ -607,7 +607,7 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
                 exposed += count * coll(op, size, back_to_back)
             if r == 0:
                 dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
-        if s.dp > 1 and s.zero >= 2 and not gathers_in_schedule(s):
+        if s.gathers_per_unit and not gathers_in_schedule(s):
             # FSDP2's per-unit work beyond compute and collective latency (probed), every micro-batch: one unit per
             # pipeline unit without a pipeline, one per stage with one (in the stages' costs where the pipeline
             # schedule holds their gathers: _stage)
@@ -633,13 +633,13 @@ def _optimizer_pass(c: _Context, stages: tuple[StageEstimate, ...]) -> float:
     opt_tensors = max(sum(max(1, c.profile.unit(n).param_tensors) for st in mine for n in st.units)
                       for mine in per_rank)
     # FSDP2 keeps a shard of every tensor on every rank; ZeroRedundancyOptimizer gives each rank whole tensors
-    opt_tensors_rank = opt_tensors / (s.dp if s.zero == 1 else 1)
+    opt_tensors_rank = opt_tensors / (s.dp if s.zero == 1 and not s.distributed_optimizer else 1)
     # FSDP2's shards (ZeRO-2/3) and a TP model's parameters are DTensors: every op of their update is dispatched
     # by DTensor, about ten times a plain tensor's cost (measured: benchmarks/results/measurements.md, "DTensor
     # optimizer overhead")
     return optimizer_seconds(opt_params_rank, opt_tensors_rank, profile=c.profile, cluster=c.cluster,
                              precision=s.precision, optimizer=s.optimizer, ranks_running=c.sharing.busy,
-                             dtensors=s.zero >= 2 or s.tp > 1)
+                             dtensors=s.gathers_per_unit or s.tp > 1)
 
 
 def optimizer_seconds(params: float, tensors: float, *, profile: ModelProfile, cluster: ClusterProfile,
@@ -833,6 +833,9 @@ def _dp_collectives(s: Strategy, units: list[tuple[int, int]], stage_params: lis
     total = sum(n for n, _ in units)
     tensors = [(n / max(1, t), max(1, t)) for n, t in units]   # (elements per tensor, tensors) per unit
     out: list[tuple[str, int, float, bool]] = []
+    if s.distributed_optimizer:   # each unit gathered once and reduce-scattered once per step, in fp32
+        return [(op, 1, n * b, False) for op, b in (("all_gather", p_b), ("reduce_scatter", DTYPE_BYTES["fp32"]))
+                for n, _ in units]
     if s.zero <= 1:
         if pipelined:   # all_reduce_grads: one all-reduce per parameter tensor
             out += [("all_reduce", count, size * g_b, True) for size, count in tensors]
@@ -865,6 +868,11 @@ def _overlapped_dp_time(s: Strategy, params: list[float], tensors: list[int], un
     per tensor (exposed). `params`: each unit's parameters on one rank (its TP share), in `tensors` tensors.
     """
     m = s.microbatches
+    if s.distributed_optimizer:   # gathered ahead of the first micro-batch's forward, reduce-scattered in fp32
+        gather = [coll("all_gather", n * p_b) for n in params]   # during the last one's backward, per unit
+        reduce = [coll("reduce_scatter", n * DTYPE_BYTES["fp32"]) for n in params]
+        return (gather[0] + sum(max(0.0, gather[u] - unit_fb[u - 1][0]) for u in range(1, len(params)))
+                + sum(max(0.0, reduce[u] - unit_fb[u][1]) for u in range(len(params))))
     if s.zero <= 1:
         ar = coll("all_reduce", sum(params) * g_b)
         exposed = max(0.0, ar - sum(b for _, b in unit_fb))
@@ -907,9 +915,13 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
     s = c.s
     params = sum(st.params for st in mine)
     largest = max(st.largest_unit_params for st in mine)
-    p, g, o = executor_state_bytes(params, s.dp, s.zero, s.precision, s.optimizer, mixed=c.mixed)
-    buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=s.zero, pp=s.pp, dp=s.dp,
-                                param_bytes=c.param_bytes, grad_bytes=c.grad_bytes)
+    # the distributed optimizer holds shards as ZeRO-2's FSDP2 does, and the whole parameters and gradients
+    # through the step as a pipeline's FSDP2 stages do (comm_buffer_bytes)
+    zero = 2 if s.distributed_optimizer else s.zero
+    p, g, o = executor_state_bytes(params, s.dp, zero, s.precision, s.optimizer, mixed=c.mixed)
+    buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=zero, pp=s.pp, dp=s.dp,
+                                param_bytes=c.param_bytes, grad_bytes=c.grad_bytes,
+                                held_whole=s.distributed_optimizer)
     buffers += autocast_copy_bytes(params, autocast=c.autocast)
     # the largest transient of its units (profile.UnitProfile.transient_bytes, measured on GPUs): an LM head's
     # backward runs while every micro-batch in flight still holds its activations. Under tensor parallelism taken
@@ -919,7 +931,7 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
     shares = None
     numels = [n for st in mine for u in st.units
               for n in _unit_numels(c.profile, u, st.units, tp=s.tp, vocab=c.tp_vocab)]
-    if s.zero == 1 and s.dp > 1 and numels:
+    if s.zero == 1 and not s.distributed_optimizer and s.dp > 1 and numels:
         k_b = held_bytes_per_param(s.precision, s.optimizer, mixed=c.mixed)[2]
         shares = [k_b * n for n in zero1_partition(numels, s.dp)]
     base = MemoryBreakdown(rank=0, stages=tuple(st.stage for st in mine), parameters=int(p), gradients=int(g),

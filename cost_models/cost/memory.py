@@ -159,11 +159,13 @@ def zero1_partition(numels: list[int], n: int) -> list[int]:
 
 
 def comm_buffer_bytes(*, stage_params: float, largest_unit_params: float, zero: int, pp: int, dp: int,
-                      param_bytes: int, grad_bytes: int) -> float:
-    """Unsharded parameter/gradient buffers the FSDP2 mapping holds beyond the sharded states (module doc)."""
+                      param_bytes: int, grad_bytes: int, held_whole: bool = False) -> float:
+    """Unsharded parameter/gradient buffers the FSDP2 mapping holds beyond the sharded states (module doc).
+    `held_whole`: parameters and gradients stay whole through the step, as a pipeline's FSDP2 stages hold them (the
+    distributed optimizer, executor.zero)."""
     if dp == 1 or zero < 2:
         return 0.0  # DDP with gradient_as_bucket_view: grads live in the buckets, no second copy
-    if pp > 1:
+    if pp > 1 or held_whole:
         return stage_params * (param_bytes + grad_bytes)
     if zero == 2:
         return stage_params * param_bytes + largest_unit_params * grad_bytes

@@ -35,6 +35,20 @@ class Strategy(Record):
     selective: bool = False              # selective recompute: the attention core of stages not fully recomputed
     precision: Precision = "bf16-mixed"
     optimizer: Optimizer = "adamw"
+    distributed_optimizer: bool = False  # ZeRO-1 as Megatron-LM's distributed optimizer (zero_label)
+
+    @property
+    def zero_label(self) -> str:
+        """'ZeRO-1', or 'ZeRO-1 dist-opt': ZeRO-1 run as Megatron-LM's distributed optimizer with
+        --overlap-param-gather and --overlap-grad-reduce (executor.zero): FSDP2 gathers each unit's parameters
+        ahead of the step's first forward and keeps them, gradients accumulate whole and are reduce-scattered in
+        fp32 during the last micro-batch's backward; the optimizer updates fp32 shards."""
+        return f"ZeRO-{self.zero}" + (" dist-opt" if self.distributed_optimizer else "")
+
+    @property
+    def gathers_per_unit(self) -> bool:
+        """Whether FSDP2 holds the parameters (ZeRO-2/3, or the distributed optimizer) over dp > 1."""
+        return self.dp > 1 and (self.zero >= 2 or self.distributed_optimizer)
 
     @property
     def family(self) -> str:
@@ -51,11 +65,11 @@ class Strategy(Record):
         'PP4 1f1b x DP2 ZeRO-1, 16x1 +recompute 2/4' (m x mbs)."""
         if self.pp == 1:
             shape = (f"{self.tp_label} x " if self.tp > 1 and self.dp > 1 else self.tp_label if self.tp > 1 else "")
-            shape += f"ZeRO-{self.zero} dp={self.dp}" if self.dp > 1 or self.tp == 1 else ""
+            shape += f"{self.zero_label} dp={self.dp}" if self.dp > 1 or self.tp == 1 else ""
         else:
             shape = (f"PP{self.pp} {self.schedule}" + (f" v={self.v}" if self.v > 1 else "")
                      + (f" x {self.tp_label}" if self.tp > 1 else "")
-                     + (f" x DP{self.dp} ZeRO-{self.zero}" if self.dp > 1 else ""))
+                     + (f" x DP{self.dp} {self.zero_label}" if self.dp > 1 else ""))
         rec = sum(self.recompute) if self.recompute else 0
         return (f"{shape}, {self.microbatches}x{self.micro_batch_size}" + (f" +recompute {rec}/{self.n_stages}" if rec else "")
                 + (" +selective" if self.selective and rec < self.n_stages else ""))
@@ -65,7 +79,7 @@ class Strategy(Record):
         """The same strategy in words, for rationales and run records: '4-stage 1f1b x 2-way ZeRO-1, 8 micro-batch(es) of 2'."""
         tensor = "" if self.tp == 1 else f"{self.tp}-way tensor parallel" + (" with sequence parallelism" if self.sp else "")
         if self.pp == 1:
-            shape = (f"ZeRO-{self.zero} over {self.dp} ranks" if self.dp > 1 else "") or tensor or "one device"
+            shape = (f"{self.zero_label} over {self.dp} ranks" if self.dp > 1 else "") or tensor or "one device"
             shape = f"{tensor} x {shape}" if tensor and self.dp > 1 else shape
         else:
             shape = f"{self.pp}-stage {self.schedule}" + (f" (v={self.v})" if self.v > 1 else "")
@@ -178,6 +192,9 @@ class Strategy(Record):
         if self.recompute and len(self.recompute) != self.n_stages:
             raise ConfigError(f"recompute has {len(self.recompute)} entries for {self.n_stages} stages")
         check_tp_degree(self.tp, self.sp)
+        if self.distributed_optimizer and (self.zero != 1 or self.pp > 1):
+            raise ConfigError("--distributed-optimizer runs ZeRO-1 without a pipeline (--zero 1 --pp 1); a pipeline's "
+                              "ZeRO-2 stages already gather once and reduce-scatter once per step")
 
     def validate(self, unit_names: tuple[str, ...]) -> None:
         """Raise ConfigError (one line, what to change) unless the stages cover a model with these units."""
