@@ -85,9 +85,28 @@ def attention_rate(device: DeviceSpec, dtype: str, backward: bool) -> float:
     return _peak(device, dtype) * eff
 
 
+# work_seconds by pass: the planner prices the same units for thousands of candidates. Keyed by the records' ids,
+# each record kept beside its result so that a reused id is told apart; cleared when it grows past a bound.
+_CACHE: dict[int, tuple[WorkCounts, dict[tuple, tuple[DeviceSpec, float]]]] = {}
+_CACHE_BOUND = 1 << 16
+
+
 def work_seconds(work: WorkCounts, device: DeviceSpec, dtype: str, *, backward: bool,
                  split: Split = Split()) -> float:
     """One pass's seconds on one rank (module doc)."""
+    entry = _CACHE.get(id(work))
+    if entry is None or entry[0] is not work:
+        if len(_CACHE) >= _CACHE_BOUND:
+            _CACHE.clear()
+        entry = _CACHE[id(work)] = (work, {})
+    key = (id(device), dtype, backward, split)
+    hit = entry[1].get(key)
+    if hit is None or hit[0] is not device:
+        hit = entry[1][key] = (device, _work_seconds(work, device, dtype, backward=backward, split=split))
+    return hit[1]
+
+
+def _work_seconds(work: WorkCounts, device: DeviceSpec, dtype: str, *, backward: bool, split: Split) -> float:
     tp = split.tp
     gemms = 0.0
     for g in work.gemms:

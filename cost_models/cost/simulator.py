@@ -254,9 +254,10 @@ def schedule_timeline(schedule: str, p: int, m: int, v: int, costs: tuple[StageC
     return _evaluate(_compiled(schedule, p, m, v), costs, keep_timeline=True, send_delay_s=send_delay_s)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=512)
 def _compiled(schedule: str, p: int, m: int, v: int) -> _Compiled:
-    """A shape's compiled order (a shape recurs with the costs of each tp, SP, micro-batch size and recompute)."""
+    """A shape's compiled order (a shape recurs with the costs of each tp, SP, micro-batch size and recompute;
+    a search visits a few hundred shapes, and a smaller cache compiled some again)."""
     return _compile(cached_order(schedule, p, m, v))
 
 
