@@ -319,6 +319,8 @@ def estimate(
     v: int = typer.Option(1, "--v", help="stage chunks per rank (interleaved and V schedules)"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree: a power of two dividing the GPUs per node (mesh (pp, dp, tp), TP groups stay inside a node)"),
     sp: bool = typer.Option(False, "--sp", help="sequence parallelism over the tensor-parallel group (needs --tp 2 or more)"),
+    async_tp: bool = typer.Option(False, "--async-tp", help="overlap SP's all-gathers and reduce-scatters with their "
+                                  "matmuls (torch's micro-pipelined TP; CUDA GPUs, needs --sp)"),
     recompute: str = typer.Option("none", "--recompute", help="none | selective (the attention core) | full (or all) | stage indices, e.g. 0,1"),
     precision: PrecisionOpt = "bf16-mixed",
     optimizer: OptimizerOpt = "adamw",
@@ -343,7 +345,7 @@ def estimate(
     _warn_loaded_profile(pf.model, target, precision)
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
-        tp=tp, sp=sp, recompute=recompute, distributed_optimizer=distributed_optimizer,
+        tp=tp, sp=sp, recompute=recompute, distributed_optimizer=distributed_optimizer, async_tp=async_tp,
         precision=cast(Precision, precision), optimizer=cast(Optimizer, optimizer)))   # check_training: no other
     est = run_estimate(strategy, pf.model, target)
     if as_json:

@@ -49,6 +49,7 @@ class Row:
     sp: bool
     recompute: str             # none | selective | full
     distributed_optimizer: bool = False   # ZeRO-1 as Megatron-LM's (Strategy.distributed_optimizer)
+    async_tp: bool = False                # TP collectives behind their matmuls (Strategy.async_tp)
     published: float
     unit: str                  # "TFLOP/s/GPU (Narayanan eq. 3)" | "TFLOP/s/GPU (Megatron-LM)" | "tokens/s/GPU"
     chosen: str = ""           # what the source leaves open and this row chose
@@ -67,7 +68,8 @@ _M = "Megatron-LM README, H100 table"
 _MU = "TFLOP/s/GPU (Megatron-LM)"
 _MCHOSEN = ("micro-batch 1, sequence parallelism with TP, no recompute, 1F1B, dropout 0.1 (Megatron-LM's default); "
             "its distributed optimizer with overlapped gathers and reduce-scatters as zeropipe runs it: ZeRO-1 "
-            "dist-opt without a pipeline, ZeRO-2 with one (FSDP2 stages gathered once, reduce-scattered once)")
+            "dist-opt without a pipeline, ZeRO-2 with one (FSDP2 stages gathered once, reduce-scattered once); its "
+            "--tp-comm-overlap as torch's async TP")
 
 
 def _gpt(l: int, h: int, a: int, vocab: int, seq: int, tied: bool) -> str:
@@ -86,7 +88,7 @@ def _megatron_h100(id_: str, l: int, h: int, a: int, gpus: int, tp: int, pp: int
     dp = gpus // (tp * pp)
     return Row(id=id_, source=_M, model=_gpt(l, h, a, 131072, 4096, False), preset="dgx-h100", gpus=gpus, tp=tp,
                pp=pp, v=1, dp=dp, micro_batch=1, microbatches=batch // dp, seq=4096,
-               zero=0 if dp == 1 else 1 if pp == 1 else 2, distributed_optimizer=dp > 1 and pp == 1,
+               zero=0 if dp == 1 else 1 if pp == 1 else 2, distributed_optimizer=dp > 1 and pp == 1, async_tp=tp > 1,
                sp=tp > 1, recompute="none", published=published, unit=_MU, chosen=_MCHOSEN, dropout=0.1)
 
 
@@ -148,7 +150,7 @@ def predict(row: Row, profiles: dict) -> dict:
     strategy = build_strategy(profile, cluster, StrategyRequest(
         dp=row.dp, pp=row.pp, tp=row.tp, v=row.v, zero=row.zero, sp=row.sp, schedule=row.schedule,
         microbatches=row.microbatches, micro_batch_size=row.micro_batch, recompute=row.recompute,
-        distributed_optimizer=row.distributed_optimizer))
+        distributed_optimizer=row.distributed_optimizer, async_tp=row.async_tp))
     est = estimate(strategy, profile, cluster, compact=True)
     tokens_per_gpu = est.tokens_per_s / row.gpus
     predicted = tokens_per_gpu if row.unit == "tokens/s/GPU" else tokens_per_gpu * flops_per_token(row) / 1e12

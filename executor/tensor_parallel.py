@@ -251,6 +251,19 @@ def _tie_again(ties: list[list[tuple[nn.Module, str]]]) -> None:
             setattr(module, attr, first)
 
 
+def enable_async_tp(parts: list[nn.Module], tp_mesh, device: torch.device) -> None:
+    """Async TP (Strategy.tp_label): symmetric memory over the tp group and each unit's modules compiled with
+    inductor's micro-pipelining pass, as torchtitan applies it (after TP and activation checkpointing, before
+    FSDP2). CUDA only: on CPU ranks a one-line refusal. Unchecked here (no GPU in CI)."""
+    if device.type != "cuda":
+        raise ConfigError("--async-tp fuses sequence parallelism's collectives with their matmuls through CUDA "
+                          "symmetric memory; these ranks are not on GPUs: drop --async-tp")
+    from cost_models.torch_compat.torch_private import enable_micro_pipeline_tp
+    enable_micro_pipeline_tp(tp_mesh.get_group())
+    for part in parts:
+        part.compile()
+
+
 def loss_context(sharded_logits: bool):
     """Where the logits stay split on the vocabulary, torch's loss_parallel (torch.distributed.tensor.parallel):
     the cross-entropy's softmax statistics are all-reduced over tp instead of the logits gathered (torchtitan's

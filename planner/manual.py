@@ -76,6 +76,7 @@ class StrategyRequest(Record):
     precision: Precision = "bf16-mixed"
     optimizer: Optimizer = "adamw"
     distributed_optimizer: bool = False   # ZeRO-1 as Megatron-LM's (Strategy.zero_label)
+    async_tp: bool = False                # SP's collectives behind their matmuls (Strategy.tp_label)
 
 
 def check_tp(profile: ModelProfile, cluster: ClusterProfile, *, tp: int, sp: bool, pp: int = 1) -> None:
@@ -123,7 +124,7 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
     return Strategy(dp=dp, pp=pp, zero=r.zero, schedule=r.schedule, microbatches=microbatches, micro_batch_size=mbs,
                     v=v, stages=stages_from_ranges([u.name for u in profile.units], ranges), recompute=recompute,
                     tp=tp, sp=r.sp, selective=selective, precision=precision, optimizer=r.optimizer,
-                    distributed_optimizer=r.distributed_optimizer)
+                    distributed_optimizer=r.distributed_optimizer, async_tp=r.async_tp)
 
 
 def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:

@@ -295,7 +295,11 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
         shape = c.profile.tensor_parallel   # never None where tp_vocab is set (_Context.of)
         fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=shape.vocab if c.tp_vocab and shape else 0)
         norms = sp_norm_grad_traffic(u.tp, c.grad_bytes) if s.sp else None
-        tf, tb = _tp_seconds(c, fwd_t), _tp_seconds(c, bwd_t) + (_tp_seconds(c, norms) if norms else 0.0)
+        tf, tb = _tp_seconds(c, fwd_t), _tp_seconds(c, bwd_t)
+        if s.async_tp:   # each collective cut into tp steps behind partial matmuls: the first step's transfer
+            # shows, and what the pass's compute cannot cover (Strategy.tp_label)
+            tf, tb = max(tf / s.tp, tf - f), max(tb / s.tp, tb - b)
+        tb += _tp_seconds(c, norms) if norms else 0.0   # the norms' gradient all-reduce stays whole
         f, b = f + tf, b + tb
         passes = 2 if recompute else 1
         for i in range(len(TP_OPS)):
@@ -337,7 +341,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
             _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
         entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {})
     key = (name, s.micro_batch_size, s.precision, c.sharing.busy, s.tp, s.sp, s.selective, recompute, c.tp_on,
-           c.tp_vocab, s.optimizer, c.autocast)
+           c.tp_vocab, s.optimizer, c.autocast, s.async_tp)
     hit = entry[2].get(key)
     if hit is None:
         u = c.profile.unit(name)

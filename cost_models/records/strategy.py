@@ -36,6 +36,7 @@ class Strategy(Record):
     precision: Precision = "bf16-mixed"
     optimizer: Optimizer = "adamw"
     distributed_optimizer: bool = False  # ZeRO-1 as Megatron-LM's distributed optimizer (zero_label)
+    async_tp: bool = False               # SP's collectives fused with their matmuls (tp_label), CUDA GPUs only
 
     @property
     def zero_label(self) -> str:
@@ -56,8 +57,14 @@ class Strategy(Record):
 
     @property
     def tp_label(self) -> str:
-        """'TP2', 'TP2+SP' or '' (no tensor parallelism)."""
-        return "" if self.tp == 1 else f"TP{self.tp}" + ("+SP" if self.sp else "")
+        """'TP2', 'TP2+SP', 'TP2+SP+async' or '' (no tensor parallelism). Async TP: torch's micro-pipelined
+        tensor parallelism (torch._inductor's _micro_pipeline_tp over symmetric memory, executor.tensor_parallel)
+        cuts each all-gather -> matmul and matmul -> reduce-scatter of sequence parallelism into tp steps, each
+        transfer overlapping a partial matmul (Wang et al. 2023, "Overlap Communication with Dependent Computation
+        via Decomposition in Large Deep Learning Models", ASPLOS; Megatron-LM's --tp-comm-overlap does the same)."""
+        if self.tp == 1:
+            return ""
+        return f"TP{self.tp}" + ("+SP" if self.sp else "") + ("+async" if self.async_tp else "")
 
     @property
     def name(self) -> str:
@@ -192,6 +199,9 @@ class Strategy(Record):
         if self.recompute and len(self.recompute) != self.n_stages:
             raise ConfigError(f"recompute has {len(self.recompute)} entries for {self.n_stages} stages")
         check_tp_degree(self.tp, self.sp)
+        if self.async_tp and not self.sp:
+            raise ConfigError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with their "
+                              "matmuls; it needs --sp (and --tp 2 or more)")
         if self.distributed_optimizer and (self.zero != 1 or self.pp > 1):
             raise ConfigError("--distributed-optimizer runs ZeRO-1 without a pipeline (--zero 1 --pp 1); a pipeline's "
                               "ZeRO-2 stages already gather once and reduce-scatter once per step")

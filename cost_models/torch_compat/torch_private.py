@@ -39,7 +39,7 @@ def tp_strided(t: torch.Tensor) -> bool:
 __all__ = ["tree_leaves", "tree_map", "TorchDispatchMode", "storage_id", "CPU_FLASH_ATTENTION",
            "CPU_FLASH_ATTENTION_BACKWARD", "persistent_buffers", "default_group_timeout", "set_group_timeout",
            "schedule_stages", "compute_action_strings", "own_parameters", "hf_init_weights", "module_view", "strided_shard",
-           "tp_strided", "op_argument", "NO_KERNEL_OPS"]
+           "tp_strided", "op_argument", "NO_KERNEL_OPS", "enable_micro_pipeline_tp"]
 
 # The fused CPU flash-attention kernels (aten ops with private names; torch.nn.functional.scaled_dot_product_attention
 # picks them on CPU). The profiler runs them on meta and gives FlopCounterMode a formula for them.
@@ -52,6 +52,17 @@ CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attentio
 _aten = torch.ops.aten
 NO_KERNEL_OPS = frozenset({_aten._unsafe_view, _aten.detach, _aten.alias, _aten.lift_fresh, _aten.empty,
                            _aten.empty_like, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided})
+
+
+def enable_micro_pipeline_tp(group) -> None:
+    """torch's async tensor parallelism (torch 2.13): symmetric memory for the tp group
+    (torch.distributed._symmetric_memory.enable_symm_mem_for_group) and inductor's pass that fuses all-gather ->
+    matmul and matmul -> reduce-scatter into micro-pipelined kernels (torch._inductor.config._micro_pipeline_tp),
+    both private; the modules must then run compiled. CUDA only."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    enable_symm_mem_for_group(group.group_name)
+    inductor_config._micro_pipeline_tp = True
 
 
 def op_argument(func, name: str, args: tuple, kwargs: dict, default=None):
