@@ -164,6 +164,29 @@ def predict(row: Row, profiles: dict) -> dict:
                                dp_comm_s=b.dp_comm_s, optimizer_s=b.optimizer_s))
 
 
+def planned(row: Row, profiles: dict) -> dict:
+    """`planner plan` for the row's model, GPUs and global batch on its preset: the layout it picks and its predicted
+    step, beside the published layout's (acceptance: at least as fast; the plan's rationale says why)."""
+    from cost_models.records.presets import preset
+    from planner.request import PlanRequest
+    from planner.search import plan
+    profile = profiles[(row.model, row.micro_batch, row.seq, row.attention, row.dropout)]
+    t0 = time.perf_counter()
+    p = plan(profile, preset(row.preset, nodes=row.gpus // 8),
+             PlanRequest(gpus=row.gpus, global_batch_size=row.dp * row.microbatches * row.micro_batch))
+    return dict(layout=p.strategy.name, step_s=p.prediction.step_time_s, fits=p.prediction.fits,
+                seconds=time.perf_counter() - t0)
+
+
+def _plan_table(results: list[dict]) -> list[str]:
+    lines = ["| id | planner's layout | predicted step s | published layout's predicted step s | planning s |",
+             "|" + "---|" * 5]
+    for r in results:
+        q = r["planned"]
+        lines.append(f"| {r['id']} | {q['layout']} | {q['step_s']:.2f} | {r['step_s']:.2f} | {q['seconds']:.1f} |")
+    return lines
+
+
 def _table(results: list[dict]) -> list[str]:
     head = ("| id | layout | published | predicted | ratio | fits (peak / capacity GiB) | step s = compute "
             "(TP comm) + bubble + p2p + DP comm + optimizer |")
@@ -190,6 +213,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
     ap.add_argument("-o", "--output", default=str(RESULTS / "published_runs.json"))
+    ap.add_argument("--plan", action="store_true", help="also plan each row's model, GPUs and batch (minutes)")
     args = ap.parse_args()
     wanted = {r.strip() for r in args.rows.split(",") if r.strip()}
     rows = [r for r in ROWS if not wanted or r.id in wanted]
@@ -198,9 +222,13 @@ def main() -> None:
     for row in rows:
         t0 = time.perf_counter()
         results.append(predict(row, profiles))
+        if args.plan:
+            results[-1]["planned"] = planned(row, profiles)
         print(f"{row.id}: {results[-1]['predicted']:,.1f} predicted, {row.published:,.1f} published "
               f"({results[-1]['ratio']:.2f}) in {time.perf_counter() - t0:.1f} s", flush=True)
     lines = _table(results)
+    if args.plan:
+        lines += ["", "`planner plan` for the same model, GPUs and global batch:", ""] + _plan_table(results)
     print("\n".join(lines))
     print(_summary(results))
     out = Path(args.output)
