@@ -70,6 +70,13 @@ def test_profile_attributes_every_saved_byte_of_a_block_to_a_role():
     assert llama.tp.region_calls == 2 and llama.tp.region_bytes == 2 * BSH   # attention and feed_forward
     head = _meta("llama-tiny").unit("head").tp
     assert head.logit_bytes == B * S * V * 4 and head.head_in_bytes == BSH and head.vocab_flops > 0
+    # the loss's log-probabilities after a vocabulary-split head: split too, where the vocabulary splits
+    for model in ("gpt-tiny", "llama-tiny"):
+        unit = _meta(model).unit("head")
+        assert unit.tp.saved_logits == B * S * V * 4
+        whole = tp_saved_bytes(unit.saved_bytes, unit.tp, tp=2, sp=False, selective=False)
+        assert whole - tp_saved_bytes(unit.saved_bytes, unit.tp, tp=2, sp=False, selective=False,
+                                      vocab=True) == B * S * V * 4 / 2
 
 
 # --- parameters per rank ----------------------------------------------------------------------------------------
@@ -247,7 +254,7 @@ def test_activations_per_rank_follow_the_roles():
     units = prof.units
     for kw in (dict(tp=2), dict(tp=2, sp=True), dict(tp=2, sp=True, selective=True), dict(tp=4, selective=True)):
         want = sum(tp_saved_bytes(u.saved_bytes, u.tp, tp=kw["tp"], sp=kw.get("sp", False),
-                                  selective=kw.get("selective", False)) for u in units)
+                                  selective=kw.get("selective", False), vocab=True) for u in units)
         assert act(**kw) == want
     assert act(tp=2, sp=True, selective=True) < act(tp=2, sp=True) < act(tp=2) < act()
     # selective recompute adds the attention core's forward to the backward

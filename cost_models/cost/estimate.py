@@ -177,12 +177,14 @@ def held_params(profile: ModelProfile, unit: str, stage_units: Sequence[str]) ->
 
 
 def _rank_params(c: "_Context", unit: str, stage_units: Sequence[str]) -> int:
-    """Parameters one rank holds of `unit` in its stage: with tp > 1 the split modules' share (tied copies whole:
-    only a tied or indivisible vocabulary is tied, and that stays whole)."""
-    held = held_params(c.profile, unit, stage_units)
+    """Parameters one rank holds of `unit` in its stage: with tp > 1 the split modules' share, and of a tied copy
+    a tp-th where the vocabulary splits (the tied weights plans split are the vocabulary's: the zoo GPT's embedding
+    and head, records.tensor_parallel), else the whole copy."""
     if c.s.tp == 1:
-        return held
-    return round(tp_param_share(held, c.profile.unit(unit).tp, c.s.tp, c.tp_vocab))
+        return held_params(c.profile, unit, stage_units)
+    copies = sum(tied_copies(c.profile, unit, stage_units))
+    own = tp_param_share(c.profile.unit(unit).params, c.profile.unit(unit).tp, c.s.tp, c.tp_vocab)
+    return round(own + (copies / c.s.tp if c.tp_vocab else copies))
 
 
 def _unit_numels(profile: ModelProfile, unit: str, stage_units: Sequence[str], *, tp: int = 1,
@@ -195,7 +197,8 @@ def _unit_numels(profile: ModelProfile, unit: str, stage_units: Sequence[str], *
     numels = list(u.param_numels)
     if tp > 1 and u.tp is not None and u.tp.param_split:
         numels = [n // tp if f == 1 or (f == 2 and vocab) else n for n, f in zip(numels, u.tp.param_split)]
-    return numels + tied_copies(profile, unit, stage_units)
+    copies = tied_copies(profile, unit, stage_units)
+    return numels + ([n // tp for n in copies] if tp > 1 and vocab else copies)   # split as _rank_params says
 
 
 # --- pass 1: stage costs ------------------------------------------------------------------------------------------
@@ -288,7 +291,7 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
         u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
         ranks_running=c.sharing.busy, tp=s.tp, vocab=c.tp_vocab, mixed=c.autocast, sp=s.sp))
-    saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective)
+    saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective, vocab=c.tp_vocab)
     if selective:
         b += core
     if s.tp > 1 and u.tp is not None:
@@ -424,12 +427,12 @@ def _kept(c: _Context, sid: int, units: tuple[str, ...], recompute: bool) -> flo
 def _tp_kept_share(c: _Context, u: UnitProfile) -> float:
     """The share of a unit's split-backward kept bytes (measured on one rank) one TP rank keeps: what is on no
     weight's path is the attention core and the activation between the split linears (a norm's or a linear's input
-    is on its weight's path), which TP splits: 1/tp in a unit with split roles, all of it in a replicated one (a
-    last stage's suffix weighs its units by their kept bytes alone). Checked with executor.activations
+    is on its weight's path), which TP splits, or a vocabulary-split head's log-probabilities: 1/tp in a unit with
+    those roles, all of it in a replicated one (a last stage's suffix weighs its units by their kept bytes alone). Checked with executor.activations
     (benchmarks/results/measurements.md, "Activation accuracy"): a last stage under SP comes out over, as what its
     head keeps under SP is not split out."""
     tu = u.tp
-    if c.s.tp == 1 or tu is None or not (tu.saved_split or tu.saved_core):
+    if c.s.tp == 1 or tu is None or not (tu.saved_split or tu.saved_core or (tu.saved_logits and c.tp_vocab)):
         return 1.0
     return 1.0 / c.s.tp
 
@@ -814,7 +817,8 @@ def _tied_sync(c: _Context, rank_end: list[float]) -> tuple[list[float], float]:
         ranks = sorted({s.stage_rank(sid) for sid, units in enumerate(s.stages) if set(units) & set(shared.units)})
         if len(ranks) < 2:
             continue
-        size = shared.numel * c.grad_bytes / (s.dp if s.zero >= 2 else 1)
+        # a ZeRO-2/3 shard; a TP rank's share where the vocabulary splits (_rank_params)
+        size = shared.numel * c.grad_bytes / (s.dp if s.zero >= 2 else 1) / (s.tp if c.tp_vocab else 1)
         spread = _crosses_nodes(ranks[0] * per, ranks[-1] * per, cluster)
         t = collective_time(cluster, "all_reduce", size, len(ranks), ranks_per_node=1 if spread else None, alone=True)
         end = max(out[r] for r in ranks) + t * c.calibration.dp_comm_scale

@@ -217,15 +217,17 @@ def saved_parts(u: UnitProfile) -> tuple[int, int, int, int]:
             fixed_other)
 
 
-def tp_saved_bytes(saved: float, tu: TPUnit | None, *, tp: int, sp: bool, selective: bool) -> float:
+def tp_saved_bytes(saved: float, tu: TPUnit | None, *, tp: int, sp: bool, selective: bool,
+                   vocab: bool = False) -> float:
     """Bytes one tensor-parallel rank keeps for backward of a unit that saves `saved` bytes at tp = 1, by role
     (profile.TPUnit; Korthikanti et al. 2022, section 4.2): the split region and the attention core / tp, norms and
     the residual-stream places / tp only under SP, inputs of column-split linears whole (under SP DTensor keeps
     the all-gathered input, where Megatron keeps the shard: sbh(4 - 4/t) more than Table 2's 34/t row), the
-    attention core dropped by selective recompute, anything else whole."""
+    attention core dropped by selective recompute, the loss's log-probabilities / tp where the vocabulary splits
+    (`vocab`), anything else whole."""
     if tu is None:
         return saved
-    core = tu.saved_core
-    roles = tu.saved_split + tu.saved_seq + tu.saved_col_input + core
+    core, logits = tu.saved_core, tu.saved_logits
+    roles = tu.saved_split + tu.saved_seq + tu.saved_col_input + core + logits
     return (saved - roles + tu.saved_col_input + tu.saved_split / tp + tu.saved_seq / (tp if sp else 1)
-            + (0.0 if selective else core / tp))
+            + (0.0 if selective else core / tp) + logits / (tp if vocab else 1))

@@ -21,7 +21,7 @@ _TP_COUNTS = ("split_flops", "vocab_flops", "core_flops", "row_bytes", "row_call
               "region_bytes", "region_calls", "repl_region_bytes", "repl_region_calls", "entry_bytes", "entry_calls",
               "embed_bytes", "embed_calls", "whole_embed_bytes", "whole_embed_calls", "input_bytes", "input_calls",
               "head_in_bytes", "logit_bytes", "head_calls")
-_ROLES = ("split", "seq", "col_input", "core")
+_ROLES = ("split", "seq", "col_input", "core", "logits")
 
 
 class _Frame:
@@ -60,6 +60,7 @@ class TPWatch(TorchFunctionMode):
         self.core_inputs: set[int] | None = None
         self.core_saved: dict[int, bool] = {}   # storage -> first saved by the attention core
         self.counter, self.seq_len = counter, seq_len
+        self.vocab = 0   # the last dimension of a vocabulary-split head's logits, once it has run
         self.late_entry = enters_late(rules)   # the embedding's output stays whole under SP (an sp_input follows)
         styled = {n: r.style for n, m in module.named_modules(prefix=prefix) if (r := style_of(n, rules))}
         self.handles = []
@@ -109,14 +110,15 @@ class TPWatch(TorchFunctionMode):
                 self._add("entry", size)
             elif frame.style == "head":
                 self.counts["logit_bytes"] += size
+                self.vocab = output.shape[-1] if isinstance(output, torch.Tensor) else 0
         return hook
 
     def role(self, t: torch.Tensor) -> str | None:
         """The role of a tensor saved now (None: it stays whole)."""
         if self.core_inputs is not None:   # inside SDPA: q, k and v are the region's, the rest is the core
             return "split" if storage_id(t) in self.core_inputs else "core"
-        if not self.stack:
-            return None
+        if not self.stack:   # after a vocabulary-split head, the loss keeps its log-probabilities: split too
+            return "logits" if self.vocab and t.dim() >= 1 and t.shape[-1] == self.vocab else None
         f = self.stack[-1]
         if f.style != "region":
             return _ROLE_OF_STYLE.get(f.style)

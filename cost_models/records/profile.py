@@ -95,6 +95,8 @@ class TPUnit(Record):
                          stay whole there too (Megatron keeps the sequence shard and gathers again in backward)
         saved_core       the attention core (softmax, scores, dropout over them; what SDPA keeps beyond q, k, v):
                          divided by tp, dropped by selective recompute (the "5as/h" term)
+        saved_logits     what the loss keeps after a vocabulary-split head (its log-probabilities): divided by tp
+                         where the vocabulary splits (loss parallelism keeps the logits split)
     Whatever else the unit saves (the loss's logits, an embedding's indices, a replicated head) stays whole.
     TP collective buffers (full buffers, bytes of one micro-batch; calls = modules run):
         row_*            outputs of rowwise linears (all-reduced; reduce-scattered under SP)
@@ -124,6 +126,7 @@ class TPUnit(Record):
     saved_seq: int = 0
     saved_col_input: int = 0
     saved_core: int = 0
+    saved_logits: int = 0                # 0 in older files (kept whole)
     row_bytes: int = 0
     row_calls: int = 0
     region_bytes: int = 0
