@@ -142,14 +142,21 @@ def _strategy(point: Point, stages, *, precision: Precision, optimizer: Optimize
               ) -> Strategy:
     return Strategy(dp=point.dp, pp=point.pp, zero=point.zero, schedule=point.schedule, microbatches=point.microbatches,
                     micro_batch_size=point.micro_batch_size, v=point.v, stages=stages, recompute=tuple(recompute),
-                    tp=point.tp, sp=point.sp, selective=selective, precision=precision, optimizer=optimizer)
+                    tp=point.tp, sp=point.sp, selective=selective, precision=precision, optimizer=optimizer,
+                    distributed_optimizer=point.distributed_optimizer)
+
+
+def _state_zero(pt: Point) -> int:
+    """The ZeRO stage whose model states at rest a point holds: the distributed optimizer holds ZeRO-2's shards
+    (its whole parameters and gradients are buffers, which the bounds leave out)."""
+    return 2 if pt.distributed_optimizer else pt.zero
 
 
 def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterProfile, est: Estimate,
                          unit_cost: list[float], *, precision: str, optimizer: str):
     """The exact DP with per-stage memory (in-flight counts from the first estimate's schedule)."""
     # bytes per parameter at rest as the executor holds them (FSDP2 shards ZeRO-2's parameters too)
-    per_param = sum(executor_state_bytes(1.0, point.dp, point.zero, precision, optimizer))
+    per_param = sum(executor_state_bytes(1.0, point.dp, _state_zero(point), precision, optimizer))
     act_scale = activation_scale(profile, micro_batch_size=point.micro_batch_size, precision=precision)
     problem = PartitionProblem(
         costs=tuple(unit_cost), n_stages=point.pp * point.v,
@@ -286,13 +293,15 @@ def search_tp(profile: ModelProfile, cluster: ClusterProfile, gpus: int, req: Pl
 
 
 def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partitions",
-            tp: TPOptions = TPOptions()) -> list[Point]:
-    """The space (planner.space) less what the executor cannot run and what the request narrows away."""
+            tp: TPOptions = TPOptions(), *, gpu: bool = False) -> list[Point]:
+    """The space (planner.space) less what the executor cannot run and what the request narrows away; `gpu`: the
+    distributed optimizer too (on CPU ranks, where every plan runs fp32, it saves nothing)."""
     n_units = len(profile.units)
     ties = tuple(sp.units for sp in profile.shared)
     pipelines = profile.pipeline_refusal is None
     points = [pt for pt in enumerate_points(gpus=gpus, global_batch=req.global_batch_size, n_units=n_units,
-                                            pipelines=pipelines, tp_pairs=tp.pairs, sp_pipelines=tp.sp_pipelines)
+                                            pipelines=pipelines, tp_pairs=tp.pairs, sp_pipelines=tp.sp_pipelines,
+                                            distributed_optimizer=gpu)
               if runnable(pt.schedule, pt.zero, pt.dp)
               and (req.schedules is None or pt.pp == 1 or pt.schedule in req.schedules)
               and (req.micro_batch_sizes is None or pt.micro_batch_size in req.micro_batch_sizes)
@@ -440,7 +449,7 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     are known to be exposed. One collective of the whole size is taken for per-tensor ones (a collective's time
     grows no faster than its size: alpha + size x beta). The dp group spans devices_per_node / tp ranks per node,
     as cost_models.cost.estimate places it."""
-    if pt.dp == 1 or (pt.pp == 1 and pt.zero != 1):
+    if pt.dp == 1 or (pt.pp == 1 and pt.zero != 1) or pt.distributed_optimizer:   # the latter: hidden at best
         return 0.0
     p_b, g_b, _ = BYTES_PER_PARAM[(req.precision, req.optimizer)]
     rpn = dp_ranks_per_node(cluster, dp=pt.dp, tp=pt.tp)
@@ -472,7 +481,7 @@ def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], profile: ModelProfile
     cal = _calibration(cluster)
 
     def dp_time(params: float) -> float:
-        key = (pt.dp, pt.pp, pt.zero, pt.tp, params)
+        key = (pt.dp, pt.pp, pt.zero, pt.tp, params, pt.distributed_optimizer)
         if key not in memo:
             memo[key] = _dp_bound(pt, params, cluster, req) * cal.dp_comm_scale
         return memo[key]
@@ -500,7 +509,7 @@ def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], act_scale: float
     dividing every parameter at best) plus their least activations with the attention core dropped (selective
     recompute; _RankBound.alive) and everything divided by tp, in `room` (the device less the per-process
     overhead): on the balanced cut they fit, if at all, only with full recompute."""
-    per_param = sum(executor_state_bytes(1.0, pt.dp, pt.zero, req.precision, req.optimizer))
+    per_param = sum(executor_state_bytes(1.0, pt.dp, _state_zero(pt), req.precision, req.optimizer))
     out: set[int] = set()
     for r in ranks:
         if r.params * per_param + r.alive * act_scale / pt.tp > room:
@@ -528,7 +537,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     for pt in points:
         # tensor parallelism divides at most every parameter by tp (norms and whole embeddings stay replicated)
         held = max(profile.total_params / pt.pp, largest_unit) / pt.tp
-        state = sum(zero_model_state_bytes(held, pt.dp, pt.zero, req.precision, req.optimizer)) + overhead
+        state = sum(zero_model_state_bytes(held, pt.dp, _state_zero(pt), req.precision, req.optimizer)) + overhead
         out.min_state = min(out.min_state, state)
         g = _shape(pt)
         if g not in group_bound:
@@ -567,8 +576,9 @@ def _shape(pt: Point) -> tuple:
 def _group(pt: Point) -> tuple:
     """Points of one shape that share the pipeline makespan (P4): ZeRO-0 and 1 (the estimate adds their
     data-parallel collectives and the optimizer after the simulated schedule); sharded ZeRO-2 and 3 each on their
-    own, as a pipeline's FSDP gathers can sit inside its schedule (estimate._stage_gather) and lengthen it."""
-    return _shape(pt), pt.zero if pt.dp > 1 and pt.zero >= 2 else 0
+    own, as a pipeline's FSDP gathers can sit inside its schedule (estimate._stage_gather) and lengthen it; the
+    distributed optimizer on its own too (FSDP2 casts for it: no autocast, other unit times)."""
+    return _shape(pt), pt.zero if pt.dp > 1 and pt.zero >= 2 else 0, pt.distributed_optimizer
 
 
 def _makespan(est: Estimate) -> float:
@@ -639,7 +649,7 @@ def _known_overflow(pt: Point, plain: Estimate | None, parts: _Partitions, profi
         held = sum(params[sid] for sid in m.stages) / pt.tp
         drops = sum(max(1, by_stage[sid].peak_in_flight) * sum(core[u] for u in by_stage[sid].units)
                     for sid in m.stages)
-        states = sum(executor_state_bytes(held, pt.dp, pt.zero, req.precision, req.optimizer))
+        states = sum(executor_state_bytes(held, pt.dp, _state_zero(pt), req.precision, req.optimizer))
         if states + m.activations - drops > room:
             out.update(m.stages)
     return frozenset(out)
@@ -743,7 +753,7 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
                         at_batch=at)
     unit_cost = parts.unit_cost
     tp = search_tp(profile, cluster, gpus, req)
-    points = _points(profile, gpus, req, parts, tp)
+    points = _points(profile, gpus, req, parts, tp, gpu=cluster.device.kind == "gpu")
     bounds = _bounded(points, profile, cluster, parts, run)
     survivors, pruned, min_state = bounds.survivors, bounds.pruned, bounds.min_state
     frontier = _Frontier(survivors, bounds.must)

@@ -25,6 +25,7 @@ class Point:
     microbatches: int
     tp: int = 1
     sp: bool = False
+    distributed_optimizer: bool = False   # ZeRO-1 as Megatron-LM's (Strategy.distributed_optimizer)
 
     @property
     def family(self) -> str:
@@ -101,13 +102,15 @@ def schedules_for(pp: int, m: int, n_units: int) -> list[tuple[str, int]]:
 
 def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_batch: int = MAX_MICRO_BATCH,
                      max_microbatches: int = MAX_MICROBATCHES, pipelines: bool = True,
-                     tp_pairs: Sequence[tuple[int, bool]] = NO_TP, sp_pipelines: bool = True) -> Iterator[Point]:
+                     tp_pairs: Sequence[tuple[int, bool]] = NO_TP, sp_pipelines: bool = True,
+                     distributed_optimizer: bool = False) -> Iterator[Point]:
     """Every (tp, sp) of `tp_pairs` (tp_options), every (dp, pp) with dp * pp * tp = gpus, ZeRO 0-3 on dp, every
     schedule and chunking the units allow, and every micro-batch size with dp * m * mbs = B (up to max_micro_batch
     sequences, and m up to max_microbatches, the simulator's cap). Only pp <= n_units and mbs <= max_micro_batch
     are ever tried, so the work is bounded by |tp_pairs| x n_units x max_micro_batch whatever gpus and B are.
     pipelines=False: pp = 1 only (a model the executor cannot cut into stages, ModelProfile.pipeline_refusal);
-    sp_pipelines=False: sequence parallelism at pp = 1 only (TPOptions.sp_pipelines)."""
+    sp_pipelines=False: sequence parallelism at pp = 1 only (TPOptions.sp_pipelines). distributed_optimizer: ZeRO-1
+    without a pipeline also as Megatron-LM's distributed optimizer (searched on GPU clusters)."""
     for tp, sp in tp_pairs:
         if gpus % tp:
             continue
@@ -124,3 +127,6 @@ def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_ba
                     for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
                         yield Point(dp=dp, pp=pp, zero=zero, schedule=schedule, v=v, micro_batch_size=mbs,
                                     microbatches=m, tp=tp, sp=sp)
+                        if distributed_optimizer and zero == 1 and pp == 1:
+                            yield Point(dp=dp, pp=pp, zero=zero, schedule=schedule, v=v, micro_batch_size=mbs,
+                                        microbatches=m, tp=tp, sp=sp, distributed_optimizer=True)

@@ -75,3 +75,15 @@ def test_planner_estimate_takes_the_switch(tmp_path, prof):
     refused = runner.invoke(app, ["estimate", str(path), "--dp", "8", "--zero", "2", "--distributed-optimizer"])
     assert refused.exit_code == 2 and "--zero 1 --pp 1" in refused.stderr
     assert dataclasses.replace(_s(2), distributed_optimizer=False).zero_label == "ZeRO-1"
+
+
+def test_the_planner_searches_it_on_gpus_only(prof):
+    from planner.request import PlanRequest
+    from planner.search import search
+    from tests.clusters import cpu_cluster
+    req = PlanRequest(gpus=8, global_batch_size=16, top_k=40, tp_degrees=(1,), prune=False)
+    on_gpus = search(prof, preset("dgx-h100"), req)
+    found = {c.strategy.name for c in on_gpus.feasible}
+    assert any("dist-opt" in name for name in found) and any("ZeRO-1 dp=" in name for name in found)
+    on_cpus = search(prof, cpu_cluster(ranks=8), dataclasses.replace(req, precision="fp32"))
+    assert not any(c.strategy.distributed_optimizer for c in on_cpus.feasible + on_cpus.infeasible)
