@@ -588,6 +588,8 @@ def calibrate(
     plans: Annotated[Optional[list[Path]], typer.Option("--plan", help="plan.json a run ran, if it is not beside its run.json (repeat; each run is matched to its plan by strategy and prediction)")] = None,
     output: Output = Path("cluster.json"),
     force: Force = False,
+    any_factor: bool = typer.Option(False, "--any-factor", help="keep a fitted factor beyond x10 either way "
+                                    "(refused by default: such runs measured something else than their plans)"),
     as_json: AsJson = False,
 ) -> None:
     """Fit what runs measured (compute, optimizer, per-action and data-parallel costs) and write the plans' cluster
@@ -595,7 +597,7 @@ def calibrate(
     from cost_models.records.files import ClusterFile
     from planner.calibrate import calibrate as run_calibrate
     write_to, overwrite = _prepare_output(output, force)
-    cluster, fitted = run_calibrate(runs, plans or ())
+    cluster, fitted = run_calibrate(runs, plans or (), any_factor=any_factor)
     if _emit(ClusterFile(cluster=cluster), write_to, overwrite, as_json):
         return
     _print_calibration(cluster.calibration, fitted)

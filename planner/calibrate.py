@@ -311,11 +311,31 @@ def calibrated_cluster(cluster: ClusterProfile, f: Fit, paired: Sequence[_Paired
     return dataclasses.replace(cluster, calibration=cal)
 
 
-def calibrate(run_paths: Sequence[Path], plan_paths: Sequence[Path] = ()) -> tuple[ClusterProfile, Fit]:
-    """Read the runs and their plans, fit, and return the plans' cluster with the calibration, and the fit."""
+# A fitted factor beyond this either way means the runs measured something other than the plans' work (a stalled
+# or shared machine, another model's runs): the disagreements calibration exists for are tens of percent (docs/
+# fidelity.md: step-time MAPE 11-22%, TP candidates up to 38%). A stated bound, not a measurement.
+PLAUSIBLE_FACTOR = 10.0
+
+
+def check_plausible(f: Fit) -> None:
+    """ConfigError (one line) when a fitted factor is beyond PLAUSIBLE_FACTOR either way."""
+    for name in ("compute_scale", "optimizer_scale", "dp_comm_scale"):
+        value = getattr(f, name)
+        if not 1 / PLAUSIBLE_FACTOR <= value <= PLAUSIBLE_FACTOR:
+            raise ConfigError(f"the runs fit {name.replace('_', ' ')} x {value:.3g}, beyond x{PLAUSIBLE_FACTOR:g} either "
+                              "way: they measured something else than the plans (a busy or stalled machine, another "
+                              "model's runs); re-run them, or pass --any-factor to keep it")
+
+
+def calibrate(run_paths: Sequence[Path], plan_paths: Sequence[Path] = (), *,
+              any_factor: bool = False) -> tuple[ClusterProfile, Fit]:
+    """Read the runs and their plans, fit, and return the plans' cluster with the calibration, and the fit;
+    a factor beyond PLAUSIBLE_FACTOR is refused unless `any_factor`."""
     paired = pair_runs(run_paths, plan_paths)
     cluster = _same_cluster(paired)
     pairs = [(predicted_parts(p.plan.prediction, p.plan.strategy, p.plan.cluster),
               measured_parts(p.run.ranks, p.run.warmup, p.path)) for p in paired]
     f = fit(pairs)
+    if not any_factor:
+        check_plausible(f)
     return calibrated_cluster(cluster, f, paired), f

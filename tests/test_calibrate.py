@@ -212,6 +212,23 @@ def test_bad_inputs_are_one_line_errors(tmp_path, setup):
         calibrate([tmp_path / "run.json", tmp_path / "run_b.json"], [path_b])
 
 
+def test_a_factor_beyond_ten_either_way_is_refused_unless_asked_for(tmp_path, setup):
+    """A run whose step took a million times its prediction (a stalled machine) would fit compute x ~10^6 and plans
+    would print 0 tokens/s: refused in one line, kept only with --any-factor."""
+    plan, _ = _dp_plan(setup, tmp_path)
+    _run(plan, compute=1e6).save(tmp_path / "run.json")
+    with pytest.raises(ConfigError, match=r"compute scale x .* beyond x10 either way.*--any-factor"):
+        calibrate([tmp_path / "run.json"])
+    _, f = calibrate([tmp_path / "run.json"], any_factor=True)
+    assert f.compute_scale > 1e5
+    res = CliRunner().invoke(app, ["calibrate", str(tmp_path), "-o", str(tmp_path / "cal.json")])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1 and "--any-factor" in res.stderr
+    assert not (tmp_path / "cal.json").exists()
+    (tmp_path / "slow").mkdir()
+    _run(plan).save(tmp_path / "slow" / "run.json")   # 1.5x the prediction's compute: within the bound
+    assert 1 < calibrate([tmp_path / "slow" / "run.json"], [tmp_path / "plan.json"])[1].compute_scale < 10
+
+
 def test_fidelity_cross_validation_scores_the_held_out_half(setup):
     import sys
     from pathlib import Path
