@@ -428,11 +428,15 @@ def plan(
 
 def _warn_loaded_profile(profile, cluster, precision: str) -> None:
     """One line on stderr where the predictions use unit times (compute.uses_measured_times) that were taken on an
-    overloaded machine (summaries.profile_loaded): they inherit the wait for a core."""
+    overloaded machine (summaries.profile_loaded): they inherit the wait for a core. Another where the cluster's
+    calibration was fitted on runs of other models (calibration_mismatch)."""
     from cost_models.cost.compute import uses_measured_times
-    from planner.summaries import profile_load_line, profile_loaded
+    from planner.summaries import calibration_mismatch, profile_load_line, profile_loaded
     if profile_loaded(profile) and uses_measured_times(profile, cluster, precision):
         err.print(f"warning: {profile_load_line(profile)}", highlight=False, soft_wrap=True)
+    mismatch = calibration_mismatch(profile, cluster)
+    if mismatch:
+        err.print(f"warning: {mismatch}", highlight=False, soft_wrap=True)
 
 
 def _verify_config(k: int, steps: int, timeout_s: float):

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from cost_models.cost.comm import dp_wire_bytes
 from cost_models.cost.memory import MemoryBreakdown
+from cost_models.records.cluster import ClusterProfile
 from cost_models.records.formatting import duration, fixed, flop_rate, rate, size
 from cost_models.records.published import implausible_mfu
 from cost_models.records.profile import ModelProfile, UnitProfile
@@ -157,3 +158,15 @@ def estimate_json(strategy, est, device: str) -> dict:
     data["comm"]["dp_wire_bytes_per_rank"] = dp_wire_bytes(est.comm.dp_collectives, strategy.dp)
     data["implausible_mfu"] = implausible_mfu(est.mfu, device, strategy.precision)
     return data
+
+
+def calibration_mismatch(profile: ModelProfile, cluster: ClusterProfile) -> str | None:
+    """Why the cluster's calibration may not hold for this model: it was fitted on runs of other models (its
+    factors carry their unit times' errors, not this model's). None where it has no runs or one of them is this
+    model's."""
+    cal = cluster.calibration
+    models = sorted({r.model for r in cal.runs}) if cal is not None else []
+    if not models or profile.name in models:
+        return None
+    return (f"the cluster's calibration was fitted on runs of {', '.join(models)}, not {profile.name}; its factors "
+            "may not hold here (calibrate from this model's runs)")

@@ -229,6 +229,27 @@ def test_a_factor_beyond_ten_either_way_is_refused_unless_asked_for(tmp_path, se
     assert 1 < calibrate([tmp_path / "slow" / "run.json"], [tmp_path / "plan.json"])[1].compute_scale < 10
 
 
+def test_a_calibration_from_another_models_runs_is_named_where_it_is_applied(tmp_path, setup):
+    from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
+    from cost_models.records.fileio import dumps, write_atomic
+    from cost_models.records.files import ProfileFile
+    from planner.summaries import calibration_mismatch
+    plan, _ = _dp_plan(setup, tmp_path)
+    _run(plan).save(tmp_path / "run.json")
+    cluster, _ = calibrate([tmp_path / "run.json"])
+    gpt = setup[0]
+    llama = profile_model(resolve("llama-tiny"), micro_batch_size=2, seq_len=16, dtype="fp32", meta=True)
+    assert calibration_mismatch(gpt, cluster) is None and calibration_mismatch(llama, preset("dgx-a100")) is None
+    assert "fitted on runs of gpt-tiny, not llama-tiny" in calibration_mismatch(llama, cluster)
+    write_atomic(tmp_path / "cal.json", dumps(ClusterFile(cluster=cluster).to_dict()))
+    write_atomic(tmp_path / "llama.json", dumps(ProfileFile(model=llama, cluster=cluster).to_dict()))
+    res = CliRunner().invoke(app, ["estimate", str(tmp_path / "llama.json"), "--cluster", str(tmp_path / "cal.json"),
+                                   "--dp", "2", "--precision", "fp32"])
+    assert res.exit_code == 0, res.output
+    assert "warning: the cluster's calibration was fitted on runs of gpt-tiny, not llama-tiny" in res.stderr
+
+
 def test_fidelity_cross_validation_scores_the_held_out_half(setup):
     import sys
     from pathlib import Path
