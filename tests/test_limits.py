@@ -1,7 +1,9 @@
 """Caps on degrees, batch, nodes and micro-batches (cost_models/records/limits.py): huge numbers are refused in one line
 before any work sized by them; the largest allowed sizes still plan; zero is never read as "default"."""
 import dataclasses
+import json
 import random
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -42,6 +44,20 @@ def test_the_issues_huge_numbers_are_refused_in_one_line(profile_path):
     assert line.startswith("error: --global-batch-size 1000000000 is above the 4,194,304 this planner supports")
     line = _refused(["plan", profile_path, "-B", "64", "--gpus", "1000000000", "--cluster", "dgx-h100", "-o", "-"])
     assert line.startswith("error: --gpus 1000000000 is above the 131,072 this planner supports")
+
+
+def test_a_sequence_length_or_fused_parts_past_the_caps_are_refused_before_any_allocation(tmp_path, profile_path):
+    line = _refused(["profile", "--model", "gpt-tiny", "-b", "1", "-s", "1000000000", "--meta", "--cluster", "none",
+                     "-o", str(tmp_path / "p.json")])
+    assert line.startswith("error: --seq-len 1000000000 is above the 4,194,304 this planner supports")
+    # a profile (or a plan's model) edited to such a length, or to a rule with 10^9 fused parts
+    data = json.loads(Path(profile_path).read_text())
+    data["model"]["seq_len"] = 10**9
+    write_atomic(tmp_path / "long.json", json.dumps(data))
+    assert "model.seq_len is 1000000000; need seq_len <= 4,194,304" in _refused(["estimate", str(tmp_path / "long.json")])
+    from cost_models.models.tp_shape import _plan_rules
+    with pytest.raises(ConfigError, match="'blocks.*.up' parts 1000000000 is above the 1,024"):
+        _plan_rules([("blocks.*.up", "colwise", 10**9)], "m:f")
 
 
 def test_estimate_flags_above_the_caps_are_refused(profile_path):

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 from cost_models.models.families import FAMILIES, HF_MODEL_TYPES, family_of
 from cost_models.models.source import load_attr
 from cost_models.records.errors import ConfigError
+from cost_models.records.limits import check_fused_parts
 from cost_models.records.tensor_parallel import (CUSTOM, CUSTOM_STYLES, SPLIT_STYLES, STYLE_KINDS, TPRule, TPShape,
                                                  style_of)
 
@@ -71,6 +72,8 @@ def _plan_rules(items, ref: str) -> tuple[TPRule, ...]:
     if not rules or not all(isinstance(r.pattern, str) and isinstance(r.parts, int) and r.parts >= 1 for r in rules):
         raise ConfigError(f"--tp-plan {ref} must return a non-empty list of (pattern, style) or (pattern, style, "
                           "parts) tuples with parts >= 1")
+    for r in rules:
+        check_fused_parts(r.parts, f"--tp-plan {ref}: '{r.pattern}' parts")
     return rules
 
 

@@ -52,6 +52,7 @@ from cost_models.profiling.tp_watch import in_norm, model_tp_rules, param_split
 from cost_models.profiling.units import data_flow_edges, find_units
 from cost_models.records.errors import ConfigError, ProfileError
 from cost_models.records.formatting import fixed, now_utc
+from cost_models.records.limits import check_seq_len
 from cost_models.records.profile import ModelProfile, SharedParam, TPUnit, UnitEdge, UnitProfile
 from cost_models.records.tensor_parallel import TPRule
 from cost_models.records.work import WorkCounts
@@ -142,6 +143,7 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
     one forward and backward of every unit (about 1 / (1 + 1.5 x (warmup + repeats)) of the work)."""
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
+    check_seq_len(seq_len)   # before a micro-batch of it is allocated
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

@@ -29,6 +29,14 @@ MAX_GLOBAL_BATCH = 2**22
 # More buys nothing real: the bubble (p-1)/m (Narayanan et al. 2021, section 2.2) is already below 1/8 at
 # m = 1,024 for p = 128, and practice is far lower (Llama 3 405B: 16 stages, Dubey et al. 2024, section 3.3.2).
 MAX_MICROBATCHES = 1024
+# Tokens per sequence. Profiling allocates one micro-batch of it, and a run every rank's: 10^9 on a model without
+# a length limit asked 16 GB of each rank. The longest published pre-training context is 128K tokens (Llama 3,
+# Dubey et al. 2024, section 3.4.2); 2^22 = 4,194,304 is 32 times that.
+MAX_SEQ_LEN = 2**22
+# Parts of one fused projection a tensor-parallel rule splits separately (TPRule.parts: q, k, v are 3). A fused
+# mixture of experts is the most there is: DeepSeek-V3 has 256 routed experts (DeepSeek-AI 2024, section 2.1.2);
+# 1,024 is four times that. Each part is a slice the executor cuts: 10^9 parts ended in MemoryError after 128 s.
+MAX_FUSED_PARTS = 1024
 
 
 def _check_range(flag: str, value: int, maximum: int, hint: str) -> None:
@@ -51,6 +59,16 @@ def check_nodes(nodes: int, devices_per_node: int) -> None:
         raise ConfigError(f"--nodes {nodes} makes {nodes * devices_per_node:,} devices ({devices_per_node} per node), "
                           f"above the {MAX_GPUS:,} this planner supports; use at most "
                           f"{MAX_GPUS // max(1, devices_per_node):,} nodes")
+
+
+def check_seq_len(seq_len: int, flag: str = "--seq-len") -> None:
+    """Refuse a sequence length below 1 or above MAX_SEQ_LEN."""
+    _check_range(flag, seq_len, MAX_SEQ_LEN, "lower it (the longest published training contexts are 128K tokens)")
+
+
+def check_fused_parts(parts: int, flag: str = "parts") -> None:
+    """Refuse a TP rule's fused parts below 1 or above MAX_FUSED_PARTS."""
+    _check_range(flag, parts, MAX_FUSED_PARTS, "a fused projection has a few parts (q, k, v: 3)")
 
 
 def check_global_batch(global_batch: int, flag: str = "--global-batch-size") -> None:

@@ -15,7 +15,7 @@ from typing import Any, Iterator, NoReturn
 from cost_models.records.base import Record
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.errors import FileFormatError
-from cost_models.records.limits import MAX_GPUS
+from cost_models.records.limits import MAX_FUSED_PARTS, MAX_GPUS, MAX_SEQ_LEN
 from cost_models.records.precision import DTYPE_BYTES
 from cost_models.records.profile import OPTIMIZERS, PIPELINE_KINDS, ModelProfile, Timing, UnitProfile
 from cost_models.records.tensor_parallel import CUSTOM, PLANS
@@ -133,12 +133,24 @@ def _check_timing(t: Timing | None, path: str, where: str, fix: str) -> None:
         _fail(where, f"{path}.median_s", t.median_s, f"min_s ({t.min_s!r}) <= median_s <= max_s ({t.max_s!r})", fix)
 
 
+def _check_caps(p: ModelProfile, path: str, where: str, fix: str) -> None:
+    """The sizes a run allocates by (records.limits): the sequence length, a TP rule's fused parts."""
+    if p.seq_len > MAX_SEQ_LEN:
+        _fail(where, f"{path}.seq_len", p.seq_len, f"seq_len <= {MAX_SEQ_LEN:,}", fix)
+    shape = p.tensor_parallel
+    for i, rule in enumerate(shape.rules if shape else ()):
+        if not 1 <= rule.parts <= MAX_FUSED_PARTS:
+            _fail(where, f"{path}.tensor_parallel.rules[{i}].parts", rule.parts, f"1 <= parts <= {MAX_FUSED_PARTS:,}",
+                  fix)
+
+
 def validate_model(p: ModelProfile, where: str, *, path: str = "model", fix: str = PROFILE_FIX) -> None:
     """Refuse a model profile the planner cannot use or would be misled by."""
     _check_finite(p, path, where, fix)
     for name in ("micro_batch_size", "seq_len"):
         if getattr(p, name) < 1:
             _fail(where, f"{path}.{name}", getattr(p, name), f"{name} >= 1", fix)
+    _check_caps(p, path, where, fix)
     _check_non_negative(p, path, where, fix)  # before the sums below, which a negative part would confuse
     if p.dtype not in DTYPE_BYTES:   # activation and parameter bytes are priced by its element size
         _fail(where, f"{path}.dtype", p.dtype, f"one of {', '.join(DTYPE_BYTES)}", fix)
