@@ -238,7 +238,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     # torchtitan's order: tensor (+ sequence) parallelism, then activation checkpointing, then FSDP2
     sharded_logits = s.tp > 1 and tensor_parallel.parallelize(model, held, mesh["tp"], sp=s.sp, rules=spec.tp_rules,
                                                                 loss_parallel=builtin_cross_entropy)
-    _recompute(s, model, held, stage_ids, spec.units, tp_mesh=mesh["tp"] if s.async_tp else None)
+    _prepare_units(s, model, held, stage_ids, spec.units, tp_mesh=mesh["tp"] if s.async_tp else None)
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,
                    tp=s.tp, compute=compute if s.pp == 1 else None,
@@ -257,17 +257,17 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
                    model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits)
 
 
-def _recompute(s: Strategy, model: nn.Module, held: list[nn.Module], stage_ids: list[int], units: UnitMap, *,
-               tp_mesh=None) -> None:
+def _prepare_units(s: Strategy, model: nn.Module, held: list[nn.Module], stage_ids: list[int], units: UnitMap, *,
+                   tp_mesh=None) -> None:
     """Full recompute of the stages the plan says (their units under torch.utils.checkpoint), and selective
     recompute (the attention core) in the others; then, with async TP (`tp_mesh`), the units compiled with its
     micro-pipelining, torchtitan's order (tensor_parallel.enable_async_tp)."""
     sids = [0] if s.pp == 1 else stage_ids
     recompute_units(model, s.stages, sids, units, s.recompute)
     if s.selective:
-        full = {id(sub) for sid in sids if s.stage_recompute(sid) for u in s.stages[sid]
+        full = {id(sub) for sid in sids if s.stage_prepare_units(sid) for u in s.stages[sid]
                 for _, m in units.parts(model, u) for sub in m.modules()}
-        tensor_parallel.selective_recompute(model, held, full)
+        tensor_parallel.selective_prepare_units(model, held, full)
     if tp_mesh is not None:
         parts = [m for sid in sids for u in s.stages[sid] for _, m in units.parts(model, u)]
         tensor_parallel.enable_async_tp(parts, tp_mesh, next(p for m in held for p in m.parameters()).device)

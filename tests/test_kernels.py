@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from cost_models.cost.compute import compute_source, tp_split, unit_times
 from cost_models.cost.kernels import (KERNEL_GAP_S, MEMORY_EFFICIENCY, Split, gemm_seconds, tile_share,
                                       work_seconds)
-from cost_models.models.gpt import GPTConfig, _unfused_attention
+from cost_models.models.gpt import _unfused_attention
 from cost_models.models.source import resolve, zoo_source
 from cost_models.models.zoo import ZOO, ZooEntry
 from cost_models.profiling.model_profiler import profile_model
@@ -126,4 +126,3 @@ def test_tensor_parallelism_splits_a_block_s_products_and_attention():
     assert split.attention and split.gemm == pytest.approx(1.0)   # every product of a GPT block is a split linear's
     assert 0 < split.memory < tp_split(block, tp=2, vocab=False, sp=True).memory <= 1.0   # SP splits norms too
     assert tp_split(block, tp=1, vocab=False, sp=True) == Split()
-    assert GPTConfig.__dataclass_fields__["attention"].default == "fused"

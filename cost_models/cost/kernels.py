@@ -113,12 +113,13 @@ def _work_seconds(work: WorkCounts, device: DeviceSpec, dtype: str, *, backward:
         whole = gemm_seconds(g, device, dtype)
         gemms += whole if tp == 1 else (1 - split.gemm) * whole + split.gemm * gemm_seconds(_narrowed(g, tp),
                                                                                             device, dtype)
-    attention = work.attention_flops / attention_rate(device, dtype, backward) / (tp if split.attention else 1)
+    attention = attention_seconds(work, device, dtype, split, backward=backward)
     other = work.other_flops / (_peak(device, dtype) * device.matmul_efficiency)
     memory = work.memory_bytes * (1 - split.memory + split.memory / tp) / _memory_rate(device)
     return gemms + attention + other + memory + work.kernels * KERNEL_GAP_S
 
 
-def attention_seconds(work: WorkCounts, device: DeviceSpec, dtype: str, split: Split = Split()) -> float:
-    """The forward attention alone: what selective recompute runs again in the backward."""
-    return work.attention_flops / attention_rate(device, dtype, False) / (split.tp if split.attention else 1)
+def attention_seconds(work: WorkCounts, device: DeviceSpec, dtype: str, split: Split = Split(), *,
+                      backward: bool = False) -> float:
+    """A pass's fused attention on one rank; the forward's is what selective recompute runs again in the backward."""
+    return work.attention_flops / attention_rate(device, dtype, backward) / (split.tp if split.attention else 1)

@@ -15,7 +15,6 @@ from cost_models.torch_compat.torch_private import NO_KERNEL_OPS, TorchDispatchM
 
 _aten = torch.ops.aten
 _MM = {_aten.mm: (0, 1), _aten.addmm: (1, 2), _aten.bmm: (0, 1), _aten.baddbmm: (1, 2)}   # operand positions
-_ATTENTION_MARKS = ("attention",)
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:
@@ -46,7 +45,7 @@ class WorkCounter(TorchDispatchMode):
             batch = a.shape[0] if a.dim() == 3 else 1
             key = (a.shape[-2], b.shape[-1], a.shape[-1], batch, a.element_size())
             self._gemms[key] = self._gemms.get(key, 0) + 1
-        elif any(mark in str(packet) for mark in _ATTENTION_MARKS):
+        elif "attention" in str(packet):   # SDPA's fused kernels, whatever the backend
             flops = self._flops(packet, args, kwargs, out)
             self.attention_flops += flops // 2 if op_argument(func, "is_causal", args, kwargs, False) else flops
         elif packet in flop_registry:
