@@ -265,9 +265,9 @@ def _prepare_units(s: Strategy, model: nn.Module, held: list[nn.Module], stage_i
     sids = [0] if s.pp == 1 else stage_ids
     recompute_units(model, s.stages, sids, units, s.recompute)
     if s.selective:
-        full = {id(sub) for sid in sids if s.stage_prepare_units(sid) for u in s.stages[sid]
+        full = {id(sub) for sid in sids if s.stage_recompute(sid) for u in s.stages[sid]
                 for _, m in units.parts(model, u) for sub in m.modules()}
-        tensor_parallel.selective_prepare_units(model, held, full)
+        tensor_parallel.selective_recompute(model, held, full)
     if tp_mesh is not None:
         parts = [m for sid in sids for u in s.stages[sid] for _, m in units.parts(model, u)]
         tensor_parallel.enable_async_tp(parts, tp_mesh, next(p for m in held for p in m.parameters()).device)
