@@ -3,7 +3,8 @@ import dataclasses
 
 import pytest
 
-from cost_models.cost.comm import collective_time, dp_wire_bytes, p2p_time, ring_phase, tree_all_reduce_time, wire_bytes
+from cost_models.cost.comm import (OVERLAP_SLOWDOWN, collective_time, dp_wire_bytes, overlapped_exposure, p2p_time,
+                                   ring_phase, tree_all_reduce_time, wire_bytes)
 from cost_models.records.cluster import CollectiveFit
 from cost_models.records.presets import RING_STEP_LATENCY_S, preset
 
@@ -170,3 +171,16 @@ def test_zero1_on_gpus_broadcasts_each_tensor_after_the_overlapped_all_reduce(ti
     assert dp[1] - dp[0] == pytest.approx(per_tensor)
     # what tells per-tensor pricing from one call of the whole: here the latencies are most of it
     assert per_tensor > 2 * collective_time(h100, "broadcast", 4 * prof.total_params, 8)
+
+
+def test_a_hidden_collective_still_costs_the_compute_it_slows():
+    """Lee et al. 2025: compute beside NCCL runs 18.9% slower. A collective of 1 s beside 10 s of compute slows
+    1 / 1.189 s of that compute by 18.9%: 0.159 s; beside 1.1 s it still fits the slowed window (1.189 s > 1 s); one
+    longer than the slowed compute exposes the rest whole."""
+    assert OVERLAP_SLOWDOWN == pytest.approx(0.189)
+    assert overlapped_exposure(1.0, 10.0) == pytest.approx(0.189 / 1.189)
+    assert overlapped_exposure(1.0, 1.1) == pytest.approx(0.189 / 1.189)
+    assert overlapped_exposure(3.0, 1.0) == pytest.approx(2.0)
+    assert overlapped_exposure(0.0, 1.0) == 0.0
+    # continuous where the two cases meet: comm = compute x (1 + s)
+    assert overlapped_exposure(1.189, 1.0) == pytest.approx(0.189)

@@ -126,3 +126,13 @@ def test_tensor_parallelism_splits_a_block_s_products_and_attention():
     assert split.attention and split.gemm == pytest.approx(1.0)   # every product of a GPT block is a split linear's
     assert 0 < split.memory < tp_split(block, tp=2, vocab=False, sp=True).memory <= 1.0   # SP splits norms too
     assert tp_split(block, tp=1, vocab=False, sp=True) == Split()
+
+
+def test_a_vocabulary_split_divides_the_loss_s_log_probabilities_in_the_head_s_memory_bound_share():
+    prof = profile_model(resolve("gpt-tiny"), micro_batch_size=2, seq_len=32, meta=True, dtype="bf16")
+    head: UnitProfile = prof.unit("head")
+    tu = head.tp
+    assert tu is not None and tu.saved_logits > 0
+    whole, split = (tp_split(head, tp=2, vocab=v, sp=False) for v in (False, True))
+    # the log-probabilities' share of the head's saved bytes moves into the split share
+    assert split.memory - whole.memory == pytest.approx(tu.saved_logits / head.saved_bytes)

@@ -69,6 +69,25 @@ TP_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 Traffic = tuple[float, float, float, float, float, float]   # (calls, bytes) of each op in TP_OPS
 
 
+# Compute slows while NCCL runs beside it (its kernels take SMs and memory bandwidth): Lee et al. 2025,
+# "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning" (arXiv 2507.03114),
+# measured GPT and Llama training on A100 and H100: overlapped compute 18.9% slower on average (40% at most) than
+# the same compute with no communication beside it. GPU clusters only: gloo's collectives run on CPU threads, and
+# the CPU fidelity runs measure them as they are (benchmarks/results/fidelity.md).
+OVERLAP_SLOWDOWN = 0.189
+
+
+def overlapped_exposure(comm_s: float, compute_s: float) -> float:
+    """Seconds a collective of `comm_s` adds to `compute_s` of work it runs beside, on a GPU.
+
+    While they overlap the compute runs 1 + OVERLAP_SLOWDOWN times slower. A collective longer than the slowed
+    compute exposes comm - compute; a shorter one delays the compute by the work it slowed, comm x s / (1 + s).
+    The larger of the two: even a fully hidden gather costs about 16% of its time."""
+    if comm_s <= 0:
+        return 0.0
+    return max(comm_s - compute_s, comm_s * OVERLAP_SLOWDOWN / (1 + OVERLAP_SLOWDOWN))
+
+
 def ring_phase(link: LinkSpec, size_bytes: float, n: int) -> float:
     """alpha + (n-2) step + (n-1)/n * S / B: one ring all-gather or reduce-scatter of a full S-byte buffer over n
     ranks (module doc: n-1 ring steps, the first inside alpha)."""

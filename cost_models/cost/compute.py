@@ -156,12 +156,14 @@ def tp_split(unit: UnitProfile, *, tp: int, vocab: bool, sp: bool) -> Split:
     """What tensor parallelism divides of a unit's work (cost.kernels.Split): the split share of its product FLOPs
     (split linears, and a vocabulary-split head when it splits), the attention by heads, and the share of its
     memory-bound bytes that runs on split tensors, read from where its saved bytes sit (profile.TPUnit's roles:
-    inside the split region and the attention core always; norms, residual places and column inputs under SP)."""
+    inside the split region and the attention core always; norms, residual places and column inputs under SP; the
+    loss's log-probabilities after a vocabulary-split head)."""
     tu, work = unit.tp, unit.fwd_work
     if tp == 1 or tu is None or work is None:
         return Split()
     gemm = (tu.split_flops + (tu.vocab_flops if vocab else 0) - tu.core_flops) / max(1, work.gemm_flops)
-    kept = tu.saved_split + tu.saved_core + (tu.saved_seq + tu.saved_col_input if sp else 0)
+    kept = (tu.saved_split + tu.saved_core + (tu.saved_seq + tu.saved_col_input if sp else 0)
+            + (tu.saved_logits if vocab else 0))
     return Split(tp=tp, gemm=min(1.0, max(0.0, gemm)), memory=min(1.0, kept / max(1, unit.saved_bytes)),
                  attention=tu.core_flops > 0)
 

@@ -12,7 +12,8 @@ executor runs (ZeRO paper, section 7: 2Ψ for stages 0-2, 3Ψ for stage 3, per g
             and reduce-scatters every micro-batch; in a pipeline it gathers for every forward and once for the
             backward (m + 1, counted) and reduce-scatters once
 Overlap: without a pipeline on GPUs, FSDP2's one-unit-ahead prefetch and DDP's bucketed all-reduce hide
-communication behind compute unit by unit (see _overlapped_dp_time); what does not fit is exposed. With a
+communication behind compute unit by unit (see _overlapped_dp_time); what does not fit is exposed, and what fits
+still slows the compute beside it (comm.overlapped_exposure: Lee et al. 2025, 18.9% on average). With a
 pipeline, each stage is one FSDP unit: its gathers run inside the forwards (and ZeRO-3's first backward) that wait
 for them, so they are simulated on the pipeline's critical path (_stage_gather); the final reduce-scatter and
 the gradient syncs come after the stage's work and are exposed, then tied gradients are all-reduced across the
@@ -27,7 +28,8 @@ ranks inside a node and a dp group's ranks are tp apart): each unit's compute is
 (compute.tp_unit_times), plus its TP collectives (comm.tp_unit_traffic: Megatron's two all-reduces per layer in
 forward and two in backward, Shoeybi et al. 2019 section 3; all-gather + reduce-scatter under SP, Korthikanti et al.
 2022 section 4.2.2) on the TP group's link, exposed: they sit between dependent GEMMs (Megatron-LM runs them
-synchronously; overlapping them needs async TP, which the executor does not run). Parameters, gradients and
+synchronously), unless async TP overlaps them (Strategy.async_tp: max(t / tp, t - compute) per unit and pass,
+Wang et al. 2023). Parameters, gradients and
 optimizer states of the split modules are divided by tp before ZeRO divides the rank's share by dp; activations
 are split by role (memory.tp_saved_bytes, Korthikanti et al. 2022 Table 2). Selective recompute drops the attention
 core's saved tensors and adds its forward to the backward (Korthikanti et al. 2022, section 5).
@@ -38,8 +40,8 @@ import dataclasses
 import math
 from typing import Protocol, Sequence
 
-from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized, p2p_time, sp_norm_grad_traffic,
-                                   tp_unit_traffic)
+from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized, overlapped_exposure, p2p_time,
+                                   sp_norm_grad_traffic, tp_unit_traffic)
 from cost_models.cost.compute import (compute_dtype, compute_source, executed_precision, optimizer_step_time,
                                       tp_unit_times, unit_times)
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
@@ -873,27 +875,28 @@ def _overlapped_dp_time(s: Strategy, params: list[float], tensors: list[int], un
     gather of unit u hides behind the forward of unit u-1 (the first unit's cannot hide), and in backward the
     gather and reduce-scatter of unit u behind its backward. DDP all-reduces gradient buckets while the last
     micro-batch's backward runs; ZeroRedundancyOptimizer broadcasts the updated tensors after the step, one call
-    per tensor (exposed). `params`: each unit's parameters on one rank (its TP share), in `tensors` tensors.
+    per tensor (exposed). What hides still slows the compute beside it (comm.overlapped_exposure). `params`: each
+    unit's parameters on one rank (its TP share), in `tensors` tensors.
     """
-    m = s.microbatches
+    m, hide = s.microbatches, overlapped_exposure
     if s.distributed_optimizer:   # gathered ahead of the first micro-batch's forward, reduce-scattered in fp32
         gather = [coll("all_gather", n * p_b) for n in params]   # during the last one's backward, per unit
         reduce = [coll("reduce_scatter", n * DTYPE_BYTES["fp32"]) for n in params]
-        return (gather[0] + sum(max(0.0, gather[u] - unit_fb[u - 1][0]) for u in range(1, len(params)))
-                + sum(max(0.0, reduce[u] - unit_fb[u][1]) for u in range(len(params))))
+        return (gather[0] + sum(hide(gather[u], unit_fb[u - 1][0]) for u in range(1, len(params)))
+                + sum(hide(reduce[u], unit_fb[u][1]) for u in range(len(params))))
     if s.zero <= 1:
         ar = coll("all_reduce", sum(params) * g_b)
-        exposed = max(0.0, ar - sum(b for _, b in unit_fb))
+        exposed = hide(ar, sum(b for _, b in unit_fb))
         if s.zero != 1:
             return exposed
         return exposed + sum(t * coll("broadcast", n / t * p_b) for n, t in zip(params, tensors) if n)
     gather = [coll("all_gather", n * p_b) for n in params]
     reduce = [coll("reduce_scatter", n * g_b) for n in params]
-    fwd = gather[0] + sum(max(0.0, gather[u] - unit_fb[u - 1][0]) for u in range(1, len(params)))
+    fwd = gather[0] + sum(hide(gather[u], unit_fb[u - 1][0]) for u in range(1, len(params)))
     if s.zero == 2:   # gathered once per micro-batch, kept through backward; gradients reduce-scattered per unit
-        bwd = sum(max(0.0, reduce[u] - unit_fb[u][1]) for u in range(len(params)))
+        bwd = sum(hide(reduce[u], unit_fb[u][1]) for u in range(len(params)))
     else:             # ZeRO-3 gathers again for backward
-        bwd = sum(max(0.0, gather[u] + reduce[u] - unit_fb[u][1]) for u in range(len(params)))
+        bwd = sum(hide(gather[u] + reduce[u], unit_fb[u][1]) for u in range(len(params)))
     return m * (fwd + bwd)
 
 
