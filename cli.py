@@ -321,6 +321,8 @@ def estimate(
     sp: bool = typer.Option(False, "--sp", help="sequence parallelism over the tensor-parallel group (needs --tp 2 or more)"),
     async_tp: bool = typer.Option(False, "--async-tp", help="overlap SP's all-gathers and reduce-scatters with their "
                                   "matmuls (torch's micro-pipelined TP; CUDA GPUs, needs --sp)"),
+    sp_save_shard: bool = typer.Option(False, "--sp-save-shard", help="save SP's gathered inputs as their sequence "
+                                       "shard and gather them again in backward, as Megatron-LM (needs --sp)"),
     recompute: str = typer.Option("none", "--recompute", help="none | selective (the attention core) | full (or all) | stage indices, e.g. 0,1"),
     precision: PrecisionOpt = "bf16-mixed",
     optimizer: OptimizerOpt = "adamw",
@@ -346,6 +348,7 @@ def estimate(
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
         tp=tp, sp=sp, recompute=recompute, distributed_optimizer=distributed_optimizer, async_tp=async_tp,
+        sp_save_shard=sp_save_shard,
         precision=cast(Precision, precision), optimizer=cast(Optimizer, optimizer)))   # check_training: no other
     est = run_estimate(strategy, pf.model, target)
     if as_json:

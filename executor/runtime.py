@@ -222,8 +222,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     if s.n_stages > 1:
         assert example is not None, "a pipeline needs `example`, one micro-batch, for its static shapes"
         stage_io = stage_io_shapes(meta, s, spec.units, support, example)
-    if s.sp and stage_io:
-        stage_io = tensor_parallel.sequence_sharded_io(stage_io, s.tp)
+    stage_io = tensor_parallel.sequence_sharded_io(stage_io, s.tp) if s.sp and stage_io else stage_io
     ties = tied_params(meta, s.stages, s.stage_rank, spec.units)
     # the schedule registry's guards; the planner never plans these
     unsafe = s.unsafe_reason() or s.split_tie(tied_units(meta, s.stages, spec.units))
@@ -236,8 +235,9 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     stage_ids = list(s.rank_stages(pp_rank))
     model, held = _materialized(s, spec, mode, stage_ids, support, seed, device)
     # torchtitan's order: tensor (+ sequence) parallelism, then activation checkpointing, then FSDP2
-    sharded_logits = s.tp > 1 and tensor_parallel.parallelize(model, held, mesh["tp"], sp=s.sp, rules=spec.tp_rules,
-                                                                loss_parallel=builtin_cross_entropy)
+    sharded_logits = s.tp > 1 and tensor_parallel.parallelize(
+        model, held, mesh["tp"], sp=s.sp, rules=spec.tp_rules, loss_parallel=builtin_cross_entropy,
+        save_shard=s.sp_save_shard)
     _prepare_units(s, model, held, stage_ids, spec.units, tp_mesh=mesh["tp"] if s.async_tp else None)
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,

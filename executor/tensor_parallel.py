@@ -31,6 +31,7 @@ from cost_models.records.errors import ConfigError
 from cost_models.records.tensor_parallel import (CUSTOM, SPLIT_STYLES, TPRule, TPShape, enters_late, rules_for,
                                                  style_of, vocab_divides)
 from cost_models.torch_compat.torch_private import TorchDispatchMode, storage_id, strided_shard, tree_leaves
+from executor import sp_shard
 from executor.activations import checkpointed
 
 # The last name part of the modules holding the attention core (zoo Llama, zoo GPT, transformers' Llama family):
@@ -130,34 +131,33 @@ def _region_input(*, sp: bool, local: bool):
     def prepared(x, mesh):
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, (Shard(1) if sp else Replicate(),), run_check=False)
-        x = x.redistribute(mesh, (Replicate(),)) if sp else x
+        # under SP saving shards (sp_shard) it arrives gathered: a redistribute to where it is would all-reduce
+        # its gradient in backward (DTensor sends a gradient back to its input's placement), not reduce-scatter it
+        x = x.redistribute(mesh, (Replicate(),)) if sp and x.placements != (Replicate(),) else x
         return x.to_local() if local else x
 
     class RegionInput(ParallelStyle):
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
             def hook(mod, args, kwargs):
-                if args and isinstance(args[0], torch.Tensor):
-                    return (prepared(args[0], device_mesh), *args[1:]), kwargs
-                tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-                key = "hidden_states" if "hidden_states" in kwargs else (tensors[0] if tensors else None)
-                if key is not None:
-                    kwargs = {**kwargs, key: prepared(kwargs[key], device_mesh)}
-                return args, kwargs
+                return sp_shard.with_input(args, kwargs, lambda x: prepared(x, device_mesh))
             module.register_forward_pre_hook(hook, with_kwargs=True)
             return module
     return RegionInput()
 
 
-def torch_style(rule: TPRule, *, sp: bool, holds_split: bool, loss_parallel: bool = False, late_entry: bool = False):
+def torch_style(rule: TPRule, *, sp: bool, holds_split: bool, loss_parallel: bool = False, late_entry: bool = False,
+                save_shard: bool = False):
     """torch's ParallelStyle for one plan rule (None: the module stays as it is). `holds_split`: the module has
     split submodules (a region feeding them takes a DTensor; a replicated region such as a tied head a tensor).
     `loss_parallel`: the vocabulary-split head's logits stay split (a DTensor, Shard(-1)), for a cross-entropy
     taken under loss_context (no all-gather of the logits). `late_entry`: the plan enters the sequence split at an
-    sp_input, so the embedding's output stays whole under SP."""
+    sp_input, so the embedding's output stays whole under SP. `save_shard`: under SP the head's input arrives
+    gathered (executor.sp_shard), so its style takes it as it is."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel)
     seq = Shard(1)
+    head_in = seq if sp and not save_shard else Replicate()
     if rule.style == "colwise":
         return _split_linear("colwise", rule.parts)
     if rule.style == "rowwise":
@@ -165,12 +165,11 @@ def torch_style(rule: TPRule, *, sp: bool, holds_split: bool, loss_parallel: boo
     if rule.style == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp and not late_entry else Replicate())
     if rule.style == "head" and loss_parallel:
-        return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1),
-                               use_local_output=False)
+        return ColwiseParallel(input_layouts=head_in, output_layouts=Shard(-1), use_local_output=False)
     if rule.style == "head":
         # The logits are gathered, so every tp rank computes the whole loss (counted once per replica by the
         # training loop): a user's loss function takes a plain tensor.
-        return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Replicate())
+        return ColwiseParallel(input_layouts=head_in, output_layouts=Replicate())
     if rule.style == "region" and (sp or holds_split):
         return _region_input(sp=sp, local=not holds_split)
     if not sp:
@@ -187,12 +186,13 @@ def torch_style(rule: TPRule, *, sp: bool, holds_split: bool, loss_parallel: boo
 
 
 def parallelize(model: nn.Module, held: list[nn.Module], tp_mesh, *, sp: bool, rules: tuple[TPRule, ...] = (),
-                loss_parallel: bool = False) -> bool:
+                loss_parallel: bool = False, save_shard: bool = False) -> bool:
     """Split the modules this rank holds (`held`: the model, or its pipeline stages) over `tp_mesh` as the model's
     plan says (`rules`: a custom plan's, recorded in the profile); module names are the full model's, so every
     pipeline rank splits its stages as one process would. `loss_parallel`: the loss is the built-in cross-entropy,
     so a vocabulary-split head may keep its logits split. Returns whether it does on this rank (then forward and
-    backward run under loss_context)."""
+    backward run under loss_context). `save_shard` (with `sp`): the gathered inputs of regions with split linears
+    and of a vocabulary-split head are saved as their sequence shard (executor.sp_shard)."""
     from torch.distributed.tensor.parallel import parallelize_module
     tp = tp_mesh.size()
     shape = model_shape(model, rules)
@@ -205,21 +205,26 @@ def parallelize(model: nn.Module, held: list[nn.Module], tp_mesh, *, sp: bool, r
     held_ids = {id(sub) for m in held for sub in m.modules()}
     named = [(n, m) for n, m in model.named_modules() if id(m) in held_ids]
     split = {n for n, _ in named if (r := style_of(n, rules)) is not None and r.style in SPLIT_STYLES}
-    plan = {}
-    for name, _ in named:
+    plan, gathered = {}, []
+    for name, module in named:
         rule = style_of(name, rules) if name else None
         if rule is None:
             continue
-        style = torch_style(rule, sp=sp, holds_split=any(s.startswith(name + ".") for s in split),
-                            loss_parallel=loss_parallel, late_entry=late)
+        holds_split = any(s.startswith(name + ".") for s in split)
+        style = torch_style(rule, sp=sp, holds_split=holds_split, loss_parallel=loss_parallel, late_entry=late,
+                            save_shard=save_shard)
         if style is not None:
             plan[name] = style
+        if sp and save_shard and ((rule.style == "region" and holds_split) or rule.style == "head"):
+            gathered.append(module)
     if plan:
         ties = _tied_slots(named)
         # every rank built the same full parameters (one seed, or one draw per module), so each takes its own slice
         # (src_data_rank=None) instead of receiving it from tp rank 0
         parallelize_module(model, tp_mesh, plan, src_data_rank=None)
         _tie_again(ties)
+    for module in gathered:
+        sp_shard.install(module, tp_mesh)
     _localize_widths(named, shape.tp_plan.local_widths, tp)
     for m in held:
         for param in m.parameters():

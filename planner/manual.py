@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from cost_models.cost.compute import unit_times
@@ -77,6 +76,7 @@ class StrategyRequest(Record):
     optimizer: Optimizer = "adamw"
     distributed_optimizer: bool = False   # ZeRO-1 as Megatron-LM's (Strategy.zero_label)
     async_tp: bool = False                # SP's collectives behind their matmuls (Strategy.tp_label)
+    sp_save_shard: bool = False           # SP's gathered inputs saved as their shard (Strategy.tp_label)
 
 
 def check_tp(profile: ModelProfile, cluster: ClusterProfile, *, tp: int, sp: bool, pp: int = 1) -> None:
@@ -124,7 +124,8 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
     return Strategy(dp=dp, pp=pp, zero=r.zero, schedule=r.schedule, microbatches=microbatches, micro_batch_size=mbs,
                     v=v, stages=stages_from_ranges([u.name for u in profile.units], ranges), recompute=recompute,
                     tp=tp, sp=r.sp, selective=selective, precision=precision, optimizer=r.optimizer,
-                    distributed_optimizer=r.distributed_optimizer, async_tp=r.async_tp)
+                    distributed_optimizer=r.distributed_optimizer, async_tp=r.async_tp,
+                    sp_save_shard=r.sp_save_shard)
 
 
 def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
@@ -170,6 +171,6 @@ def manual_plan(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfi
         command=command, created_at=now_utc())
     return Plan(model=model_ref(profile), cluster=cluster, gpus=s.world_size, global_batch_size=s.global_batch_size,
                 strategy=s, stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=est, alternatives=(),
-                rationale=by_hand(s, est, cluster, at_tp1=estimate(replace(s, tp=1, sp=False), profile, cluster,
+                rationale=by_hand(s, est, cluster, at_tp1=estimate(s.without_tp(), profile, cluster,
                                                                    compact=True) if s.tp > 1 else None),
                 provenance=provenance)

@@ -138,12 +138,12 @@ def runnable(schedule: str, zero: int, dp: int) -> bool:
     return get_spec(schedule).unsafe(zero, dp) is None
 
 
-def _strategy(point: Point, stages, *, precision: Precision, optimizer: Optimizer, recompute=(), selective: bool = False
-              ) -> Strategy:
+def _strategy(point: Point, stages, *, precision: Precision, optimizer: Optimizer, recompute=(), selective: bool = False,
+              shard: bool = False) -> Strategy:
     return Strategy(dp=point.dp, pp=point.pp, zero=point.zero, schedule=point.schedule, microbatches=point.microbatches,
                     micro_batch_size=point.micro_batch_size, v=point.v, stages=stages, recompute=tuple(recompute),
                     tp=point.tp, sp=point.sp, selective=selective, precision=precision, optimizer=optimizer,
-                    distributed_optimizer=point.distributed_optimizer)
+                    distributed_optimizer=point.distributed_optimizer, sp_save_shard=shard)
 
 
 def _state_zero(pt: Point) -> int:
@@ -177,11 +177,14 @@ def _least_saved(u: UnitProfile, dtype_ratio: float) -> float:
     return max(0.0, grow + grow_other / dtype_ratio - (u.tp.saved_core if u.tp else 0))
 
 
-def _core_bytes(profile: ModelProfile, *, micro_batch_size: int, precision: str) -> dict[str, float]:
+def _core_bytes(profile: ModelProfile, *, micro_batch_size: int, precision: str,
+                with_shards: bool = False) -> dict[str, float]:
     """Unit -> the attention core's saved bytes per micro-batch before tp divides them (what selective recompute
-    drops: memory.tp_saved_bytes), at this micro-batch in the compute dtype."""
+    drops: memory.tp_saved_bytes), at this micro-batch in the compute dtype; `with_shards`: plus the inputs of
+    column-split linears, whole (more than SP saving the shard drops: an upper bound)."""
     scale = activation_scale(profile, micro_batch_size=micro_batch_size, precision=precision)
-    return {u.name: (u.tp.saved_core if u.tp else 0) * scale for u in profile.units}
+    return {u.name: ((u.tp.saved_core + (u.tp.saved_col_input if with_shards else 0)) if u.tp else 0) * scale
+            for u in profile.units}
 
 
 def _overflow(est: Estimate, cap: int) -> set[int]:
@@ -223,14 +226,15 @@ def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, pa
     stages = parts.stages(point.pp * point.v)
     n_stages = point.pp * point.v
 
-    def attempt(stages, recompute=(), selective=False) -> _Costed:
+    def attempt(stages, recompute=(), selective=False, shard=False) -> _Costed:
         strategy = _strategy(point, stages, precision=precision, optimizer=optimizer, recompute=recompute,
-                             selective=selective)
+                             selective=selective, shard=shard)
         return _Costed(point, strategy, estimate(strategy, profile, cluster, compact=True))
 
     made = 0
     if must:
-        first = attempt(stages, recompute=tuple(i in must for i in range(n_stages)), selective=len(must) < n_stages)
+        first = attempt(stages, recompute=tuple(i in must for i in range(n_stages)), selective=len(must) < n_stages,
+                        shard=point.sp)
         made = 1
         if first.estimate.fits or first.estimate.step_time_s >= kth:
             return [first], made
@@ -244,17 +248,25 @@ def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, pa
 
 def _retries(point: Point, profile: ModelProfile, cluster: ClusterProfile, first: Estimate, unit_cost: list[float],
              attempt, stages, *, precision: Precision, optimizer: Optimizer, recut: bool = True) -> list[_Costed]:
-    """_cost_point's retries after a first estimate that does not fit; the last one made is the best attempt."""
+    """_cost_point's retries after a first estimate that does not fit; the last one made is the best attempt.
+    Under SP saving the shard comes first (an all-gather per region in backward, no recompute), and stays on."""
     n_stages, cap = point.pp * point.v, cluster.device.memory_bytes
     precision = _executed(precision, cluster.device.kind)   # the bytes the ranks hold (_as_run)
     out: list[_Costed] = []
+    shard = point.sp
     if not _recompute_cannot_help(first, cap):
-        if _selective_may_fit(first, profile, cap, micro_batch_size=point.micro_batch_size, precision=precision):
-            out.append(attempt(stages, selective=True))
+        if shard:
+            out.append(attempt(stages, shard=True))
+            if out[-1].estimate.fits:
+                return out
+        if _selective_may_fit(out[-1].estimate if out else first, profile, cap,
+                              micro_batch_size=point.micro_batch_size, precision=precision):
+            out.append(attempt(stages, selective=True, shard=shard))
             if out[-1].estimate.fits:
                 return out
         over = _overflow(out[-1].estimate if out else first, cap)
-        out.append(attempt(stages, recompute=tuple(i in over for i in range(n_stages)), selective=len(over) < n_stages))
+        out.append(attempt(stages, recompute=tuple(i in over for i in range(n_stages)), selective=len(over) < n_stages,
+                           shard=shard))
         if out[-1].estimate.fits:
             return out
     if n_stages == 1 or not recut:
@@ -266,7 +278,7 @@ def _retries(point: Point, profile: ModelProfile, cluster: ClusterProfile, first
         return out
     if _strategy(point, stages, precision=precision, optimizer=optimizer).split_tie(sp.units for sp in profile.shared):
         return out   # the new cut put a tie's stages on one rank
-    out.append(attempt(stages))
+    out.append(attempt(stages, shard=shard))
     return out
 
 
@@ -642,7 +654,7 @@ def _known_overflow(pt: Point, plain: Estimate | None, parts: _Partitions, profi
         return frozenset()
     k = pt.pp * pt.v
     params = parts.stage_params(k)
-    core = _core_bytes(profile, micro_batch_size=pt.micro_batch_size, precision=req.precision)
+    core = _core_bytes(profile, micro_batch_size=pt.micro_batch_size, precision=req.precision, with_shards=pt.sp)
     by_stage = {st.stage: st for st in plain.stages}
     out: set[int] = set()
     for m in plain.memory_per_rank:
@@ -846,7 +858,7 @@ def _at_tp1(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> Esti
     what TP saves in memory, for the rationale. None when tp = 1."""
     if s.tp == 1:
         return None
-    return estimate(replace(s, tp=1, sp=False), profile, cluster, compact=True)
+    return estimate(s.without_tp(), profile, cluster, compact=True)
 
 
 def _candidates(costed: list[_Costed]) -> tuple[Candidate, ...]:

@@ -120,11 +120,12 @@ def memory_rows(est) -> list[list[str]]:
 
 def estimate_lines(strategy, est) -> list[str]:
     s, b = strategy, est.breakdown
-    shape = (f"dp={s.dp} x tp={s.tp}" + (" (+SP)" if s.sp else "") + f" x pp={s.pp}" + (f" (v={s.v})" if s.v > 1 else "")
-             + (", selective recompute" if s.selective else ""))
+    switches = s.tp_label[len(f"TP{s.tp}"):]   # '+SP', '+SP+shard', '+SP+async' ...
+    shape = (f"dp={s.dp} x tp={s.tp}" + (f" ({switches})" if switches else "") + f" x pp={s.pp}"
+             + (f" (v={s.v})" if s.v > 1 else "") + (", selective recompute" if s.selective else ""))
     # compute_s includes the exposed TP collectives (the estimate adds them to each unit's pass): shown apart
     tp_part = f" (of which tensor-parallel comm {duration(b.tp_comm_s)})" if s.tp > 1 else ""
-    lines = [f"strategy: {shape}, ZeRO-{s.zero}, {s.schedule}, {s.microbatches} micro-batches of {s.micro_batch_size}, "
+    lines = [f"strategy: {shape}, {s.zero_label}, {s.schedule}, {s.microbatches} micro-batches of {s.micro_batch_size}, "
              f"{s.precision}, {s.optimizer}",
              f"step time: {duration(est.step_time_s)} = compute {duration(b.compute_s)}{tp_part} + bubble "
              f"{duration(b.bubble_s)} + p2p {duration(b.p2p_s)} + data-parallel comm {duration(b.dp_comm_s)} + optimizer "

@@ -44,13 +44,13 @@ def cfg_for(model: str, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **units, **kw})
 
 
-def S(dp=1, pp=1, tp=1, *, sp=False, zero=0, m=None, selective=False, units=UNITS) -> Strategy:
+def S(dp=1, pp=1, tp=1, *, sp=False, zero=0, m=None, selective=False, units=UNITS, shard=False) -> Strategy:
     m = m or 2   # few micro-batches: every one pays DTensor's per-op dispatch on each rank (CI time)
     cut = len(units) // 2
     stages = (tuple(units),) if pp == 1 else (tuple(units[:cut]), tuple(units[cut:]))
     return Strategy(dp=dp, pp=pp, tp=tp, sp=sp, zero=zero, schedule="1f1b", microbatches=m,
                     micro_batch_size=GLOBAL // (dp * m), stages=stages, selective=selective, precision="fp32",
-                    optimizer="adamw")
+                    optimizer="adamw", sp_save_shard=shard)
 
 
 # --- one spawned job, many (kind, strategy, config) items --------------------------------------------------------
@@ -188,7 +188,10 @@ def test_tp2_and_sp_on_2_ranks_zoo_and_hf_llama():
              ("train", S(tp=2), untied), ("train", S(tp=2, sp=True), untied),
              ("train", S(tp=2), llama), ("train", S(tp=2, sp=True), llama),
              ("train", S(tp=2, units=_units(hf)), hf), ("train", S(tp=2, sp=True, units=_units(hf)), hf),
-             ("train", S(tp=2, units=_units(gpt2)), gpt2)]
+             ("train", S(tp=2, units=_units(gpt2)), gpt2),
+             # SP saving the shard (Megatron's): a vocabulary-split head, and transformers' keyword-called attention
+             ("train", S(tp=2, sp=True, shard=True), untied),
+             ("train", S(tp=2, sp=True, shard=True, units=_units(hf)), hf)]
     custom = _custom_cfg()   # a plan given by --tp-plan, carried as its recorded rules
     items.append(("train", S(tp=2, units=_units(custom)), custom))
     results = run_items(2, items)
@@ -282,10 +285,11 @@ def test_activation_bytes_kept_per_layer_at_tp2_match_the_estimate():
     from cost_models.cost.memory import tp_saved_bytes
     from cost_models.profiling.model_profiler import profile_model
     combos = [dict(sp=False, selective=False), dict(sp=True, selective=False), dict(sp=True, selective=True),
-              dict(sp=False, selective=True)]
+              dict(sp=False, selective=True), dict(sp=True, selective=False, save_shard=True)]
     models = ("gpt-tiny", "llama-tiny")
     cfgs = {m: cfg_for(m, seq_len=64) for m in models}
-    runs = run_items(2, [("kept", S(tp=2, m=4, **c), cfgs[m]) for m in models for c in combos])   # one spawn
+    runs = run_items(2, [("kept", S(tp=2, m=4, sp=c["sp"], selective=c["selective"], shard=c.get("save_shard", False)),
+                          cfgs[m]) for m in models for c in combos])   # one spawn
     out = {}
     for i, model in enumerate(models):
         cfg = cfgs[model]
@@ -294,11 +298,13 @@ def test_activation_bytes_kept_per_layer_at_tp2_match_the_estimate():
         assert one == pytest.approx(tp_saved_bytes(unit.saved_bytes, unit.tp, tp=1, sp=False, selective=False), rel=0.05)
         got = [ranks[0]["kept"] for ranks in runs[i * len(combos):(i + 1) * len(combos)]]
         predicted = [tp_saved_bytes(unit.saved_bytes, unit.tp, tp=2, **c) for c in combos]
-        out[model] = {"tp1": one, **{f"sp={c['sp']} selective={c['selective']}": (g, p)
+        out[model] = {"tp1": one, **{" ".join(f"{k}={v}" for k, v in c.items()): (g, p)
                                     for c, g, p in zip(combos, got, predicted)}}
         assert got == pytest.approx(predicted, rel=0.05)
         assert got[1] < got[0] < one                       # SP splits what TP left replicated
         assert got[2] <= got[1] and got[3] <= got[0]       # selective drops the attention kernel's own saves
+        # saving the shard keeps a tp-th of each region's gathered input: two regions of 2 x 64 x 64 fp32 per layer
+        assert got[1] - got[4] == pytest.approx(2 * (2 * 64 * 64 * 4) / 2, rel=0.05)
     print(json.dumps(out, indent=1))
 
 

@@ -367,3 +367,58 @@ def test_a_profile_whose_roles_exceed_its_saved_bytes_is_refused():
     bad = dataclasses.replace(u, tp=dataclasses.replace(u.tp, saved_split=u.saved_bytes + 1))
     with pytest.raises(FileFormatError, match=r"model\.units\[1\]\.tp\.saved_split"):
         validate_model(dataclasses.replace(prof, units=(prof.units[0], bad, *prof.units[2:])), "profile.json")
+
+
+# --- SP saving the shard (Megatron-LM's; executor.sp_shard) ---------------------------------------------------------
+
+def test_saving_the_shard_keeps_a_tp_th_of_each_gathered_input_and_gathers_it_again_in_backward():
+    from cost_models.cost.comm import tp_unit_traffic
+    prof = _meta("gpt-tiny")
+    block, head = prof.unit("blocks.0"), prof.unit("head")
+    kept = {shard: tp_saved_bytes(block.saved_bytes, block.tp, tp=4, sp=True, selective=False, save_shard=shard)
+            for shard in (False, True)}
+    assert kept[False] - kept[True] == pytest.approx(2 * BSH * (1 - 1 / 4))   # c_attn's and c_fc's inputs
+    # a head that splits on the vocabulary keeps its input's shard; one that does not is a replicated region
+    split, whole = (tp_saved_bytes(head.saved_bytes, head.tp, tp=4, sp=True, selective=False, vocab=v,
+                                   save_shard=True) for v in (True, False))
+    assert whole - tp_saved_bytes(head.saved_bytes, head.tp, tp=4, sp=True, selective=False) == 0
+    assert tp_saved_bytes(head.saved_bytes, head.tp, tp=4, sp=True, selective=False, vocab=True) - split == \
+        pytest.approx(BSH * (1 - 1 / 4))
+    # no SP, nothing to keep: the flag changes nothing
+    assert tp_saved_bytes(block.saved_bytes, block.tp, tp=4, sp=False, selective=False, save_shard=True) == \
+        tp_saved_bytes(block.saved_bytes, block.tp, tp=4, sp=False, selective=False)
+    # backward: one more all-gather of each region's input (2 per block), and of the split head's input
+    ag = 2 * TP_OPS.index("all_gather")
+    for unit, vocab, extra in ((block, 0, (2, 2 * BSH)), (head, V, (1, BSH)), (head, 0, (0, 0))):
+        plain, saving = (tp_unit_traffic(unit.tp, sp=True, vocab=vocab, save_shard=s)[1] for s in (False, True))
+        assert (saving[ag] - plain[ag], saving[ag + 1] - plain[ag + 1]) == extra
+
+
+def test_a_fully_recomputed_stage_does_not_save_shards():
+    prof = _meta("gpt-tiny")
+    per_step = {(shard, rec): tp_bytes_per_step(_strategy(prof, tp=2, sp=True, sp_save_shard=shard,
+                                                          recompute=(rec,)), prof)["tp_all_gather"]
+                for shard in (False, True) for rec in (False, True)}
+    # 4 blocks x 2 regions + the head, 2 micro-batches: one more gather each without recompute, none with it
+    assert per_step[True, False] - per_step[False, False] == 2 * (4 * 2 + 1) * BSH
+    assert per_step[True, True] == per_step[False, True]
+
+
+def test_the_planner_saves_shards_where_sequence_parallelism_alone_does_not_fit():
+    from planner.request import PlanRequest
+    from planner.search import plan
+    prof = profile_model(resolve("gpt-tiny"), micro_batch_size=8, seq_len=64, meta=True, dtype="bf16")
+    cluster = preset("dgx-h100")
+    names = tuple(u.name for u in prof.units)
+    peak = {shard: estimate(Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=8,
+                                     stages=(names,), tp=4, sp=True, sp_save_shard=shard), prof, cluster
+                            ).peak_memory_bytes for shard in (False, True)}
+    assert peak[True] < peak[False]
+    # a device between the two: TP4+SP fits only by saving shards (or by recomputing)
+    small = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device,
+                                                                    memory_bytes=(peak[True] + peak[False]) // 2))
+    p = plan(prof, small, PlanRequest(gpus=4, global_batch_size=8, tp_degrees=(4,), micro_batch_sizes=(8,)))
+    sp_plans = [a.strategy for a in p.alternatives if a.strategy.sp and a.fits] + (
+        [p.strategy] if p.strategy.sp else [])
+    assert sp_plans and all(s.sp_save_shard or s.recompute for s in sp_plans)
+    assert any(s.sp_save_shard and not s.recompute and not s.selective for s in sp_plans)

@@ -51,6 +51,7 @@ reduce-scatter of the same full buffer. Counted as executor/tensor_parallel.py p
     norm weights (SP)             -                             bwd all-reduce of their gradients
     vocab-split embedding output  fwd all-reduce                fwd all-reduce (kept whole: a later sp_input
       in a plan with an sp_input                                  enters the sequence split)
+    SP saving the shard           -                             region and vocab-split head inputs: bwd all-gather
 A vocabulary that does not split leaves the embedding as an sp_entry (no rule where the plan has an sp_input) and the
 head as a replicated region.
 Without SP the executor makes a region's input one replicated DTensor for all its split linears, so their input
@@ -229,14 +230,16 @@ def _plus(*parts: tuple[float, float]) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=4096)
-def tp_unit_traffic(tu: TPUnit, *, sp: bool, vocab: int) -> tuple[Traffic, Traffic]:
+def tp_unit_traffic(tu: TPUnit, *, sp: bool, vocab: int, save_shard: bool = False) -> tuple[Traffic, Traffic]:
     """(forward, backward) tensor-parallel collectives of one unit per micro-batch at the profile's dtype: calls and
     full-buffer bytes of each op in TP_OPS (the module doc's table). `vocab`: the vocabulary's size where it splits
     at this tp (0: it does not). The loss then runs on the vocabulary shards (loss parallelism, as `planner run`'s
     built-in cross-entropy does: executor/tensor_parallel.py loss_context): no logits all-gather, but three
     all-reduces of one value per token (torch's loss_parallel: the max, the sum of exponentials and the target's
     logit; counted: 3 x 64 tokens x 4 bytes per micro-batch at fp32). They are listed with the backward's
-    collectives: once per micro-batch, as full recompute re-runs the head but not the loss after it."""
+    collectives: once per micro-batch, as full recompute re-runs the head but not the loss after it.
+    `save_shard` (under SP): each region's input, and a vocabulary-split head's, is gathered again in backward
+    (Korthikanti et al. 2022, section 4.2.2: the shard is saved instead; executor.sp_shard)."""
     row = (tu.row_calls, tu.row_bytes)
     per_token = tu.logit_bytes / vocab if vocab else 0.0
     embed, logits = (tu.embed_calls, tu.embed_bytes), (3 * tu.head_calls, 3 * per_token)
@@ -249,11 +252,13 @@ def tp_unit_traffic(tu: TPUnit, *, sp: bool, vocab: int) -> tuple[Traffic, Traff
             return _traffic(all_reduce=row), _traffic(all_reduce=region)
         return (_traffic(all_reduce=_plus(row, embed, whole)),
                 _traffic(all_reduce=_plus(region, head_in, logits)))
+    again = (_plus(region, head_in) if vocab else region) if save_shard else (0, 0)
     if vocab:
         return (_traffic(all_gather=_plus(region, repl, head_in), reduce_scatter=_plus(row, embed), all_reduce=whole),
-                _traffic(all_gather=_plus(row, embed, entry), reduce_scatter=_plus(region, head_in), all_reduce=logits))
+                _traffic(all_gather=_plus(row, embed, entry, again), reduce_scatter=_plus(region, head_in),
+                         all_reduce=logits))
     return (_traffic(all_gather=_plus(region, repl, head_in), reduce_scatter=row),
-            _traffic(all_gather=_plus(row, entry, embed), reduce_scatter=region))
+            _traffic(all_gather=_plus(row, entry, embed, again), reduce_scatter=region))
 
 
 def sp_norm_grad_traffic(tu: TPUnit, grad_bytes: int) -> Traffic:

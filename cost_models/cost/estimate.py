@@ -293,12 +293,16 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
     f, b, core = (t * c.calibration.compute_scale for t in tp_unit_times(
         u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
         ranks_running=c.sharing.busy, tp=s.tp, vocab=c.tp_vocab, mixed=c.autocast, sp=s.sp))
-    saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective, vocab=c.tp_vocab)
+    # saving SP's shards works outside full recompute only (a checkpointed unit keeps its input alone)
+    shard = s.sp_save_shard and not recompute
+    saved = tp_saved_bytes(_saved(c, u), u.tp, tp=s.tp, sp=s.sp, selective=selective, vocab=c.tp_vocab,
+                           save_shard=shard)
     if selective:
         b += core
     if s.tp > 1 and u.tp is not None:
         shape = c.profile.tensor_parallel   # never None where tp_vocab is set (_Context.of)
-        fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=shape.vocab if c.tp_vocab and shape else 0)
+        fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=shape.vocab if c.tp_vocab and shape else 0,
+                                       save_shard=shard)
         norms = sp_norm_grad_traffic(u.tp, c.grad_bytes) if s.sp else None
         tf, tb = _tp_seconds(c, fwd_t), _tp_seconds(c, bwd_t)
         if s.async_tp:   # each collective cut into tp steps behind partial matmuls: the first step's transfer
@@ -346,7 +350,7 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
             _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
         entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {})
     key = (name, s.micro_batch_size, s.precision, c.sharing.busy, s.tp, s.sp, s.selective, recompute, c.tp_on,
-           c.tp_vocab, s.optimizer, c.autocast, s.async_tp)
+           c.tp_vocab, s.optimizer, c.autocast, s.async_tp, s.sp_save_shard)
     hit = entry[2].get(key)
     if hit is None:
         u = c.profile.unit(name)
@@ -793,7 +797,7 @@ def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int
             tu = profile.unit(name).tp
             if tu is None:
                 continue
-            fwd, bwd = tp_unit_traffic(tu, sp=s.sp, vocab=vocab)
+            fwd, bwd = tp_unit_traffic(tu, sp=s.sp, vocab=vocab, save_shard=s.sp_save_shard and passes == 1)
             norms = sp_norm_grad_traffic(tu, grad_bytes) if s.sp else None
             for i, op in enumerate(TP_OPS):
                 out[op] += ((passes * fwd[2 * i + 1] + bwd[2 * i + 1]) * scale

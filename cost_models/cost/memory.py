@@ -218,16 +218,20 @@ def saved_parts(u: UnitProfile) -> tuple[int, int, int, int]:
 
 
 def tp_saved_bytes(saved: float, tu: TPUnit | None, *, tp: int, sp: bool, selective: bool,
-                   vocab: bool = False) -> float:
+                   vocab: bool = False, save_shard: bool = False) -> float:
     """Bytes one tensor-parallel rank keeps for backward of a unit that saves `saved` bytes at tp = 1, by role
     (profile.TPUnit; Korthikanti et al. 2022, section 4.2): the split region and the attention core / tp, norms and
     the residual-stream places / tp only under SP, inputs of column-split linears whole (under SP DTensor keeps
-    the all-gathered input, where Megatron keeps the shard: sbh(4 - 4/t) more than Table 2's 34/t row), the
-    attention core dropped by selective recompute, the loss's log-probabilities / tp where the vocabulary splits
-    (`vocab`), anything else whole."""
+    the all-gathered input: sbh(4 - 4/t) more than Table 2's 34/t row), or / tp under SP with `save_shard` (the
+    shard kept, as Megatron-LM: executor.sp_shard; a head that does not split on the vocabulary is a replicated
+    region, its input whole), the attention core dropped by selective recompute, the loss's log-probabilities / tp
+    where the vocabulary splits (`vocab`), anything else whole."""
     if tu is None:
         return saved
-    core, logits = tu.saved_core, tu.saved_logits
-    roles = tu.saved_split + tu.saved_seq + tu.saved_col_input + core + logits
-    return (saved - roles + tu.saved_col_input + tu.saved_split / tp + tu.saved_seq / (tp if sp else 1)
+    core, logits, col = tu.saved_core, tu.saved_logits, float(tu.saved_col_input)
+    roles = tu.saved_split + tu.saved_seq + col + core + logits
+    if sp and save_shard:
+        whole = 0 if vocab else min(col, tu.head_in_bytes)
+        col = whole + (col - whole) / tp
+    return (saved - roles + col + tu.saved_split / tp + tu.saved_seq / (tp if sp else 1)
             + (0.0 if selective else core / tp) + logits / (tp if vocab else 1))

@@ -1,6 +1,7 @@
 """A parallel training strategy as plain data: what the planner searches over and the executor runs."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Mapping, Sequence
 
 from cost_models.records.base import Record, record
@@ -37,6 +38,7 @@ class Strategy(Record):
     optimizer: Optimizer = "adamw"
     distributed_optimizer: bool = False  # ZeRO-1 as Megatron-LM's distributed optimizer (zero_label)
     async_tp: bool = False               # SP's collectives fused with their matmuls (tp_label), CUDA GPUs only
+    sp_save_shard: bool = False          # SP's gathered inputs saved as their shard, gathered again (tp_label)
 
     @property
     def zero_label(self) -> str:
@@ -61,10 +63,13 @@ class Strategy(Record):
         tensor parallelism (torch._inductor's _micro_pipeline_tp over symmetric memory, executor.tensor_parallel)
         cuts each all-gather -> matmul and matmul -> reduce-scatter of sequence parallelism into tp steps, each
         transfer overlapping a partial matmul (Wang et al. 2023, "Overlap Communication with Dependent Computation
-        via Decomposition in Large Deep Learning Models", ASPLOS; Megatron-LM's --tp-comm-overlap does the same)."""
+        via Decomposition in Large Deep Learning Models", ASPLOS; Megatron-LM's --tp-comm-overlap does the same).
+        '+shard': SP saves each gathered input as its sequence shard and gathers it again in backward (Korthikanti
+        et al. 2022, section 4.2.2, as Megatron-LM runs it; executor.sp_shard)."""
         if self.tp == 1:
             return ""
-        return f"TP{self.tp}" + ("+SP" if self.sp else "") + ("+async" if self.async_tp else "")
+        return (f"TP{self.tp}" + ("+SP" if self.sp else "") + ("+shard" if self.sp_save_shard else "")
+                + ("+async" if self.async_tp else ""))
 
     @property
     def name(self) -> str:
@@ -84,7 +89,8 @@ class Strategy(Record):
     @property
     def summary(self) -> str:
         """The same strategy in words, for rationales and run records: '4-stage 1f1b x 2-way ZeRO-1, 8 micro-batch(es) of 2'."""
-        tensor = "" if self.tp == 1 else f"{self.tp}-way tensor parallel" + (" with sequence parallelism" if self.sp else "")
+        tensor = "" if self.tp == 1 else f"{self.tp}-way tensor parallel" + (
+            (" with sequence parallelism" + (" saving shards" if self.sp_save_shard else "")) if self.sp else "")
         if self.pp == 1:
             shape = (f"{self.zero_label} over {self.dp} ranks" if self.dp > 1 else "") or tensor or "one device"
             shape = f"{tensor} x {shape}" if tensor and self.dp > 1 else shape
@@ -116,6 +122,10 @@ class Strategy(Record):
     @property
     def global_batch_size(self) -> int:
         return self.dp * self.microbatches * self.micro_batch_size
+
+    def without_tp(self) -> "Strategy":
+        """The same strategy with no tensor parallelism (its TP-only switches off): fewer devices, for comparisons."""
+        return dataclasses.replace(self, tp=1, sp=False, async_tp=False, sp_save_shard=False)
 
     def stage_recompute(self, stage: int) -> bool:
         return bool(self.recompute) and self.recompute[stage]
@@ -202,6 +212,9 @@ class Strategy(Record):
         if self.async_tp and not self.sp:
             raise ConfigError("--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with their "
                               "matmuls; it needs --sp (and --tp 2 or more)")
+        if self.sp_save_shard and not self.sp:
+            raise ConfigError("--sp-save-shard saves sequence parallelism's gathered inputs as their shard; it needs "
+                              "--sp (and --tp 2 or more)")
         if self.distributed_optimizer and (self.zero != 1 or self.pp > 1):
             raise ConfigError("--distributed-optimizer runs ZeRO-1 without a pipeline (--zero 1 --pp 1); a pipeline's "
                               "ZeRO-2 stages already gather once and reduce-scatter once per step")

@@ -80,6 +80,19 @@ def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def top_saved_tensor_hooks():
+    """The (pack, unpack) pair of the innermost torch.autograd.graph.saved_tensors_hooks in force, or None: a
+    context that pushes its own can then hand what it does not take to the one below (torch 2.13 keeps the stack
+    in torch._C._autograd, with no public reader)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def checkpoint_hooks(hooks) -> bool:
+    """Whether a (pack, unpack) pair is torch.utils.checkpoint's own (its forward or its recomputation): their
+    functions are defined in that module (torch 2.13: _checkpoint_hook, _recomputation_hook)."""
+    return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
+
+
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the module's own buffers that its state_dict holds: set, and not registered with
     persistent=False. nn.Module keeps that flag only in _non_persistent_buffers_set (torch/nn/modules/module.py)."""
