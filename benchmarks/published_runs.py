@@ -20,6 +20,7 @@ published, ratio, fits, peak memory, and the step's breakdown) and writes result
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import time
@@ -50,6 +51,7 @@ class Row:
     recompute: str             # none | selective | full
     distributed_optimizer: bool = False   # ZeRO-1 as Megatron-LM's (Strategy.distributed_optimizer)
     async_tp: bool = False                # TP collectives behind their matmuls (Strategy.async_tp)
+    sp_save_shard: bool = False           # SP saving the shard, as Megatron-LM (Strategy.sp_save_shard)
     published: float
     unit: str                  # "TFLOP/s/GPU (Narayanan eq. 3)" | "TFLOP/s/GPU (Megatron-LM)" | "tokens/s/GPU"
     chosen: str = ""           # what the source leaves open and this row chose
@@ -69,7 +71,7 @@ _MU = "TFLOP/s/GPU (Megatron-LM)"
 _MCHOSEN = ("micro-batch 1, sequence parallelism with TP, no recompute, 1F1B, dropout 0.1 (Megatron-LM's default); "
             "its distributed optimizer with overlapped gathers and reduce-scatters as zeropipe runs it: ZeRO-1 "
             "dist-opt without a pipeline, ZeRO-2 with one (FSDP2 stages gathered once, reduce-scattered once); its "
-            "--tp-comm-overlap as torch's async TP")
+            "--tp-comm-overlap as torch's async TP; sequence parallelism saving the shard, as Megatron-LM does")
 
 
 def _gpt(l: int, h: int, a: int, vocab: int, seq: int, tied: bool) -> str:
@@ -89,7 +91,7 @@ def _megatron_h100(id_: str, l: int, h: int, a: int, gpus: int, tp: int, pp: int
     return Row(id=id_, source=_M, model=_gpt(l, h, a, 131072, 4096, False), preset="dgx-h100", gpus=gpus, tp=tp,
                pp=pp, v=1, dp=dp, micro_batch=1, microbatches=batch // dp, seq=4096,
                zero=0 if dp == 1 else 1 if pp == 1 else 2, distributed_optimizer=dp > 1 and pp == 1, async_tp=tp > 1,
-               sp=tp > 1, recompute="none", published=published, unit=_MU, chosen=_MCHOSEN, dropout=0.1)
+               sp=tp > 1, sp_save_shard=tp > 1, recompute="none", published=published, unit=_MU, chosen=_MCHOSEN, dropout=0.1)
 
 
 def _torchtitan(id_: str, model: str, seq: int, local_batch: int, recompute: str, published: float) -> Row:
@@ -150,7 +152,7 @@ def predict(row: Row, profiles: dict) -> dict:
     strategy = build_strategy(profile, cluster, StrategyRequest(
         dp=row.dp, pp=row.pp, tp=row.tp, v=row.v, zero=row.zero, sp=row.sp, schedule=row.schedule,
         microbatches=row.microbatches, micro_batch_size=row.micro_batch, recompute=row.recompute,
-        distributed_optimizer=row.distributed_optimizer, async_tp=row.async_tp))
+        distributed_optimizer=row.distributed_optimizer, async_tp=row.async_tp, sp_save_shard=row.sp_save_shard))
     est = estimate(strategy, profile, cluster, compact=True)
     tokens_per_gpu = est.tokens_per_s / row.gpus
     predicted = tokens_per_gpu if row.unit == "tokens/s/GPU" else tokens_per_gpu * flops_per_token(row) / 1e12
@@ -176,6 +178,41 @@ def planned(row: Row, profiles: dict) -> dict:
              PlanRequest(gpus=row.gpus, global_batch_size=row.dp * row.microbatches * row.micro_batch))
     return dict(layout=p.strategy.name, step_s=p.prediction.step_time_s, fits=p.prediction.fits,
                 seconds=time.perf_counter() - t0)
+
+
+SCALE_GPUS = 1000   # the rows where sharded data parallelism over every GPU is the question (issue's item 4)
+
+
+def sharded_everywhere(row: Row, profiles: dict) -> dict | None:
+    """The fastest fitting ZeRO-3 over every GPU for a 1,000+ GPU row (TP 1-8 inside the node, SP with TP, the
+    global batch as one micro-batch per rank, full recompute): the layout the planner chose for such rows while
+    hidden collectives cost nothing; the table shows what the overlap's compute slowdown adds to it."""
+    if row.gpus < SCALE_GPUS:
+        return None
+    best = None
+    batch = row.dp * row.microbatches * row.micro_batch
+    for tp in (1, 2, 4, 8):
+        dp = row.gpus // tp
+        if batch % dp:
+            continue
+        alt = dataclasses.replace(row, tp=tp, pp=1, v=1, dp=dp, micro_batch=batch // dp, microbatches=1, zero=3,
+                                  sp=tp > 1, recompute="full", distributed_optimizer=False, async_tp=False,
+                                  sp_save_shard=False)
+        r = predict(alt, profiles)
+        if r["fits"] and (best is None or r["step_s"] < best["step_s"]):
+            best = r
+    return best
+
+
+def _sharded_table(results: list[dict]) -> list[str]:
+    lines = ["| id | layout | predicted step s | compute s | exposed DP comm s | planner's layout step s |",
+             "|" + "---|" * 6]
+    for r in results:
+        z = r.get("sharded")
+        if z:
+            lines.append(f"| {r['id']} | {z['layout']} | {z['step_s']:.2f} | {z['breakdown']['compute_s']:.2f} | "
+                         f"{z['breakdown']['dp_comm_s']:.2f} | {r['planned']['step_s']:.2f} |")
+    return lines
 
 
 def _plan_table(results: list[dict]) -> list[str]:
@@ -224,11 +261,14 @@ def main() -> None:
         results.append(predict(row, profiles))
         if args.plan:
             results[-1]["planned"] = planned(row, profiles)
+            results[-1]["sharded"] = sharded_everywhere(row, profiles)
         print(f"{row.id}: {results[-1]['predicted']:,.1f} predicted, {row.published:,.1f} published "
               f"({results[-1]['ratio']:.2f}) in {time.perf_counter() - t0:.1f} s", flush=True)
     lines = _table(results)
     if args.plan:
         lines += ["", "`planner plan` for the same model, GPUs and global batch:", ""] + _plan_table(results)
+        lines += ["", "ZeRO-3 over every GPU for the rows on 1,000+ GPUs (the best such layout that fits):", ""]
+        lines += _sharded_table(results)
     print("\n".join(lines))
     print(_summary(results))
     out = Path(args.output)
