@@ -232,3 +232,18 @@ def test_the_fallback_unit_times_are_the_estimates_with_one_rank_computing(tiny_
     (st,) = estimate(s, prof, c).stages
     assert st.fwd_s == pytest.approx(sum(f for f, _ in per_unit), rel=1e-12)
     assert st.bwd_s == pytest.approx(sum(b for _, b in per_unit), rel=1e-12)
+
+
+def test_identical_blocks_share_their_priced_costs_and_others_do_not():
+    """The estimate prices a meta profile's identical blocks once (estimate._twins): every block of llama3-8b maps to
+    the first, the embedding and head to none, and a block that differs in anything priced keeps its own costs."""
+    import dataclasses
+
+    from cost_models.cost.estimate import _twins
+    prof = _llama8b(4096)
+    twins = _twins(prof)
+    blocks = [u.name for u in prof.units if u.name.startswith("blocks.")]
+    assert twins == {b: blocks[0] for b in blocks[1:]}
+    odd = dataclasses.replace(prof.units[3], saved_bytes=prof.units[3].saved_bytes + 1)
+    changed = dataclasses.replace(prof, units=prof.units[:3] + (odd,) + prof.units[4:])
+    assert odd.name not in _twins(changed) and len(_twins(changed)) == len(blocks) - 2

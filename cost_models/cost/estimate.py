@@ -348,7 +348,8 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
     if entry is None:
         if len(_UNIT_COSTS) >= _UNIT_COST_PAIRS:
             _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
-        entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {})
+        entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {_TWINS: _twins(c.profile)})
+    name = entry[2][_TWINS].get(name, name)
     key = (name, s.micro_batch_size, s.precision, c.sharing.busy, s.tp, s.sp, s.selective, recompute, c.tp_on,
            c.tp_vocab, s.optimizer, c.autocast, s.async_tp, s.sp_save_shard)
     hit = entry[2].get(key)
@@ -364,6 +365,27 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
             hit = (f, b, _saved(c, u), ())
         entry[2][key] = hit
     return hit
+
+
+_TWINS = "twins"   # the key of a cache entry's unit-name map (_twins), beside the tuple keys of unit costs
+
+
+def _twins(profile: ModelProfile) -> dict[str, str]:
+    """Unit name -> the first unit equal to it but for its name, modules and what a split backward keeps by
+    position (split_*: _kept reads them by name, not _unit_cost), whose costs it shares (a meta profile's identical
+    blocks: a 70B model's 80 are priced once per strategy shape, not 80 times)."""
+    first: dict[tuple, list[UnitProfile]] = {}
+    out: dict[str, str] = {}
+    for u in profile.units:
+        group = first.setdefault((u.params, u.fwd_flops, u.bwd_flops, u.saved_bytes, u.output_bytes), [])
+        twin = next((t for t in group if dataclasses.replace(
+            u, name=t.name, modules=t.modules, split_after_bytes=t.split_after_bytes,
+            split_suffix_bytes=t.split_suffix_bytes) == t), None)
+        if twin is None:
+            group.append(u)
+        else:
+            out[u.name] = twin.name
+    return out
 
 
 def unit_seconds(u: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, *, micro_batch_size: int,
