@@ -13,7 +13,7 @@ from cost_models.records.file_record import FileRecord
 from cost_models.records.precision import DTYPE_BYTES
 from cost_models.records.profile import ModelProfile, items_per_sequence, pipeline_refusal
 from cost_models.records.schedule import format_order
-from cost_models.records.strategy import Strategy, tp_node_refusal
+from cost_models.records.strategy import Strategy, priced_digest, tp_node_refusal
 from cost_models.records.tensor_parallel import TPRule
 from cost_models.records.validate import validate_cluster
 
@@ -221,3 +221,9 @@ def check_plan(plan: Plan) -> None:
     if plan.prediction.pipeline_order != format_order(s.action_order()):
         raise ConfigError(f"prediction.pipeline_order is not the {s.schedule} order for pp={s.pp}, "
                           f"microbatches={s.microbatches}, v={s.v}; {fix}")
+    m = plan.model
+    if plan.prediction.priced and plan.prediction.priced != priced_digest(s, model=m.name, source=m.source,
+                                                                          seq_len=m.seq_len, units=m.units):
+        raise ConfigError("the strategy or model was edited after the prediction was made (prediction.priced does "
+                          f"not match them): an edited optimizer, precision, model or layout is not what was "
+                          f"estimated; {fix} (or planner estimate -o)")

@@ -72,6 +72,11 @@ EDITS = {  # what the matrix did to plan.json -> a word the refusal must contain
     "model dtype fp8": (lambda d: d["model"].update(dtype="fp8"), "model.dtype"),
     "seq_len doubled": (lambda d: d["model"].update(seq_len=2 * d["model"]["seq_len"]), "model.seq_len"),
     "negative other-dtype bytes": (lambda d: d["model"].update(saved_other_dtype_bytes=-4), "saved_other_dtype_bytes"),
+    # what no other check ties to the prediction: the digest of what was priced (prediction.priced)
+    "optimizer adamw -> sgd": (lambda d: d["strategy"].update(optimizer="sgd"), "edited"),
+    "precision fp32 -> bf16-mixed": (lambda d: d["strategy"].update(precision="bf16-mixed"), "edited"),
+    "another model": (lambda d: d["model"].update(source="llama-tiny", name="llama-tiny"), "edited"),
+    "recompute switched on": (lambda d: d["strategy"].update(recompute=[True]), "edited"),
 }
 
 
@@ -89,7 +94,9 @@ def test_an_edited_plan_is_refused_by_run_and_report_before_any_rank_starts(edit
 
 
 def test_a_plan_whose_model_units_were_edited_too_is_refused_for_leaving_parameters_out(plan_json, tmp_path):
-    # both the stages and the recorded unit list drop blocks.2: consistent as data, yet not the model's function
+    # both the stages and the recorded unit list drop blocks.2: consistent as data, yet not the model's function;
+    # a plan from before the digest of what was priced (prediction.priced "") reaches the executor's own check
+    plan_json["prediction"]["priced"] = ""
     kept = [u for u in U if u != "blocks.2"]
     plan_json["model"]["units"] = kept
     plan_json["model"]["unit_modules"] = [[u] for u in kept]

@@ -54,7 +54,7 @@ from cost_models.records.cluster import Calibration, ClusterProfile, ComputeProb
 from cost_models.records.precision import BYTES_PER_PARAM, DTYPE_BYTES
 from cost_models.records.profile import ModelProfile, UnitProfile, counts_positions, items_per_sequence
 from cost_models.records.schedule import format_order, get_spec
-from cost_models.records.strategy import Strategy
+from cost_models.records.strategy import Strategy, priced_digest
 from cost_models.records.tensor_parallel import vocab_divides
 
 # presets carry no probe: no per-call overheads are assumed there (GPU launches mostly hide behind kernels)
@@ -154,6 +154,7 @@ class Estimate(Record):
     pipeline_order: dict[str, list[str]]
     hfu: float | None = None # hardware FLOPs (with recompute, torch's attention backward) / the same; see _throughput
     calibrated_by: str = ""  # "" as probed; else Calibration.describe() of the cluster's calibration (which runs)
+    priced: str = ""         # records.strategy.priced_digest of the strategy and model priced; "" in older files
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -796,7 +797,9 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         comm=dataclasses.replace(_comm_volume(c, stages, dp_bytes), tied_bytes_per_rank=tied_bytes),
         compute_source=compute_source(profile, cluster, s.precision),
         pipeline_order=format_order(s.action_order()) if per_rank else {},
-        calibrated_by=cluster.calibration.describe() if cluster.calibration else "")
+        calibrated_by=cluster.calibration.describe() if cluster.calibration else "",
+        priced=priced_digest(s, model=profile.name, source=profile.source, seq_len=profile.seq_len,
+                             units=[u.name for u in profile.units]))
 
 
 def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int = 0) -> dict[str, float]:

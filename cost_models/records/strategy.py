@@ -228,6 +228,16 @@ class Strategy(Record):
             raise ConfigError(f"a stage has no units: the model's {len(unit_names)} units cannot fill {self.n_stages} stages")
 
 
+def priced_digest(s: Strategy, *, model: str, source: str, seq_len: int, units: Sequence[str]) -> str:
+    """sha256 (hex, 16 digits) of what an estimate priced: the strategy's every field and the model's identity and
+    sequence length. A plan keeps it in its prediction (Estimate.priced); a plan edited after it was estimated
+    (another optimizer, precision, model or layout) no longer matches and is refused before any rank starts."""
+    import hashlib
+    import json
+    text = json.dumps({"strategy": s.to_dict(), "model": [model, source, seq_len, list(units)]}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def check_tp_degree(tp: int, sp: bool) -> None:
     """The tensor-parallel degree alone: a power of two (the mesh's groups tile a node's devices), and sequence
     parallelism only over a group of two or more."""
