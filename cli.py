@@ -560,6 +560,7 @@ def run(
     trust_checkpoint: bool = typer.Option(False, "--trust-checkpoint", help="--resume from a checkpoint this installation's key did not sign (see --checkpoint-dir; ZEROPIPE_CHECKPOINT_KEY names another key file): loading it runs code stored in it (torch DCP unpickles .metadata), so only for checkpoints you made or trust who made; sizes and sha256 are still checked"),
     data: Optional[Path] = typer.Option(None, "--data", help="train on a token file: nanoGPT's uint16 .bin or a 1-d .npy (uint16/uint32/int32/int64), memory-mapped; step k reads windows k*B .. k*B+B-1 of seq_len+1 tokens (default: synthetic tokens)"),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="start from pretrained weights instead of the model's own initialisation: an HF folder (config.json + model.safetensors or a sharded index) or a planner run checkpoint; each rank reads only what it holds"),
+    allow_extra: bool = typer.Option(False, "--allow-extra", help="load --init-from even where it holds tensors the model has no place for (refused by default: a sign of another configuration); they are named and left unread"),
     as_json: AsJson = False,
 ) -> None:
     """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction.
@@ -575,10 +576,11 @@ def run(
                        checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep,
                        resume=str(resume) if resume else None, overwrite_checkpoints=overwrite_checkpoints,
                        trust_checkpoint=trust_checkpoint, data=str(data) if data else None,
-                       init_from=str(init_from) if init_from else None)
+                       init_from=str(init_from) if init_from else None, allow_extra=allow_extra)
     with err.status(f"running {the_plan.strategy.world_size} ranks up to step {steps}"):
         result = launch(the_plan, config, on_resume=lambda d, meta, signed: _print_resume(
-            d, meta, the_plan, signed=signed, saving=checkpoint_dir is not None))
+            d, meta, the_plan, signed=signed, saving=checkpoint_dir is not None),
+            on_warning=lambda line: err.print(f"warning: {line}", highlight=False, soft_wrap=True))
     if result is None:
         err.print("this node's ranks finished; global rank 0's node writes run.json", highlight=False)
         return

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +36,7 @@ from cost_models.torch_compat.devices import claim_device, rank_backend, rank_de
 from cost_models.torch_compat.host import keep_freed_memory
 from executor.runtime import LossFn, ModelSpec, Runtime, build_runtime
 from executor.stages import UnitMap
-from executor.weights import load_weights, weights_format
+from executor.weights import check_weights, load_weights
 from executor.zero import mixed_precision
 from planner.plan import Plan, check_plan
 
@@ -43,12 +44,14 @@ from planner.plan import Plan, check_plan
 def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Module],
                optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer], loss_fn: LossFn, *,
                init_from: str | Path | None = None, example_input: torch.Tensor | None = None, seed: int = 0,
-               timeout_s: float = 300.0) -> Runtime:
+               timeout_s: float = 300.0, allow_extra: bool = False) -> Runtime:
     """Set up this rank for `plan` (a Plan, its Strategy, or a plan.json path) and return its Runtime.
 
     Initialises the default process group from torchrun's environment if the script has not. `init_from`: an HF
     folder (config.json + safetensors) or a `planner run` checkpoint whose weights replace the model's own
-    initialisation (each rank reads only what it holds). `example_input` is one micro-batch of model input;
+    initialisation (each rank reads only what it holds), checked against the whole model first (missing tensors,
+    shapes, integer/float dtypes, and tensors it has no place for: refused unless `allow_extra`, then a warning).
+    `example_input` is one micro-batch of model input;
     pipelines need it for their static shapes (default: token ids of the plan's micro-batch size and sequence
     length when the plan is a Plan whose model takes tokens). A bf16-mixed plan without a pipeline computes in
     bf16 on GPUs (FSDP2's MixedPrecisionPolicy or torch.autocast, in Runtime.step): build the model in fp32, its
@@ -68,8 +71,12 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
         example_input = torch.zeros(strategy.micro_batch_size, plan.model.seq_len, dtype=torch.long)
     if example_input is None and strategy.n_stages > 1:
         raise ConfigError("apply_plan needs example_input (one micro-batch) to set up a pipeline's static shapes")
-    if init_from is not None:
-        weights_format(Path(init_from))   # one line before any work if the folder holds no weights
+    if init_from is not None:   # one line before any work if the weights do not fit the model
+        with torch.device("meta"):
+            whole = model_fn()
+        for line in check_weights(whole, Path(init_from), allow_extra=allow_extra):
+            warnings.warn(line, stacklevel=2)
+        del whole
     tp_rules = plan.model.tp_rules if isinstance(plan, Plan) else ()   # a custom TP plan's, recorded in the profile
     rt = build_runtime(strategy, ModelSpec(build=model_fn, units=units, tp_rules=tp_rules), loss_fn=loss_fn,
                        optimizer_fn=optimizer_fn,

@@ -36,7 +36,7 @@ from executor.data import TokenFile
 from executor.runtime import logits_of
 from executor.stages import UnitMap, check_covers_model
 from executor.train import TrainConfig, run_on_rank, summarize_times
-from executor.weights import weights_format
+from executor.weights import check_weights
 from planner.plan import Plan, check_plan
 from planner.run_record import Measure, RankResult, RunFile
 
@@ -154,6 +154,7 @@ class RunConfig(Record):
     trust_checkpoint: bool = False       # resume from a checkpoint this installation's key did not sign
     data: str | None = None              # a token file (executor.data); None: synthetic batches
     init_from: str | None = None         # pretrained weights: an HF folder or a checkpoint (executor.weights)
+    allow_extra: bool = False            # load init_from even where it holds tensors the model has no place for
 
     def check(self, world_size: int) -> None:
         """The flags' own constraints, as one-line ConfigErrors, before anything is read or started."""
@@ -170,19 +171,22 @@ class RunConfig(Record):
                               "give one of them")
 
 
-def launch(plan: Plan, run: RunConfig, *, on_resume=None) -> RunFile | None:
+def launch(plan: Plan, run: RunConfig, *, on_resume=None, on_warning=None) -> RunFile | None:
     """Run the plan; returns the RunFile on the node holding global rank 0 (None on other nodes).
 
     `on_resume(step_dir, meta, signed)` is told which checkpoint was taken (after it was verified, before ranks
     start) and whether this installation's key signed it (an unsigned one is refused unless run.trust_checkpoint:
-    resuming runs code stored in it)."""
+    resuming runs code stored in it). `on_warning(line)` gets what the checks before the ranks let through."""
     run.check(plan.strategy.world_size)
     check_plan(plan)
     model = _check_model(plan)
     if run.data:
         _check_data(plan, run.data, model)
-    if run.init_from:
-        weights_format(Path(run.init_from))   # one line if the folder is neither an HF folder nor a checkpoint
+    if run.init_from:   # every check a rank's load makes, on the whole model, and tensors it has no place for
+        for line in check_weights(model, Path(run.init_from), trusted=run.trust_checkpoint,
+                                  allow_extra=run.allow_extra):
+            if on_warning is not None:
+                on_warning(line)
     start, step_dir, seed, lr = 0, None, run.seed, run.lr
     if run.resume:
         step_dir, meta = _resume_point(run.resume, plan, run.steps, trusted=run.trust_checkpoint, on_resume=on_resume)

@@ -224,7 +224,19 @@ def _saved_tensors(reader: dcp.StorageReader, folder: Path) -> dict:
 def _wanted(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], saved: dict, prefix: str,
             folder: Path) -> dict[str, torch.Tensor]:
     """The state dict DCP loads: this rank's tensors (detached aliases: DCP copies into them) under their keys in
-    the file, after checking every parameter is there with its shape."""
+    the file, after checking every parameter is there with its shape and kind of dtype (_matched)."""
+    key_of, tensors = _matched(params, buffers, saved, prefix, folder)
+    for name, t in tensors.items():
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device: materialise the model (to_empty) before loading weights")
+    return {key_of[n]: t.detach() for n, t in tensors.items()}
+
+
+def _matched(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], saved: dict, prefix: str,
+             folder: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """({name: its key in the file}, the tensors to fill: every parameter, and the buffers the file has), or one
+    line naming the first parameter missing, of another shape, or of another kind of dtype (integers into floats
+    or the reverse: DCP's copy_ would cast them without a word; one float dtype into another is a cast we want)."""
     key_of = _file_keys(list(params) + list(buffers), saved, prefix)
     missing = [n for n in params if n not in key_of]
     if missing:
@@ -232,14 +244,42 @@ def _wanted(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tens
                            f"of the {len(params)} parameters this model has here); was it saved from another model?")
     tensors = {**params, **{n: b for n, b in buffers.items() if n in key_of}}
     for name, t in tensors.items():
-        if t.device.type == "meta":
-            raise ValueError(f"{name} is on the meta device: materialise the model (to_empty) before loading weights")
         stored = saved[key_of[name]]
         shape = getattr(stored, "size", None)   # DCP keeps non-tensor entries as bytes, without a size
         if shape is None or tuple(shape) != tuple(t.shape):
             raise WeightsError(f"--init-from {folder}: {name} has shape {_shape(shape)} there, the model's is "
                                f"{_shape(t.shape)}; was it saved from another configuration of the model?")
-    return {key_of[n]: t.detach() for n, t in tensors.items()}
+        dtype = stored.properties.dtype
+        if dtype.is_floating_point != t.dtype.is_floating_point:
+            raise WeightsError(f"--init-from {folder}: {name} is {str(dtype).removeprefix('torch.')} there, the "
+                               f"model's is {str(t.dtype).removeprefix('torch.')}; it would be cast between integers "
+                               f"and floats: was it saved from another model?")
+    return key_of, tensors
+
+
+def check_weights(model: torch.nn.Module, source: Path, *, trusted: bool = False,
+                  allow_extra: bool = False) -> tuple[str, ...]:
+    """Before any rank starts: `source` against the whole (meta) model, as every rank's load will check its share
+    (_matched), and the file's model tensors that no name of the model (aliases and buffers included) takes:
+    refused in one line (a 3-layer model's weights into a 2-layer configuration), or with `allow_extra` returned
+    as a warning naming the first few. Reads headers and metadata only."""
+    from executor.stages import canonical_names
+    fmt, folder = weights_format(Path(source))
+    reader, prefix = _reader(fmt, folder, trusted)
+    saved = _saved_tensors(reader, folder)
+    canon = canonical_names(model)
+    params = {c: p for n, p in model.named_parameters(remove_duplicate=False) if (c := canon[n]) == n}
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    _matched(params, buffers, saved, prefix, folder)
+    taken = set(_file_keys(list(canon) + list(buffers), saved, prefix).values())
+    extra = sorted(k for k in saved if k.startswith(prefix) and k not in taken)
+    if not extra:
+        return ()
+    first = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+    if not allow_extra:
+        raise WeightsError(f"--init-from {folder} holds {len(extra)} tensor(s) this model has no place for ({first});"
+                           f" was it saved from another configuration? (--allow-extra loads the rest anyway)")
+    return (f"--init-from {folder}: {len(extra)} tensor(s) left unread, the model has no place for them ({first})",)
 
 
 def _file_keys(names: list[str], saved: dict, prefix: str = "") -> dict[str, str]:

@@ -328,3 +328,29 @@ def test_resume_refuses_a_folder_that_is_not_a_committed_checkpoint(plan_json, t
     assert res.exit_code == 2
     assert _one_error_line(res) == (f"error: {folder} is not a committed checkpoint (those are named step-NNNNNNNN); "
                                     f"resume from its parent folder to take the latest complete one")
+
+
+def test_init_from_weights_of_another_configuration_are_refused_before_any_rank_starts(plan_json, tmp_path):
+    """gpt-tiny's own weights plus a fifth block's (a deeper configuration's file): one line, exit 2, no run.json;
+    and with a weight stored as integers (a float would be cast from them)."""
+    import torch
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    state = {k: v.clone() for k, v in resolve("gpt-tiny").build(device="cpu", dtype=torch.float32,
+                                                                 seed=0).state_dict().items()
+             if k != "head.lm_head.weight"}   # the tied head's alias of embed.wte.weight: saved once
+    deeper = {**state, **{k.replace("blocks.3.", "blocks.4."): v.clone() for k, v in state.items()
+                          if k.startswith("blocks.3.")}}
+    path = _write(tmp_path, plan_json)
+    for name, tensors, words in (("deeper", deeper, ("no place for", "blocks.4.", "--allow-extra")),
+                                 ("ints", {**state, "embed.wpe.weight": state["embed.wpe.weight"].to(torch.int64)},
+                                  ("is int64 there",))):
+        folder = tmp_path / name
+        folder.mkdir()
+        safetensors_torch.save_file(tensors, str(folder / "model.safetensors"))
+        started = time.monotonic()
+        res = runner.invoke(app, ["run", path, "--steps", "2", "-o", str(tmp_path / "run.json"),
+                                  "--init-from", str(folder)])
+        assert res.exit_code == 2, res.output
+        line = _one_error_line(res)
+        assert all(w in line for w in words), line
+        assert time.monotonic() - started < 30 and not (tmp_path / "run.json").exists()   # no ranks were started

@@ -12,7 +12,7 @@ from cost_models.records.errors import WeightsError
 from cost_models.records.strategy import Strategy
 from executor import checkpoint
 from executor import checkpoint_layout as layout
-from executor.weights import DCP, HF_INDEX, SAFETENSORS, WeightsLoaded, load_weights
+from executor.weights import DCP, HF_INDEX, SAFETENSORS, WeightsLoaded, check_weights, load_weights
 from tests.plans import GPT_TINY_UNITS, plan_for
 
 
@@ -163,6 +163,35 @@ def test_what_does_not_fit_is_refused_in_one_line(tmp_path):
     (tmp_path / "small" / HF_INDEX).write_text('{"weight_map": {"a": "model.safetensors", "b": "model-2.safetensors"}}')
     assert _error(params, {}, small) == (f"--init-from {small}: {HF_INDEX} names model-2.safetensors (and 0 more "
                                          f"shards) that the folder does not hold; copy the whole folder")
+
+
+def test_the_whole_model_is_checked_before_any_rank_starts(tmp_path):
+    """check_weights (the launcher's, and apply_plan's, before ranks build anything): a deeper model's file into a
+    shallower model is refused for the tensors nothing takes, or with allow_extra named in a warning; integers into
+    floats are refused; the hub GPT-2's base-model names and a float dtype into another load."""
+    deep = _save_net(_Net(layers=3), tmp_path / "deep")
+    with torch.device("meta"):
+        shallow, net = _Net(layers=2), _Net()
+    with pytest.raises(WeightsError) as exc:
+        check_weights(shallow, deep)
+    assert str(exc.value) == (f"--init-from {deep} holds 2 tensor(s) this model has no place for (body.2.bias, "
+                              f"body.2.weight); was it saved from another configuration? (--allow-extra loads the "
+                              f"rest anyway)")
+    assert check_weights(shallow, deep, allow_extra=True) == (
+        f"--init-from {deep}: 2 tensor(s) left unread, the model has no place for them (body.2.bias, body.2.weight)",)
+    saved = _Net()
+    state = {k: (v.to(torch.int64) if k == "body.0.weight" else v.to(torch.bfloat16) if v.is_floating_point()
+                 else v) for k, v in saved.state_dict().items()}
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    (tmp_path / "ints").mkdir()
+    safetensors_torch.save_file(state, str(tmp_path / "ints" / "model.safetensors"))
+    with pytest.raises(WeightsError, match=r"body.0.weight is int64 there, the model's is float32"):
+        check_weights(net, tmp_path / "ints")
+    with pytest.raises(WeightsError, match=r"body.0.weight is int64 there"):   # each rank's load refuses it too
+        load_weights(dict(_Net().named_parameters()), {}, tmp_path / "ints")
+    state["body.0.weight"] = saved.body[0].weight.detach().to(torch.bfloat16)
+    safetensors_torch.save_file(state, str(tmp_path / "ints" / "model.safetensors"))
+    assert check_weights(net, tmp_path / "ints") == ()
 
 
 @pytest.fixture(scope="module")
