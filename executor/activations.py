@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -31,6 +32,9 @@ from torch.utils.checkpoint import checkpoint
 from cost_models.torch_compat.torch_private import TorchDispatchMode, storage_id, storage_key, tree_leaves, view_base
 
 _ACTIVE: list["ActivationMeter"] = []     # the meter of the step being measured, if any
+# modules whose forward runs under checkpointed() (executor.stages.recomputed): their own forward hooks run outside
+# the checkpoint, so a hook that would change what is saved (executor.sp_shard) must know
+RECOMPUTED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

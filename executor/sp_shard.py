@@ -12,7 +12,10 @@ for the module's forward, a torch.autograd.graph.saved_tensors_hooks context: a 
 gathered input is kept as the shard plus the view's geometry, and gathered again the first time backward asks for
 it (q, k and v share one gather; it is dropped after the last of them). Everything else passes to the hooks below
 (the activation meter's), and the shard is handed to them in place of the gathered input, so a measured step counts
-the shard. Inside torch.utils.checkpoint (full recompute of the unit) nothing is done: the unit keeps only its input.
+the shard. Inside torch.utils.checkpoint (full recompute of the unit), or on a module whose own forward is
+checkpointed (activations.RECOMPUTED: a unit part), nothing is done: the unit keeps only its input. Schedules that
+split the backward (zero-bubble: input gradients, then weight gradients with the graph retained) would unpack and
+gather each input twice; Strategy refuses them with this option.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from cost_models.torch_compat.torch_private import checkpoint_hooks, storage_id, top_saved_tensor_hooks
+from executor.activations import RECOMPUTED
 
 _OPEN: list["_ShardSaver | None"] = []   # the contexts of the modules running forward, innermost last
 
@@ -62,11 +66,11 @@ class _Saved:
     """What autograd keeps for one saved view of a gathered input: the shared shard, the view's geometry, and the
     hooks below's handle of the shard (so they count it)."""
 
-    __slots__ = ("shared", "size", "stride", "offset", "placements", "gshape", "gstride", "below")
+    __slots__ = ("shared", "size", "stride", "offset", "placements", "gshape", "gstride", "below", "unpacked")
 
     def __init__(self, shared: _Shared, t, below: Any) -> None:
         local = t.to_local()
-        self.shared, self.below = shared, below
+        self.shared, self.below, self.unpacked = shared, below, False
         self.size, self.stride, self.offset = local.size(), local.stride(), local.storage_offset() - shared.offset
         self.placements, self.gshape, self.gstride = t.placements, t.shape, t.stride()
         shared.waiting += 1
@@ -76,7 +80,9 @@ class _Saved:
         s = self.shared
         full = s.gathered_local()
         view = full.as_strided(self.size, self.stride, full.storage_offset() + self.offset)
-        s.waiting -= 1
+        if not self.unpacked:   # a second unpack (a retained graph) gathers again rather than keep `full` for it
+            self.unpacked = True
+            s.waiting -= 1
         if s.waiting == 0:
             s.full = None
         return DTensor.from_local(view, s.shard.device_mesh, self.placements, run_check=False, shape=self.gshape,
@@ -126,7 +132,8 @@ def install(module: nn.Module, mesh) -> None:
             if shard.placements != (Shard(1),):
                 return x
             whole = shard.redistribute(mesh, (Replicate(),))
-            if not checkpoint_hooks(top_saved_tensor_hooks()) and whole.to_local().is_contiguous():
+            if (mod not in RECOMPUTED and not checkpoint_hooks(top_saved_tensor_hooks())
+                    and whole.to_local().is_contiguous()):
                 saver.append(_ShardSaver(shard, whole))
             return whole
         args, kwargs = with_input(args, kwargs, gather)

@@ -31,7 +31,7 @@ from torch import fx, nn
 
 from cost_models.records.errors import ConfigError
 from cost_models.torch_compat.torch_private import persistent_buffers
-from executor.activations import checkpointed
+from executor.activations import RECOMPUTED, checkpointed
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,7 @@ def recomputed(module: nn.Module) -> None:
             return forward(*args, **kwargs)
         return checkpointed(forward, *args, **kwargs)
     module.forward = forward_recomputed
+    RECOMPUTED.add(module)
 
 
 class Stage(nn.Module):

@@ -233,11 +233,15 @@ def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, pa
 
     made = 0
     if must:
-        first = attempt(stages, recompute=tuple(i in must for i in range(n_stages)), selective=len(must) < n_stages,
-                        shard=point.sp)
+        first = attempt(stages, recompute=tuple(i in must for i in range(n_stages)), selective=len(must) < n_stages)
         made = 1
         if first.estimate.fits or first.estimate.step_time_s >= kth:
             return [first], made
+        if _may_save_shards(point):
+            again = _sharded(attempt, first)
+            made += 1
+            if again.estimate.fits:
+                return [first, again], made
     attempts = [attempt(stages)]
     if attempts[-1].estimate.fits or attempts[-1].estimate.step_time_s >= kth:
         return attempts, made + 1
@@ -246,27 +250,45 @@ def _cost_point(point: Point, profile: ModelProfile, cluster: ClusterProfile, pa
     return attempts, made + len(attempts)
 
 
+def _may_save_shards(point: Point) -> bool:
+    """SP may save its gathered inputs as shards (Strategy.sp_save_shard): not under a split backward."""
+    return point.sp and not get_spec(point.schedule).split_backward
+
+
+def _sharded(attempt, a: _Costed) -> _Costed:
+    """`a`'s strategy again, saving SP's shards: fewer bytes, an all-gather more per region in backward."""
+    s = a.strategy
+    return attempt(s.stages, recompute=s.recompute, selective=s.selective, shard=True)
+
+
 def _retries(point: Point, profile: ModelProfile, cluster: ClusterProfile, first: Estimate, unit_cost: list[float],
              attempt, stages, *, precision: Precision, optimizer: Optimizer, recut: bool = True) -> list[_Costed]:
     """_cost_point's retries after a first estimate that does not fit; the last one made is the best attempt.
-    Under SP saving the shard comes first (an all-gather per region in backward, no recompute), and stays on."""
+    Under SP, saving shards is tried beside selective recompute (neither is free: a gather per region, or the
+    attention core again) and the faster that fits is kept; with recompute it is tried where recompute alone does
+    not fit."""
     n_stages, cap = point.pp * point.v, cluster.device.memory_bytes
     precision = _executed(precision, cluster.device.kind)   # the bytes the ranks hold (_as_run)
     out: list[_Costed] = []
-    shard = point.sp
+    shards = _may_save_shards(point)
     if not _recompute_cannot_help(first, cap):
-        if shard:
+        sel = None
+        if shards:
             out.append(attempt(stages, shard=True))
-            if out[-1].estimate.fits:
-                return out
-        if _selective_may_fit(out[-1].estimate if out else first, profile, cap,
-                              micro_batch_size=point.micro_batch_size, precision=precision):
-            out.append(attempt(stages, selective=True, shard=shard))
-            if out[-1].estimate.fits:
-                return out
-        over = _overflow(out[-1].estimate if out else first, cap)
-        out.append(attempt(stages, recompute=tuple(i in over for i in range(n_stages)), selective=len(over) < n_stages,
-                           shard=shard))
+        if _selective_may_fit(first, profile, cap, micro_batch_size=point.micro_batch_size, precision=precision):
+            sel = attempt(stages, selective=True)
+            out.append(sel)
+            if shards and not sel.estimate.fits and not out[0].estimate.fits:
+                out.append(_sharded(attempt, sel))
+        fitting = [a for a in out if a.estimate.fits]
+        if fitting:
+            best = min(fitting, key=lambda a: a.estimate.step_time_s)
+            out.remove(best)
+            return out + [best]
+        over = _overflow(sel.estimate if sel else first, cap)
+        out.append(attempt(stages, recompute=tuple(i in over for i in range(n_stages)), selective=len(over) < n_stages))
+        if not out[-1].estimate.fits and shards:
+            out.append(_sharded(attempt, out[-1]))
         if out[-1].estimate.fits:
             return out
     if n_stages == 1 or not recut:
@@ -278,7 +300,7 @@ def _retries(point: Point, profile: ModelProfile, cluster: ClusterProfile, first
         return out
     if _strategy(point, stages, precision=precision, optimizer=optimizer).split_tie(sp.units for sp in profile.shared):
         return out   # the new cut put a tie's stages on one rank
-    out.append(attempt(stages, shard=shard))
+    out.append(attempt(stages))
     return out
 
 

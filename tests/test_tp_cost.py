@@ -15,6 +15,7 @@ from cost_models.models.gpt import GPT, GPTConfig
 from cost_models.models.source import resolve
 from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.presets import preset
+from cost_models.records.errors import ConfigError
 from cost_models.records.strategy import Strategy
 
 B, S, H, V, L = 2, 16, 64, 512, 4     # the tiny zoo models' shapes as profiled here (fp32: 4 bytes)
@@ -422,3 +423,30 @@ def test_the_planner_saves_shards_where_sequence_parallelism_alone_does_not_fit(
         [p.strategy] if p.strategy.sp else [])
     assert sp_plans and all(s.sp_save_shard or s.recompute for s in sp_plans)
     assert any(s.sp_save_shard and not s.recompute and not s.selective for s in sp_plans)
+    # where selective recompute fits too, the faster of the two is kept (here selective: saving shards costs a
+    # gather per region, more than recomputing gpt-tiny's attention core)
+    sel = estimate(Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=8,
+                            stages=(names,), tp=4, sp=True, selective=True), prof, cluster)
+    assert peak[True] < sel.peak_memory_bytes < peak[False]
+    roomier = dataclasses.replace(cluster, device=dataclasses.replace(
+        cluster.device, memory_bytes=(sel.peak_memory_bytes + peak[False]) // 2))
+    p = plan(prof, roomier, PlanRequest(gpus=4, global_batch_size=8, tp_degrees=(4,), micro_batch_sizes=(8,)))
+    kept = [a.strategy for a in p.alternatives if a.strategy.sp and a.fits] + ([p.strategy] if p.strategy.sp else [])
+    assert [(s.selective, s.sp_save_shard) for s in kept] == [(True, False)]
+    # a split backward (zero-bubble schedules) would unpack, hence gather, every saved shard twice: refused
+    with pytest.raises(ConfigError, match="gather each input twice"):
+        Strategy(dp=1, pp=2, zero=0, schedule="zb-interleaved", microbatches=4, micro_batch_size=2, v=2,
+                 stages=(names[:2], names[2:3], names[3:5], names[5:]), tp=4, sp=True, sp_save_shard=True)
+
+
+def test_under_async_tp_a_saved_shard_s_gather_stays_exposed_and_the_pair_is_not_run():
+    """The gather of a saved shard runs when backward unpacks it, outside async TP's fused matmuls: saving shards
+    adds the same seconds with async TP as without it. The executor does not run the pair (unchecked)."""
+    prof = _meta("gpt-tiny", dtype="bf16")
+    h100 = preset("dgx-h100")
+    step = {(a, sh): estimate(_strategy(prof, tp=2, sp=True, async_tp=a, sp_save_shard=sh, precision="bf16-mixed"),
+                              prof, h100).step_time_s for a in (False, True) for sh in (False, True)}
+    assert step[True, True] - step[True, False] == pytest.approx(step[False, True] - step[False, False], rel=1e-9)
+    assert step[False, True] > step[False, False]
+    assert "not run" in _strategy(prof, tp=2, sp=True, async_tp=True, sp_save_shard=True).unsafe_reason()
+    assert _strategy(prof, tp=2, sp=True, sp_save_shard=True).unsafe_reason() is None

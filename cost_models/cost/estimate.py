@@ -302,13 +302,15 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
         b += core
     if s.tp > 1 and u.tp is not None:
         shape = c.profile.tensor_parallel   # never None where tp_vocab is set (_Context.of)
-        fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=shape.vocab if c.tp_vocab and shape else 0,
-                                       save_shard=shard)
+        vocab = shape.vocab if c.tp_vocab and shape else 0
+        fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=vocab, save_shard=shard)
         norms = sp_norm_grad_traffic(u.tp, c.grad_bytes) if s.sp else None
         tf, tb = _tp_seconds(c, fwd_t), _tp_seconds(c, bwd_t)
         if s.async_tp:   # each collective cut into tp steps behind partial matmuls: the first step's transfer
-            # shows, and what the pass's compute cannot cover (Strategy.tp_label)
-            tf, tb = max(tf / s.tp, tf - f), max(tb / s.tp, tb - b)
+            # shows, and what the pass's compute cannot cover (Strategy.tp_label); a saved shard's gather runs
+            # when backward unpacks it, before any matmul: exposed
+            again = tb - _tp_seconds(c, tp_unit_traffic(u.tp, sp=s.sp, vocab=vocab)[1]) if shard else 0.0
+            tf, tb = max(tf / s.tp, tf - f), max((tb - again) / s.tp, tb - again - b) + again
         tb += _tp_seconds(c, norms) if norms else 0.0   # the norms' gradient all-reduce stays whole
         f, b = f + tf, b + tb
         passes = 2 if recompute else 1

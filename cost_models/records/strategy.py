@@ -182,7 +182,12 @@ class Strategy(Record):
         return None
 
     def unsafe_reason(self) -> str | None:
-        """Why the executor cannot run this schedule with this ZeRO stage correctly, or None (the registry's guard)."""
+        """Why the executor cannot run this strategy correctly, or None: the schedule registry's guard for this ZeRO
+        stage, and async TP's compiled units with saved SP shards (their saved-tensor hooks would see the compiled
+        graph's plain tensors, not the gathered DTensor: unchecked, so not run)."""
+        if self.async_tp and self.sp_save_shard:
+            return ("--async-tp with --sp-save-shard is priced but not run: saving shards inside async TP's compiled "
+                    "units is unchecked; drop one of them")
         return self.spec.unsafe(self.zero, self.dp) if self.n_stages > 1 else None
 
     def __post_init__(self) -> None:
@@ -215,6 +220,10 @@ class Strategy(Record):
         if self.sp_save_shard and not self.sp:
             raise ConfigError("--sp-save-shard saves sequence parallelism's gathered inputs as their shard; it needs "
                               "--sp (and --tp 2 or more)")
+        if self.sp_save_shard and spec.split_backward:
+            raise ConfigError(f"--sp-save-shard with {self.schedule}, whose backward runs twice over a retained graph "
+                              f"(input, then weight gradients), would gather each input twice; choose another "
+                              f"schedule or drop --sp-save-shard")
         if self.distributed_optimizer and (self.zero != 1 or self.pp > 1):
             raise ConfigError("--distributed-optimizer runs ZeRO-1 without a pipeline (--zero 1 --pp 1); a pipeline's "
                               "ZeRO-2 stages already gather once and reduce-scatter once per step")
