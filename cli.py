@@ -30,6 +30,7 @@ class _ErrorBoundary(TyperGroup):
     the traceback before the line."""
 
     def invoke(self, ctx):
+        from cost_models.records.fileio import release_outputs
         try:
             return super().invoke(ctx)
         except PlannerError as exc:
@@ -42,6 +43,8 @@ class _ErrorBoundary(TyperGroup):
             _debug_traceback()
             print("interrupted", file=sys.stderr)
             raise typer.Exit(130) from None
+        finally:
+            release_outputs()   # the command's output claims (_prepare_output), however it ended
 
 
 def _debug_traceback() -> None:
@@ -89,10 +92,11 @@ def _prepare_output(output: Path, force: bool, *, also: tuple[Path, ...] = ()) -
     """(where to write or None for '-', may overwrite): refuses, before any work, to clobber a user's file or to
     start work whose output cannot be written."""
     from cost_models.records.errors import OutputExistsError
-    from cost_models.records.fileio import check_writable
+    from cost_models.records.fileio import check_writable, claim_output
     write_to = None if str(output) == "-" else output
     for path in (write_to, *also) if write_to else ():
         check_writable(path)
+        claim_output(path, " ".join(sys.argv))   # a second command writing it is refused now, not at its end
     overwrite = _confirm_overwrite(write_to, force) if write_to else False
     for path in (write_to, *also) if write_to else ():
         if path.exists() and not overwrite:

@@ -354,3 +354,25 @@ def test_init_from_weights_of_another_configuration_are_refused_before_any_rank_
         line = _one_error_line(res)
         assert all(w in line for w in words), line
         assert time.monotonic() - started < 30 and not (tmp_path / "run.json").exists()   # no ranks were started
+
+
+def test_an_output_another_command_is_writing_is_refused_before_work_starts(tmp_path):
+    """Two commands with the same -o: the second is refused at once in one line naming the first (its pid), not after
+    its work when the file turns out taken; once the first has ended (however: a claim is flock(2)ed) it goes."""
+    out = tmp_path / "profile.json"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from cost_models.records.fileio import claim_output; "
+         f"claim_output({str(out)!r}, 'planner run plan.json'); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = ["profile", "--model", "gpt-tiny", "-b", "2", "-s", "16", "--meta", "--cluster", "dgx-h100",
+                "-o", str(out)]
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and not out.exists()
+        line = _one_error_line(res)
+        assert f"pid {holder.pid}: planner run plan.json" in line and "another -o" in line, line
+    finally:
+        holder.kill()
+        holder.wait()
+    assert runner.invoke(app, args).exit_code == 0 and out.exists()

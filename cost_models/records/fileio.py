@@ -45,6 +45,54 @@ def write_atomic(path: str | os.PathLike[str], text: str, *, overwrite: bool = F
     return target
 
 
+# Outputs this process has claimed: resolved path -> the open, flock(2)ed claim file (claim_output)
+_CLAIMED: dict[str, int] = {}
+
+
+def _claims_dir() -> Path:
+    """Where claim files live: this user's private runtime folder ($XDG_RUNTIME_DIR/zeropipe), else
+    ~/.cache/zeropipe/claims (mode 0700): never beside the user's own files."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "zeropipe" if runtime else Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zeropipe" / "claims"
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return base
+
+
+def claim_output(path: str | os.PathLike[str], command: str = "") -> None:
+    """Claim `path` for this process until it exits (or release_output): a second planner command writing the same
+    file is refused in one line before it starts work, instead of finishing and then finding the file taken. The
+    claim is flock(2) on a file named by the path's hash in _claims_dir(): the kernel lets go when the holder dies,
+    however it dies. Claiming again in the same process is a no-op."""
+    import fcntl
+    import hashlib
+    key = str(Path(path).resolve())
+    if key in _CLAIMED:
+        return
+    try:
+        name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".lock"
+        fd = os.open(_claims_dir() / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return   # no private folder to claim in (a read-only home): the write itself still refuses to clobber
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid, _, holder = os.read(fd, 4096).decode(errors="replace").partition("\n")
+        os.close(fd)
+        who = f"pid {pid.strip() or 'unknown'}" + (f": {holder.splitlines()[0]}" if holder.strip() else "")
+        raise OutputExistsError(f"{key} is being written by another planner command ({who}); wait for it to finish "
+                                f"or choose another -o") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n{command}\n".encode(), 0)
+    _CLAIMED[key] = fd
+
+
+def release_outputs() -> None:
+    """Let go of every claim_output claim this process holds (a command ended, however it ended)."""
+    while _CLAIMED:
+        os.close(_CLAIMED.popitem()[1])
+
+
 def check_writable(path: str | os.PathLike[str]) -> None:
     """Refuse, in one line, an output that cannot be written, before any work is spent on it: a folder in its
     place, a file where a parent folder should be, a folder this user cannot write in (a test file is made and
