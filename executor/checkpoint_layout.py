@@ -79,6 +79,8 @@ class CheckpointMeta(FileRecord):
     files: tuple[FileDigest, ...]
     torch_version: str
     created_at: str
+    data: str | None = None             # executor.data.data_identity of the --data file; "" synthetic tokens;
+                                        # None in older checkpoints (not recorded)
 
 
 def step_dir_name(step: int) -> str:

@@ -22,6 +22,7 @@ import torch
 from cost_models.records.errors import ConfigError
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
+_ENDS = 1 << 20   # bytes of each end of a token file that identify it (data_identity)
 _SCAN_CHUNK = 1 << 24   # tokens per slice when the launcher checks every id (bounded memory for any file size)
 
 
@@ -60,17 +61,40 @@ def _open(path: Path) -> np.ndarray:
     if not path.is_file():
         raise ConfigError(f"--data {path}: no such file")
     if path.suffix == ".bin":   # nanoGPT: raw little-endian uint16 ids
-        if path.stat().st_size % 2:
-            raise ConfigError(f"--data {path}: {path.stat().st_size:,} bytes is not a whole number of uint16 tokens "
+        size = path.stat().st_size
+        if size == 0 or size % 2:
+            raise ConfigError(f"--data {path}: {size:,} bytes is not a whole, non-zero number of uint16 tokens "
                               f"(a .bin file holds nanoGPT's raw uint16 ids)")
-        return np.memmap(path, dtype=np.uint16, mode="r")
+        try:
+            return np.memmap(path, dtype=np.uint16, mode="r")
+        except (OSError, ValueError, OverflowError) as exc:   # past the address space (a 32-bit or capped one)
+            raise ConfigError(f"--data {path}: cannot map its {size:,} bytes into memory ({exc}); split it into "
+                              f"smaller files or raise the address-space limit (ulimit -v)") from None
     if path.suffix == ".npy":
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, OverflowError) as exc:
             raise ConfigError(f"--data {path}: not a NumPy array file ({exc})") from None
         if tokens.dtype.name not in DTYPES or tokens.ndim != 1:
             raise ConfigError(f"--data {path}: a {tokens.ndim}-d {tokens.dtype} array; a token file is 1-d "
                               f"{', '.join(DTYPES)}")
         return tokens
     raise ConfigError(f"--data {path}: unknown format '{path.suffix}'; use nanoGPT's uint16 .bin or a 1-d .npy")
+
+
+def data_identity(path: str | Path) -> str:
+    """What a checkpoint records of the --data file it was trained on, for --resume to check: its size and a sha256
+    of its first and last MiB ("size 1,234 sha256 ab12..."). Cheap for any size; a file changed only in its middle
+    would pass (its windows would still be read in the same order)."""
+    import hashlib
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        h = hashlib.sha256()
+        with p.open("rb") as fh:
+            h.update(fh.read(_ENDS))
+            fh.seek(max(0, size - _ENDS))
+            h.update(fh.read(_ENDS))
+    except OSError as exc:
+        raise ConfigError(f"--data {p}: {exc.strerror or exc}") from None
+    return f"size {size:,} sha256 {h.hexdigest()[:16]}"

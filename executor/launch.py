@@ -32,7 +32,7 @@ from cost_models.torch_compat.devices import claim_device, rank_backend
 from cost_models.torch_compat.elastic import elastic_job, init_process_group, is_consequence, root_failure
 from executor import checkpoint_layout as layout
 from executor import trust
-from executor.data import TokenFile
+from executor.data import TokenFile, data_identity
 from executor.runtime import logits_of
 from executor.stages import UnitMap, check_covers_model
 from executor.train import TrainConfig, run_on_rank, summarize_times
@@ -189,7 +189,8 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None, on_warning=None) -> Ru
                 on_warning(line)
     start, step_dir, seed, lr = 0, None, run.seed, run.lr
     if run.resume:
-        step_dir, meta = _resume_point(run.resume, plan, run.steps, trusted=run.trust_checkpoint, on_resume=on_resume)
+        step_dir, meta = _resume_point(run.resume, plan, run.steps, trusted=run.trust_checkpoint, on_resume=on_resume,
+                                       data=run.data)
         start, seed, lr = meta.step, meta.seed if seed is None else seed, meta.lr if lr is None else lr
     warmup = max(0, min(WARMUP_STEPS, run.steps - start - 1)) if run.warmup is None else run.warmup
     if run.warmup is None:
@@ -240,17 +241,30 @@ def _start_ranks(plan: Plan, run: RunConfig, cfg: TrainConfig, per_node: int) ->
     return results.get(0) if isinstance(results, dict) else None
 
 
-def _resume_point(resume: str, plan: Plan, steps: int, *, trusted: bool,
-                  on_resume) -> tuple[Path, layout.CheckpointMeta]:
+def _resume_point(resume: str, plan: Plan, steps: int, *, trusted: bool, on_resume,
+                  data: str | None = None) -> tuple[Path, layout.CheckpointMeta]:
     """The checkpoint `resume` names, verified before any rank starts (ranks load with DCP, which unpickles), and
-    `on_resume` told about it."""
+    `on_resume` told about it; `data` (--data) must be the file it was trained on, where it recorded one."""
     step_dir = layout.resolve(resume)
     meta, signed = layout.read_verified(step_dir, trusted=trusted)   # before anything else is read
     layout.check_resumable(meta, step_dir, plan, steps)
+    _check_same_data(meta, step_dir, data)
     layout.verify(step_dir, meta)
     if on_resume:
         on_resume(step_dir, meta, signed)
     return step_dir, meta
+
+
+def _check_same_data(meta: layout.CheckpointMeta, step_dir: Path, data: str | None) -> None:
+    """A resumed run reads the windows an uninterrupted one would (executor.data), so only from the same file."""
+    if meta.data is None:   # an older checkpoint: not recorded
+        return
+    now = data_identity(data) if data else ""
+    if now != meta.data:
+        was = f"--data with {meta.data}" if meta.data else "synthetic tokens (no --data)"
+        given = f"--data {data} ({now})" if data else "no --data"
+        raise layout.CheckpointError(f"checkpoint {step_dir} was trained on {was}, this run has {given}; resume "
+                                     f"with the same data, or start a new run from its weights with --init-from")
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from cost_models.torch_compat import optimizers
 from cost_models.torch_compat.devices import rank_device
 from executor import checkpoint, checkpoint_layout
 from executor.activations import ActivationMeter
-from executor.data import TokenFile
+from executor.data import TokenFile, data_identity
 from executor.measure import CommCounter, peak_memory_bytes
 from executor.runtime import ModelSpec, build_runtime, logits_of
 from executor.stages import UnitMap, canonical_names, state_maps
@@ -255,7 +255,8 @@ def _save(rt, cfg: TrainConfig, plan: Plan | None, step: int, last_loss: float, 
                           f"saved; lower --lr (now {cfg.lr:g}) or check the data")
     sd = rt.state_dict()
     meta = {"samples_seen": step * plan.strategy.global_batch_size, "seed": cfg.seed, "lr": cfg.lr,
-            "loss": last_loss, "world_size": dist.get_world_size(), "plan": plan, "torch_version": torch.__version__}
+            "loss": last_loss, "world_size": dist.get_world_size(), "plan": plan, "torch_version": torch.__version__,
+            "data": data_identity(cfg.data) if cfg.data else ""}
     assert cfg.checkpoint_dir is not None   # _finish_step saves only when it is set
     root = Path(cfg.checkpoint_dir)
     _limit_file_size(step)

@@ -100,3 +100,10 @@ def test_kill_9_then_resume_on_a_token_file_reads_the_same_windows(tmp_path, pro
     assert killed.returncode == 1 and "killed by SIGKILL" in killed.stderr
     resumed = _losses(_cli("run", plan, "--steps", "7", "--resume", ck, *common))
     assert resumed == pytest.approx(uninterrupted[4:], rel=1e-6, abs=0)   # from the checkpoint after step 4
+    # the checkpoint recorded its data file: another file, or none, is refused before any rank starts
+    other = str(_bin(tmp_path / "other.bin", rng.integers(0, VOCAB, size=100 * (SEQ + 1))))
+    for given, words in ((["--data", other], f"this run has --data {other} (size"), ([], "this run has no --data")):
+        args = [a for a in common if a not in ("--data", data)] + given
+        refused = _cli("run", plan, "--steps", "7", "--resume", ck, *args)
+        assert refused.returncode == 2 and words in refused.stderr and "was trained on --data with size" in \
+            refused.stderr, refused.stderr
