@@ -37,6 +37,12 @@ class _ErrorBoundary(TyperGroup):
             _debug_traceback()
             print(f"error: {exc}", file=sys.stderr)
             raise typer.Exit(exc.exit_code) from None
+        except OSError as exc:   # a path the system refuses (too long, no space, no permission) that no check named
+            _debug_traceback()
+            where = f": {exc.filename}" if exc.filename else ""
+            print(f"error: {exc.strerror or exc}{where}; choose another path or free the resource "
+                  f"(ZEROPIPE_DEBUG=1 shows where)", file=sys.stderr)
+            raise typer.Exit(2) from None
         except BaseException as exc:
             if not interrupted(exc):
                 raise

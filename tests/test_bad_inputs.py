@@ -376,3 +376,23 @@ def test_an_output_another_command_is_writing_is_refused_before_work_starts(tmp_
         holder.kill()
         holder.wait()
     assert runner.invoke(app, args).exit_code == 0 and out.exists()
+
+
+def test_what_used_to_end_in_a_traceback_is_one_line(tmp_path, plan_json, monkeypatch):
+    """An empty --data file, an output name longer than the file system allows, and a --tp-plan function (or
+    generator) that raises: one line each, exit 2."""
+    (tmp_path / "empty.bin").write_bytes(b"")
+    res = runner.invoke(app, ["run", _write(tmp_path, plan_json), "--data", str(tmp_path / "empty.bin"), "-o", "-"])
+    assert res.exit_code == 2 and "0 bytes is not a whole, non-zero number of uint16 tokens" in _one_error_line(res)
+    long = tmp_path / ("a" * 300 + ".json")
+    res = runner.invoke(app, ["profile", "--model", "gpt-tiny", "-b", "2", "-s", "16", "--meta", "--cluster",
+                              "dgx-h100", "-o", str(long)])
+    assert res.exit_code == 2 and "File name too long" in _one_error_line(res)
+    (tmp_path / "userplans.py").write_text("def plan(model):\n    raise RuntimeError('boom')\n"
+                                           "def gen(model):\n    yield ('blocks.*.attn', 'region')\n"
+                                           "    raise KeyError('oops')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for fn, said in (("plan", "raised RuntimeError: boom"), ("gen", "raised KeyError: 'oops'")):
+        res = runner.invoke(app, ["profile", "--model", "gpt-tiny", "-b", "2", "-s", "16", "--meta", "--cluster",
+                                  "dgx-h100", "--tp-plan", f"userplans:{fn}", "-o", str(tmp_path / f"tp-{fn}.json")])
+        assert res.exit_code == 2 and f"--tp-plan userplans:{fn} {said}; fix the function" in _one_error_line(res)

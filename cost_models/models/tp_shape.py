@@ -23,7 +23,7 @@ def tp_shape(model) -> TPShape:
     `custom_tp_plan`'s context when one is active, else the built-in plan for the model's family."""
     custom = _CUSTOM_PLAN.get()
     if custom is not None:
-        return custom_shape(model, _plan_rules(custom[1](model), custom[0]), f"{CUSTOM}{custom[0]}")
+        return custom_shape(model, _plan_rules(_called(custom[1], model, custom[0]), custom[0]), f"{CUSTOM}{custom[0]}")
     family = family_of(model)
     if family is not None:
         return TPShape(plan=family.name, **family.dims(model))
@@ -60,6 +60,17 @@ def custom_tp_plan(ref: str | None) -> Iterator[None]:
         yield
     finally:
         _CUSTOM_PLAN.reset(token)
+
+
+def _called(fn, model, ref: str):
+    """The user's plan function on the model, its result listed (a generator run to its end): an error raised in
+    the user's code is one line naming their function and the error, not a traceback through zeropipe."""
+    from collections.abc import Iterator
+    try:
+        out = fn(model)
+        return list(out) if isinstance(out, Iterator) else out   # anything else: _plan_rules says what it must be
+    except Exception as exc:
+        raise ConfigError(f"--tp-plan {ref} raised {type(exc).__name__}: {exc}; fix the function") from None
 
 
 def _plan_rules(items, ref: str) -> tuple[TPRule, ...]:
