@@ -160,6 +160,8 @@ def check_signature(step_dir: Path, *, trusted: bool = False, meta_bytes: bytes 
     problem = _signature_problem(step_dir, trust.key_path(), meta_bytes)
     if problem is None:
         return True
+    if problem.startswith("is damaged"):   # one's own checkpoint, changed: trusting it would not mend it
+        raise CheckpointError(f"checkpoint {step_dir} {problem}{_earlier_hint(step_dir)}")
     if trusted:
         return False
     raise CheckpointError(f"checkpoint {step_dir} {problem}: resuming runs code stored in it (torch DCP unpickles "
@@ -181,6 +183,8 @@ def _signature_problem(step_dir: Path, key_file: Path, meta_bytes: bytes | None 
     if meta_bytes is None:
         meta_bytes = (step_dir / META_NAME).read_bytes()
     if not trust.verify(meta_bytes, signature, key):
+        if trust.signed_by(signature, key):   # this key signed a listing that has changed since
+            return f"is damaged: its {META_NAME} no longer matches the signature this installation's key made"
         return f"is not signed by this installation's key ({key_file})"
     return None
 
@@ -241,7 +245,7 @@ def commit(root: Path, step: int, meta_fields: dict, files: list[FileDigest]) ->
     meta = CheckpointMeta(step=step, files=tuple(sorted(files, key=lambda f: f.name)),
                           created_at=now_utc(), **meta_fields)
     meta.save(tmp / META_NAME)
-    signature = trust.sign((tmp / META_NAME).read_bytes(), trust.load_or_create_key(trust.key_path()))
+    signature = trust.signature_line((tmp / META_NAME).read_bytes(), trust.load_or_create_key(trust.key_path()))
     write_atomic(tmp / SIG_NAME, signature + "\n")
     final = root / step_dir_name(step)
     if final.exists():   # a stale checkpoint the user allowed us to replace (--overwrite-checkpoints)

@@ -98,6 +98,25 @@ def sign(data: bytes, key: bytes) -> str:
     return hmac.new(key, data, hashlib.sha256).hexdigest()
 
 
+def key_id(key: bytes) -> str:
+    """A key's public name: 16 hex digits of its sha256 (a one-way hash of 32 random bytes gives nothing of the key
+    away). A signature file records it beside the HMAC, so a listing that no longer matches its signature is told
+    apart from one another installation signed."""
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
+def signature_line(data: bytes, key: bytes) -> str:
+    """What a signature file holds: the HMAC of `data`, then "key:" and key_id."""
+    return f"{sign(data, key)} key:{key_id(key)}"
+
+
 def verify(data: bytes, signature: str, key: bytes) -> bool:
-    """`signature` is `data`'s under `key` (compared in constant time)."""
-    return hmac.compare_digest(sign(data, key).encode(), signature.strip().encode())
+    """`signature` (a signature_line, or a bare HMAC as older files hold) is `data`'s under `key` (compared in
+    constant time)."""
+    mac = signature.split()[0] if signature.split() else ""
+    return hmac.compare_digest(sign(data, key).encode(), mac.encode())
+
+
+def signed_by(signature: str, key: bytes) -> bool:
+    """Whether a signature line names `key` (older, bare signatures name none)."""
+    return f"key:{key_id(key)}" in signature.split()[1:]

@@ -123,19 +123,24 @@ def test_a_checkpoint_with_rewritten_files_and_digests_is_refused_before_anythin
     plan_path = plan_file(tmp_path, S(2, 1), profile)
     ck = tmp_path / "ck"
     step = _fake_checkpoint(ck, 3, plan)
-    assert (step / layout.SIG_NAME).read_text().strip() == trust.sign((step / layout.META_NAME).read_bytes(),
-                                                                      own_checkpoint_key.read_bytes())
+    assert (step / layout.SIG_NAME).read_text().strip() == trust.signature_line(
+        (step / layout.META_NAME).read_bytes(), own_checkpoint_key.read_bytes())
     assert layout.check_signature(step) is True
     marker = tmp_path / "payload-ran"
     _rewrite_with_digest(step, ".metadata", pickle.dumps(_Payload(marker)))
     layout.verify(step, layout.read_meta(step))                  # the digests alone no longer tell
 
-    refusal = f"checkpoint {step} is not signed by this installation's key ({own_checkpoint_key}): {UNTRUSTED}"
+    # the listing this installation's key signed has changed: damaged, and no --trust-checkpoint offered (trusting
+    # it would run the payload)
+    refusal = (f"checkpoint {step} is damaged: its {layout.META_NAME} no longer matches the signature this "
+               f"installation's key made; no earlier complete checkpoint is there, so start without --resume")
     with pytest.raises(layout.CheckpointError) as exc:
         launch(plan, RunConfig(steps=5, warmup=0, resume=str(ck)))
     assert str(exc.value) == refusal
     res = runner.invoke(app, ["run", str(plan_path), "--steps", "5", "--resume", str(ck), "-o", "-"])
     assert res.exit_code == 2 and res.stderr.strip().splitlines() == [f"error: {refusal}"]
+    with pytest.raises(layout.CheckpointError, match=f"is damaged: its {layout.META_NAME}"):
+        launch(plan, RunConfig(steps=5, warmup=0, resume=str(ck), trust_checkpoint=True))
     assert not marker.exists()
 
     # without a signature, or with one made by another key
