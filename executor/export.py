@@ -13,6 +13,7 @@ temporary sibling, then renamed into place.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections import Counter
@@ -170,11 +171,37 @@ def save_hf(model: nn.Module, tensors: dict[str, torch.Tensor], folder: Path) ->
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+    for file in folder.glob("*.safetensors"):
+        check_written(file)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], file: Path, *, metadata: dict[str, str]) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(file), metadata=metadata)
+    try:
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(file), metadata=metadata)
+    except SafetensorError as exc:   # an I/O error its writer did report: one line through publish, not a traceback
+        raise OSError(errno.EIO, str(exc), str(file)) from None
+    check_written(file)
+
+
+def check_written(file: Path) -> None:
+    """OSError unless `file` is a whole safetensors file on disk: safetensors' writer reports no error when the disk
+    is full (a save to /dev/full returns normally), so the file is flushed (fsync reports what the kernel could not
+    write) and its length checked against its own header (8-byte length, JSON header, then data up to the largest
+    data offset: the safetensors format)."""
+    import json
+    with open(file, "rb") as fh:
+        os.fsync(fh.fileno())
+        head = fh.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else -1
+        try:
+            header = json.loads(fh.read(size)) if size > 0 else None
+        except ValueError:
+            header = None
+    end = max((v["data_offsets"][1] for k, v in (header or {}).items() if k != "__metadata__"), default=0)
+    if header is None or os.path.getsize(file) != 8 + size + end:
+        raise OSError(errno.ENOSPC, "the file was not written whole (is the disk full?)", str(file))
 
 
 def _sibling(target: Path, what: str) -> Path:

@@ -216,3 +216,19 @@ def test_export_of_a_real_2_rank_zero3_checkpoint(tmp_path, monkeypatch):
     assert got["parameters"] == sum(p.numel() for p in model.parameters()) and got["step"] == 2
     initial = resolve(ZOO).build(device="cpu", dtype=torch.float32)
     assert not all(torch.equal(written[n], p) for n, p in initial.named_parameters())   # trained: not the init
+
+
+def test_a_safetensors_file_not_written_whole_is_an_error_not_a_success(tmp_path):
+    """safetensors' writer returns normally when the disk fills, so what export writes is checked against its own
+    header: a file cut short (as a full disk leaves it) raises OSError, which export reports in one line, exit 2."""
+    import errno
+
+    from executor.export import check_written, save_safetensors
+    good = tmp_path / "whole.safetensors"
+    save_safetensors({"w": torch.ones(64, 8)}, good, metadata={"format": "pt"})
+    check_written(good)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[:-100])
+    with pytest.raises(OSError) as exc:
+        check_written(cut)
+    assert exc.value.errno == errno.ENOSPC and exc.value.filename == str(cut)
