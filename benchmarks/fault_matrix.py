@@ -665,9 +665,66 @@ def _no_ranks_started(rec: dict, d: Path) -> str | None:
     return f"refused only after {rec['max_descendants']} processes started" if rec["max_descendants"] >= 4 else None
 
 
+# --- (j) the second reliability round: edited plans, weights and data that do not match, shared outputs -----------
+
+def _safetensors_of_another_model(folder: str) -> Prepare:
+    """A safetensors file (the format by hand: 8-byte header length, JSON header, data) holding one tensor no zoo
+    model has."""
+    header = json.dumps({"other.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+
+    def prepare(d: Path) -> None:
+        (d / folder).mkdir()
+        (d / folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    return prepare
+
+
+def _same_output(ctx: "Ctx") -> str:
+    """Start a second run writing the same -o once the first has started its ranks."""
+    ctx.wait_descendants(4)
+    ctx.extra["B"] = ctx.start(("run", "plan.json", "--steps", "4", "-o", "out.json"), "B")
+    return "second run with the same -o started while the first one's ranks ran"
+
+
+def _second_refused_at_once(rec: dict, d: Path) -> str | None:
+    b = rec["extra"].get("B")
+    if not b:
+        return "the second run was not started"
+    if b["exit"] != 2 or b["stderr_lines"] != 1 or "being written by another" not in b["first_stderr"]:
+        return f"second run: exit {b['exit']}, {b['first_stderr']!r}"
+    return None if rec["exit"] == 0 else f"the first run ended with exit {rec['exit']}"
+
+
+def cases_j() -> list[Case]:
+    tp_plan = "def plan(model):\n    raise RuntimeError('boom')\n"
+    return [
+        Case(name="run:plan-edited-to-sgd", category="j-reliability", argv=("run", "plan-sgd.json", "-o", "out.json"),
+             prepare=edit("plan.json", lambda doc: doc["strategy"].update(optimizer="sgd"), to="plan-sgd.json"),
+             mentions=r"edited", absent=("out.json",), spawns=True, check=_no_ranks_started),
+        Case(name="run:init-from-another-model", category="j-reliability",
+             argv=("run", "plan.json", "--init-from", "w", "-o", "out.json"),
+             prepare=_safetensors_of_another_model("w"), mentions=r"no weights for", absent=("out.json",), spawns=True, check=_no_ranks_started),
+        Case(name="run:empty-data-file", category="j-reliability",
+             argv=("run", "plan.json", "--data", "empty.bin", "-o", "out.json"), prepare=write("empty.bin", b""),
+             mentions=r"non-zero number", absent=("out.json",), spawns=True, check=_no_ranks_started),
+        Case(name="resume:other-data-than-trained-on", category="j-reliability",
+             argv=("run", "plan.json", "--steps", "6", "--resume", "ck", "--data", "t.bin", "-o", "out.json"),
+             prepare=write("t.bin", bytes(2 * 4096)), mentions=r"synthetic tokens", absent=("out.json",),
+             spawns=True, needs=("ck",), check=_no_ranks_started),
+        Case(name="profile:output-name-too-long", category="j-reliability",
+             argv=(*PROFILE_META, "--cluster", "dgx-a100", "-o", "a" * 300 + ".json"), mentions=r"too long"),
+        Case(name="profile:tp-plan-function-raises", category="j-reliability",
+             argv=(*PROFILE_META, "--cluster", "dgx-a100", "--tp-plan", "userplan.py:plan", "-o", "out.json"),
+             prepare=write("userplan.py", tp_plan.encode()), mentions=r"raised RuntimeError: boom",
+             absent=("out.json",)),
+        Case(name="two-runs-one-output", category="j-reliability",
+             argv=("run", "plan.json", "--steps", "4", "-o", "out.json"), action=_same_output, expect=(0,),
+             kind="ok", present=("out.json",), spawns=True, check=_second_refused_at_once),
+    ]
+
+
 def all_cases() -> list[Case]:
     cases = cases_controls() + cases_a() + cases_b() + cases_c() + cases_d() + cases_e() + cases_f() + cases_g() \
-        + cases_hi()
+        + cases_hi() + cases_j()
     names = [c.name for c in cases]
     assert len(names) == len(set(names)), "case names must be unique"
     return cases

@@ -19,6 +19,8 @@ KNOWN_FIXED = (
     "report:plan:zero=7",                # (b) defect 1/11: an impossible ZeRO stage in an edited plan
     "plan:profile:nan-unit-times",       # (c) defect 5: NaN unit times no longer plan a 9.6 ms GPipe
     "profile-cluster:cluster:infinity",  # (c) defect 5: Infinity in a cluster file is refused, not written back
+    "profile:output-name-too-long",      # (j) an OSError the system raises: one line, not a traceback
+    "profile:tp-plan-function-raises",   # (j) an error in the user's --tp-plan function, named
 )
 
 
