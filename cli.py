@@ -213,6 +213,8 @@ def _print_params(prof) -> None:
     from planner.summaries import profile_load_line
     if load := profile_load_line(prof):
         out.print(load, highlight=False)
+    for note in prof.timing_notes:   # what the profiler did about noise it saw (timing.pool_identical)
+        out.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
 def _probe(*, nodes, ranks, dtype, sizes, repeats):

@@ -243,3 +243,39 @@ def test_saved_bytes_in_another_dtype_keep_the_parts_that_are_not_in_it(name):
     assert all(0 <= u.saved_other_fixed_bytes <= u.saved_other_dtype_bytes <= u.saved_bytes for u in bf16.units)
     # the fp32 profile's own saved bytes carry no bf16 statistics: only the integer inputs are another dtype
     assert sum(u.saved_other_dtype_bytes for u in fp32[4].units) < sum(u.saved_other_dtype_bytes for u in bf16.units)
+
+
+def test_identical_units_timed_far_apart_are_timed_again_interleaved_and_pooled():
+    """gpt-tiny's four blocks are identical work. Told that one took ten times the others (as under load that came
+    and went), pool_identical times the four again, one run of each in turn, and gives each all those runs: their
+    samples become one list, the head's stay its own, and the note names the group. Blocks within POOL_SPREAD of
+    each other are left as timed. (Asserts who got which samples, never how long anything took.)"""
+    import torch
+
+    from cost_models.profiling.model_profiler import _measure_units
+    from cost_models.profiling.timing import POOL_SPREAD, pool_identical
+    from cost_models.profiling.units import find_units
+    torch.manual_seed(0)
+    source = resolve("gpt-tiny")
+    model = source.build(device="cpu", dtype=torch.float32)
+    model.train()
+    inputs = source.example_input(model, 2, 16, "cpu")
+    results, *_ = _measure_units(model, inputs, "gpt-tiny", None, excluded=set(), loss="cross_entropy", timed=True,
+                                 warmup=0, repeats=3, rules=None, seq_len=16, on_progress=None, on_estimate=None)
+    _, capture, _ = find_units(model, inputs, "gpt-tiny", None)
+    blocks = [r for name, _, r in results if name.startswith("blocks.")]
+    head = next(r for name, _, r in results if name == "head")
+    last = results[-1][1][-1]
+    for res in blocks:                                           # as timed on a quiet machine: no spread at all
+        res[0].fwd_times = res[0].bwd_times = [1e-3] * 3
+    assert pool_identical(model, results, capture, last=last, batch=2, repeats=3) == ()
+    assert blocks[2][0].fwd_times == [1e-3] * 3
+    blocks[2][0].fwd_times = [10e-3] * 3                         # ... and one block under a burst of load
+    head_times = list(head[0].fwd_times)
+    notes = pool_identical(model, results, capture, last=last, batch=2, repeats=3)
+    assert len(notes) == 1 and "4 identical units (blocks.0 .. blocks.3)" in notes[0]
+    assert f"x{POOL_SPREAD:g}" in notes[0]
+    pooled = blocks[0][0].fwd_times
+    assert len(pooled) == 4 * 3 and all(b[0].fwd_times == pooled for b in blocks)
+    assert all(len(b[0].fwd_times_one) == 12 and b[0].bwd_times == blocks[0][0].bwd_times for b in blocks)
+    assert head[0].fwd_times == head_times

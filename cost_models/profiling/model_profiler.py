@@ -65,7 +65,7 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
                    loss: str, timed: bool, warmup: int, repeats: int, rules: tuple[TPRule, ...] | None,
                    seq_len: int, on_progress: ProgressFn | None,
                    on_estimate: Callable[[float], None] | None,
-                   ) -> tuple[UnitResults, int, set[str], tuple["UnitEdge", ...], float]:
+                   ) -> tuple[UnitResults, int, set[str], tuple["UnitEdge", ...], float, tuple[str, ...]]:
     """Find the units (steps 1-2 of the module doc), then measure each of their modules alone: all counted
     (step 3), then, in real mode, all timed (step 4). `on_estimate(seconds)`, in real mode, gets the time the
     timed runs should take, between the two passes."""
@@ -92,15 +92,16 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
             attention |= results[-1].attention
         results_by_unit.append((name, mods, results))
     split_kept_in_stages(model, unit_defs, capture, results_by_unit, excluded=excluded, loss=loss)
-    in_model = 1.0
+    in_model: float = 1.0
+    notes: tuple[str, ...] = ()
     if timed:
         seconds = progress.timing_starts()
         if on_estimate:
             on_estimate(seconds)
-        in_model = time_units(model, inputs, results_by_unit, capture, progress, loss=loss, last=last, batch=batch,
-                              warmup=warmup, repeats=repeats)
+        in_model, notes = time_units(model, inputs, results_by_unit, capture, progress, loss=loss, last=last,
+                                     batch=batch, warmup=warmup, repeats=repeats)
     progress.done()
-    return results_by_unit, model_fc.get_total_flops(), attention, edges, in_model
+    return results_by_unit, model_fc.get_total_flops(), attention, edges, in_model, notes
 
 
 def _real_device(device: str) -> str:
@@ -192,7 +193,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         if meta:
             stack.enter_context(FusedAttentionOnMeta())
         rules, load_before = model_tp_rules(model), os.getloadavg()[0]
-        unit_results, model_fwd_flops, attention, edges, in_model = _measure_units(
+        unit_results, model_fwd_flops, attention, edges, in_model, notes = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
             repeats=repeats, rules=rules, seq_len=seq_len, on_progress=on_progress, on_estimate=on_estimate)
         mixed = 1.0
@@ -218,7 +219,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         largest_unit=largest.name, device="gpu" if device == "cuda" else device,
         device_name=torch.cuda.get_device_name() if device == "cuda" else "", threads=torch.get_num_threads(),
         torch_version=torch.__version__, command=command, created_at=now_utc(), **_load_record(load_before, meta),
-    )
+        timing_notes=notes)
 
 
 def _load_record(load_before: float, meta: bool) -> dict:

@@ -69,16 +69,89 @@ def unit_timing(per_module: list[list[float]]) -> Timing:
 
 
 def time_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_unit: UnitResults, capture: Capture,
-               progress: Progress, *, loss: str, last: str, batch: int, warmup: int, repeats: int) -> float:
-    """Step 4 of model_profiler's module doc into each module's result, then step 5: the whole model's
-    in_model_factor."""
+               progress: Progress, *, loss: str, last: str, batch: int, warmup: int,
+               repeats: int) -> tuple[float, tuple[str, ...]]:
+    """Step 4 of model_profiler's module doc into each module's result, identical units pooled where they disagree
+    (pool_identical), then step 5: the whole model's in_model_factor. Returns it and what pooling did."""
     for name, mods, results in results_by_unit:
         progress.unit(f"timing {name}")
         for m, res in zip(mods, results):
             _time_into(res, model.get_submodule(m), capture.inputs[m], loss=loss if m == last else None,
                        warmup=warmup, repeats=repeats, batch=batch, tick=functools.partial(progress.tick, m))
+    notes = pool_identical(model, results_by_unit, capture, last=last, batch=batch, repeats=repeats)
     progress.unit("timing the whole model")
-    return _in_model_factor(model, inputs, results_by_unit, loss=loss, warmup=warmup, repeats=repeats)
+    return _in_model_factor(model, inputs, results_by_unit, loss=loss, warmup=warmup, repeats=repeats), notes
+
+
+# Identical units (the same modules, parameters and input shapes: a model's repeated blocks) do the same work, so
+# their times may differ by the machine's noise only: this machine's run-to-run spread is +-15%
+# (benchmarks/results/measurements.md, "Noise"). Medians further apart than this ratio were timed under different
+# load (four identical blocks at 17.5, 17.5, 128 and 37 ms on a loaded machine): they are timed again, interleaved,
+# and pooled.
+POOL_SPREAD = 1.3
+
+
+def _signature(model: nn.Module, mods: tuple[str, ...], capture: Capture) -> tuple:
+    """What makes two units the same work: each module's tree (names below it and classes), its parameters' shapes
+    and dtypes, and its captured input's tensor shapes and dtypes."""
+    from cost_models.torch_compat.torch_private import tree_leaves
+    out = []
+    for m in mods:
+        mod = model.get_submodule(m)
+        tree = tuple((n, type(sub).__qualname__) for n, sub in mod.named_modules())
+        params = tuple((n, tuple(p.shape), p.dtype) for n, p in mod.named_parameters())
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves(capture.inputs[m]) if isinstance(t, torch.Tensor))
+        out.append((tree, params, shapes))
+    return tuple(out)
+
+
+def _unit_seconds(results: list[ModuleResult]) -> float:
+    return sum(statistics.median(r.fwd_times) + statistics.median(r.bwd_times) for r in results)
+
+
+def pool_identical(model: nn.Module, results_by_unit: UnitResults, capture: Capture, *, last: str, batch: int,
+                   repeats: int) -> tuple[str, ...]:
+    """Identical units whose medians are more than POOL_SPREAD apart are timed again round-robin (one run of each in
+    turn, `repeats` rounds, after one untimed round), so load that comes and goes falls on all of them alike; every
+    one of them then gets all those runs (their pooled samples). Returns one line per group pooled."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, mods, results) in enumerate(results_by_unit):
+        if last not in mods and results[0].fwd_times:
+            groups.setdefault(_signature(model, mods, capture), []).append(i)
+    notes = []
+    for idx in (g for g in groups.values() if len(g) > 1):
+        before = [_unit_seconds(results_by_unit[i][2]) for i in idx]
+        if max(before) <= POOL_SPREAD * min(before):
+            continue
+        pooled = _interleaved(model, [results_by_unit[i] for i in idx], capture, batch=batch, repeats=repeats)
+        for i in idx:
+            for res, samples in zip(results_by_unit[i][2], pooled):
+                res.fwd_times, res.bwd_times, res.fwd_times_one, res.bwd_times_one = (list(x) for x in samples)
+        names = [results_by_unit[i][0] for i in idx]
+        notes.append(f"{len(idx)} identical units ({names[0]} .. {names[-1]}) timed {1e3 * min(before):.3g} to "
+                     f"{1e3 * max(before):.3g} ms each (forward + backward), more than x{POOL_SPREAD:g} apart: the "
+                     f"machine's load changed while they ran; timed again interleaved and pooled: "
+                     f"{1e3 * _unit_seconds(results_by_unit[idx[0]][2]):.3g} ms each")
+    return tuple(notes)
+
+
+def _interleaved(model: nn.Module, units: list, capture: Capture, *, batch: int,
+                 repeats: int) -> list[tuple[list[float], list[float], list[float], list[float]]]:
+    """Per module position of the (identical) units: forward and backward seconds at the micro-batch and, when it
+    is larger than one, on one sample, from every unit's runs, taken one run of each unit in turn."""
+    pooled: list[tuple[list[float], list[float], list[float], list[float]]] = [
+        ([], [], [], []) for _ in units[0][1]]
+    for round_ in range(repeats + 1):    # round 0: untimed, as a warm-up
+        for _, mods, results in units:
+            for j, m in enumerate(mods):
+                module, captured = model.get_submodule(m), capture.inputs[m]
+                f, b = _time_module(module, captured, None, results[j].target, 0, 1, lambda: None)
+                f1, b1 = (_time_module(module, one_sample(captured, batch), None, None, 0, 1, lambda: None)
+                          if batch > 1 else ([], []))
+                if round_:
+                    for acc, new in zip(pooled[j], (f, b, f1, b1)):
+                        acc.extend(new)
+    return pooled
 
 
 def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_unit: UnitResults, *,

@@ -255,6 +255,9 @@ class ModelProfile(Record):
     # written before it was recorded.
     load_1min: tuple[float, ...] = ()
     cpus: int = 0
+    # real mode: what the profiler did about noise it saw (timing.pool_identical: identical units timed far apart,
+    # timed again interleaved and pooled), one line each; () when nothing was needed, in meta mode and older files
+    timing_notes: tuple[str, ...] = ()
     # real mode: each optimizer's step timed on this device (OptimizerTiming); compute.optimizer_step_time
     # prices a rank's update from it. The bandwidth formula it replaces (28 B per parameter at the probe's copy
     # bandwidth) underpriced the measured optimizer step in every fidelity configuration
