@@ -62,8 +62,10 @@ def _open(path: Path) -> np.ndarray:
         raise ConfigError(f"--data {path}: no such file")
     if path.suffix == ".bin":   # nanoGPT: raw little-endian uint16 ids
         size = path.stat().st_size
-        if size == 0 or size % 2:
-            raise ConfigError(f"--data {path}: {size:,} bytes is not a whole, non-zero number of uint16 tokens "
+        if size == 0:
+            raise ConfigError(f"--data {path} is empty: it holds no tokens; write the tokenized data into it")
+        if size % 2:
+            raise ConfigError(f"--data {path}: {size:,} bytes is not a whole number of uint16 tokens "
                               f"(a .bin file holds nanoGPT's raw uint16 ids)")
         try:
             return np.memmap(path, dtype=np.uint16, mode="r")
