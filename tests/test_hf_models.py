@@ -1,5 +1,6 @@
 """hf: references build transformers models from configs alone (skipped where the hf extra is not installed)."""
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -91,3 +92,17 @@ def test_grouped_query_attention_counts_the_same_where_torch_cannot_count_it(mon
     for a, b in zip(native.units, expanded.units):
         assert (a.fwd_flops, a.bwd_flops) == (b.fwd_flops, b.bwd_flops), a.name
     assert native.attention_kernels == expanded.attention_kernels and native.attention_kernels
+
+
+def test_encoders_and_seq2seq_models_are_refused_in_one_line_unless_configured_as_decoders():
+    """transformers builds BERT's causal-LM class from a plain BertConfig without a causal mask: trained on
+    next-token targets every position would see what it predicts. Refused at resolve time, before any work; with
+    is_decoder=true it is a causal decoder and resolves. An encoder-decoder (T5) is refused too."""
+    from cost_models.records.errors import ModelSourceError
+    bert = "hf:bert?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&intermediate_size=128&vocab_size=128"
+    with pytest.raises(ModelSourceError, match=r"bert is an encoder \(a masked LM\).*\?is_decoder=true"):
+        resolve(bert)
+    with pytest.raises(ModelSourceError, match=r"t5 is an encoder-decoder \(seq2seq\) model"):
+        resolve("hf:t5?num_layers=2&d_model=64")
+    model = resolve(bert + "&is_decoder=true").build(device="meta", dtype=torch.float32)
+    assert model.config.is_decoder and type(model).__name__ == "BertLMHeadModel"

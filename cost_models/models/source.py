@@ -234,6 +234,22 @@ def _hf_overrides(query: str) -> dict[str, Any]:
     return overrides
 
 
+def _check_causal(ref: str, config: Any) -> None:
+    """hf: models train as causal LMs (next-token targets). An encoder-decoder (T5, BART) is refused; so is an
+    encoder of the masked-LM families (BERT, RoBERTa, ...) unless its config says it is a decoder: transformers
+    builds their causal-LM class from such a config without a causal mask, so every position would see the next
+    tokens it is trained to predict (its loss falls, and it learns nothing a decoder would)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    kind = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelSourceError(f"{ref}: {kind} is an encoder-decoder (seq2seq) model; planner trains causal LMs only, "
+                               f"so use a decoder family (llama, mistral, qwen2, gpt2, ...)")
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        raise ModelSourceError(f"{ref}: {kind} is an encoder (a masked LM): trained on next-token targets it would see "
+                               f"the tokens it predicts; masked-LM training is not supported. Add ?is_decoder=true "
+                               f"to train it as a causal decoder, or use a decoder family (llama, gpt2, ...)")
+
+
 def _hf_source(ref: str) -> ModelSource:
     body = ref[len("hf:"):]
     target, _, query = body.partition("?")
@@ -261,6 +277,7 @@ def _hf_source(ref: str) -> ModelSource:
         return cfg
 
     config = load_config()
+    _check_causal(ref, config)
 
     def build() -> nn.Module:
         with contextlib.redirect_stdout(sys.stderr):
