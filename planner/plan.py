@@ -1,10 +1,12 @@
 """The plan file: the chosen strategy, its prediction, the alternatives and why they lost, and provenance."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Literal
 
+from cost_models.cost.compute import executed_precision
 from cost_models.cost.estimate import Estimate
 from cost_models.records.base import Record, record
 from cost_models.records.cluster import ClusterProfile
@@ -222,8 +224,10 @@ def check_plan(plan: Plan) -> None:
         raise ConfigError(f"prediction.pipeline_order is not the {s.schedule} order for pp={s.pp}, "
                           f"microbatches={s.microbatches}, v={s.v}; {fix}")
     m = plan.model
-    if plan.prediction.priced and plan.prediction.priced != priced_digest(s, model=m.name, source=m.source,
-                                                                          seq_len=m.seq_len, units=m.units):
+    # the search prices what the ranks run: a bf16-mixed plan on CPU ranks computes in fp32 (executed_precision)
+    ran = dataclasses.replace(s, precision=executed_precision(s.precision, plan.cluster.device.kind))
+    priced = {priced_digest(x, model=m.name, source=m.source, seq_len=m.seq_len, units=m.units) for x in (s, ran)}
+    if plan.prediction.priced and plan.prediction.priced not in priced:
         raise ConfigError("the strategy or model was edited after the prediction was made (prediction.priced does "
                           f"not match them): an edited optimizer, precision, model or layout is not what was "
                           f"estimated; {fix} (or planner estimate -o)")

@@ -396,3 +396,21 @@ def test_what_used_to_end_in_a_traceback_is_one_line(tmp_path, plan_json, monkey
         res = runner.invoke(app, ["profile", "--model", "gpt-tiny", "-b", "2", "-s", "16", "--meta", "--cluster",
                                   "dgx-h100", "--tp-plan", f"userplans:{fn}", "-o", str(tmp_path / f"tp-{fn}.json")])
         assert res.exit_code == 2 and f"--tp-plan userplans:{fn} {said}; fix the function" in _one_error_line(res)
+
+
+def test_a_plan_the_search_made_for_cpu_ranks_passes_its_own_check(profile):
+    """The search prices a bf16-mixed plan on CPU ranks as the fp32 they compute in; the plan keeps the precision
+    asked for, and its digest check accepts it (and still refuses an edited optimizer)."""
+    import dataclasses
+
+    from cost_models.records.errors import ConfigError
+    from planner.plan import check_plan
+    from planner.request import PlanRequest
+    from planner.search import plan
+    from tests.clusters import cpu_cluster
+    made = plan(profile, cpu_cluster(ranks=2, cores=2), PlanRequest(global_batch_size=8, gpus=2))
+    assert made.strategy.precision == "bf16-mixed"
+    check_plan(made)
+    edited = dataclasses.replace(made, strategy=dataclasses.replace(made.strategy, optimizer="sgd"))
+    with pytest.raises(ConfigError, match="edited"):
+        check_plan(edited)
