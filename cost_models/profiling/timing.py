@@ -84,10 +84,9 @@ def time_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_un
 
 
 # Identical units (the same modules, parameters and input shapes: a model's repeated blocks) do the same work, so
-# their times may differ by the machine's noise only: this machine's run-to-run spread is +-15%
-# (benchmarks/results/measurements.md, "Noise"). Medians further apart than this ratio were timed under different
-# load (four identical blocks at 17.5, 17.5, 128 and 37 ms on a loaded machine): they are timed again, interleaved,
-# and pooled.
+# their times may differ by the machine's noise only, about +-15% run to run on a shared machine. Medians further
+# apart than this ratio were timed under different load (benchmarks/results/measurements.md, "Identical units timed
+# apart"): they are timed again, interleaved, and pooled.
 POOL_SPREAD = 1.3
 
 
