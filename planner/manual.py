@@ -20,6 +20,7 @@ from cost_models.records.validate import validate_cluster
 from planner.partition import balanced_partition, stages_from_ranges
 from planner.plan import Plan, Provenance, installed_versions, model_ref, profile_digest
 from planner.rationale import by_hand
+from planner.summaries import profile_conditions
 
 
 def load_profile_for(path: str | Path, *, cluster: str | None = None,
@@ -168,7 +169,7 @@ def manual_plan(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfi
         cluster=cluster.name, partitioner="chain-dp (balanced, chosen by hand)" if s.n_stages > 1 else "none (one stage)",
         milp_status="not run (chosen by hand)", milp_bottleneck_s=None, dp_bottleneck_s=None, points_considered=1,
         points_pruned=0, points_costed=1, planning_time_s=time.perf_counter() - t0, versions=installed_versions(),
-        command=command, created_at=now_utc())
+        command=command, created_at=now_utc(), profile_conditions=profile_conditions(profile))
     return Plan(model=model_ref(profile), cluster=cluster, gpus=s.world_size, global_batch_size=s.global_batch_size,
                 strategy=s, stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=est, alternatives=(),
                 rationale=by_hand(s, est, cluster, at_tp1=estimate(s.without_tp(), profile, cluster,

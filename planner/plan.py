@@ -84,6 +84,10 @@ class Provenance(Record):
     versions: dict[str, str]
     command: str
     created_at: str
+    # how the profile's unit times were taken where that bears on the prediction: the machine's load while they were
+    # timed (summaries.profile_load_line) and what the profiler did about noise (ModelProfile.timing_notes); ()
+    # for meta profiles and older plans
+    profile_conditions: tuple[str, ...] = ()
 
 
 def installed_versions() -> dict[str, str]:

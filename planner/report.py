@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cost_models.cost.compute import executed_dtype
 from cost_models.cost.sharing import send_delay
 from cost_models.cost.simulator import simulate
-from cost_models.records.formatting import GIB, duration, fixed, measured, size
+from cost_models.records.formatting import GIB, duration, fixed, load_line, measured, size
 from cost_models.records.precision import DTYPE_BYTES
 from cost_models.records.published import implausible_mfu
 from cost_models.records.schedule import SCHEDULES, parse_order
@@ -78,6 +78,7 @@ def _summary(plan: Plan) -> Section:
         f"capacity: {'fits' if est.fits else 'DOES NOT FIT'}.",
         *(f"Warning: {w}." for w in [implausible_mfu(est.mfu, plan.cluster.device.name, plan.strategy.precision)]
           if w),
+        *(f"Profile: {line}." for line in plan.provenance.profile_conditions),
     ])
 
 
@@ -242,7 +243,8 @@ def _measured(run: RunFile) -> Section:
     return Section("Predicted vs measured", [
         f"Run: {run.steps} steps ({run.warmup} warm-up) on {run.world_size} ranks ({run.backend}); measured median "
         f"step {duration(run.step_time_s['median_s'])} against {duration(run.predicted_step_time_s)} predicted; "
-        f"losses " + ", ".join(f"{x:.4f}" for x in run.losses) + "."],
+        f"losses " + ", ".join(f"{x:.4f}" for x in run.losses) + ".",
+        *([load_line(run.load_1min, run.cpus, run.world_size) + "."] if run.load_1min and run.cpus else [])],
         tables=[(MEASURE_COLUMNS, measure_rows(run))])
 
 

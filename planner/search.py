@@ -60,6 +60,7 @@ from planner.plan import Alternative, Candidate, Plan, Provenance, installed_ver
 from planner.rationale import explain, tp_lines, why_lost
 from planner.request import PlanRequest
 from planner.space import MAX_MICRO_BATCH, Point, TPOptions, enumerate_points, tp_options
+from planner.summaries import profile_conditions
 
 ProgressFn = Callable[[int, int], None]
 
@@ -904,7 +905,8 @@ def _provenance(found: SearchResult, winner: _Costed, profile: ModelProfile, clu
         cluster=cluster.name, partitioner=partitioner, milp_status=milp_status, milp_bottleneck_s=milp_b,
         dp_bottleneck_s=dp_b, points_considered=found.considered, points_pruned=found.pruned,
         points_costed=found.costed, planning_time_s=time.perf_counter() - t0,
-        versions=installed_versions(), command=command, created_at=now_utc())
+        versions=installed_versions(), command=command, created_at=now_utc(),
+        profile_conditions=profile_conditions(profile))
 
 
 # The MILP cross-check's default (PlanRequest.time_limit_s None): up to 1 s on cuts of up to 256 unit x stage

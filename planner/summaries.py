@@ -48,6 +48,12 @@ UNIT_COLUMNS = ["unit", "params", "fwd GFLOP", "bwd GFLOP", "out MiB", "saved Mi
 CLUSTER_FIT_COLUMNS = ["collective", "scope", "ranks", "alpha", "GB/s (S/beta)", "R^2", "sizes"]
 
 
+def profile_conditions(profile: ModelProfile) -> tuple[str, ...]:
+    """Provenance.profile_conditions: the load while the units were timed, and the profiler's timing notes."""
+    load = profile_load_line(profile)
+    return ((load,) if load else ()) + tuple(profile.timing_notes)
+
+
 def profile_load_line(profile: ModelProfile) -> str | None:
     """How loaded the machine was while a real profile timed its units (ModelProfile.load_1min), or None where it
     was not recorded."""

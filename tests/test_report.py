@@ -182,3 +182,21 @@ def test_memory_says_how_activations_were_scaled_from_a_profile_in_another_dtype
     assert f"Activations are scaled from {'an' if profile_dtype == 'fp32' else 'a'} {profile_dtype} profile" in page
     assert f"the {size(other)} its units save in other dtypes" in page and other > 0
     assert ("for exact activations" in page) == warned
+
+
+def test_the_report_says_under_what_load_the_profile_was_timed_and_the_run_measured(pipeline_plan):
+    """A real profile timed on a loaded machine, and what the profiler did about it, reach the report through the
+    plan's provenance; a run's load during its steps is beside its measurements. A meta profile has neither."""
+    import dataclasses
+
+    from planner.summaries import profile_conditions
+    plan, prof = pipeline_plan
+    assert profile_conditions(prof) == () and "Profile:" not in render_markdown(plan)
+    loaded = dataclasses.replace(prof, load_1min=(4.2, 4.5), cpus=2, timing_notes=("4 identical units (...) pooled",))
+    conditions = profile_conditions(loaded)
+    assert len(conditions) == 2 and "4.2 to 4.5 on 2 CPUs; more runnable work than CPUs" in conditions[0]
+    noted = dataclasses.replace(plan, provenance=dataclasses.replace(plan.provenance, profile_conditions=conditions))
+    run = dataclasses.replace(_run_of(plan, []), load_1min=(4.3, 4.4), cpus=2)
+    md = render_markdown(noted, run)
+    assert f"- Profile: {conditions[0]}." in md and "- Profile: 4 identical units (...) pooled." in md
+    assert "machine load during the run (1-minute average): 4.3 to 4.4 on 2 CPUs with 4 ranks" in md
