@@ -94,7 +94,8 @@ def _confirm_overwrite(path: Path, force: bool) -> bool:
     return False
 
 
-def _prepare_output(output: Path, force: bool, *, also: tuple[Path, ...] = ()) -> tuple[Path | None, bool]:
+def _prepare_output(output: Path, force: bool, *, also: tuple[Path, ...] = (),
+                    claim: bool = True) -> tuple[Path | None, bool]:
     """(where to write or None for '-', may overwrite): refuses, before any work, to clobber a user's file or to
     start work whose output cannot be written."""
     from cost_models.records.errors import OutputExistsError
@@ -102,7 +103,8 @@ def _prepare_output(output: Path, force: bool, *, also: tuple[Path, ...] = ()) -
     write_to = None if str(output) == "-" else output
     for path in (write_to, *also) if write_to else ():
         check_writable(path)
-        claim_output(path, " ".join(sys.argv))   # a second command writing it is refused now, not at its end
+        if claim:   # a second command writing it is refused now, not at its end
+            claim_output(path, " ".join(sys.argv))
     overwrite = _confirm_overwrite(write_to, force) if write_to else False
     for path in (write_to, *also) if write_to else ():
         if path.exists() and not overwrite:
@@ -578,7 +580,8 @@ def run(
     """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction.
     --steps counts from the start of training: with --resume at step k, steps k .. STEPS-1 run."""
     from planner.plan import Plan
-    write_to, overwrite = _prepare_output(output, force)
+    # every node runs this command; only node 0 writes -o (the others would claim it against each other)
+    write_to, overwrite = _prepare_output(output, force, claim=node_rank == 0)
     the_plan = Plan.load(plan_path)   # before torch is imported (seconds): a bad plan file fails at once
     from executor.launch import RunConfig, launch
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from cost_models.records.base import Record, record
 from cost_models.records.errors import WeightsError
+from cost_models.torch_compat.torch_private import keys_to_ignore_unexpected
 from executor import checkpoint
 from executor import checkpoint_layout as layout
 
@@ -269,10 +271,14 @@ def check_weights(model: torch.nn.Module, source: Path, *, trusted: bool = False
     saved = _saved_tensors(reader, folder)
     canon = canonical_names(model)
     params = {c: p for n, p in model.named_parameters(remove_duplicate=False) if (c := canon[n]) == n}
-    buffers = dict(model.named_buffers(remove_duplicate=False))
-    _matched(params, buffers, saved, prefix, folder)
-    taken = set(_file_keys(list(canon) + list(buffers), saved, prefix).values())
-    extra = sorted(k for k in saved if k.startswith(prefix) and k not in taken)
+    every_buffer = dict(model.named_buffers(remove_duplicate=False))
+    persistent = set(model.state_dict(keep_vars=True))   # what ranks load (state_maps); others stay as built
+    _matched(params, {n: b for n, b in every_buffer.items() if n in persistent}, saved, prefix, folder)
+    taken = set(_file_keys(list(canon) + list(every_buffer), saved, prefix).values())
+    # what transformers itself ignores in such files (GPT-2's old attn.bias masks): not a sign of another model
+    ignored = [re.compile(p) for p in keys_to_ignore_unexpected(model)]
+    extra = sorted(k for k in saved if k.startswith(prefix) and k not in taken
+                   and not any(p.search(k) for p in ignored))
     if not extra:
         return ()
     first = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")

@@ -102,6 +102,8 @@ def test_encoders_and_seq2seq_models_are_refused_in_one_line_unless_configured_a
     bert = "hf:bert?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&intermediate_size=128&vocab_size=128"
     with pytest.raises(ModelSourceError, match=r"bert is an encoder \(a masked LM\).*\?is_decoder=true"):
         resolve(bert)
+    with pytest.raises(ModelSourceError, match=r"xlnet is an encoder"):   # a causal-LM class that sees both ways
+        resolve("hf:xlnet?n_layer=2&d_model=64&n_head=4&d_inner=128&vocab_size=128")
     with pytest.raises(ModelSourceError, match=r"t5 is an encoder-decoder \(seq2seq\) model"):
         resolve("hf:t5?num_layers=2&d_model=64")
     model = resolve(bert + "&is_decoder=true").build(device="meta", dtype=torch.float32)

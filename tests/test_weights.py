@@ -334,3 +334,18 @@ def test_each_fsdp2_rank_reads_only_its_shard(tmp_path, plan):
     assert loaded.format == DCP and loaded.bytes_read == _nbytes(params.values())
     files = _file_tensors(tmp_path / "gpt2")
     assert all(torch.equal(p, files[n]) for n, p in params.items())
+
+
+def test_buffers_the_model_does_not_save_and_keys_transformers_ignores_are_no_sign_of_another_model(tmp_path):
+    """A file holding a non-persistent buffer (in another dtype: GPT-2's old bool attn masks) and keys the model
+    class tells transformers to ignore loads; a key neither is still refused."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    state = {**_Net().state_dict(), "scratch": torch.zeros(3, dtype=torch.bool), "h.0.attn.bias": torch.ones(2)}
+    (tmp_path / "w").mkdir()
+    safetensors_torch.save_file(state, str(tmp_path / "w" / "model.safetensors"))
+    with torch.device("meta"):
+        net = _Net()
+    with pytest.raises(WeightsError, match=r"1 tensor\(s\) this model has no place for \(h.0.attn.bias\)"):
+        check_weights(net, tmp_path / "w")
+    net._keys_to_ignore_on_load_unexpected = [r"attn\.bias"]
+    assert check_weights(net, tmp_path / "w") == ()

@@ -244,7 +244,10 @@ def _check_causal(ref: str, config: Any) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise ModelSourceError(f"{ref}: {kind} is an encoder-decoder (seq2seq) model; planner trains causal LMs only, "
                                f"so use a decoder family (llama, mistral, qwen2, gpt2, ...)")
-    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+    # besides the masked-LM families, causal-LM classes that attend both ways unless configured as decoders
+    # (BertGenerationDecoder) or always (XLNet's permutation LM)
+    if (kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES or kind in ("bert-generation", "xlnet")) and not getattr(
+            config, "is_decoder", False):
         raise ModelSourceError(f"{ref}: {kind} is an encoder (a masked LM): trained on next-token targets it would see "
                                f"the tokens it predicts; masked-LM training is not supported. Add ?is_decoder=true "
                                f"to train it as a causal decoder, or use a decoder family (llama, gpt2, ...)")

@@ -82,8 +82,14 @@ def claim_output(path: str | os.PathLike[str], command: str = "") -> None:
         who = f"pid {pid.strip() or 'unknown'}" + (f": {holder.splitlines()[0]}" if holder.strip() else "")
         raise OutputExistsError(f"{key} is being written by another planner command ({who}); wait for it to finish "
                                 f"or choose another -o") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n{command}\n".encode(), 0)
+    except OSError:   # no locks here (an NFS home without lockd): no claim, the output path itself is fine
+        os.close(fd)
+        return
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n{command}\n".encode(), 0)
+    except OSError:   # a full or over-quota home: the claim holds, only its note of who holds it is missing
+        pass
     _CLAIMED[key] = fd
 
 

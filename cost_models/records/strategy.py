@@ -243,7 +243,11 @@ def priced_digest(s: Strategy, *, model: str, source: str, seq_len: int, units: 
     (another optimizer, precision, model or layout) no longer matches and is refused before any rank starts."""
     import hashlib
     import json
-    text = json.dumps({"strategy": s.to_dict(), "model": [model, source, seq_len, list(units)]}, sort_keys=True)
+    # fields at their default are left out: a field added later (at its default) leaves older plans' digests as
+    # they were
+    defaults = {f.name: f.default for f in dataclasses.fields(Strategy) if f.default is not dataclasses.MISSING}
+    fields = {k: v for k, v in s.to_dict().items() if k not in defaults or getattr(s, k) != defaults[k]}
+    text = json.dumps({"strategy": fields, "model": [model, source, seq_len, list(units)]}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

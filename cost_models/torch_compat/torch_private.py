@@ -93,6 +93,12 @@ def checkpoint_hooks(hooks) -> bool:
     return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 
 
+def keys_to_ignore_unexpected(model: nn.Module) -> list[str]:
+    """The regexes of checkpoint keys transformers' model class tells its loader to ignore when unexpected (GPT-2's
+    old attn.bias masks): a private class attribute of PreTrainedModel (transformers 5.x), [] for other models."""
+    return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+
+
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the module's own buffers that its state_dict holds: set, and not registered with
     persistent=False. nn.Module keeps that flag only in _non_persistent_buffers_set (torch/nn/modules/module.py)."""
