@@ -32,6 +32,7 @@ from cost_models.records.fileio import check_writable
 from cost_models.records.formatting import size
 from executor import checkpoint
 from executor import checkpoint_layout as layout
+from executor.weights import safetensors_header
 
 MODEL_PREFIX = "model."
 DEFAULT_OUTPUT = Path("model.safetensors")
@@ -186,21 +187,19 @@ def save_safetensors(tensors: dict[str, torch.Tensor], file: Path, *, metadata: 
 
 
 def check_written(file: Path) -> None:
-    """OSError unless `file` is a whole safetensors file on disk: safetensors' writer reports no error when the disk
-    is full (a save to /dev/full returns normally), so the file is flushed (fsync reports what the kernel could not
-    write) and its length checked against its own header (8-byte length, JSON header, then data up to the largest
-    data offset: the safetensors format)."""
-    import json
+    """OSError unless `file` is a whole safetensors file on disk: an export onto a full disk left a cut file and
+    exited 0 (the reliability round's report), so the file is flushed (fsync reports what the kernel could not
+    write) and its length checked against its own header (weights.safetensors_header: the data ends at the largest
+    data offset)."""
     with open(file, "rb") as fh:
         os.fsync(fh.fileno())
-        head = fh.read(8)
-        size = int.from_bytes(head, "little") if len(head) == 8 else -1
-        try:
-            header = json.loads(fh.read(size)) if size > 0 else None
-        except ValueError:
-            header = None
-    end = max((v["data_offsets"][1] for k, v in (header or {}).items() if k != "__metadata__"), default=0)
-    if header is None or os.path.getsize(file) != 8 + size + end:
+    try:
+        start, header = safetensors_header(str(file))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        whole = os.path.getsize(file) == start + end
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):   # a header cut short or not JSON
+        whole = False
+    if not whole:
         raise OSError(errno.ENOSPC, "the file was not written whole (is the disk full?)", str(file))
 
 

@@ -137,7 +137,7 @@ class PreadHFReader(dcp.HuggingFaceStorageReader):
             info = self.storage_data[req.storage_index]
             path = str(info.relative_path)
             if path not in headers:
-                headers[path] = _safetensors_header(path)
+                headers[path] = safetensors_header(path)
             start, header = headers[path]
             entry = header[req.storage_index.fqn]
             at = start + entry["data_offsets"][0]
@@ -158,7 +158,7 @@ class PreadHFReader(dcp.HuggingFaceStorageReader):
         return done
 
 
-def _safetensors_header(path: str) -> tuple[int, dict]:
+def safetensors_header(path: str) -> tuple[int, dict]:
     """(offset of the data, the JSON header) of a safetensors file."""
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")

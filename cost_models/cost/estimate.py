@@ -323,7 +323,8 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
 # Per-unit costs depend on the unit and a few of the strategy's fields only, and the planner costs thousands of
 # strategies over the same profile and cluster: they are kept per (profile, cluster) object pair. The pair is held
 # by the cache, so its ids cannot be reused by other objects while the entry lives; a few pairs are kept.
-_UNIT_COSTS: dict[tuple[int, int], tuple[ModelProfile, ClusterProfile, dict]] = {}
+# per pair: (profile, cluster, unit costs by key, unit name -> its identical twin's name: _twins)
+_UNIT_COSTS: dict[tuple[int, int], tuple[ModelProfile, ClusterProfile, dict, dict[str, str]]] = {}
 _UNIT_COST_PAIRS = 4
 
 
@@ -351,8 +352,8 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
     if entry is None:
         if len(_UNIT_COSTS) >= _UNIT_COST_PAIRS:
             _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
-        entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {_TWINS: _twins(c.profile)})
-    name = entry[2][_TWINS].get(name, name)
+        entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {}, _twins(c.profile))
+    name = entry[3].get(name, name)
     key = (name, s.micro_batch_size, s.precision, c.sharing.busy, s.tp, s.sp, s.selective, recompute, c.tp_on,
            c.tp_vocab, s.optimizer, c.autocast, s.async_tp, s.sp_save_shard)
     hit = entry[2].get(key)
@@ -368,9 +369,6 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
             hit = (f, b, _saved(c, u), ())
         entry[2][key] = hit
     return hit
-
-
-_TWINS = "twins"   # the key of a cache entry's unit-name map (_twins), beside the tuple keys of unit costs
 
 
 def _twins(profile: ModelProfile) -> dict[str, str]:
