@@ -60,7 +60,7 @@ def _claims_dir() -> Path:
 
 
 def claim_output(path: str | os.PathLike[str], command: str = "") -> None:
-    """Claim `path` for this process until it exits (or release_output): a second planner command writing the same
+    """Claim `path` for this process until it exits (or release_outputs): a second planner command writing the same
     file is refused in one line before it starts work, instead of finishing and then finding the file taken. The
     claim is flock(2) on a file named by the path's hash in _claims_dir(): the kernel lets go when the holder dies,
     however it dies. Claiming again in the same process is a no-op."""
