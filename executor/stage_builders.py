@@ -26,7 +26,8 @@ def _per_stage(adapter: Callable[..., Stage]) -> Builder:
 BUILDERS: dict[str, Builder] = {
     "chain": _per_stage(lambda model, names, units, *, first, last: chain_stage(model, names, units)),
     "traced": traced_stages,
-    **{name: _per_stage(adapter) for name, adapter in hf_stages.ADAPTERS.items()},
+    # a transformers decoder, whatever its family; "hf-llama" / "hf-gpt2": profiles written before "hf-decoder"
+    **{name: hf_stages.decoder_stages for name in ("hf-decoder", "hf-llama", "hf-gpt2")},
 }
 
 

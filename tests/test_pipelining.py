@@ -16,12 +16,16 @@ from cost_models.records.files import ProfileFile
 from cost_models.records.presets import preset
 from cost_models.records.profile import ModelProfile
 from cost_models.records.strategy import Strategy
+from executor.runtime import logits_of
+from executor.stage_builders import build_stages
+from executor.stages import UnitMap
 from planner.manual import StrategyRequest, build_strategy, manual_plan
 from planner.plan import Plan, check_plan
 from planner.rationale import NO_PIPELINES
 from planner.request import PlanRequest
 from planner.search import plan, search
 from tests.custom_models import Gated
+from tests.hf_families import FAMILIES_TINY
 
 runner = CliRunner()
 LOOPED = "no: unit blocks.0 runs 2 times in its forward, not once"
@@ -155,28 +159,45 @@ LLAMA_CFG = ("num_hidden_layers=2&hidden_size=64&num_attention_heads=4&num_key_v
              "&vocab_size=256&max_position_embeddings=64")
 
 
-@pytest.mark.parametrize("ref, expected", [
-    (f"hf:llama?{LLAMA_CFG}", "hf-llama"), (f"hf:mistral?{LLAMA_CFG}", "hf-llama"),
-    (f"hf:qwen2?{LLAMA_CFG}", "hf-llama"),
-    ("hf:gpt2?n_layer=2&n_embd=64&n_head=2&vocab_size=256&n_positions=64&bos_token_id=0&eos_token_id=0", "hf-gpt2"),
-])
-def test_hf_families_with_a_stage_adapter(ref, expected):
+@pytest.mark.parametrize("name", sorted(FAMILIES_TINY))
+def test_every_transformers_decoder_family_is_pipelined_by_the_one_adapter(name):
     pytest.importorskip("transformers")
-    verdict, prof = _support(ref)
-    assert verdict == expected and prof.pipelining == expected
+    verdict, prof = _support(FAMILIES_TINY[name])
+    assert verdict == prof.pipelining == "hf-decoder"
 
 
-def test_hf_models_without_an_adapter_or_with_other_units_are_refused():
+def test_transformers_stages_compute_the_model_s_own_logits_bit_for_bit():
+    """Every family, cut into 2 and 4 stages (one holding only the head, one only the embedding): the stages run in
+    turn give the whole model's logits exactly. Gemma 3 alternates sliding and full attention, so a stage that
+    indexed its layer kinds by its own list position would differ; Granite scales its logits in the root's forward."""
     pytest.importorskip("transformers")
-    verdict, _ = _support("hf:gpt_neox?num_hidden_layers=2&hidden_size=64&num_attention_heads=4"
-                          "&intermediate_size=128&vocab_size=256")
-    assert verdict == ("no: transformers model type 'gpt_neox' has no pipeline stage adapter "
-                       "(these do: gpt2, llama, mistral, qwen2)")
+    for name, ref in FAMILIES_TINY.items():
+        source = resolve(ref)
+        prof = profile_model(source, micro_batch_size=1, seq_len=16, meta=True)
+        units = UnitMap.of([u.name for u in prof.units], [u.modules for u in prof.units])
+        names = [u.name for u in prof.units]
+        model = source.build(device="cpu", dtype=torch.float32, seed=3)
+        x = torch.randint(0, 128, (2, 16))
+        with torch.no_grad():
+            whole = logits_of(model(x))
+            for cuts in ((2,), (1, 3, 5)):
+                bounds = (0, *cuts, len(names))
+                stages = tuple(tuple(names[a:b]) for a, b in zip(bounds, bounds[1:]))
+                h = x
+                for stage in build_stages(model, stages, list(range(len(stages))), units=units,
+                                          support=prof.pipelining, recompute=()):
+                    h = stage(h)
+                assert torch.equal(h, whole), (name, cuts)
+
+
+def test_transformers_models_with_other_units_are_refused_with_what_to_do():
+    pytest.importorskip("transformers")
     units = "model.embed_tokens+model.rotary_emb,model.layers.0+model.layers.1,model.norm+lm_head"
     verdict, prof = _support(f"hf:llama?{LLAMA_CFG}", units=units)
     assert verdict == prof.pipelining == (
-        "no: it has 3 units, not 4 (2 layers, embedding and head); its stage adapter cuts llama at an embedding unit "
-        "(model.embed_tokens[+model.rotary_emb]), one unit per model.layers.i, and a head unit (model.norm+lm_head)")
+        "no: unit model.layers.0+model.layers.1 holds model.layers.0+model.layers.1, not model.layers.0; "
+        "transformers models are pipelined at an embedding unit, one unit per decoder layer and a head unit "
+        "(the profiler's default units)")
 
 
 # --- the profile records it ------------------------------------------------------------------------------------
@@ -195,7 +216,7 @@ def test_profile_field_round_trips_and_old_files_offer_pipelines(tmp_path):
     assert old.pipelining == "" and old.pipeline_refusal is None
     data["model"]["pipelining"] = "maybe"
     write_atomic(path, json.dumps(data), overwrite=True)
-    with pytest.raises(FileFormatError, match=r"model.pipelining is 'maybe'; need one of chain, hf-llama, hf-gpt2, traced"):
+    with pytest.raises(FileFormatError, match=r"model.pipelining is 'maybe'; need one of chain, hf-decoder, traced, hf-llama, hf-gpt2"):
         ProfileFile.load(path)
 
 

@@ -1,12 +1,10 @@
-"""Every model family zeropipe knows, one entry each: how its torch model is recognised, the dimensions that decide
-its tensor-parallel degrees, and where its pieces live.
+"""Every model family zeropipe has a tensor-parallel plan for, one entry each: how its torch model is recognised and
+the dimensions that decide its tensor-parallel degrees.
 
 An entry's `name` is its tensor-parallel plan's name in cost_models.records.tensor_parallel.PLANS (data the cost
-model reads without torch); a transformers family's `name` is also its pipeline kind (ModelProfile.pipelining) and
-its stage adapter's key in executor.hf_stages.ADAPTERS, and its `layout` the units that adapter cuts at. The zoo
-families are unit chains (cost_models.models.gpt, cost_models.models.llama): their pipelines need no adapter.
-Adding a family: an entry here, its plan in PLANS and, for a transformers family, its adapter
-(tests/test_families.py checks that every name an entry gives resolves).
+model reads without torch). Pipelines need no entry: every transformers decoder is cut by one adapter
+(cost_models.models.pipelining.DecoderLayout, executor.hf_stages), the zoo's models are unit chains. Adding a
+family: an entry here and its plan in PLANS (tests/test_families.py checks that every name an entry gives resolves).
 """
 from __future__ import annotations
 
@@ -20,27 +18,11 @@ from cost_models.models.llama import Llama
 
 
 @dataclass(frozen=True, kw_only=True)
-class HFLayout:
-    """The units the profiler derives for one transformers family, which its stage adapter cuts at."""
-
-    embed: tuple[str, ...]           # modules the embedding unit must hold
-    embed_optional: tuple[str, ...]  # modules it may also hold (parameter-free: rotary tables, dropout)
-    blocks: str                      # the nn.ModuleList of decoder layers: one unit each
-    head: tuple[str, ...]            # the head unit's modules, in call order
-
-    def describe(self) -> str:
-        extra = "".join(f"[+{m}]" for m in self.embed_optional)
-        return (f"an embedding unit ({'+'.join(self.embed)}{extra}), one unit per {self.blocks}.i, and a head unit "
-                f"({'+'.join(self.head)})")
-
-
-@dataclass(frozen=True, kw_only=True)
 class Family:
     name: str                                     # its TP plan in PLANS; a transformers family's pipeline kind too
     dims: Callable[[Any], dict[str, Any]]         # model -> TPShape's dimension fields
     zoo_class: type[nn.Module] | None = None      # a zoo family: its model class
     model_types: tuple[str, ...] = ()             # a transformers family: the config.model_type values it covers
-    layout: HFLayout | None = None                # a transformers family: the units its stage adapter cuts at
 
     def matches(self, model: nn.Module) -> bool:
         if self.zoo_class is not None:
@@ -80,12 +62,8 @@ def _hf_gpt2(model: Any) -> dict[str, Any]:
 FAMILIES: tuple[Family, ...] = (
     Family(name="zoo-llama", zoo_class=Llama, dims=_zoo_llama),
     Family(name="zoo-gpt", zoo_class=GPT, dims=_zoo_gpt),
-    Family(name="hf-llama", model_types=("llama", "mistral", "qwen2"), dims=_hf_llama,
-           layout=HFLayout(embed=("model.embed_tokens",), embed_optional=("model.rotary_emb",), blocks="model.layers",
-                           head=("model.norm", "lm_head"))),
-    Family(name="hf-gpt2", model_types=("gpt2",), dims=_hf_gpt2,
-           layout=HFLayout(embed=("transformer.wte", "transformer.wpe"), embed_optional=("transformer.drop",),
-                           blocks="transformer.h", head=("transformer.ln_f", "lm_head"))),
+    Family(name="hf-llama", model_types=("llama", "mistral", "qwen2"), dims=_hf_llama),
+    Family(name="hf-gpt2", model_types=("gpt2",), dims=_hf_gpt2),
 )
 HF_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 

@@ -7,8 +7,10 @@ known to hold:
     every unit module a leaf, so no tensor runs (meta models too): any op between units (a scaled embedding, a
     position table, a residual across units), a skip input, a unit run twice or out of order, or a forward fx
     cannot trace means not a chain;
-  * "hf-llama" / "hf-gpt2": a transformers causal LM of a family the executor has a stage adapter for
-    (executor/hf_stages.py), with the units the profiler derives for it;
+  * "hf-decoder": a transformers causal LM (any family: llama, gemma, phi, gpt2, gpt_neox, opt, ...) with the
+    units the profiler derives for it: an embedding unit, one unit per decoder layer, a head unit (DecoderLayout,
+    read off the model, no per-family table); executor/hf_stages.py runs the model's own forward over each
+    stage's layers ("hf-llama" / "hf-gpt2" in profiles written before: the same stages);
   * "traced": not a chain, but its fx graph (units as leaves) runs every unit once, in order, reads one input and
     returns one value: executor/traced_stages.py cuts that graph at the stage boundaries, each stage running the
     model's own operations between its units and passing on every value a later stage needs (what
@@ -18,25 +20,26 @@ known to hold:
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from torch import fx, nn
 
-from cost_models.models.families import HF_MODEL_TYPES, HFLayout, hf_family
 from cost_models.records.profile import PIPELINE_KINDS
 
 Units = Sequence[tuple[str, tuple[str, ...]]]
 
-CHAIN, TRACED = PIPELINE_KINDS[0], PIPELINE_KINDS[-1]   # between them: the transformers families (families.py)
+CHAIN, HF_DECODER, TRACED = "chain", "hf-decoder", "traced"
+assert {CHAIN, HF_DECODER, TRACED} <= set(PIPELINE_KINDS)
 
 
 def pipeline_support(model: nn.Module, units: Units) -> str:
-    """"chain", "hf-llama", "hf-gpt2", or "no: <one line a user understands>" (module doc). `units` are the
+    """"chain", "hf-decoder", "traced", or "no: <one line a user understands>" (module doc). `units` are the
     profile's (name, module names) in order. Never raises: anything unexpected is a "no" saying what."""
     try:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if isinstance(model_type, str):
-            return _hf_support(model, units, model_type)
+            return _hf_support(model, units)
         return _chain_support(model, units)
     except Exception as exc:   # a user's model can fail in any way; the answer is still one line
         return f"no: checking its forward failed ({_one_line(exc)})"
@@ -48,35 +51,56 @@ def _one_line(exc: BaseException, limit: int = 160) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-# --- transformers families ----------------------------------------------------------------------------------------
+# --- transformers decoders ---------------------------------------------------------------------------------------
 
-def _hf_support(model: nn.Module, units: Units, model_type: str) -> str:
-    family = hf_family(model_type)
-    if family is None or family.layout is None:
-        return (f"no: transformers model type '{model_type}' has no pipeline stage adapter (these do: "
-                f"{', '.join(sorted(HF_MODEL_TYPES))})")
-    mismatch = _layout_mismatch(model, units, family.layout)
-    if mismatch:
-        return f"no: {mismatch}; its stage adapter cuts {model_type} at {family.layout.describe()}"
-    return family.name
+@dataclass(frozen=True, kw_only=True)
+class DecoderLayout:
+    """Where a transformers causal LM's pieces are, read off the model and its profile units (no per-family table):
+    the decoder is the module holding the layer list (LlamaModel, GPT2Model, OPTDecoder), and its forward takes
+    `inputs_embeds` in place of token ids; the root (the *ForCausalLM) calls it, then its head."""
+
+    decoder: str                 # path of the decoder module: "model", "transformer", "model.decoder"
+    layers: str                  # its nn.ModuleList of decoder layers: "layers", "h"
+    embed: tuple[str, ...]       # the decoder's children that run before the layers (the embedding unit)
+    post: tuple[str, ...]        # the decoder's children that run after them (the final norm)
+    head: tuple[str, ...]        # the root's children that run after the decoder (lm_head, embed_out)
 
 
-def _layout_mismatch(model: nn.Module, units: Units, layout: HFLayout) -> str | None:
-    try:
-        n_layers = len(model.get_submodule(layout.blocks))   # type: ignore[arg-type]  # no len(): TypeError, below
-    except (AttributeError, TypeError):
-        return f"the model has no {layout.blocks}"
-    if len(units) != n_layers + 2:
-        return f"it has {len(units)} units, not {n_layers + 2} ({n_layers} layers, embedding and head)"
+def decoder_layout(model: nn.Module, units: Units) -> DecoderLayout | str:
+    """The model's DecoderLayout, or why the units do not describe one (a phrase): an embedding unit of decoder
+    children, one unit per layer in order (the whole list), and a head unit of the decoder's children after the
+    layers and the root's own."""
+    if len(units) < 3:
+        return f"it has {len(units)} units; a decoder needs an embedding unit, its layers and a head unit"
     (first, embed), *blocks, (last, head) = units
-    if not set(layout.embed) <= set(embed) <= set(layout.embed + layout.embed_optional):
-        return f"unit {first} holds {'+'.join(embed)}"
+    list_path, _, index = blocks[0][1][0].rpartition(".")
+    decoder, _, layers = list_path.rpartition(".")
+    if not decoder or index != "0":
+        return f"unit {blocks[0][0]} is not the first of a decoder's layer list"
     for i, (name, mods) in enumerate(blocks):
-        if mods != (f"{layout.blocks}.{i}",):
-            return f"unit {name} holds {'+'.join(mods)}, not {layout.blocks}.{i}"
-    if tuple(head) != layout.head:
-        return f"unit {last} holds {'+'.join(head)}"
-    return None
+        if mods != (f"{list_path}.{i}",):
+            return f"unit {name} holds {'+'.join(mods)}, not {list_path}.{i}"
+    if len(model.get_submodule(list_path)) != len(blocks):   # type: ignore[arg-type]  # a ModuleList: TypeError
+        return f"its units hold {len(blocks)} of the {len(model.get_submodule(list_path))} layers of {list_path}"  # type: ignore[arg-type]
+    inside = tuple(m.removeprefix(decoder + ".") for m in embed)
+    if any("." in m or not mod.startswith(decoder + ".") for m, mod in zip(inside, embed)):
+        return f"unit {first} holds {'+'.join(embed)}, not modules of {decoder}"
+    post = tuple(m.removeprefix(decoder + ".") for m in head if m.startswith(decoder + "."))
+    root = tuple(m for m in head if not m.startswith(decoder + "."))
+    if any("." in m for m in post + root) or any(decoder.split(".")[0] == m for m in root):
+        return f"unit {last} holds {'+'.join(head)}, not modules of {decoder} or of the model itself"
+    for path in ("", decoder):
+        if "inputs_embeds" not in inspect.signature(model.get_submodule(path).forward).parameters:
+            return f"the forward of {path or type(model).__name__} takes no inputs_embeds"
+    return DecoderLayout(decoder=decoder, layers=layers, embed=inside, post=post, head=root)
+
+
+def _hf_support(model: nn.Module, units: Units) -> str:
+    layout = decoder_layout(model, units)
+    if isinstance(layout, str):
+        return (f"no: {layout}; transformers models are pipelined at an embedding unit, one unit per decoder layer "
+                "and a head unit (the profiler's default units)")
+    return HF_DECODER
 
 
 # --- unit chains (torch.fx) ---------------------------------------------------------------------------------------

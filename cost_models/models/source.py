@@ -257,6 +257,9 @@ def _hf_source(ref: str) -> ModelSource:
     body = ref[len("hf:"):]
     target, _, query = body.partition("?")
     overrides = _hf_overrides(query)
+    # how attention is computed is a loading option of from_config, not a config field; SDPA unless the reference
+    # says otherwise (families without SDPA support, or soft-capped attention, need "eager")
+    attention = str(overrides.pop("attn_implementation", "sdpa"))
     try:
         import transformers
     except ImportError:
@@ -284,7 +287,7 @@ def _hf_source(ref: str) -> ModelSource:
 
     def build() -> nn.Module:
         with contextlib.redirect_stdout(sys.stderr):
-            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
 
     def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
         return (torch.randint(0, int(config.vocab_size), (b, s)),)

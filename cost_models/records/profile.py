@@ -14,8 +14,9 @@ from cost_models.records.work import WorkCounts
 
 SCHEMA_VERSION = 1
 PROFILE_KIND = "zeropipe.profile"
-# What ModelProfile.pipelining may say besides "no: <why>" (cost_models.models.pipelining decides which)
-PIPELINE_KINDS = ("chain", "hf-llama", "hf-gpt2", "traced")
+# What ModelProfile.pipelining may say besides "no: <why>" (cost_models.models.pipelining decides which);
+# "hf-llama" and "hf-gpt2" are what profiles written before "hf-decoder" covered every transformers decoder say
+PIPELINE_KINDS = ("chain", "hf-decoder", "traced", "hf-llama", "hf-gpt2")
 
 
 def pipeline_refusal(pipelining: str) -> str | None:
@@ -223,7 +224,7 @@ class ModelProfile(Record):
     attention_kernels: tuple[str, ...]   # SDPA kernels seen (meta mode substitutes the fused CPU kernel)
     largest_unit: str
     edges: tuple[UnitEdge, ...] = ()     # data flow between units; empty in files written before edges were recorded
-    pipelining: str = ""                 # cost_models.models.pipelining: "chain" | "hf-llama" | "hf-gpt2" |
+    pipelining: str = ""                 # cost_models.models.pipelining: "chain" | "hf-decoder" | "traced" |
                                          # "no: <why>"; "" in files written before it was recorded (pipelines
                                          # offered as before)
     tensor_parallel: TPShape | None = None  # cost_models.records.tensor_parallel: the model's TP plan and
