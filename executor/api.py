@@ -84,7 +84,7 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), loading=init_from is not None,
                        compute=mixed_precision(strategy.precision, device, strategy.pp).compute)
     if init_from is not None:
-        load_weights(rt.params_by_name, rt.buffers_by_name, Path(init_from))
+        load_weights(rt.params_by_name, rt.buffers_by_name, Path(init_from), model=rt.model)
     return rt
 
 

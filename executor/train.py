@@ -134,7 +134,8 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
                        loading=bool(cfg.init_from and not cfg.resume_from),
                        builtin_cross_entropy=loss == "cross_entropy", compute=_precision(strategy).compute)
     if cfg.init_from and not cfg.resume_from:
-        load_weights(rt.params_by_name, rt.buffers_by_name, Path(cfg.init_from), trusted=cfg.trust_checkpoint)
+        load_weights(rt.params_by_name, rt.buffers_by_name, Path(cfg.init_from), trusted=cfg.trust_checkpoint,
+                     model=rt.model)
     restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0
     fail_rank, fail_step, how = _injected_failure()
     per_replica = strategy.microbatches * strategy.micro_batch_size
@@ -306,7 +307,7 @@ def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:
     params, buffers = state_maps(model, [model], canon)
     opt = optimizer_for(strategy, cfg.lr)(list(model.parameters()))
     if cfg.init_from and not cfg.resume_from:
-        load_weights(params, buffers, Path(cfg.init_from), trusted=cfg.trust_checkpoint)
+        load_weights(params, buffers, Path(cfg.init_from), trusted=cfg.trust_checkpoint, model=model)
     if cfg.resume_from:
         checkpoint.init_optimizer_state(opt, list(params.values()))
         checkpoint.load(checkpoint.state_dict(params, buffers, opt, rng_rank=None), Path(cfg.resume_from))

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from cost_models.records.base import Record, record
 from cost_models.records.errors import WeightsError
-from cost_models.torch_compat.torch_private import keys_to_ignore_unexpected
+from cost_models.torch_compat.torch_private import checkpoint_key_renames, keys_to_ignore_unexpected
 from executor import checkpoint
 from executor import checkpoint_layout as layout
 
@@ -57,13 +57,15 @@ class WeightsLoaded(Record):
 
 
 def load_weights(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], source: Path, *,
-                 trusted: bool = False) -> WeightsLoaded:
+                 trusted: bool = False, model: torch.nn.Module | None = None) -> WeightsLoaded:
     """Fill this rank's `params` (every one must be in `source`) and those of its `buffers` that `source` has, in
-    place, from `source`. `trusted` accepts a checkpoint this installation did not sign (executor.checkpoint)."""
+    place, from `source`. `trusted` accepts a checkpoint this installation did not sign (executor.checkpoint).
+    `model` (the whole model object the tensors belong to) lets an HF folder's keys be renamed as transformers
+    renames them for its class (_renames)."""
     fmt, folder = weights_format(Path(source))
     reader, prefix = _reader(fmt, folder, trusted)
     saved = _saved_tensors(reader, folder)
-    wanted = _wanted(params, buffers, saved, prefix, folder)
+    wanted = _wanted(params, buffers, saved, prefix, folder, _renames(model, saved, fmt, folder))
     planner = _RecordingPlanner()
     try:
         with warnings.catch_warnings():   # no_dist: DCP warns that it loads in one process, which is intended
@@ -223,11 +225,24 @@ def _saved_tensors(reader: dcp.StorageReader, folder: Path) -> dict:
         raise
 
 
+def _renames(model: torch.nn.Module | None, saved: dict, fmt: str, folder: Path) -> dict[str, str]:
+    """{key in an HF folder: the model's name for it} where transformers renames keys on load for this model's
+    class (torch_private.checkpoint_key_renames); keys it would merge into one tensor are refused in one line."""
+    if model is None or fmt != SAFETENSORS:
+        return {}
+    renames, merged = checkpoint_key_renames(model, saved)
+    if merged:
+        raise WeightsError(f"--init-from {folder}: {merged[0]} (and {len(merged) - 1} more) are tensors transformers "
+                           f"merges into one on load; load the folder with from_pretrained and save_pretrained it "
+                           f"again, then pass the new folder")
+    return renames
+
+
 def _wanted(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], saved: dict, prefix: str,
-            folder: Path) -> dict[str, torch.Tensor]:
+            folder: Path, renames: Mapping[str, str]) -> dict[str, torch.Tensor]:
     """The state dict DCP loads: this rank's tensors (detached aliases: DCP copies into them) under their keys in
     the file, after checking every parameter is there with its shape and kind of dtype (_matched)."""
-    key_of, tensors = _matched(params, buffers, saved, prefix, folder)
+    key_of, tensors = _matched(params, buffers, saved, prefix, folder, renames)
     for name, t in tensors.items():
         if t.device.type == "meta":
             raise ValueError(f"{name} is on the meta device: materialise the model (to_empty) before loading weights")
@@ -235,11 +250,11 @@ def _wanted(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tens
 
 
 def _matched(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], saved: dict, prefix: str,
-             folder: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+             folder: Path, renames: Mapping[str, str]) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """({name: its key in the file}, the tensors to fill: every parameter, and the buffers the file has), or one
     line naming the first parameter missing, of another shape, or of another kind of dtype (integers into floats
     or the reverse: DCP's copy_ would cast them without a word; one float dtype into another is a cast we want)."""
-    key_of = _file_keys(list(params) + list(buffers), saved, prefix)
+    key_of = _file_keys(list(params) + list(buffers), saved, prefix, renames)
     missing = [n for n in params if n not in key_of]
     if missing:
         raise WeightsError(f"--init-from {folder} has no weights for {missing[0]} (nor for {len(missing) - 1} more "
@@ -269,12 +284,13 @@ def check_weights(model: torch.nn.Module, source: Path, *, trusted: bool = False
     fmt, folder = weights_format(Path(source))
     reader, prefix = _reader(fmt, folder, trusted)
     saved = _saved_tensors(reader, folder)
+    renames = _renames(model, saved, fmt, folder)
     canon = canonical_names(model)
     params = {c: p for n, p in model.named_parameters(remove_duplicate=False) if (c := canon[n]) == n}
     every_buffer = dict(model.named_buffers(remove_duplicate=False))
     persistent = set(model.state_dict(keep_vars=True))   # what ranks load (state_maps); others stay as built
-    _matched(params, {n: b for n, b in every_buffer.items() if n in persistent}, saved, prefix, folder)
-    taken = set(_file_keys(list(canon) + list(every_buffer), saved, prefix).values())
+    _matched(params, {n: b for n, b in every_buffer.items() if n in persistent}, saved, prefix, folder, renames)
+    taken = set(_file_keys(list(canon) + list(every_buffer), saved, prefix, renames).values())
     # what transformers itself ignores in such files (GPT-2's old attn.bias masks): not a sign of another model
     ignored = [re.compile(p) for p in keys_to_ignore_unexpected(model)]
     extra = sorted(k for k in saved if k.startswith(prefix) and k not in taken
@@ -288,18 +304,21 @@ def check_weights(model: torch.nn.Module, source: Path, *, trusted: bool = False
     return (f"--init-from {folder}: {len(extra)} tensor(s) left unread, the model has no place for them ({first})",)
 
 
-def _file_keys(names: list[str], saved: dict, prefix: str = "") -> dict[str, str]:
-    """{canonical name: its key in the file} for the names the file has. An HF folder saved from the base model
-    (the hub's GPT-2: "h.0.attn.c_attn.weight" for GPT2LMHeadModel's "transformer.h.0.attn.c_attn.weight") lacks
-    the first component of every name: that key is taken when the file has no key under that component at all."""
-    heads = {k.split(".", 1)[0] for k in saved}
+def _file_keys(names: list[str], saved: dict, prefix: str = "",
+               renames: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{canonical name: its key in the file} for the names the file has, a key read under the name `renames` gives
+    it. An HF folder saved from the base model (the hub's GPT-2: "h.0.attn.c_attn.weight" for GPT2LMHeadModel's
+    "transformer.h.0.attn.c_attn.weight") lacks the first component of every name: that key is taken when the file
+    has no key under that component at all."""
+    named = {(renames or {}).get(k, k): k for k in saved}
+    heads = {k.split(".", 1)[0] for k in named}
     out = {}
     for name in names:
         head, _, tail = name.partition(".")
-        if prefix + name in saved:
-            out[name] = prefix + name
-        elif not prefix and tail in saved and head not in heads:
-            out[name] = tail
+        if prefix + name in named:
+            out[name] = named[prefix + name]
+        elif not prefix and tail in named and head not in heads:
+            out[name] = named[tail]
     return out
 
 

@@ -93,6 +93,31 @@ def test_a_folder_saved_from_the_base_model_loads_without_its_prefix(tmp_path):
     assert all(torch.equal(params[n], p) for n, p in saved.named_parameters())
 
 
+def test_keys_transformers_renames_on_load_are_read_under_the_model_s_names(tmp_path):
+    """Pythia's files (GPT-NeoX) name the head `embed_out`; transformers' GPTNeoXForCausalLM calls it `lm_head` and
+    renames the key on load: --init-from does the same, in the launcher's check and on every rank."""
+    transformers = pytest.importorskip("transformers")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    config = transformers.GPTNeoXConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                        num_attention_heads=4, vocab_size=128)
+    torch.manual_seed(0)
+    saved = transformers.GPTNeoXForCausalLM(config)
+    (tmp_path / "pythia").mkdir()
+    tensors = {("embed_out.weight" if k == "lm_head.weight" else k): v for k, v in saved.state_dict().items()}
+    safetensors_torch.save_file(tensors, str(tmp_path / "pythia" / "model.safetensors"))
+    torch.manual_seed(1)
+    model = transformers.GPTNeoXForCausalLM(config)
+    assert check_weights(model, tmp_path / "pythia") == ()
+    params = dict(model.named_parameters())
+    with pytest.raises(WeightsError, match=r"has no weights for lm_head.weight"):
+        load_weights(params, {}, tmp_path / "pythia")   # without the model, no class to take the rules from
+    assert load_weights(params, {}, tmp_path / "pythia", model=model).tensors == len(params)
+    assert all(torch.equal(params[n], p) for n, p in saved.named_parameters())
+    config.save_pretrained(tmp_path / "pythia")
+    reference = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "pythia")
+    assert torch.equal(reference.lm_head.weight, model.lm_head.weight)
+
+
 class _Net(nn.Module):
     def __init__(self, hidden: int = 6, layers: int = 1) -> None:
         super().__init__()

@@ -7,7 +7,7 @@ Where torch 2.13 has a public equivalent it is used instead (ProcessGroup.set_ti
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -97,6 +97,34 @@ def keys_to_ignore_unexpected(model: nn.Module) -> list[str]:
     """The regexes of checkpoint keys transformers' model class tells its loader to ignore when unexpected (GPT-2's
     old attn.bias masks): a private class attribute of PreTrainedModel (transformers 5.x), [] for other models."""
     return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+
+
+def checkpoint_key_renames(model: nn.Module, keys: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+    """({key in a file: the model's name for it}, the keys transformers would merge with others) for the keys that
+    transformers' loader renames for this model's class (GPT-NeoX files name the head `embed_out`, the module is
+    `lm_head`; legacy LayerNorm gamma/beta). The rules are its per-architecture conversion mapping
+    (transformers/conversion_mapping.py get_model_conversion_mapping, core_model_loading.rename_source_key,
+    transformers 5.x); a WeightConverter merges several tensors into one (MoE experts stacked), which a reader of
+    one tensor per key cannot do, so those keys are returned to be refused. ({}, []) for other models."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return {}, []
+    if not isinstance(model, PreTrainedModel):
+        return {}, []
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renames, merged = {}, []
+    for key in keys:
+        new, converter = rename_source_key(key, renamings, converters)
+        if converter is not None:
+            merged.append(key)
+        elif new != key:
+            renames[key] = new
+    return renames, merged
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
