@@ -1,6 +1,8 @@
-"""HF causal LMs trained by the executor with their own code (issue 16): LlamaForCausalLM (grouped-query attention,
-rotary embeddings) and GPT2LMHeadModel (tied head, learned positions), saved with save_pretrained and loaded with
---init-from, under every plan family, against the same HF model trained in one process."""
+"""HF causal LMs trained by the executor with their own code: every decoder family of tests/hf_families.py, saved
+with save_pretrained and loaded with --init-from, sharded (ZeRO-3) and pipelined (PP2 1F1B) on a token file, against
+the same HF model trained in one process and against its own from_pretrained loss; LlamaForCausalLM (grouped-query
+attention, rotary embeddings) and GPT2LMHeadModel (tied head, learned positions) under every plan family."""
+import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -13,18 +15,8 @@ from cost_models.profiling.model_profiler import profile_model  # noqa: E402
 from cost_models.records.strategy import Strategy  # noqa: E402
 from executor.launch import run_many  # noqa: E402
 from executor.train import TrainConfig, batch_source, single_process_losses  # noqa: E402
+from tests.hf_families import FAMILIES_TINY as MODELS  # noqa: E402
 
-# dropout off: with it on, no two layouts (or one process) draw the same masks
-MODELS = {
-    "llama": ("hf:llama?num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4"
-              "&num_key_value_heads=2&vocab_size=128&max_position_embeddings=64"),
-    "gpt2": "hf:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=128&n_positions=64&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0",
-    # the other families the Llama adapter takes (Qwen2: biased q/k/v projections)
-    "mistral": ("hf:mistral?num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4"
-                "&num_key_value_heads=2&vocab_size=128&max_position_embeddings=64"),
-    "qwen2": ("hf:qwen2?num_hidden_layers=4&hidden_size=64&intermediate_size=128&num_attention_heads=4"
-              "&num_key_value_heads=2&vocab_size=128&max_position_embeddings=64"),
-}
 GLOBAL, SEQ = 8, 16
 
 
@@ -46,22 +38,37 @@ def _strategy(units, dp, pp, zero=0, schedule="1f1b", v=1, m=None) -> Strategy:
                     v=v, stages=stages, precision="fp32", optimizer="adamw")
 
 
-def _setup(name, tmp_path):
+def _tokens(path) -> str:
+    """A token file (nanoGPT's .bin, uint16) of 2,000 random ids below the tiny configs' 128-token vocabulary."""
+    np.random.default_rng(5).integers(0, 128, 2000).astype(np.uint16).tofile(path)
+    return str(path)
+
+
+def _setup(name, tmp_path, *, data: bool = False):
     ref = MODELS[name]
     prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=SEQ, meta=True)
     units = tuple(u.name for u in prof.units)
     cfg = TrainConfig(model_source=ref, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=1e-2,
-                      unit_modules=tuple(u.modules for u in prof.units), init_from=_saved(ref, tmp_path / name))
+                      unit_modules=tuple(u.modules for u in prof.units), init_from=_saved(ref, tmp_path / name),
+                      data=_tokens(tmp_path / "tokens.bin") if data else None)
     return units, cfg
 
 
-def _own_step0_loss(cfg: TrainConfig) -> float:
-    """The saved model's own loss on step 0's global batch, from `model(input_ids).logits` (from_pretrained)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(cfg.init_from, attn_implementation="sdpa")
+def _attention(ref: str) -> str:
+    return "eager" if "attn_implementation=eager" in ref else "sdpa"
+
+
+def _own_loss(folder, cfg: TrainConfig, step: int = 0) -> float:
+    """The saved model's own loss on a step's global batch, from `model(input_ids).logits` (from_pretrained)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation=_attention(cfg.model_source))
     example = torch.zeros(1, SEQ, dtype=torch.long)
-    x, y = batch_source(cfg, example, (1, SEQ, 128), GLOBAL, "cross_entropy")(0)
+    x, y = batch_source(cfg, example, (1, SEQ, 128), GLOBAL, "cross_entropy")(step)
     with torch.no_grad():
         return F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item()
+
+
+def _own_step0_loss(cfg: TrainConfig) -> float:
+    return _own_loss(cfg.init_from, cfg)
 
 
 def _check(strategies, results, reference, own_step0):
@@ -74,7 +81,38 @@ def _check(strategies, results, reference, own_step0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_decoder_family_trains_sharded_and_pipelined_like_itself_and_exports(name, tmp_path):
+    """ZeRO-3 over 2 ranks and PP2 1F1B on a token file: step 0 is the saved model's own loss, four AdamW steps are
+    one process's; `planner export --hf` of the PP2 checkpoint loads with from_pretrained (its loss on step 4's
+    batch is one process's fifth) and starts another run with --init-from."""
+    from typer.testing import CliRunner
+
+    from cli import app
+    from executor.launch import RunConfig, launch
+    from tests.plans import plan_for
+    units, cfg = _setup(name, tmp_path, data=True)
+    reference = single_process_losses(_strategy(units, 1, 1), cfg)
+    own = _own_step0_loss(cfg)
+    assert reference[0] == pytest.approx(own, rel=1e-5)
+    assert len({round(x, 6) for x in reference}) == 5      # it really trains: every step differs
+    four = TrainConfig(**{**cfg.to_dict(), "steps": 4})
+    _check([_strategy(units, 2, 1, 3)], run_many(2, [_strategy(units, 2, 1, 3)], four), reference[:4], own)
+    prof = profile_model(resolve(MODELS[name]), micro_batch_size=1, seq_len=SEQ, meta=True)
+    run = launch(plan_for(_strategy(units, 1, 2, m=4), prof),
+                 RunConfig(steps=4, warmup=0, seed=cfg.seed, lr=cfg.lr, init_from=cfg.init_from, data=cfg.data,
+                           checkpoint_dir=str(tmp_path / "ck")))
+    assert list(run.losses) == pytest.approx(reference[:4], rel=1e-4)
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "ck"), "--hf", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert _own_loss(tmp_path / "out", cfg, step=4) == pytest.approx(reference[4], rel=1e-5)
+    again = TrainConfig(**{**cfg.to_dict(), "steps": 1, "init_from": str(tmp_path / "out")})
+    assert single_process_losses(_strategy(units, 1, 1), again)[0] == pytest.approx(
+        _own_loss(tmp_path / "out", again), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_hf_model_trains_like_itself_under_every_plan_family_on_2_ranks(name, tmp_path):
     units, cfg = _setup(name, tmp_path)
     reference = single_process_losses(_strategy(units, 1, 1), cfg)
@@ -84,8 +122,6 @@ def test_hf_model_trains_like_itself_under_every_plan_family_on_2_ranks(name, tm
     strategies = [_strategy(units, 2, 1, z) for z in range(4)] + [
         _strategy(units, 1, 2, schedule="gpipe", m=4), _strategy(units, 1, 2, m=4),
         _strategy(units, 1, 2, schedule="interleaved-1f1b", v=2, m=4), _strategy(units, 1, 2, schedule="zb-interleaved", m=4)]
-    if name in ("mistral", "qwen2"):   # llama's layers with their own attention: one of each family is enough
-        strategies = [strategies[i] for i in (0, 3, 5, 7)]
     _check(strategies, run_many(2, strategies, cfg), reference, own)
 
 

@@ -99,6 +99,19 @@ def keys_to_ignore_unexpected(model: nn.Module) -> list[str]:
     return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
 
 
+def _unsharded_class(model: nn.Module) -> nn.Module:
+    """`model` as its own class: FSDP2's fully_shard gives the module a class made on the fly, FSDP<Name> deriving
+    from FSDPModule and the original (torch/distributed/fsdp/_fully_shard/_fully_shard.py), and transformers looks
+    conversions up by class name. A shallow copy of the original class is made (FSDPModule's own copy protocol
+    rebuilds the class); the model is left as it is."""
+    from torch.distributed.fsdp import FSDPModule
+    if not isinstance(model, FSDPModule):
+        return model
+    view = object.__new__(next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)))
+    view.__dict__.update(model.__dict__)
+    return view
+
+
 def checkpoint_key_renames(model: nn.Module, keys: Iterable[str]) -> tuple[dict[str, str], list[str]]:
     """({key in a file: the model's name for it}, the keys transformers would merge with others) for the keys that
     transformers' loader renames for this model's class (GPT-NeoX files name the head `embed_out`, the module is
@@ -114,7 +127,7 @@ def checkpoint_key_renames(model: nn.Module, keys: Iterable[str]) -> tuple[dict[
         return {}, []
     if not isinstance(model, PreTrainedModel):
         return {}, []
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(_unsharded_class(model))
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renames, merged = {}, []
