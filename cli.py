@@ -54,8 +54,13 @@ class _ErrorBoundary(TyperGroup):
 
 
 def _debug_traceback() -> None:
+    """Under ZEROPIPE_DEBUG=1, the traceback: a failed rank's own (RunFailed.rank_traceback), else this process's."""
     if os.environ.get("ZEROPIPE_DEBUG") == "1":
-        traceback.print_exc()
+        rank_traceback = getattr(sys.exc_info()[1], "rank_traceback", "")
+        if rank_traceback:
+            print(f"the failing rank's traceback:\n{rank_traceback}", file=sys.stderr)
+        else:
+            traceback.print_exc()
 
 
 app = typer.Typer(cls=_ErrorBoundary, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

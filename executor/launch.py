@@ -33,7 +33,7 @@ from cost_models.torch_compat.elastic import elastic_job, init_process_group, is
 from executor import checkpoint_layout as layout
 from executor import trust
 from executor.data import TokenFile, data_identity
-from executor.runtime import logits_of
+from executor.runtime import example_logits
 from executor.stages import UnitMap, check_covers_model
 from executor.train import TrainConfig, run_on_rank, summarize_times
 from executor.weights import check_weights
@@ -42,18 +42,21 @@ from planner.run_record import Measure, RankResult, RunFile
 
 
 class RunFailed(PlannerError):
-    """A rank failed during `planner run`; the message names it."""
+    """A rank failed during `planner run`; the message names it, `rank_traceback` holds the failing rank's own
+    traceback where it left one (the CLI prints it under ZEROPIPE_DEBUG=1)."""
 
     exit_code = 1
+    rank_traceback: str = ""
 
 
 def _note_failure(failure_dir: str, exc: BaseException) -> None:
     """The agent may see a peer's "connection reset" before this rank's own error: leave the evidence where the
     launcher looks, with a precise time, before dying."""
+    import traceback
     rank = int(os.environ.get("RANK", -1))
     line = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
     with open(os.path.join(failure_dir, f"rank{rank}.txt"), "w", encoding="utf-8") as fh:
-        fh.write(f"{time.time()}\n{line}\n")
+        fh.write(f"{time.time()}\n{line}\n{''.join(traceback.format_exception(exc))}")
 
 
 HEARTBEAT_S = 0.5   # how often a rank shows it is alive; a stopped rank's last sign then dates from when it stopped
@@ -103,7 +106,8 @@ def _failure_from_files(failure_dir: str) -> tuple[int, str] | None:
     for name in os.listdir(failure_dir):
         if name.startswith("rank") and name.endswith(".txt"):
             with open(os.path.join(failure_dir, name), encoding="utf-8") as fh:
-                stamp, _, line = fh.read().partition("\n")
+                stamp, _, rest = fh.read().partition("\n")
+            line = rest.partition("\n")[0]
             notes.append((is_consequence(line), float(stamp), int(name[4:-4]), line.strip()))
     if not notes:
         return None
@@ -237,7 +241,7 @@ def _start_ranks(plan: Plan, run: RunConfig, cfg: TrainConfig, per_node: int) ->
             results = elastic_launch(config, worker)(plan.to_dict(), cfg.to_dict(), run.timeout_s, failure_dir)
         except ChildFailedError as exc:
             rank, line = _root_cause(failure_dir, exc, local_ranks, run.timeout_s)
-            raise RunFailed(f"rank {rank} failed: {line}") from None
+            raise failed(failure_dir, rank, line) from None
     return results.get(0) if isinstance(results, dict) else None
 
 
@@ -305,7 +309,7 @@ def _check_data(plan: Plan, path: str, model) -> None:
     source = resolve(plan.model.source)
     example = source.example_input(model, 1, plan.model.seq_len, "cpu")[0]
     with meta_forward_context(), torch.no_grad():
-        tokens.check_ids(vocab=logits_of(model(example.to("meta"))).shape[-1])
+        tokens.check_ids(vocab=example_logits(model, example.to("meta")).shape[-1])
 
 
 def _check_checkpoint_dir(root: Path, start: int, overwrite: bool) -> None:
@@ -319,6 +323,22 @@ def _check_checkpoint_dir(root: Path, start: int, overwrite: bool) -> None:
     for d in stale:
         shutil.rmtree(d)
     root.mkdir(parents=True, exist_ok=True)
+
+
+def rank_traceback(failure_dir: str, rank: int) -> str:
+    """The traceback rank `rank` noted before it died (_note_failure), or ""."""
+    path = os.path.join(failure_dir, f"rank{rank}.txt")
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as fh:
+        return fh.read().split("\n", 2)[-1]
+
+
+def failed(failure_dir: str, rank: int, line: str) -> RunFailed:
+    """The RunFailed naming `rank`, carrying its traceback."""
+    exc = RunFailed(f"rank {rank} failed: {line}")
+    exc.rank_traceback = rank_traceback(failure_dir, rank)
+    return exc
 
 
 def _root_cause(failure_dir: str, exc, local_ranks: range, timeout_s: float) -> tuple[int, str]:
@@ -440,5 +460,5 @@ def run_many(nproc: int, strategies: list, cfg: TrainConfig, *, timeout_s: float
                                                             timeout_s, failure_dir)[0]
         except ChildFailedError as exc:
             rank, line = _root_cause(failure_dir, exc, range(nproc), timeout_s)
-            raise RunFailed(f"rank {rank} failed: {line}") from None
+            raise failed(failure_dir, rank, line) from None
     return [[RankResult.from_dict(per_rank[r][i]) for r in range(nproc)] for i in range(len(strategies))]
