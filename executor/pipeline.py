@@ -114,14 +114,17 @@ class ActionLog:
             raise _mismatch("ran", self.order, self.pp_rank, i, ran)
 
 
-def step(sched, *, is_first: bool, is_last: bool, inputs, targets) -> list[torch.Tensor]:
+def step(sched, *, is_first: bool, is_last: bool, inputs, targets, own_loss: bool = False) -> list[torch.Tensor]:
     """One pipeline step over the rank's per-replica batch; the micro-batch losses on the last stage. Raises if torch
-    ran another action order than the plan's (build_schedule's checked step)."""
+    ran another action order than the plan's (build_schedule's checked step). `own_loss`: the model computes its
+    loss from its targets (cost_models.models.losses.takes_targets), so the first stage takes them beside the input
+    (traced stages hand them on to the last)."""
     losses: list[torch.Tensor] = []
+    args = (inputs, targets) if own_loss else (inputs,)
     if is_first and is_last:
-        sched.step(inputs, target=targets, losses=losses)
+        sched.step(*args, target=targets, losses=losses)
     elif is_first:
-        sched.step(inputs)
+        sched.step(*args)
     elif is_last:
         sched.step(target=targets, losses=losses)
     else:

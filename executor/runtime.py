@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cost_models.models.losses import own_loss, takes_targets
 from cost_models.models.pipelining import pipeline_support
 from cost_models.models.source import meta_forward_context
 from cost_models.records.errors import ConfigError
@@ -53,6 +54,7 @@ class Runtime:
     init: str = ""                       # how the weights were drawn (executor.materialize): factory | per-module
     tp_rank: int = 0                     # this rank's place in its tensor-parallel group (mesh (pp, dp, tp))
     sharded_logits: bool = False         # the logits stay split on the vocabulary: loss under loss_context
+    own_loss: bool = False               # the model computes its loss from targets (losses.takes_targets)
     # Seconds spent this step in stage forward/backward ("compute": it includes the communication FSDP and DDP
     # issue inside them), in the gradient syncs issued after them ("sync"), and in optimizer.step ("optimizer").
     timings: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "sync": 0.0, "optimizer": 0.0})
@@ -98,7 +100,7 @@ class Runtime:
         else:
             with tensor_parallel.loss_context(self.sharded_logits):
                 losses = pipeline.step(self.schedule, is_first=self.is_first, is_last=self.is_last, inputs=inputs,
-                                       targets=targets)
+                                       targets=targets, own_loss=self.own_loss)
             loss = torch.stack([tensor_parallel.local_value(l.detach()) for l in losses]).mean() if losses else None
         t0 = time.perf_counter()
         if self.wrapped.manual_grad_sync:
@@ -131,7 +133,7 @@ class Runtime:
             t0 = time.perf_counter()
             with sync, tensor_parallel.loss_context(self.sharded_logits):
                 with self._autocast(x):
-                    loss = self.loss_fn(logits_of(module(x)), y) / m
+                    loss = (own_loss(module(x, y)) if self.own_loss else self.loss_fn(logits_of(module(x)), y)) / m
                 loss.backward()   # outside autocast, as torch's AMP recipe has it (backward runs forward's dtypes)
             self.timings["compute"] += time.perf_counter() - t0
             total += tensor_parallel.local_value(loss.detach()).cpu()
@@ -207,13 +209,11 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     under FSDP2, no rank ever holds more than its shards. `compute`: mixed precision's compute dtype
     (executor.zero.mixed_precision; pp = 1 only)."""
     s = strategy
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world != s.world_size:
-        raise ConfigError(f"the plan needs {s.world_size} ranks (dp={s.dp} x tp={s.tp} x pp={s.pp}), this job has "
-                          f"{world}")
+    _check_world(s)
     device = device or rank_device()
     with torch.device("meta"):
         meta = spec.build()
+    own = takes_targets(meta)
     support = pipeline_support(meta, [(u, spec.units.names(u)) for st in s.stages for u in st]) if s.pp > 1 else ""
     check_covers_model(meta, s.stages, spec.units, model_level=s.pp == 1 or support == "traced")
     seq_len = example.shape[1] if example is not None and example.dim() > 1 else 0
@@ -221,7 +221,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     stage_io: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
     if s.n_stages > 1:
         assert example is not None, "a pipeline needs `example`, one micro-batch, for its static shapes"
-        stage_io = stage_io_shapes(meta, s, spec.units, support, example)
+        stage_io = stage_io_shapes(meta, s, spec.units, support, example, own_loss=own)
     stage_io = tensor_parallel.sequence_sharded_io(stage_io, s.tp) if s.sp and stage_io else stage_io
     ties = tied_params(meta, s.stages, s.stage_rank, spec.units)
     # the schedule registry's guards; the planner never plans these
@@ -236,7 +236,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     model, held = _materialized(s, spec, mode, stage_ids, support, seed, device)
     # torchtitan's order: tensor (+ sequence) parallelism, then activation checkpointing, then FSDP2
     sharded_logits = s.tp > 1 and tensor_parallel.parallelize(
-        model, held, mesh["tp"], sp=s.sp, rules=spec.tp_rules, loss_parallel=builtin_cross_entropy,
+        model, held, mesh["tp"], sp=s.sp, rules=spec.tp_rules, loss_parallel=builtin_cross_entropy and not own,
         save_shard=s.sp_save_shard)
     _prepare_units(s, model, held, stage_ids, spec.units, tp_mesh=mesh["tp"] if s.async_tp else None)
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
@@ -248,13 +248,27 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     schedule = None
     if s.n_stages > 1:
         schedule = pipeline.build_schedule(wrapped.modules, stage_ids, strategy=s, pp_group=mesh["pp"].get_group(),
-                                           device=device, loss_fn=lambda out, y: loss_fn(logits_of(out), y),
+                                           device=device, loss_fn=_pipeline_loss(loss_fn, own),
                                            stage_io=stage_io, pp_rank=pp_rank)
     params, buffers = state_maps(model, held, canon)
     return Runtime(strategy=s, pp_rank=pp_rank, dp_rank=dp_rank, stage_ids=stage_ids, wrapped=wrapped,
                    loss_fn=loss_fn, schedule=schedule, dp_group=mesh["dp"].get_group() if s.dp > 1 else None,
-                   tie_groups=_tie_groups(s, ties, rank), params_by_name=params, buffers_by_name=buffers,
-                   model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits)
+                   tie_groups=_tie_groups(s, ties, dist.get_rank()), params_by_name=params, buffers_by_name=buffers,
+                   model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits, own_loss=own)
+
+
+def _check_world(s: Strategy) -> None:
+    if dist.get_world_size() != s.world_size:
+        raise ConfigError(f"the plan needs {s.world_size} ranks (dp={s.dp} x tp={s.tp} x pp={s.pp}), this job has "
+                          f"{dist.get_world_size()}")
+
+
+def _pipeline_loss(loss_fn: LossFn, own: bool) -> Callable:
+    """The last stage's loss: the model's own (its traced last stage returns it: traced_stages.loss_vector), or
+    `loss_fn` on its logits."""
+    if own:
+        return lambda out, _y: out.sum()   # its one element; a new tensor: zero-bubble backward detaches it in place
+    return lambda out, y: loss_fn(logits_of(out), y)
 
 
 def _prepare_units(s: Strategy, model: nn.Module, held: list[nn.Module], stage_ids: list[int], units: UnitMap, *,
@@ -387,17 +401,33 @@ def logits_of(output) -> torch.Tensor:
                       "pass apply_plan(loss_fn=...) a loss that takes it")
 
 
-def stage_io_shapes(meta: nn.Module, s: Strategy, units: UnitMap, support: str,
-                    example_input: torch.Tensor) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+def example_logits(model: nn.Module, example: torch.Tensor) -> torch.Tensor:
+    """The logits of one forward on `example` (a meta model: shapes only), as training calls the model: with
+    targets (token ids shaped like the input) where it computes its own loss, whose inference branch gives only the
+    last position's, else plainly (logits_of)."""
+    if not takes_targets(model):
+        return logits_of(model(example))
+    out = model(example, example)
+    logits = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)
+              and t.dim() >= 2]
+    if not logits:
+        raise ConfigError(f"the model's forward, given targets, returned {type(out).__name__} without logits in it; "
+                          "return (logits, loss)")
+    return logits[0]
+
+
+def stage_io_shapes(meta: nn.Module, s: Strategy, units: UnitMap, support: str, example_input: torch.Tensor, *,
+                    own_loss: bool = False) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
     """Example (input, output) tensors of one micro-batch per stage (the float ones with requires_grad, as torch's
-    PipelineStage needs), from running every stage in turn on the meta model."""
+    PipelineStage needs), from running every stage in turn on the meta model; `own_loss`: the first stage also
+    takes the targets (token ids shaped like the input)."""
     device = rank_device()
     stages = build_stages(meta, s.stages, list(range(s.n_stages)), units=units, support=support, recompute=())
     io = []
     def example(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.is_floating_point())
 
-    xs: tuple[torch.Tensor, ...] = (example_input.to("meta"),)
+    xs: tuple[torch.Tensor, ...] = (example_input.to("meta"),) * (2 if own_loss else 1)
     with meta_forward_context(), torch.no_grad():
         for stage in stages:
             outs = as_tuple(stage(*xs))

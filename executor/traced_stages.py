@@ -8,7 +8,9 @@ and the graph is cut where the plan's stages end, as torch.distributed.pipelinin
   - a stage takes every value an earlier stage made that it or a later one uses, and hands on every such value a
     later stage uses (a value needed two stages on passes through the stage between, as a fresh copy so each
     stage's outputs are its own tensors);
-  - the first stage takes the model's input, the last returns the model's output.
+  - the first stage takes the model's input (and, for a model that computes its own loss, its targets, which pass
+    through every stage to the last: cost_models.models.losses.takes_targets), the last returns the model's output
+    (or, for such a model, its loss: loss_vector).
 Each stage is an fx.GraphModule over the model's own module and parameter objects (registered under their model
 paths), so parameters keep their identity and canonical names (executor.stages.state_maps) and run exactly the
 operations the model's forward runs, in its order. Values crossing a boundary must be tensors.
@@ -20,6 +22,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
+from cost_models.models.losses import own_loss, takes_targets
 from cost_models.models.pipelining import trace_units
 from cost_models.records.errors import ConfigError
 from executor.stages import UnitMap
@@ -53,7 +56,14 @@ def _crossing(graph: fx.Graph, stage: dict[fx.Node, int], boundary: int) -> list
             and any(stage[u] > boundary for u in n.users)]
 
 
-def _stage_graph(graph: fx.Graph, stage: dict[fx.Node, int], sid: int, last: int) -> fx.Graph:
+def loss_vector(output) -> torch.Tensor:
+    """The loss in a model's output (losses.own_loss) as a 1-element vector: what the last stage of a model that
+    computes its own loss returns, since torch's schedule concatenates the last stage's outputs over micro-batches,
+    which a 0-dim tensor cannot be (stacked, not reshaped: stage outputs must not be views)."""
+    return torch.stack([own_loss(output)])
+
+
+def _stage_graph(graph: fx.Graph, stage: dict[fx.Node, int], sid: int, last: int, own: bool) -> fx.Graph:
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     if sid == 0:   # the model's input (an input its forward never reads, such as an unused default, is left out)
@@ -67,7 +77,8 @@ def _stage_graph(graph: fx.Graph, stage: dict[fx.Node, int], sid: int, last: int
             env[n] = out.node_copy(n, lambda x: env[x])
     if sid == last:
         (result,) = [n for n in graph.nodes if n.op == "output"]
-        out.output(env[result.args[0]])
+        value = fx.node.map_arg(result.args[0], env.__getitem__)
+        out.output(out.call_function(loss_vector, (value,)) if own else value)
         return out
     handed = []
     for n in _crossing(graph, stage, sid):
@@ -87,7 +98,8 @@ def traced_stages(model: nn.Module, stages: Sequence[Sequence[str]], stage_ids: 
     graph = trace_units(model, list(unit_stage))
     last = len(stages) - 1
     stage = _stage_of(graph, unit_stage, last)
-    return [fx.GraphModule(model, _stage_graph(graph, stage, sid, last)) for sid in stage_ids]
+    own = takes_targets(model)
+    return [fx.GraphModule(model, _stage_graph(graph, stage, sid, last, own)) for sid in stage_ids]
 
 
 def as_tuple(value) -> tuple[torch.Tensor, ...]:

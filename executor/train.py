@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cost_models.models.losses import compute_loss
+from cost_models.models.losses import compute_loss, own_loss, takes_targets
 from cost_models.models.source import meta_forward_context, resolve
 from cost_models.records.base import Record, record
 from cost_models.records.errors import ConfigError
@@ -27,7 +27,7 @@ from executor import checkpoint, checkpoint_layout
 from executor.activations import ActivationMeter
 from executor.data import TokenFile, data_identity
 from executor.measure import CommCounter, peak_memory_bytes
-from executor.runtime import ModelSpec, build_runtime, logits_of
+from executor.runtime import ModelSpec, build_runtime, example_logits, logits_of
 from executor.stages import UnitMap, canonical_names, state_maps
 from executor.testing_hooks import INJECT_FAILURE_ENV, SAVE_FILE_LIMIT_ENV, hook
 from executor.weights import load_weights
@@ -106,7 +106,7 @@ def _setup(cfg: TrainConfig, strategy: Strategy):
     example = source.example_input(model, strategy.micro_batch_size, cfg.seq_len, "cpu")[0]
     loss = "cross_entropy" if cfg.input_kind == "tokens" else "mse"
     with meta_forward_context(), torch.no_grad():
-        out = logits_of(model(example.to("meta")))
+        out = example_logits(model, example.to("meta"))
     return spec, example, tuple(out.shape), loss
 
 
@@ -315,7 +315,7 @@ def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:
     batches = batch_source(cfg, example, out_shape, strategy.global_batch_size, loss)
     for step in range(cfg.start_step, cfg.steps):
         x, y = batches(step)
-        value = compute_loss(loss, logits_of(model(x)), y)
+        value = own_loss(model(x, y)) if takes_targets(model) else compute_loss(loss, logits_of(model(x)), y)
         value.backward()
         value = value.detach()
         opt.step()

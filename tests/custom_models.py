@@ -3,6 +3,7 @@ import math
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 
 class Gated(nn.Module):
@@ -186,3 +187,58 @@ class Looped(TinyLM):
 
 def make_looped() -> nn.Module:
     return Looped()
+
+
+class _NanoBlock(nn.Module):
+    """A pre-norm transformer block as single-file GPTs write it (causal self-attention through SDPA, a GELU MLP)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(b, t, c)
+        x = x + self.c_proj(y)
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """A GPT written the way the popular single-file GPTs write it: token and position tables, dropout, blocks and a
+    final norm in an nn.ModuleDict, the head tied to the token table, and a forward that takes `targets` and returns
+    (logits, loss), or the last position's logits and None when no targets are given (the inference branch)."""
+
+    def __init__(self, vocab: int = 128, block_size: int = 32, dim: int = 32, heads: int = 4, layers: int = 4) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, dim), wpe=nn.Embedding(block_size, dim), drop=nn.Dropout(0.0),
+            h=nn.ModuleList([_NanoBlock(dim, heads) for _ in range(layers)]), ln_f=nn.LayerNorm(dim)))
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        device = idx.device
+        b, t = idx.size()
+        assert t <= self.block_size, f"Cannot forward sequence of length {t}, block size is only {self.block_size}"
+        pos = torch.arange(0, t, dtype=torch.long, device=device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])
+            loss = None
+        return logits, loss
+
+
+def make_nanogpt() -> nn.Module:
+    return NanoGPT()

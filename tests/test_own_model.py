@@ -18,7 +18,8 @@ from executor.train import TrainConfig, single_process_losses
 from tests.plans import plan_for
 
 WORK_BETWEEN_UNITS = ("tests.custom_models:make_scaled", "tests.custom_models:make_posnet",
-                      "tests.custom_models:make_residual2", "tests.custom_models:make_skipnet")
+                      "tests.custom_models:make_residual2", "tests.custom_models:make_skipnet",
+                      "tests.custom_models:make_nanogpt")
 
 
 def _zero(units, dp: int, zero: int, m: int = 2) -> Strategy:
@@ -131,3 +132,21 @@ def test_every_layout_starts_from_the_models_own_init(factory):
     for state in by_mode["per-module"][1:]:
         for name in expected:
             assert torch.equal(state[name], first[name]), name
+
+
+def test_a_model_that_takes_targets_is_profiled_on_its_training_branch_and_pipelined_without_units():
+    """A single-file GPT: `forward(idx, targets)` gives (logits, loss), without targets the last position's logits
+    only. Profiled as it trains (with targets), every count equals a hand count; its default units (the embedding
+    and head as groups of modules) are cut by traced stages, no --units needed."""
+    b, s, d, vocab = 2, 16, 32, 128
+    prof = profile_model(resolve("tests.custom_models:make_nanogpt"), micro_batch_size=b, seq_len=s, meta=True)
+    assert [u.modules for u in prof.units] == [("transformer.wte", "transformer.wpe", "transformer.drop"),
+                                               *[(f"transformer.h.{i}",) for i in range(4)],
+                                               ("transformer.ln_f", "lm_head")]
+    assert prof.pipelining == "traced"
+    # per block: q/k/v, attention scores and values (all s x s positions), output projection, the 4x MLP
+    block = 2 * b * s * d * 3 * d + 2 * 2 * b * s * s * d + 2 * b * s * d * d + 2 * 2 * b * s * d * 4 * d
+    assert [u.fwd_flops for u in prof.units[1:-1]] == [block] * 4
+    head = prof.units[-1]
+    assert head.fwd_flops == 2 * b * s * d * vocab          # every position (the inference branch: one)
+    assert head.output_bytes == b * s * vocab * 4           # fp32 logits of every position

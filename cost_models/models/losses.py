@@ -3,11 +3,58 @@
 Token models (zoo LMs, hf:, factories fed ids) are language models: next-token cross-entropy over the logits.
 Feature models regress: mean squared error. The profiler includes the loss in the last unit (for an LM its
 float logits and log-softmax are among the largest activations), and the executor trains with the same loss.
+
+A model whose forward takes `targets` computes its own loss (the single-file GPTs: `forward(idx, targets=None)`
+returns `(logits, loss)`, and without targets only the last position's logits, an inference branch): it is
+profiled, planned and trained called as `model(inputs, targets)`, and its own loss is what trains (own_loss).
+transformers' models are not: their `labels=` loss shifts the targets a second time.
 """
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from cost_models.records.errors import ConfigError
+
+TARGETS = "targets"   # the forward argument a model that computes its own loss takes its targets in
+
+
+def takes_targets(model: nn.Module) -> bool:
+    """Whether `model` computes its own loss: its forward's parameter after the input is `targets` (module doc)."""
+    if isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
+        return False
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[1:2] == [TARGETS]
+
+
+def synthetic_token_targets(inputs: torch.Tensor, vocab: int | None, *, seed: int = 4321) -> torch.Tensor:
+    """Next-token targets shaped like the token ids `inputs`, for a model that takes targets (made on CPU with a
+    fixed seed, moved to the inputs' device)."""
+    if vocab is None:
+        raise ConfigError(f"the model's forward takes {TARGETS}, but its input is not token ids of a known vocabulary "
+                          f"(an nn.Embedding); drop the {TARGETS} parameter or feed it token ids")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, tuple(inputs.shape), generator=gen).to(inputs.device)
+
+
+def own_loss(output: Any) -> torch.Tensor:
+    """The loss in what a forward given targets returned: the output itself (a 0-dim tensor), the one 0-dim
+    floating tensor of a tuple ((logits, loss)), or an output object's `.loss`; else one line saying what to do."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    found = [t for t in (output if isinstance(output, (tuple, list)) else (getattr(output, "loss", None),))
+             if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
+    if len(found) != 1:
+        raise ConfigError(f"the model's forward, given {TARGETS}=, returned {type(output).__name__} without one scalar "
+                          f"loss in it; return the loss (or (logits, loss)) when {TARGETS} are given")
+    return found[0]
 
 
 def loss_kind(input_kind: str) -> str:

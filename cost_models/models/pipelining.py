@@ -19,13 +19,16 @@ known to hold:
 """
 from __future__ import annotations
 
+import dis
 import inspect
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from torch import fx, nn
 
+from cost_models.models.losses import TARGETS, takes_targets
 from cost_models.records.profile import PIPELINE_KINDS
+from cost_models.torch_compat.torch_private import traceable_assert
 
 Units = Sequence[tuple[str, tuple[str, ...]]]
 
@@ -106,11 +109,29 @@ def _hf_support(model: nn.Module, units: Units) -> str:
 # --- unit chains (torch.fx) ---------------------------------------------------------------------------------------
 
 class _UnitLeaves(fx.Tracer):
-    """Traces the model's own code, but not into its unit modules: each unit is one call_module node."""
+    """Traces the model's own code, but not into its unit modules: each unit module is one call_module node. An
+    `assert` on the input's shape (`assert t <= self.block_size`) is traced as a torch._assert node, not refused as
+    control flow (to_bool)."""
 
     def __init__(self, leaves: set[str]) -> None:
         super().__init__()
         self.leaves = leaves
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """fx asks this when a traced value is used as a bool. In an `assert` statement (the calling frame's next
+        instructions: a jump if true, then loading AssertionError) it records torch._assert and lets the trace go
+        on; fx's own trace_asserts reads Python 3.10's opcode names, which 3.11 renamed (POP_JUMP_FORWARD_IF_TRUE)."""
+        frame = inspect.currentframe()
+        caller = frame.f_back.f_back if frame and frame.f_back else None   # to_bool <- Proxy.__bool__ <- user code
+        if caller is not None:
+            code = list(dis.get_instructions(caller.f_code))
+            at = next((i for i, ins in enumerate(code) if ins.offset >= caller.f_lasti), len(code) - 1)
+            jump, after = code[at], code[at + 1] if at + 1 < len(code) else None
+            if ("JUMP" in jump.opname and "IF_TRUE" in jump.opname and after is not None
+                    and (after.opname == "LOAD_ASSERTION_ERROR" or after.argval == "AssertionError")):
+                self.create_proxy("call_function", traceable_assert(), (obj, "assertion in the model's forward"), {})
+                return True
+        return super().to_bool(obj)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
@@ -119,19 +140,19 @@ class _UnitLeaves(fx.Tracer):
 def _chain_support(model: nn.Module, units: Units) -> str:
     if not units:
         return "no: the profile has no units"
-    for name, mods in units:
-        if len(mods) != 1:
-            return f"no: unit {name} is several modules ({'+'.join(mods)}); a chain stage runs one module per unit"
-    module_unit = {mods[0]: name for name, mods in units}
+    module_unit = {m: name for name, mods in units for m in mods}
     try:
         graph = _UnitLeaves(set(module_unit)).trace(model)
     except Exception as exc:
         return f"no: torch.fx cannot trace its forward ({_one_line(exc)})"
     order = [name for name, _ in units]
-    verdict = _chain_verdict(model, graph, order, module_unit)
+    grouped = next((f"unit {name} is several modules ({'+'.join(mods)})" for name, mods in units if len(mods) != 1),
+                   None)
+    verdict = grouped or _chain_verdict(model, graph, order, module_unit)
     if verdict is None:
         return CHAIN
-    return TRACED if _traced_blocker(model, graph, order, module_unit) is None else f"no: {verdict}"
+    blocker = _traced_blocker(model, graph, units, module_unit)
+    return TRACED if blocker is None else f"no: {blocker if grouped else verdict}"
 
 
 def trace_units(model: nn.Module, unit_modules: Sequence[str]) -> fx.Graph:
@@ -140,18 +161,25 @@ def trace_units(model: nn.Module, unit_modules: Sequence[str]) -> fx.Graph:
     return _UnitLeaves(set(unit_modules)).trace(model)
 
 
-def _traced_blocker(model: nn.Module, graph: fx.Graph, order: list[str], module_unit: dict[str, str]) -> str | None:
+def _traced_blocker(model: nn.Module, graph: fx.Graph, units: Units, module_unit: dict[str, str]) -> str | None:
     """Why the traced graph cannot be cut into stages at unit boundaries (executor.traced_stages), or None: every
-    unit runs once, in order; the forward returns one value and reads one input; modules it calls outside the
-    units hold no parameters (a stage could not say whose they are)."""
+    unit module runs once, a unit's modules one after another, the units in order; the forward reads one input and
+    returns one value (a model that computes its own loss: its input and targets, and what it returns with the
+    loss in it, losses.takes_targets); modules it calls outside the units hold no parameters (a stage could not say
+    whose they are)."""
     nodes = list(graph.nodes)
-    ran = [module_unit[str(n.target)] for n in nodes if n.op == "call_module" and str(n.target) in module_unit]
-    if ran != order:
-        return "its units do not each run once, in order"
+    ran = [str(n.target) for n in nodes if n.op == "call_module" and str(n.target) in module_unit]
+    if sorted(ran) != sorted(module_unit) or len(set(ran)) != len(ran):
+        return "its unit modules do not each run once"
+    in_order = [u for i, u in enumerate(module_unit[m] for m in ran) if i == 0 or module_unit[ran[i - 1]] != u]
+    if in_order != [name for name, _ in units]:
+        return "its units do not run one after another, in order"
+    own = takes_targets(model)
     output = next(n for n in nodes if n.op == "output")
-    if not isinstance(output.args[0], fx.Node):
+    if not own and not isinstance(output.args[0], fx.Node):
         return "its forward returns several values"
-    if len([n for n in nodes if n.op == "placeholder" and n.users]) != 1:
+    read = [str(n.target) for n in nodes if n.op == "placeholder" and n.users]
+    if len(read) != 1 and not (own and len(read) == 2 and read[1] == TARGETS):
         return "its forward reads more than one input"
     for n in nodes:
         if n.op == "call_module" and str(n.target) not in module_unit:

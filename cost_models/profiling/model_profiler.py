@@ -38,7 +38,7 @@ import psutil
 import torch
 from torch import nn
 
-from cost_models.models.losses import loss_kind
+from cost_models.models.losses import loss_kind, synthetic_token_targets, takes_targets
 from cost_models.models.pipelining import pipeline_support
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.models.tp_shape import tp_shape
@@ -160,6 +160,12 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
         torch.set_num_threads(previous)
 
 
+def _as_trained(model: nn.Module, inputs: tuple[torch.Tensor, ...], vocab: int | None) -> tuple[torch.Tensor, ...]:
+    """The forward's arguments as training calls it: a model that computes its own loss also takes its targets
+    (losses.takes_targets), so its training branch is what is measured, not an inference branch."""
+    return (*inputs, synthetic_token_targets(inputs[0], vocab)) if takes_targets(model) else inputs
+
+
 def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str, meta: bool, device: str, units,
              warmup: int, repeats: int, command: str, on_progress: ProgressFn | None,
              on_estimate: Callable[[float], None] | None) -> ModelProfile:
@@ -185,7 +191,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
     model.train()
     inputs = source.example_input(model, micro_batch_size, seq_len, device)
     in_kind, vocab = source_input_kind(source, model, inputs, seq_len)
-    loss = loss_kind(in_kind)
+    loss, inputs = loss_kind(in_kind), _as_trained(model, inputs, vocab if in_kind == "tokens" else None)
     excluded = {storage_id(t) for t in list(model.parameters()) + list(model.buffers())}
 
     with contextlib.ExitStack() as stack:

@@ -7,7 +7,7 @@ Where torch 2.13 has a public equivalent it is used instead (ProcessGroup.set_ti
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -99,7 +99,13 @@ def keys_to_ignore_unexpected(model: nn.Module) -> list[str]:
     return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
 
 
-def _unsharded_class(model: nn.Module) -> nn.Module:
+def traceable_assert():
+    """torch._assert: Python's assert as a function torch.fx can record (documented in torch.fx's tracing notes,
+    underscored in torch 2.13)."""
+    return torch._assert
+
+
+def _unsharded_class(model: Any) -> Any:
     """`model` as its own class: FSDP2's fully_shard gives the module a class made on the fly, FSDP<Name> deriving
     from FSDPModule and the original (torch/distributed/fsdp/_fully_shard/_fully_shard.py), and transformers looks
     conversions up by class name. A shallow copy of the original class is made (FSDPModule's own copy protocol
