@@ -301,3 +301,35 @@ def test_manual_plans_and_plan_files_refuse_pipelines_of_such_a_model():
     loaded = Plan.from_dict(old)                      # a plan written before: each unit is its own module
     check_plan(loaded)
     assert loaded.model.unit_modules == () and loaded.model.pipelining == ""
+
+
+CUT_MODELS = ("tests.custom_models:make_scaled", "tests.custom_models:make_posnet",
+              "tests.custom_models:make_residual2", "tests.custom_models:make_skipnet",
+              "tests.custom_models:make_nanogpt", FAMILIES_TINY["gemma"], FAMILIES_TINY["opt"])
+
+
+@pytest.mark.parametrize("ref", CUT_MODELS)
+def test_p2p_bytes_predicted_equal_what_the_stages_send(ref):
+    """Every cut of models with work between units (a scaled embedding, a position table, a residual across units,
+    a skip input, a model's own loss whose targets ride to the last stage; Gemma's scaled embedding, OPT's position
+    table): the estimate's bytes a stage sends equal the bytes of the tensors the executor's stages hand on (their
+    static shapes, stage_io_shapes)."""
+    from cost_models.cost.estimate import estimate
+    from cost_models.models.losses import takes_targets
+    from executor.runtime import stage_io_shapes
+    if ref.startswith("hf:"):
+        pytest.importorskip("transformers")
+    source = resolve(ref)
+    prof = profile_model(source, micro_batch_size=2, seq_len=8, meta=True)
+    assert prof.pipelining in ("traced", "hf-decoder")
+    names = [u.name for u in prof.units]
+    units = UnitMap.of(names, [u.modules for u in prof.units])
+    meta = source.build(device="meta", dtype=torch.float32)
+    example = source.example_input(meta, 2, 8, "cpu")[0]
+    for cut in range(1, len(names)):
+        s = Strategy(dp=1, pp=2, zero=0, schedule="1f1b", microbatches=2, micro_batch_size=2, v=1,
+                     stages=(tuple(names[:cut]), tuple(names[cut:])), precision="fp32", optimizer="adamw")
+        io = stage_io_shapes(meta, s, units, prof.pipelining, example, own_loss=takes_targets(meta))
+        sent = sum(t.numel() * t.element_size() for t in io[0][1])
+        predicted = estimate(s, prof, preset("dgx-a100")).stages[0].boundary_bytes
+        assert (cut, predicted) == (cut, sent)

@@ -24,11 +24,12 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
 from torch import fx, nn
 
 from cost_models.models.losses import TARGETS, takes_targets
 from cost_models.records.profile import PIPELINE_KINDS
-from cost_models.torch_compat.torch_private import traceable_assert
+from cost_models.torch_compat.torch_private import traceable_assert, tree_leaves
 
 Units = Sequence[tuple[str, tuple[str, ...]]]
 
@@ -159,6 +160,44 @@ def trace_units(model: nn.Module, unit_modules: Sequence[str]) -> fx.Graph:
     """The model's forward as an fx graph with every unit module one call_module node (executor.traced_stages cuts
     it into stages)."""
     return _UnitLeaves(set(unit_modules)).trace(model)
+
+
+def traced_edges(model: nn.Module, units: Units, inputs: Sequence[Any]) -> list[tuple[int, int, int]]:
+    """(src unit, dst unit, bytes) of every value executor.traced_stages hands between stages, from the traced
+    graph run on `inputs` (meta tensors suffice): a value whose latest unit ancestor is unit p (0 where it depends on
+    the input alone: it is made on the first stage) and whose users reach unit q > p crosses every cut after units
+    p..q-1, as the stage rule places it (a stage runs an operation once it has all its inputs). So work between
+    units (a scaled residual, a position table added) is counted as what actually travels, not as nothing."""
+    module_unit = {m: i for i, (_, mods) in enumerate(units) for m in mods}
+    graph = trace_units(model, list(module_unit))
+    sizes = _node_bytes(model, graph, inputs)
+    last_unit: dict[fx.Node, int] = {}
+    for n in graph.nodes:
+        own = module_unit.get(str(n.target), -1) if n.op == "call_module" else -1
+        last_unit[n] = max([own, *(last_unit[i] for i in n.all_input_nodes)], default=-1)
+    edges: dict[tuple[int, int], int] = {}
+    for n in graph.nodes:
+        if n.op in ("get_attr", "output") or not n.users:
+            continue
+        src = max(last_unit[n], 0)
+        dst = max(len(units) - 1 if u.op == "output" else last_unit[u] for u in n.users)
+        if dst > src and sizes.get(n):
+            edges[src, dst] = edges.get((src, dst), 0) + sizes[n]
+    return [(a, b, nbytes) for (a, b), nbytes in sorted(edges.items())]
+
+
+def _node_bytes(model: nn.Module, graph: fx.Graph, inputs: Sequence[Any]) -> dict[fx.Node, int]:
+    """The bytes of the tensors each node of `graph` makes, from running it (torch.fx.Interpreter) on `inputs`."""
+    sizes: dict[fx.Node, int] = {}
+
+    class _Sizes(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            value = super().run_node(n)
+            sizes[n] = sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+            return value
+    with torch.no_grad():
+        _Sizes(fx.GraphModule(model, graph)).run(*inputs)
+    return sizes
 
 
 def _traced_blocker(model: nn.Module, graph: fx.Graph, units: Units, module_unit: dict[str, str]) -> str | None:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from cost_models.models.losses import loss_kind, synthetic_token_targets, takes_targets
-from cost_models.models.pipelining import pipeline_support
+from cost_models.models.pipelining import HF_DECODER, TRACED, pipeline_support, traced_edges
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.models.tp_shape import tp_shape
 from cost_models.profiling.counting import ModuleResult, UnitResults, count_module
@@ -160,6 +160,21 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
         torch.set_num_threads(previous)
 
 
+def _stage_edges(model: nn.Module, pipelining: str, units, inputs, edges: tuple[UnitEdge, ...]) -> tuple[UnitEdge, ...]:
+    """The data flow a pipeline's stages send: for traced stages, every value that crosses a cut, work between the
+    units included (pipelining.traced_edges); for a transformers decoder, the hidden states its adapter hands on at
+    every cut (executor.hf_stages), the first layer's input; a chain's units hand on their outputs (the captured
+    `edges`)."""
+    if pipelining == TRACED:
+        with torch.no_grad():
+            return tuple(UnitEdge(src=a, dst=b, bytes=n) for a, b, n in traced_edges(model, units, inputs))
+    if pipelining == HF_DECODER:
+        hidden = next((e.bytes for e in edges if e.src == 1 and e.dst == 2), None)
+        if hidden is not None:
+            return tuple(UnitEdge(src=i, dst=i + 1, bytes=hidden) for i in range(len(units) - 1))
+    return edges
+
+
 def _as_trained(model: nn.Module, inputs: tuple[torch.Tensor, ...], vocab: int | None) -> tuple[torch.Tensor, ...]:
     """The forward's arguments as training calls it: a model that computes its own loss also takes its targets
     (losses.takes_targets), so its training branch is what is measured, not an inference branch."""
@@ -211,6 +226,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
     unit_profiles, shared = _account_params(model, unit_results, rules)
     # whether the executor can cut stages that compute what this forward computes (planner: else pp = 1 only)
     pipelining = pipeline_support(model, [(name, mods) for name, mods, _ in unit_results])
+    edges = _stage_edges(model, pipelining, [(name, mods) for name, mods, _ in unit_results], inputs, edges)
     total_params = sum(p.numel() for p in model.parameters())
     assigned = sum(u.params for u in unit_profiles)
     largest = max(unit_profiles, key=lambda u: (u.params, u.fwd_flops))
