@@ -56,7 +56,9 @@ def test_real_mode_timings(tiny_profiles):
     prof = tiny_profiles["gpt-tiny", False]
     for u in prof.units:
         t = u.fwd_time
-        assert t is not None and t.repeats == 3
+        # 3 repeats; identical blocks timed under changing load are re-timed together and pooled (timing_notes
+        # says so), each then holding every block's samples: 3 per block
+        assert t is not None and (t.repeats == 3 or (prof.timing_notes and t.repeats % 3 == 0))
         assert 0 < t.min_s <= t.median_s <= t.max_s
         assert u.bwd_time.median_s > 0
 

@@ -160,19 +160,20 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
         torch.set_num_threads(previous)
 
 
-def _stage_edges(model: nn.Module, pipelining: str, units, inputs, edges: tuple[UnitEdge, ...]) -> tuple[UnitEdge, ...]:
-    """The data flow a pipeline's stages send: for traced stages, every value that crosses a cut, work between the
+def _pipelining(model: nn.Module, units, inputs, edges: tuple[UnitEdge, ...]) -> tuple[str, tuple[UnitEdge, ...]]:
+    """Whether the executor can cut stages that compute what this forward computes (planner: else pp = 1 only), and
+    the data flow its stages send: for traced stages, every value that crosses a cut, work between the
     units included (pipelining.traced_edges); for a transformers decoder, the hidden states its adapter hands on at
     every cut (executor.hf_stages), the first layer's input; a chain's units hand on their outputs (the captured
     `edges`)."""
+    pipelining = pipeline_support(model, units)
     if pipelining == TRACED:
         with torch.no_grad():
-            return tuple(UnitEdge(src=a, dst=b, bytes=n) for a, b, n in traced_edges(model, units, inputs))
-    if pipelining == HF_DECODER:
-        hidden = next((e.bytes for e in edges if e.src == 1 and e.dst == 2), None)
-        if hidden is not None:
-            return tuple(UnitEdge(src=i, dst=i + 1, bytes=hidden) for i in range(len(units) - 1))
-    return edges
+            return pipelining, tuple(UnitEdge(src=a, dst=b, bytes=n) for a, b, n in traced_edges(model, units, inputs))
+    hidden = next((e.bytes for e in edges if e.src == 1 and e.dst == 2), None)
+    if pipelining == HF_DECODER and hidden is not None:
+        return pipelining, tuple(UnitEdge(src=i, dst=i + 1, bytes=hidden) for i in range(len(units) - 1))
+    return pipelining, edges
 
 
 def _as_trained(model: nn.Module, inputs: tuple[torch.Tensor, ...], vocab: int | None) -> tuple[torch.Tensor, ...]:
@@ -224,9 +225,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
     # the optimizer's step, timed on this device (compute.optimizer_step_time prices a rank's update from it)
     optimizers = () if meta else time_optimizers(model, torch.device(device), warmup=warmup, repeats=repeats)
     unit_profiles, shared = _account_params(model, unit_results, rules)
-    # whether the executor can cut stages that compute what this forward computes (planner: else pp = 1 only)
-    pipelining = pipeline_support(model, [(name, mods) for name, mods, _ in unit_results])
-    edges = _stage_edges(model, pipelining, [(name, mods) for name, mods, _ in unit_results], inputs, edges)
+    pipelining, edges = _pipelining(model, [(name, mods) for name, mods, _ in unit_results], inputs, edges)
     total_params = sum(p.numel() for p in model.parameters())
     assigned = sum(u.params for u in unit_profiles)
     largest = max(unit_profiles, key=lambda u: (u.params, u.fwd_flops))
