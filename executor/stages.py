@@ -201,4 +201,12 @@ def state_maps(model: nn.Module, held: Sequence[nn.Module],
     buffers = {f"{mod_name}.{name}" if mod_name else name: b
                for mod_name, mod in model.named_modules() if id(mod) in held_modules
                for name, b in persistent_buffers(mod)}
+    # likewise a persistent buffer read outside the units (a root's mixing vector): the stage that reads it holds it
+    persistent = {f"{mod_name}.{name}" if mod_name else name for mod_name, mod in model.named_modules()
+                  for name, _ in persistent_buffers(mod)}
+    for m in held:
+        if isinstance(m, fx.GraphModule):
+            for name, b in m.named_buffers():
+                if name in persistent and name not in buffers:
+                    buffers[name] = b
     return params, buffers

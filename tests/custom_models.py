@@ -156,6 +156,23 @@ def make_posnet() -> nn.Module:
     return PosNet()
 
 
+class BufNet(TinyLM):
+    """TinyLM whose forward scales block 0's output by a persistent buffer of the root (a mixing vector, saved in
+    its state_dict and read between units, on no unit's stage by itself)."""
+
+    def __init__(self, vocab: int = 50, d: int = 16) -> None:
+        super().__init__(vocab, d)
+        self.register_buffer("mix", torch.linspace(0.5, 1.5, d))
+
+    def forward(self, ids):
+        x = self.blocks[0](self.emb(ids)) * self.mix
+        return self.head(self.blocks[1](x))
+
+
+def make_bufnet() -> nn.Module:
+    return BufNet()
+
+
 class Residual2(TinyLM):
     """Four blocks; block 0's output is added again after block 2 (a residual kept across two units)."""
 

@@ -150,3 +150,27 @@ def test_a_model_that_takes_targets_is_profiled_on_its_training_branch_and_pipel
     head = prof.units[-1]
     assert head.fwd_flops == 2 * b * s * d * vocab          # every position (the inference branch: one)
     assert head.output_bytes == b * s * vocab * 4           # fp32 logits of every position
+
+
+@pytest.mark.slow
+def test_a_pipelined_checkpoint_holds_a_buffer_read_between_units_so_it_exports_and_resumes_into_pp1(tmp_path):
+    """BufNet's root buffer is read between its units: PP2 1F1B saves it with the stage that reads it, so the
+    checkpoint exports, and resumed under ZeRO-0 over 2 ranks the run goes on as one process does."""
+    from safetensors.torch import load_file
+
+    from executor.launch import RunConfig, launch
+    ref = "tests.custom_models:make_bufnet"
+    prof = profile_model(resolve(ref), micro_batch_size=2, seq_len=8, meta=True)
+    units = [u.name for u in prof.units]
+    cfg = TrainConfig(model_source=ref, seq_len=8, input_kind="tokens", steps=4, warmup=0, seed=2, lr=1e-2,
+                      unit_modules=tuple(u.modules for u in prof.units))
+    reference = single_process_losses(_zero(units, 1, 0, m=1), cfg)
+    ck = tmp_path / "ck"
+    first = launch(plan_for(_pipe(units, "1f1b"), prof), RunConfig(steps=2, warmup=0, seed=2, lr=1e-2,
+                                                                   checkpoint_dir=str(ck)))
+    assert list(first.losses) == pytest.approx(reference[:2], rel=1e-5)
+    res = CliRunner().invoke(app, ["export", str(ck), "-o", str(tmp_path / "w.safetensors")])
+    assert res.exit_code == 0, res.output
+    assert torch.equal(load_file(tmp_path / "w.safetensors")["mix"], torch.linspace(0.5, 1.5, 16))
+    resumed = launch(plan_for(_zero(units, 2, 0), prof), RunConfig(steps=4, warmup=0, resume=str(ck)))
+    assert list(resumed.losses) == pytest.approx(reference[2:], rel=1e-5)

@@ -333,3 +333,22 @@ def test_p2p_bytes_predicted_equal_what_the_stages_send(ref):
         sent = sum(t.numel() * t.element_size() for t in io[0][1])
         predicted = estimate(s, prof, preset("dgx-a100")).stages[0].boundary_bytes
         assert (cut, predicted) == (cut, sent)
+
+
+def test_a_buffer_read_between_units_belongs_to_the_stage_that_reads_it():
+    """BufNet scales block 0's output by a root buffer: whatever the cut, the stages' state maps hold every
+    persistent buffer of the model once, under its own name, so checkpoints hold it (export, resume into pp = 1)."""
+    from executor.stages import canonical_names, state_maps
+    source = resolve("tests.custom_models:make_bufnet")
+    prof = profile_model(source, micro_batch_size=2, seq_len=8, meta=True)
+    assert prof.pipelining == "traced"
+    names = [u.name for u in prof.units]
+    units = UnitMap.of(names, [u.modules for u in prof.units])
+    model = source.build(device="cpu", dtype=torch.float32)
+    wanted = {n for n in model.state_dict() if n not in dict(model.named_parameters())}
+    assert wanted == {"mix"}
+    for cut in range(1, len(names)):
+        stages = (tuple(names[:cut]), tuple(names[cut:]))
+        built = build_stages(model, stages, [0, 1], units=units, support="traced", recompute=())
+        held = [set(state_maps(model, [stage], canonical_names(model))[1]) for stage in built]
+        assert sorted(held[0] | held[1]) == ["mix"] and not held[0] & held[1], cut
