@@ -96,6 +96,8 @@ def export(path: Path, *, hf_dir: Path | None, output: Path | None, overwrite: b
     model = resolve(source).build(device="cpu" if fmt == HF else "meta", dtype=dtype)
     tensors = matched(tensors, model, f"checkpoint {step_dir} (model {source})")
     labels = {"zeropipe_source": source, "step": str(meta.step)}
+    if fmt != HF:   # save_pretrained writes a tie its own way (from_pretrained ties it again)
+        tensors = with_aliases(tensors, model)
     publish(target, partial(save_hf, model, tensors) if fmt == HF else partial(save_safetensors, tensors,
                                                                                  metadata=labels))
     return ExportResult(checkpoint=str(step_dir), step=meta.step, source=source, format=fmt, path=str(target),
@@ -151,6 +153,14 @@ def matched(tensors: dict[str, torch.Tensor], model: nn.Module, what: str) -> di
             raise layout.CheckpointError(f"{what} holds {MODEL_PREFIX}{key} of shape {list(tensors[key].shape)}, "
                                          f"the model's is {list(shapes[key])}; was it written for another config?")
     return {key: tensors[key] for key in wanted}
+
+
+def with_aliases(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """`tensors` with every key the model's own state_dict has, in its order: a tied parameter's aliases
+    (nanoGPT's lm_head.weight, tied to transformer.wte.weight) as copies, since safetensors stores no shared
+    tensors, so that a strict load_state_dict of the file succeeds."""
+    return {key: tensors[first] if key == first else tensors[first].clone()
+            for key, first in canonical_keys(model).items()}
 
 
 def _more(keys: list[str]) -> str:

@@ -85,14 +85,19 @@ def test_safetensors_export_holds_every_model_tensor_under_its_own_name(tmp_path
     step_dir = make_checkpoint(tmp_path / "ck", ZOO, state, step=4)
     got = _export(tmp_path / "ck", "-o", tmp_path / "out" / "w.safetensors")   # the folder: its latest checkpoint
     n_params = sum(p.numel() for p in model.parameters())
+    # gpt-tiny ties its head to the embedding: the alias is written too (a copy), as the model's state_dict has it
+    aliases = {k: state[first] for k, first in canonical_keys(model).items() if k != first}
+    assert list(aliases) == ["head.lm_head.weight"]
+    every = {**state, **aliases}
     assert got == {"checkpoint": str(step_dir), "step": 4, "source": ZOO, "format": "safetensors",
-                   "path": str(tmp_path / "out" / "w.safetensors"), "tensors": len(state), "parameters": n_params,
-                   "bytes": sum(t.numel() * 4 for t in state.values()), "dtype": "float32"}
+                   "path": str(tmp_path / "out" / "w.safetensors"), "tensors": len(every), "parameters": n_params,
+                   "bytes": sum(t.numel() * 4 for t in every.values()), "dtype": "float32"}
     written = load_file(tmp_path / "out" / "w.safetensors")
-    assert list(written) == sorted(state) and all(torch.equal(written[k], v) for k, v in state.items())
-    # every parameter of the model, once (gpt-tiny ties its head to the embedding), and no optimizer state
-    assert set(written) == {n for n, _ in model.named_parameters()}
-    assert not any(k.startswith(("optim.", "model.")) for k in written)
+    assert sorted(written) == sorted(every) and all(torch.equal(written[k], v) for k, v in every.items())
+    assert not any(k.startswith(("optim.", "model.")) for k in written)   # no optimizer state, no prefix
+    fresh = resolve(ZOO).build(device="cpu", dtype=torch.float32, seed=6)
+    fresh.load_state_dict(written, strict=True)   # every key the model's own state_dict has
+    assert all(torch.equal(p, state[n]) for n, p in fresh.named_parameters())
     with safe_open(tmp_path / "out" / "w.safetensors", "pt") as fh:
         assert fh.metadata() == {"zeropipe_source": ZOO, "step": "4"}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["w.safetensors"]   # no temporary left
@@ -103,10 +108,10 @@ def test_safetensors_export_holds_every_model_tensor_under_its_own_name(tmp_path
     res = runner.invoke(app, ["export", str(step_dir)])
     assert res.exit_code == 0, res.stderr
     assert res.stdout.strip() == (f"exported step 4 of {ZOO} to a safetensors file, model.safetensors: "
-                                  f"{len(state)} tensors, {n_params:,} parameters, "
+                                  f"{len(every)} tensors, {n_params:,} parameters, "
                                   f"{size(got['bytes'])} (float32)")
     default = load_file("model.safetensors")        # in the current folder
-    assert default.keys() == state.keys() and all(torch.equal(default[k], v) for k, v in state.items())
+    assert default.keys() == every.keys() and all(torch.equal(default[k], v) for k, v in every.items())
 
 
 def test_refusals_are_one_line_before_anything_is_written(tmp_path, zoo_state):
@@ -128,7 +133,8 @@ def test_refusals_are_one_line_before_anything_is_written(tmp_path, zoo_state):
     (step_dir / layout.SIG_NAME).unlink()
     assert "is not signed" in _refused(step_dir, "-o", tmp_path / "u.safetensors")
     assert not (tmp_path / "u.safetensors").exists()
-    assert _export(step_dir, "-o", tmp_path / "u.safetensors", "--trust-checkpoint")["tensors"] == len(state)
+    trusted = _export(step_dir, "-o", tmp_path / "u.safetensors", "--trust-checkpoint")
+    assert trusted["tensors"] == len(state) + 1   # and the tied alias
     # a damaged file is named
     shard = next(step_dir.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-10])
