@@ -286,8 +286,8 @@ def _checkpoint_folder(root: Path, start: int, overwrite: bool, *, lock: bool) -
 
 def _check_model(plan: Plan):
     """Before any rank starts: the plan's model builds (on the meta device: no memory), its stages hold all of it
-    (executor.stages.check_covers_model), and a pipeline plan's model can be pipelined
-    (cost_models.models.pipelining). Returns the meta model."""
+    (executor.stages.check_covers_model), a pipeline plan's model can be pipelined
+    (cost_models.models.pipelining), and its output is one training can take a loss on. Returns the meta model."""
     model = resolve(plan.model.source).build(device="meta", dtype=DTYPES["fp32"])
     units = UnitMap.of(plan.model.units, plan.model.unit_modules)
     support = ""
@@ -297,6 +297,9 @@ def _check_model(plan: Plan):
             raise ConfigError(f"{plan.model.name} cannot be pipelined: {support.removeprefix('no: ')}; plan it "
                               f"with pp=1 (planner plan does not offer pipelines for it)")
     check_covers_model(model, plan.strategy.stages, units, model_level=plan.strategy.pp == 1 or support == "traced")
+    example = resolve(plan.model.source).example_input(model, 1, plan.model.seq_len, "cpu")[0]
+    with meta_forward_context(), torch.no_grad():   # a loss can be taken on what it returns (one line if not)
+        example_logits(model, example.to("meta"))
     return model
 
 

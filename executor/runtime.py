@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.models.losses import own_loss, takes_targets
+from cost_models.models.losses import output_refusal, own_loss, takes_targets
 from cost_models.models.pipelining import pipeline_support
 from cost_models.models.source import meta_forward_context
 from cost_models.records.errors import ConfigError
@@ -397,8 +397,7 @@ def logits_of(output) -> torch.Tensor:
     logits = getattr(output, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
-    raise ConfigError(f"the model returned {type(output).__name__}, which is neither a tensor nor has .logits; "
-                      "pass apply_plan(loss_fn=...) a loss that takes it")
+    raise ConfigError(output_refusal(output, own=False) or f"the model returned {type(output).__name__}")
 
 
 def example_logits(model: nn.Module, example: torch.Tensor) -> torch.Tensor:
@@ -408,6 +407,7 @@ def example_logits(model: nn.Module, example: torch.Tensor) -> torch.Tensor:
     if not takes_targets(model):
         return logits_of(model(example))
     out = model(example, example)
+    own_loss(out)   # one line if it returns no loss
     logits = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)
               and t.dim() >= 2]
     if not logits:

@@ -173,6 +173,18 @@ def make_bufnet() -> nn.Module:
     return BufNet()
 
 
+class PairOut(TinyLM):
+    """TinyLM whose forward returns (logits, their mean): neither logits nor a loss training could take."""
+
+    def forward(self, ids):
+        logits = super().forward(ids)
+        return logits, logits.mean()
+
+
+def make_pair_out() -> nn.Module:
+    return PairOut()
+
+
 class Residual2(TinyLM):
     """Four blocks; block 0's output is added again after block 2 (a residual kept across two units)."""
 

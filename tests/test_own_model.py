@@ -174,3 +174,24 @@ def test_a_pipelined_checkpoint_holds_a_buffer_read_between_units_so_it_exports_
     assert torch.equal(load_file(tmp_path / "w.safetensors")["mix"], torch.linspace(0.5, 1.5, 16))
     resumed = launch(plan_for(_zero(units, 2, 0), prof), RunConfig(steps=4, warmup=0, resume=str(ck)))
     assert list(resumed.losses) == pytest.approx(reference[2:], rel=1e-5)
+
+
+def test_an_output_no_loss_can_be_taken_on_is_refused_at_profile_time_and_before_ranks_start(tmp_path):
+    """A forward returning (logits, mean) would fail on a rank after start-up: the profiler refuses it in one line
+    naming the wrapper to write, and so does the launcher for a plan made with another model's profile."""
+    from executor.launch import RunConfig, launch
+    res = CliRunner().invoke(app, ["profile", "--model", "tests.custom_models:make_pair_out", "--meta",
+                                   "--seq-len", "8", "-b", "2", "-o", str(tmp_path / "p.json"),
+                                   "--cluster", "none"])
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and not (tmp_path / "p.json").exists(), res.output
+    assert lines[0] == (
+        "error: make_pair_out: its forward returns a tuple, not a tensor of logits (or an output with .logits); wrap "
+        "the model in a module whose forward returns the logits, or give its forward a `targets` parameter and "
+        "return (logits, loss) when targets are given")
+    import dataclasses
+    prof = profile_model(resolve("tests.custom_models:make_tiny_lm"), micro_batch_size=2, seq_len=8, meta=True)
+    prof = dataclasses.replace(prof, source="tests.custom_models:make_pair_out")   # the same modules, other output
+    plan = plan_for(_zero([u.name for u in prof.units], 2, 0), prof)
+    with pytest.raises(Exception, match=r"^its forward returns a tuple, not a tensor of logits"):
+        launch(plan, RunConfig(steps=1, warmup=0))

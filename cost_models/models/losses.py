@@ -75,3 +75,20 @@ def synthetic_target(kind: str, output: torch.Tensor, *, seed: int = 4321) -> to
     else:
         target = torch.randn(tuple(output.shape), generator=gen)
     return target.to(output.device)
+
+
+def output_refusal(output: Any, *, own: bool) -> str | None:
+    """Why training cannot take a loss on what the forward returned, or None: a model with its own loss must return
+    one (own_loss); any other must return its logits, as a tensor or an output's `.logits`. The reason says what
+    wrapper to write."""
+    if own:
+        try:
+            own_loss(output)
+            return None
+        except ConfigError as exc:
+            return str(exc)
+    if isinstance(output, torch.Tensor) or isinstance(getattr(output, "logits", None), torch.Tensor):
+        return None
+    return (f"its forward returns a {type(output).__name__}, not a tensor of logits (or an output with .logits); "
+            f"wrap the model in a module whose forward returns the logits, or give its forward a `{TARGETS}` "
+            f"parameter and return (logits, loss) when targets are given")

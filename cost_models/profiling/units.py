@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from cost_models.models.losses import output_refusal, takes_targets
 from cost_models.profiling.flops import flop_counter
 from cost_models.profiling.tensors import tensor_bytes
 from cost_models.records.errors import ConfigError, ProfileError
@@ -137,11 +138,13 @@ def find_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_name: s
     capture = Capture(watched, model_fc)
     try:
         with torch.no_grad(), model_fc:
-            model(*inputs)
+            refusal = output_refusal(model(*inputs), own=takes_targets(model))
     except Exception as exc:
         raise ProfileError(f"the forward pass of {model_name} failed: {type(exc).__name__}: {exc}") from None
     finally:
         capture.remove()
+    if refusal:   # what training could not take a loss on: refused now, not on a rank after start-up
+        raise ProfileError(f"{model_name}: {refusal}")
     unit_defs = explicit or _derive_units(model, list_name, capture.order)
     for name, mods in unit_defs:
         for m in mods:
