@@ -195,3 +195,15 @@ def test_an_output_no_loss_can_be_taken_on_is_refused_at_profile_time_and_before
     plan = plan_for(_zero([u.name for u in prof.units], 2, 0), prof)
     with pytest.raises(Exception, match=r"^its forward returns a tuple, not a tensor of logits"):
         launch(plan, RunConfig(steps=1, warmup=0))
+
+
+def test_a_block_the_forward_runs_twice_is_counted_twice():
+    """Looped runs blocks.0 at two depths (ALBERT-style sharing): its unit does its work and keeps its activations
+    twice a step, so its counts are twice its twin blocks.1's (the same module class and shapes)."""
+    prof = profile_model(resolve("tests.custom_models:make_looped"), micro_batch_size=2, seq_len=8, meta=True)
+    units = {u.name: u for u in prof.units}
+    once, twice = units["blocks.1"], units["blocks.0"]
+    assert once.fwd_flops > 0 and once.saved_bytes > 0
+    assert (twice.fwd_flops, twice.bwd_flops, twice.saved_bytes) == (
+        2 * once.fwd_flops, 2 * once.bwd_flops, 2 * once.saved_bytes)
+    assert sum(u.fwd_flops for u in prof.units) == prof.model_fwd_flops   # the whole forward, every unit's share

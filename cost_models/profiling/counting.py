@@ -127,3 +127,21 @@ def count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, A
         dtype=dtype)
     res.split_kept_bytes = kept_after_split(module, module, captured, excluded, loss, res.target)
     return res
+
+
+def repeat_counts(results_by_unit: UnitResults, calls: dict[str, int]) -> None:
+    """A module the forward runs k times (weight sharing across depth: ALBERT, a looped block) does its work and
+    keeps its activations k times per step: its counts (measured on its first call) are scaled by k, in place,
+    assuming every call sees inputs of the first one's shapes (what such loops do)."""
+    for _, mods, results in results_by_unit:
+        for m, res in zip(mods, results):
+            k = calls.get(m, 1)
+            if k > 1:
+                res.fwd_flops, res.bwd_flops = k * res.fwd_flops, k * res.bwd_flops
+                res.saved_bytes, res.saved_fixed_bytes = k * res.saved_bytes, k * res.saved_fixed_bytes
+                res.saved_other_bytes, res.saved_other_fixed_bytes = (k * res.saved_other_bytes,
+                                                                      k * res.saved_other_fixed_bytes)
+                res.split_kept_bytes *= k
+                fwd, bwd = res.fwd_work, res.bwd_work
+                for _ in range(k - 1):
+                    res.fwd_work, res.bwd_work = res.fwd_work.plus(fwd), res.bwd_work.plus(bwd)

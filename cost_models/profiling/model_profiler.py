@@ -42,7 +42,7 @@ from cost_models.models.losses import loss_kind, synthetic_token_targets, takes_
 from cost_models.models.pipelining import HF_DECODER, TRACED, pipeline_support, traced_edges
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.models.tp_shape import tp_shape
-from cost_models.profiling.counting import ModuleResult, UnitResults, count_module
+from cost_models.profiling.counting import ModuleResult, UnitResults, count_module, repeat_counts
 from cost_models.profiling.flops import FusedAttentionOnMeta, attention_ops
 from cost_models.profiling.progress import Progress, ProgressFn
 from cost_models.profiling.split_backward import SPLIT_MEMO, split_kept_in_stages
@@ -92,6 +92,7 @@ def _measure_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_nam
             attention |= results[-1].attention
         results_by_unit.append((name, mods, results))
     split_kept_in_stages(model, unit_defs, capture, results_by_unit, excluded=excluded, loss=loss)
+    repeat_counts(results_by_unit, capture.calls)
     in_model: float = 1.0
     notes: tuple[str, ...] = ()
     if timed:

@@ -79,8 +79,19 @@ def time_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_un
             _time_into(res, model.get_submodule(m), capture.inputs[m], loss=loss if m == last else None,
                        warmup=warmup, repeats=repeats, batch=batch, tick=functools.partial(progress.tick, m))
     notes = pool_identical(model, results_by_unit, capture, last=last, batch=batch, repeats=repeats)
+    _repeat_times(results_by_unit, capture.calls)
     progress.unit("timing the whole model")
     return _in_model_factor(model, inputs, results_by_unit, loss=loss, warmup=warmup, repeats=repeats), notes
+
+
+def _repeat_times(results_by_unit: UnitResults, calls: dict[str, int]) -> None:
+    """A module the forward runs k times takes k times its measured time per step (counting.repeat_counts)."""
+    for _, mods, results in results_by_unit:
+        for m, res in zip(mods, results):
+            k = calls.get(m, 1)
+            if k > 1:
+                for samples in (res.fwd_times, res.bwd_times, res.fwd_times_one, res.bwd_times_one):
+                    samples[:] = [k * t for t in samples]
 
 
 # Identical units (the same modules, parameters and input shapes: a model's repeated blocks) do the same work, so

@@ -29,6 +29,7 @@ class Capture:
         self.inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self.outputs: dict[str, set[int]] = {}
         self.fwd_flops: dict[str, int] = {}
+        self.calls: dict[str, int] = {}      # how many times each ran in the forward (a block reused at two depths)
         self._flops_before: dict[str, int] = {}
         self._counter = counter
         self.keep_alive: list[torch.Tensor] = []
@@ -37,6 +38,7 @@ class Capture:
 
     def _pre(self, name: str):
         def hook(module, args, kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
             if name not in self.inputs:
                 self.order.append(name)
                 self.inputs[name] = (args, kwargs)
