@@ -185,6 +185,24 @@ def make_pair_out() -> nn.Module:
     return PairOut()
 
 
+class KeyedBlocks(TinyLM):
+    """TinyLM whose blocks live in an nn.ModuleDict keyed by name, run in the dict's order."""
+
+    def __init__(self, vocab: int = 50, d: int = 16) -> None:
+        super().__init__(vocab, d)
+        self.blocks = nn.ModuleDict({"early": Gated(d), "late": Gated(d)})
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(x)
+
+
+def make_keyed_blocks() -> nn.Module:
+    return KeyedBlocks()
+
+
 class Residual2(TinyLM):
     """Four blocks; block 0's output is added again after block 2 (a residual kept across two units)."""
 

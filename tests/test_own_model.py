@@ -207,3 +207,9 @@ def test_a_block_the_forward_runs_twice_is_counted_twice():
     assert (twice.fwd_flops, twice.bwd_flops, twice.saved_bytes) == (
         2 * once.fwd_flops, 2 * once.bwd_flops, 2 * once.saved_bytes)
     assert sum(u.fwd_flops for u in prof.units) == prof.model_fwd_flops   # the whole forward, every unit's share
+
+
+def test_blocks_in_a_module_dict_are_units():
+    prof = profile_model(resolve("tests.custom_models:make_keyed_blocks"), micro_batch_size=2, seq_len=8, meta=True)
+    assert [u.name for u in prof.units] == ["emb", "blocks.early", "blocks.late", "head"]
+    assert prof.pipelining == "chain"

@@ -5,7 +5,7 @@ the modules before and after it as the embedding and head units) or parsed from 
 them (which unit's output feeds which unit's input)."""
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,10 +60,20 @@ class Capture:
             h.remove()
 
 
+def _is_block_container(m: nn.Module) -> bool:
+    """An nn.ModuleList, or an nn.ModuleDict of blocks of one class (blocks keyed by name; a dict of unlike parts,
+    nanoGPT's `transformer` of embeddings, blocks and norm, is not one)."""
+    if isinstance(m, nn.ModuleList):
+        return len(m) > 0
+    return isinstance(m, nn.ModuleDict) and len(m) > 0 and len({type(c) for _, c in m.named_children()}) == 1
+
+
 def _largest_module_list(model: nn.Module) -> str:
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    """The model's block container (_is_block_container) holding the most parameters."""
+    lists = [(name, m) for name, m in model.named_modules() if name and _is_block_container(m)]
     if not lists:
-        raise ProfileError("the model has no nn.ModuleList to take pipeline units from; pass --units with module names")
+        raise ProfileError("the model has no nn.ModuleList or nn.ModuleDict of blocks to take pipeline units from; "
+                           "pass --units with module names")
     def size(item):
         return (sum(p.numel() for p in item[1].parameters()), len(item[1]))
     return max(lists, key=size)[0]
@@ -101,8 +111,9 @@ def _parse_units(spec: str | list[str], model: nn.Module) -> list[tuple[str, tup
 
 
 def _block_names(model: nn.Module, list_name: str) -> list[str]:
-    """The module names of the blocks in `list_name`, the nn.ModuleList _largest_module_list found."""
-    return [f"{list_name}.{i}" for i in range(len(cast(nn.ModuleList, model.get_submodule(list_name))))]
+    """The module names of the blocks in `list_name`, the container _largest_module_list found (a list's indices,
+    a dict's keys)."""
+    return [f"{list_name}.{key}" for key, _ in model.get_submodule(list_name).named_children()]
 
 
 def _derive_units(model: nn.Module, list_name: str, order: list[str]) -> list[tuple[str, tuple[str, ...]]]:
