@@ -7,10 +7,11 @@ trains the model itself (executor.runtime). With pp > 1 each rank builds the Sta
 cost_models.models.pipelining.pipeline_support (the profiler and planner use the same check):
   "chain"             the model's forward is exactly its units called one after another on one tensor (checked by
                       tracing it, not assumed): a stage calls its units in that order.
-  "hf-llama"/"hf-gpt2" an HF causal LM: a stage runs the model's own forward over the decoder layers it holds
-                      (executor.hf_stages), so positions, rotary embeddings and masks are computed as the model
-                      computes them.
-  "traced"            any other forward fx can trace that runs each unit once, in order: the traced graph is cut
+  "hf-decoder"        a transformers causal LM of any family: a stage runs the model's own forward over the decoder
+                      layers it holds (executor.hf_stages), so positions, rotary embeddings and masks are computed
+                      as the model computes them ("hf-llama"/"hf-gpt2" in older profiles: the same).
+  "traced"            any other forward fx can trace that runs each unit once, in order (a unit may be several
+                      modules; a model computing its own loss takes its targets too): the traced graph is cut
                       at the stage boundaries, each stage running the model's own operations between its units
                       (executor.traced_stages).
 Anything else is refused before ranks start; never a chain that skips code in the model's forward.

@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from cost_models.models.source import resolve
-from cost_models.models.tp_shape import custom_tp_plan, tp_shape
+from cost_models.models.tp_shape import check_rules, custom_tp_plan, tp_shape
 from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.errors import ConfigError, ModelSourceError
 from cost_models.records.profile import ModelProfile
+from cost_models.records.strategy import Strategy
 from cost_models.records.tensor_parallel import TPRule, TPShape, rules_for, style_of
 
 MODEL = "tests.test_tp_custom:tiny_model"
@@ -57,6 +58,38 @@ class TinyTP(nn.Module):
 
 def tiny_model() -> nn.Module:
     return TinyTP()
+
+
+class GluMLP(nn.Module):
+    """A gated MLP with one fused up-projection its forward cuts at the full width (an int attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.width = WIDTH
+        self.up = nn.Linear(DIM, 2 * WIDTH)
+        self.down = nn.Linear(WIDTH, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.up(x).split(self.width, dim=-1)
+        return self.down(a * torch.sigmoid(b))
+
+
+def glu_model() -> nn.Module:
+    model = TinyTP()
+    for block in model.blocks:
+        block.mlp = GluMLP()
+    return model
+
+
+def glu_plan(model: nn.Module) -> list:
+    """The fused projection split in 2 parts, and the width its forward cuts at divided by tp on every rank."""
+    return [("embed", "embedding"), ("blocks.*.norm", "norm"), ("blocks.*.mlp", "region"),
+            ("blocks.*.mlp.up", "colwise", 2), ("blocks.*.mlp.down", "rowwise"), ("out", "head"),
+            ("blocks.*.mlp.width", "local_width")]
+
+
+def glu_plan_without_width(model: nn.Module) -> list:
+    return glu_plan(model)[:-1]
 
 
 def tiny_plan(model: nn.Module) -> list:
@@ -132,7 +165,8 @@ def test_the_recorded_rules_split_the_model_as_the_plan_function_said():
 
 @pytest.mark.parametrize("fn, message", [
     ("plan_unknown_style", "--tp-plan tests.test_tp_custom:plan_unknown_style: unknown style 'columnwise' for "
-                           "'blocks.*.up'; use one of colwise, rowwise, embedding, head, norm, region, sp_entry"),
+                           "'blocks.*.up'; use one of colwise, rowwise, embedding, head, norm, region, sp_entry, "
+                           "local_width"),
     ("plan_matching_nothing", "--tp-plan tests.test_tp_custom:plan_matching_nothing: 'layers.*.mlp.up' matches "
                               "no module of TinyTP; patterns are module names (model.named_modules()) with * "
                               "wildcards"),
@@ -196,3 +230,40 @@ def test_the_planner_searches_tp_with_the_recorded_rules():
     from planner.search import plan
     found = plan(_profile(), preset("dgx-a100"), PlanRequest(gpus=8, global_batch_size=32, tp_degrees=(2,)))
     assert found.strategy.tp == 2
+
+
+def test_a_local_width_rule_is_checked_and_divides_tp():
+    with custom_tp_plan("tests.test_tp_custom:glu_plan"):
+        shape = tp_shape(_meta("tests.test_tp_custom:glu_model"))
+    assert shape.tp_plan.local_widths == ("blocks.*.mlp.width",)
+    assert all(r.style != "local_width" for r in shape.tp_plan.rules)
+    bad = [("blocks.*.mlp.wide", "local_width")]
+    with pytest.raises(ConfigError, match=r"local_width 'blocks.\*.mlp.wide': the modules 'blocks.\*.mlp' names need "
+                                          r"an int attribute 'wide'"):
+        check_rules(_meta("tests.test_tp_custom:glu_model"), tuple(TPRule(pattern=p, style=st) for p, st in bad), "f")
+
+
+@pytest.mark.slow
+def test_a_projection_cut_at_a_declared_width_trains_under_tp_like_one_process():
+    """Under tp = 2 each rank holds half of the fused projection: with the width declared local_width, its forward
+    cuts the local half and the run equals one process; without it, every rank fails, named in one line."""
+    from executor.launch import RunFailed, run_many
+    from executor.train import TrainConfig, single_process_losses
+    ref = "tests.test_tp_custom:glu_model"
+    results = {}
+    for plan in ("glu_plan", "glu_plan_without_width"):
+        with custom_tp_plan(f"tests.test_tp_custom:{plan}"):
+            prof = profile_model(resolve(ref), micro_batch_size=2, seq_len=8, meta=True)
+        units = tuple(u.name for u in prof.units)
+        cfg = TrainConfig(model_source=ref, seq_len=8, input_kind="tokens", steps=3, warmup=1, seed=1, lr=1e-2,
+                          tp_rules=prof.tensor_parallel.rules)
+        one = Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=4, v=1, stages=(units,),
+                       precision="fp32", optimizer="adamw")
+        tp2 = Strategy(**{**one.to_dict(), "tp": 2})
+        try:
+            results[plan] = (single_process_losses(one, cfg), run_many(2, [tp2], cfg)[0][0].losses)
+        except RunFailed as exc:
+            results[plan] = str(exc)
+    reference, losses = results["glu_plan"]
+    assert list(losses) == pytest.approx(reference, rel=1e-5)
+    assert "not enough values to unpack" in results["glu_plan_without_width"]

@@ -92,6 +92,9 @@ def check_rules(model, rules: tuple[TPRule, ...], ref: str) -> None:
     """Every rule has a known style and names at least one module, of the kind its style splits."""
     kinds = {name: type(m).__name__ for name, m in model.named_modules()}
     for r in rules:
+        if r.style == "local_width":
+            local_widths(model, r, ref)
+            continue
         if r.style not in CUSTOM_STYLES:
             raise ConfigError(f"--tp-plan {ref}: unknown style {r.style!r} for {r.pattern!r}; use one of "
                               f"{', '.join(CUSTOM_STYLES)}")
@@ -110,6 +113,21 @@ def check_rules(model, rules: tuple[TPRule, ...], ref: str) -> None:
         if r.parts > 1 and r.style != "colwise":
             raise ConfigError(f"--tp-plan {ref}: parts={r.parts} on {r.pattern!r}: only colwise rules take parts")
     _check_regions(model, rules, ref)
+
+
+def local_widths(model, rule: TPRule, ref: str) -> list[int]:
+    """The values of a local_width rule's attribute on every module its pattern names (`<module pattern>.<attr>`),
+    or one line saying what is wrong: they must exist and be ints (the full widths the forward cuts at)."""
+    pattern, _, attr = rule.pattern.rpartition(".")
+    modules = [m for n, m in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)]
+    if not pattern or not modules:
+        raise ConfigError(f"--tp-plan {ref}: local_width {rule.pattern!r} must be '<module pattern>.<attribute>' "
+                          f"naming modules of {type(model).__name__}")
+    values = [getattr(m, attr, None) for m in modules]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"--tp-plan {ref}: local_width {rule.pattern!r}: the modules {pattern!r} names need an int "
+                          f"attribute {attr!r} (the width their forward splits at)")
+    return values
 
 
 def _check_regions(model, rules: tuple[TPRule, ...], ref: str) -> None:
@@ -141,7 +159,8 @@ def custom_shape(model, rules: tuple[TPRule, ...], plan: str) -> TPShape:
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    widths, hidden, vocab = [], [], []
+    widths = [w for r in rules if r.style == "local_width" for w in local_widths(model, r, plan)]   # tp divides them
+    hidden, vocab = [], []
     for name, m in model.named_modules():
         rule = style_of(name, rules) if name else None
         if rule is None or rule.style not in SPLIT_STYLES:

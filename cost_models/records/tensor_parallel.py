@@ -28,6 +28,9 @@ Styles:
               computes its rotary tables and causal mask from the whole embedding output before it. A plan with an
               sp_input keeps its embedding's output whole under SP (a vocabulary-split one all-reduces it as
               without SP; a whole one does nothing).
+  local_width not a module but `<module pattern>.<attribute>`: an int attribute holding the full width at which the
+              module's forward cuts a split projection's output (`a, b = self.up(x).split(self.width, -1)`); each
+              rank divides it by tp, so the forward cuts its local output (TPPlan.local_widths; custom plans)
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from typing import Literal, cast, get_args
 
 from cost_models.records.base import Record, record
 
-Style = Literal["colwise", "rowwise", "embedding", "head", "norm", "region", "sp_entry", "sp_input"]
+Style = Literal["colwise", "rowwise", "embedding", "head", "norm", "region", "sp_entry", "sp_input", "local_width"]
 SPLIT_STYLES = ("colwise", "rowwise", "embedding", "head")   # styles whose parameters are divided by tp
 
 
@@ -83,7 +86,9 @@ class TPShape(Record):
     def tp_plan(self) -> "TPPlan":
         """The plan itself: a built-in one, or the recorded custom rules."""
         if self.plan.startswith(CUSTOM):
-            return TPPlan(name=self.plan, rules=self.rules, sp=_CUSTOM_NO_SP, source=self.plan.removeprefix(CUSTOM))
+            return TPPlan(name=self.plan, rules=tuple(r for r in self.rules if r.style != "local_width"),
+                          sp=_CUSTOM_NO_SP, source=self.plan.removeprefix(CUSTOM),
+                          local_widths=tuple(r.pattern for r in self.rules if r.style == "local_width"))
         return PLANS[self.plan]
 
     @property
@@ -199,7 +204,7 @@ def enters_late(rules: tuple[TPRule, ...]) -> bool:
 def style_of(name: str, rules: tuple[TPRule, ...]) -> TPRule | None:
     """The rule for module `name` (the first matching pattern), or None: the module is replicated."""
     for rule in rules:
-        if fnmatch.fnmatchcase(name, rule.pattern):
+        if rule.style != "local_width" and fnmatch.fnmatchcase(name, rule.pattern):
             return rule
     return None
 
@@ -217,7 +222,7 @@ _CUSTOM_NO_SP = ("sequence parallelism is not offered for custom plans (--tp-pla
 # the module type each style splits (a custom rule naming another kind is refused); None: any module
 STYLE_KINDS: dict[str, tuple[str, ...] | None] = {
     "colwise": LINEAR_KINDS, "rowwise": LINEAR_KINDS, "head": LINEAR_KINDS, "embedding": ("Embedding",),
-    "norm": None, "region": None, "sp_entry": None, "sp_input": None}
+    "norm": None, "region": None, "sp_entry": None, "sp_input": None, "local_width": None}
 # what a custom plan may name: sp_input serves the built-in plans' sequence parallelism, which custom plans lack
 CUSTOM_STYLES = tuple(s for s in get_args(Style) if s != "sp_input")
 
