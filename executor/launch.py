@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from cost_models.models.pipelining import pipeline_support
+from cost_models.models.losses import declared_loss, takes_targets
 from cost_models.models.source import DTYPES, meta_forward_context, resolve
 from cost_models.records.base import Record, record
 from cost_models.records.errors import ConfigError, PlannerError
@@ -33,7 +34,7 @@ from cost_models.torch_compat.elastic import elastic_job, init_process_group, is
 from executor import checkpoint_layout as layout
 from executor import trust
 from executor.data import TokenFile, data_identity
-from executor.runtime import example_logits
+from executor.runtime import example_logits, logits_of
 from executor.stages import UnitMap, check_covers_model
 from executor.train import TrainConfig, run_on_rank, summarize_times
 from executor.weights import check_weights
@@ -159,6 +160,7 @@ class RunConfig(Record):
     data: str | None = None              # a token file (executor.data); None: synthetic batches
     init_from: str | None = None         # pretrained weights: an HF folder or a checkpoint (executor.weights)
     allow_extra: bool = False            # load init_from even where it holds tensors the model has no place for
+    loss: str | None = None              # module:fn, fn(output, targets) -> loss (losses.declared_loss)
 
     def check(self, world_size: int) -> None:
         """The flags' own constraints, as one-line ConfigErrors, before anything is read or started."""
@@ -183,7 +185,7 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None, on_warning=None) -> Ru
     resuming runs code stored in it). `on_warning(line)` gets what the checks before the ranks let through."""
     run.check(plan.strategy.world_size)
     check_plan(plan)
-    model = _check_model(plan)
+    model = _check_model(plan, run.loss)
     if run.data:
         _check_data(plan, run.data, model)
     if run.init_from:   # every check a rank's load makes, on the whole model, and tensors it has no place for
@@ -209,7 +211,8 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None, on_warning=None) -> Ru
                       lr=1e-3 if lr is None else lr, start_step=start, resume_from=str(step_dir) if step_dir else None,
                       trust_checkpoint=run.trust_checkpoint, checkpoint_dir=run.checkpoint_dir,
                       checkpoint_every=run.checkpoint_every, checkpoint_keep=run.checkpoint_keep, data=run.data,
-                      unit_modules=plan.model.unit_modules, init_from=run.init_from, tp_rules=plan.model.tp_rules)
+                      unit_modules=plan.model.unit_modules, init_from=run.init_from, tp_rules=plan.model.tp_rules,
+                      loss_fn=run.loss)
     load_before = os.getloadavg()[0]
     gathered = _start_ranks(plan, run, cfg, per_node)
     if gathered is None:
@@ -284,7 +287,7 @@ def _checkpoint_folder(root: Path, start: int, overwrite: bool, *, lock: bool) -
         yield
 
 
-def _check_model(plan: Plan):
+def _check_model(plan: Plan, loss: str | None = None):
     """Before any rank starts: the plan's model builds (on the meta device: no memory), its stages hold all of it
     (executor.stages.check_covers_model), a pipeline plan's model can be pipelined
     (cost_models.models.pipelining), and its output is one training can take a loss on. Returns the meta model."""
@@ -297,10 +300,23 @@ def _check_model(plan: Plan):
             raise ConfigError(f"{plan.model.name} cannot be pipelined: {support.removeprefix('no: ')}; plan it "
                               f"with pp=1 (planner plan does not offer pipelines for it)")
     check_covers_model(model, plan.strategy.stages, units, model_level=plan.strategy.pp == 1 or support == "traced")
-    example = resolve(plan.model.source).example_input(model, 1, plan.model.seq_len, "cpu")[0]
+    example = resolve(plan.model.source).example_input(model, 1, plan.model.seq_len, "cpu")[0].to("meta")
     with meta_forward_context(), torch.no_grad():   # a loss can be taken on what it returns (one line if not)
-        example_logits(model, example.to("meta"))
+        if loss is None:
+            example_logits(model, example)
+        else:
+            _check_declared_loss(model, example, loss, plan.model.input_kind)
     return model
+
+
+def _check_declared_loss(model, example: torch.Tensor, ref: str, input_kind: str) -> None:
+    """--loss on the meta model: it loads, and returns a scalar on the model's output and targets shaped as the run's
+    (next-token ids for a token model)."""
+    if takes_targets(model):
+        raise ConfigError(f"--loss {ref}: the model computes its own loss (its forward takes targets); drop --loss")
+    output = model(example)
+    targets = example if input_kind == "tokens" else logits_of(output)
+    declared_loss(ref)(output, torch.zeros_like(targets))
 
 
 def _check_data(plan: Plan, path: str, model) -> None:

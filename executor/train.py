@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cost_models.models.losses import compute_loss, own_loss, takes_targets
+from cost_models.models.losses import compute_loss, declared_loss, own_loss, takes_targets
 from cost_models.models.source import meta_forward_context, resolve
 from cost_models.records.base import Record, record
 from cost_models.records.errors import ConfigError
@@ -56,6 +56,14 @@ class TrainConfig(Record):
     unit_modules: tuple[tuple[str, ...], ...] = ()   # the modules of each unit (ModelRef.unit_modules)
     init_from: str | None = None           # pretrained weights (executor.weights): an HF folder or a checkpoint
     tp_rules: tuple[TPRule, ...] = ()      # a custom tensor-parallel plan's rules (ModelRef.tp_rules)
+    loss_fn: str | None = None             # --loss module:fn on the model's output (losses.declared_loss)
+
+
+def _loss_fn(cfg: TrainConfig, kind: str):
+    """The run's loss: `--loss` (on the model's own output) where given, else `kind` on the logits."""
+    if cfg.loss_fn:
+        return declared_loss(cfg.loss_fn)
+    return lambda out, tgt: compute_loss(kind, out, tgt)
 
 
 def optimizer_for(strategy: Strategy, lr: float):
@@ -128,11 +136,12 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
     the steps."""
     spec, example, out_shape, loss = _setup(cfg, strategy)
     device = rank_device()
-    rt = build_runtime(strategy, spec, loss_fn=lambda out, tgt: compute_loss(loss, out, tgt),
+    rt = build_runtime(strategy, spec, loss_fn=_loss_fn(cfg, loss), raw_output=bool(cfg.loss_fn),
                        optimizer_fn=optimizer_for(strategy, cfg.lr), example=example, seed=cfg.seed, device=device,
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                        loading=bool(cfg.init_from and not cfg.resume_from),
-                       builtin_cross_entropy=loss == "cross_entropy", compute=_precision(strategy).compute)
+                       builtin_cross_entropy=loss == "cross_entropy" and not cfg.loss_fn,
+                       compute=_precision(strategy).compute)
     if cfg.init_from and not cfg.resume_from:
         load_weights(rt.params_by_name, rt.buffers_by_name, Path(cfg.init_from), trusted=cfg.trust_checkpoint,
                      model=rt.model)
@@ -315,7 +324,11 @@ def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:
     batches = batch_source(cfg, example, out_shape, strategy.global_batch_size, loss)
     for step in range(cfg.start_step, cfg.steps):
         x, y = batches(step)
-        value = own_loss(model(x, y)) if takes_targets(model) else compute_loss(loss, logits_of(model(x)), y)
+        if takes_targets(model):
+            value = own_loss(model(x, y))
+        else:
+            output = model(x)
+            value = _loss_fn(cfg, loss)(output if cfg.loss_fn else logits_of(output), y)
         value.backward()
         value = value.detach()
         opt.step()

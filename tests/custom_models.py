@@ -289,3 +289,13 @@ class NanoGPT(nn.Module):
 
 def make_nanogpt() -> nn.Module:
     return NanoGPT()
+
+
+def smoothed_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A declared loss (`planner run --loss`): cross-entropy with label smoothing 0.1 on the logits."""
+    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), label_smoothing=0.1)
+
+
+def per_token_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Not a loss training can take: one value per token, not their mean."""
+    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), reduction="none")

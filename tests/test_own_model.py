@@ -213,3 +213,34 @@ def test_blocks_in_a_module_dict_are_units():
     prof = profile_model(resolve("tests.custom_models:make_keyed_blocks"), micro_batch_size=2, seq_len=8, meta=True)
     assert [u.name for u in prof.units] == ["emb", "blocks.early", "blocks.late", "head"]
     assert prof.pipelining == "chain"
+
+
+def test_a_declared_loss_is_checked_on_the_meta_model_before_ranks_start(tmp_path):
+    """`planner run --loss module:fn`: a function that is not there, or returns one value per token, is refused in
+    one line before any rank starts."""
+    from tests.plans import plan_file
+    prof = profile_model(resolve("tests.custom_models:make_tiny_lm"), micro_batch_size=2, seq_len=8, meta=True)
+    path = plan_file(tmp_path, _zero([u.name for u in prof.units], 2, 0), prof)
+    for fn, message in (("tests.custom_models:no_such_loss", "error: --loss 'tests.custom_models:no_such_loss': "
+                                                              "tests.custom_models has no callable 'no_such_loss'"),
+                        ("tests.custom_models:per_token_loss", "error: --loss tests.custom_models:per_token_loss "
+                                                               "returned Tensor(8,), not a scalar floating-point "
+                                                               "tensor; return the mean loss")):
+        res = CliRunner().invoke(app, ["run", str(path), "--steps", "1", "--loss", fn, "-o", "-"])
+        assert (res.exit_code, res.stderr.strip().splitlines()) == (2, [message])
+
+
+@pytest.mark.slow
+def test_a_declared_loss_trains_sharded_and_pipelined_like_one_process():
+    ref = "tests.custom_models:make_posnet"
+    prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=8, meta=True)
+    units = [u.name for u in prof.units]
+    cfg = TrainConfig(model_source=ref, seq_len=8, input_kind="tokens", steps=3, warmup=1, seed=2, lr=1e-2,
+                      unit_modules=tuple(u.modules for u in prof.units), loss_fn="tests.custom_models:smoothed_loss")
+    reference = single_process_losses(_zero(units, 1, 0, m=1), cfg)
+    plain = single_process_losses(_zero(units, 1, 0, m=1), TrainConfig(**{**cfg.to_dict(), "loss_fn": None}))
+    assert reference[0] != pytest.approx(plain[0], rel=1e-4)   # the same model and batch: the declared loss trained
+    strategies = [_zero(units, 2, 2), _pipe(units, "1f1b")]
+    for s, ranks in zip(strategies, run_many(2, strategies, cfg)):
+        for losses in [r.losses for r in ranks if r.losses]:
+            assert list(losses) == pytest.approx(reference, rel=1e-5), s.name

@@ -12,7 +12,7 @@ transformers' models are not: their `labels=` loss shifts the targets a second t
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,3 +92,22 @@ def output_refusal(output: Any, *, own: bool) -> str | None:
     return (f"its forward returns a {type(output).__name__}, not a tensor of logits (or an output with .logits); "
             f"wrap the model in a module whose forward returns the logits, or give its forward a `{TARGETS}` "
             f"parameter and return (logits, loss) when targets are given")
+
+
+def declared_loss(ref: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """`planner run --loss module:fn`: fn(output, targets) -> a scalar loss on what the model's forward returns (its
+    logits, or an output object) and the step's targets, in place of next-token cross-entropy on the logits."""
+    from cost_models.models.source import load_attr
+    fn = load_attr(ref, "--loss")
+
+    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        try:
+            value = fn(output, targets)
+        except Exception as exc:   # the user's code: one line naming it
+            raise ConfigError(f"--loss {ref} raised {type(exc).__name__}: {exc}; fix the function") from None
+        if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
+            raise ConfigError(f"--loss {ref} returned {type(value).__name__}"
+                              f"{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}, not a scalar "
+                              f"floating-point tensor; return the mean loss")
+        return value.reshape(())
+    return loss

@@ -124,10 +124,11 @@ def local_widths(model, rule: TPRule, ref: str) -> list[int]:
         raise ConfigError(f"--tp-plan {ref}: local_width {rule.pattern!r} must be '<module pattern>.<attribute>' "
                           f"naming modules of {type(model).__name__}")
     values = [getattr(m, attr, None) for m in modules]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    widths = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if len(widths) != len(values):
         raise ConfigError(f"--tp-plan {ref}: local_width {rule.pattern!r}: the modules {pattern!r} names need an int "
                           f"attribute {attr!r} (the width their forward splits at)")
-    return values
+    return widths
 
 
 def _check_regions(model, rules: tuple[TPRule, ...], ref: str) -> None:
