@@ -299,3 +299,16 @@ def smoothed_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def per_token_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Not a loss training can take: one value per token, not their mean."""
     return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), reduction="none")
+
+
+class RealOnly(TinyLM):
+    """TinyLM whose forward refuses real tensors: profiles and launcher checks (meta) pass, every rank fails."""
+
+    def forward(self, ids):
+        if not ids.is_meta:
+            raise RuntimeError("this model only runs on the meta device")
+        return super().forward(ids)
+
+
+def make_real_only() -> nn.Module:
+    return RealOnly()

@@ -2,6 +2,7 @@
 import re
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from cli import app
@@ -50,3 +51,25 @@ def test_a_signal_hidden_behind_another_exception_is_still_an_interruption():
     assert _interrupted(raised(KeyboardInterrupt()))
     assert not _interrupted(raised(ValueError("a real bug")))
     assert not _interrupted(UnboundLocalError("no context"))
+
+
+@pytest.mark.slow
+def test_zeropipe_debug_shows_the_failing_rank_s_own_traceback(tmp_path):
+    """A rank that fails in the model's forward: one line naming it, and under ZEROPIPE_DEBUG=1 the rank's own
+    traceback down to the model's line (not the launcher's)."""
+    from cost_models.models.source import resolve
+    from cost_models.profiling.model_profiler import profile_model
+    from cost_models.records.strategy import Strategy
+    from tests.plans import plan_file
+    prof = profile_model(resolve("tests.custom_models:make_real_only"), micro_batch_size=2, seq_len=8, meta=True)
+    units = tuple(u.name for u in prof.units)
+    s = Strategy(dp=2, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=2, v=1, stages=(units,),
+                 precision="fp32", optimizer="adamw")
+    path = plan_file(tmp_path, s, prof)
+    plain = CliRunner().invoke(app, ["run", str(path), "--steps", "1", "-o", "-"], env={"ZEROPIPE_DEBUG": ""})
+    line = "RuntimeError: this model only runs on the meta device"
+    assert plain.exit_code == 1 and len(plain.stderr.strip().splitlines()) == 1 and line in plain.stderr
+    debug = CliRunner().invoke(app, ["run", str(path), "--steps", "1", "-o", "-"], env={"ZEROPIPE_DEBUG": "1"})
+    lines = debug.stderr.strip().splitlines()
+    assert lines[0] == "the failing rank's traceback:" and lines[-1] == plain.stderr.strip()
+    assert any('tests/custom_models.py' in ln and "in forward" in ln for ln in lines)
