@@ -580,7 +580,7 @@ def run(
     data: Optional[Path] = typer.Option(None, "--data", help="train on a token file: nanoGPT's uint16 .bin or a 1-d .npy (uint16/uint32/int32/int64), memory-mapped; step k reads windows k*B .. k*B+B-1 of seq_len+1 tokens (default: synthetic tokens)"),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="start from pretrained weights instead of the model's own initialisation: an HF folder (config.json + model.safetensors or a sharded index) or a planner run checkpoint; each rank reads only what it holds"),
     allow_extra: bool = typer.Option(False, "--allow-extra", help="load --init-from even where it holds tensors the model has no place for (refused by default: a sign of another configuration); they are named and left unread"),
-    loss: Optional[str] = typer.Option(None, "--loss", help="package.module:fn, fn(output, targets) -> scalar: the loss on what the model's forward returns (its logits or output object) and the step's targets (next-token ids for a token model), instead of cross-entropy on the logits; checked on the meta model before any rank starts"),
+    loss: Optional[str] = typer.Option(None, "--loss", help="package.module:fn, fn(logits, targets) -> scalar: the loss on the model's logits and the step's targets (next-token ids for a token model), instead of cross-entropy; checked on the meta model before any rank starts"),
     as_json: AsJson = False,
 ) -> None:
     """Run a plan with real torch.distributed code (torchrun's launcher) and compare it with its prediction.

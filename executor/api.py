@@ -85,6 +85,9 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
                        compute=mixed_precision(strategy.precision, device, strategy.pp).compute)
     if init_from is not None:
         load_weights(rt.params_by_name, rt.buffers_by_name, Path(init_from), model=rt.model)
+    if rt.own_loss:
+        warnings.warn("the model's forward takes targets and returns its loss: rt.step trains on that loss, and "
+                      "loss_fn is not used", stacklevel=2)
     return rt
 
 

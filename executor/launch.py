@@ -22,9 +22,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from cost_models.models.losses import scalar_loss, takes_targets
 from cost_models.models.pipelining import pipeline_support
-from cost_models.models.losses import declared_loss, takes_targets
-from cost_models.models.source import DTYPES, meta_forward_context, resolve
+from cost_models.models.source import DTYPES, load_attr, meta_forward_context, resolve
 from cost_models.records.base import Record, record
 from cost_models.records.errors import ConfigError, PlannerError
 from cost_models.records.formatting import fixed, now_utc
@@ -34,7 +34,7 @@ from cost_models.torch_compat.elastic import elastic_job, init_process_group, is
 from executor import checkpoint_layout as layout
 from executor import trust
 from executor.data import TokenFile, data_identity
-from executor.runtime import example_logits, logits_of
+from executor.runtime import example_logits
 from executor.stages import UnitMap, check_covers_model
 from executor.train import TrainConfig, run_on_rank, summarize_times
 from executor.weights import check_weights
@@ -302,21 +302,38 @@ def _check_model(plan: Plan, loss: str | None = None):
     check_covers_model(model, plan.strategy.stages, units, model_level=plan.strategy.pp == 1 or support == "traced")
     example = resolve(plan.model.source).example_input(model, 1, plan.model.seq_len, "cpu")[0].to("meta")
     with meta_forward_context(), torch.no_grad():   # a loss can be taken on what it returns (one line if not)
-        if loss is None:
-            example_logits(model, example)
-        else:
-            _check_declared_loss(model, example, loss, plan.model.input_kind)
+        logits = _meta_logits(model, example)
+        if loss:
+            _check_loss(model, loss, logits, example if plan.model.input_kind == "tokens" else logits)
     return model
 
 
-def _check_declared_loss(model, example: torch.Tensor, ref: str, input_kind: str) -> None:
-    """--loss on the meta model: it loads, and returns a scalar on the model's output and targets shaped as the run's
-    (next-token ids for a token model)."""
+def _check_loss(model, ref: str, logits: torch.Tensor | None, targets: torch.Tensor | None) -> None:
+    """--loss: the function is there, the model does not compute its own, and on the meta logits (where the
+    forward runs on meta) it returns one number."""
+    fn = load_attr(ref, "--loss")
     if takes_targets(model):
         raise ConfigError(f"--loss {ref}: the model computes its own loss (its forward takes targets); drop --loss")
-    output = model(example)
-    targets = example if input_kind == "tokens" else logits_of(output)
-    declared_loss(ref)(output, torch.zeros_like(targets))
+    if logits is not None and targets is not None:
+        value = _check_on_meta(lambda: fn(logits, torch.zeros_like(targets)))
+        if value is not None:
+            scalar_loss(ref, value)
+
+
+def _meta_logits(model, example: torch.Tensor) -> torch.Tensor | None:
+    """The model's logits on the meta device (example_logits: one line if its output has none), or None where its
+    forward cannot run on meta (data-dependent code: `.item()`); the ranks then meet it for real."""
+    return _check_on_meta(lambda: example_logits(model, example))
+
+
+def _check_on_meta(check):
+    """`check()`, letting its ConfigError (a refusal) through; None if it cannot run on meta tensors."""
+    try:
+        return check()
+    except PlannerError:
+        raise
+    except Exception:   # the user's code on meta tensors: the ranks run it for real
+        return None
 
 
 def _check_data(plan: Plan, path: str, model) -> None:

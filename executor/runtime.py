@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.models.losses import output_refusal, own_loss, takes_targets
+from cost_models.models.losses import output_refusal, own_logits, own_loss, takes_targets
 from cost_models.models.pipelining import pipeline_support
 from cost_models.models.source import meta_forward_context
 from cost_models.records.errors import ConfigError
@@ -55,7 +55,6 @@ class Runtime:
     tp_rank: int = 0                     # this rank's place in its tensor-parallel group (mesh (pp, dp, tp))
     sharded_logits: bool = False         # the logits stay split on the vocabulary: loss under loss_context
     own_loss: bool = False               # the model computes its loss from targets (losses.takes_targets)
-    raw_output: bool = False             # loss_fn takes the model's output as it is, not its logits (--loss)
     # Seconds spent this step in stage forward/backward ("compute": it includes the communication FSDP and DDP
     # issue inside them), in the gradient syncs issued after them ("sync"), and in optimizer.step ("optimizer").
     timings: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "sync": 0.0, "optimizer": 0.0})
@@ -143,8 +142,7 @@ class Runtime:
     def _loss(self, module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.own_loss:
             return own_loss(module(x, y))
-        out = module(x)
-        return self.loss_fn(out if self.raw_output else logits_of(out), y)
+        return self.loss_fn(logits_of(module(x)), y)
 
     def _autocast(self, x: torch.Tensor):
         """Mixed precision's autocast where FSDP2 does not cast (executor.zero.mixed_precision)."""
@@ -207,7 +205,7 @@ class ModelSpec:
 def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optimizer_fn, example: torch.Tensor | None,
                   seed: int = 0, device: torch.device | None = None, local_ranks: int = 1,
                   loading: bool = False, builtin_cross_entropy: bool = False,
-                  compute: torch.dtype | None = None, raw_output: bool = False) -> Runtime:
+                  compute: torch.dtype | None = None) -> Runtime:
     """Apply `strategy` to the model of `spec` on this rank of an initialised process group.
 
     The model is built on meta first (names, ties, the stages' static shapes from `example`, one micro-batch of
@@ -255,14 +253,13 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     schedule = None
     if s.n_stages > 1:
         schedule = pipeline.build_schedule(wrapped.modules, stage_ids, strategy=s, pp_group=mesh["pp"].get_group(),
-                                           device=device, loss_fn=_pipeline_loss(loss_fn, own, raw_output),
+                                           device=device, loss_fn=_pipeline_loss(loss_fn, own),
                                            stage_io=stage_io, pp_rank=pp_rank)
     params, buffers = state_maps(model, held, canon)
     return Runtime(strategy=s, pp_rank=pp_rank, dp_rank=dp_rank, stage_ids=stage_ids, wrapped=wrapped,
                    loss_fn=loss_fn, schedule=schedule, dp_group=mesh["dp"].get_group() if s.dp > 1 else None,
                    tie_groups=_tie_groups(s, ties, dist.get_rank()), params_by_name=params, buffers_by_name=buffers,
-                   model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits, own_loss=own,
-                   raw_output=raw_output)
+                   model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits, own_loss=own)
 
 
 def _check_world(s: Strategy) -> None:
@@ -271,12 +268,12 @@ def _check_world(s: Strategy) -> None:
                           f"{dist.get_world_size()}")
 
 
-def _pipeline_loss(loss_fn: LossFn, own: bool, raw_output: bool) -> Callable:
+def _pipeline_loss(loss_fn: LossFn, own: bool) -> Callable:
     """The last stage's loss: the model's own (its traced last stage returns it: traced_stages.loss_vector), or
-    `loss_fn` on its output (`raw_output`) or logits."""
+    `loss_fn` on its logits."""
     if own:
         return lambda out, _y: out.sum()   # its one element; a new tensor: zero-bubble backward detaches it in place
-    return lambda out, y: loss_fn(out if raw_output else logits_of(out), y)
+    return lambda out, y: loss_fn(logits_of(out), y)
 
 
 def _prepare_units(s: Strategy, model: nn.Module, held: list[nn.Module], stage_ids: list[int], units: UnitMap, *,
@@ -415,13 +412,12 @@ def example_logits(model: nn.Module, example: torch.Tensor) -> torch.Tensor:
     if not takes_targets(model):
         return logits_of(model(example))
     out = model(example, example)
-    own_loss(out)   # one line if it returns no loss
-    logits = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)
-              and t.dim() >= 2]
-    if not logits:
-        raise ConfigError(f"the model's forward, given targets, returned {type(out).__name__} without logits in it; "
-                          "return (logits, loss)")
-    return logits[0]
+    refusal = output_refusal(out, own=True)
+    if refusal:
+        raise ConfigError(refusal)
+    logits = own_logits(out)
+    assert logits is not None   # output_refusal checked
+    return logits
 
 
 def stage_io_shapes(meta: nn.Module, s: Strategy, units: UnitMap, support: str, example_input: torch.Tensor, *,

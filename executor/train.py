@@ -60,7 +60,7 @@ class TrainConfig(Record):
 
 
 def _loss_fn(cfg: TrainConfig, kind: str):
-    """The run's loss: `--loss` (on the model's own output) where given, else `kind` on the logits."""
+    """The run's loss on the logits: `--loss` where given, else `kind`."""
     if cfg.loss_fn:
         return declared_loss(cfg.loss_fn)
     return lambda out, tgt: compute_loss(kind, out, tgt)
@@ -136,7 +136,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
     the steps."""
     spec, example, out_shape, loss = _setup(cfg, strategy)
     device = rank_device()
-    rt = build_runtime(strategy, spec, loss_fn=_loss_fn(cfg, loss), raw_output=bool(cfg.loss_fn),
+    rt = build_runtime(strategy, spec, loss_fn=_loss_fn(cfg, loss),
                        optimizer_fn=optimizer_for(strategy, cfg.lr), example=example, seed=cfg.seed, device=device,
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                        loading=bool(cfg.init_from and not cfg.resume_from),
@@ -322,13 +322,10 @@ def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:
         checkpoint.load(checkpoint.state_dict(params, buffers, opt, rng_rank=None), Path(cfg.resume_from))
     out = []
     batches = batch_source(cfg, example, out_shape, strategy.global_batch_size, loss)
+    loss_fn, own = _loss_fn(cfg, loss), takes_targets(model)
     for step in range(cfg.start_step, cfg.steps):
         x, y = batches(step)
-        if takes_targets(model):
-            value = own_loss(model(x, y))
-        else:
-            output = model(x)
-            value = _loss_fn(cfg, loss)(output if cfg.loss_fn else logits_of(output), y)
+        value = own_loss(model(x, y)) if own else loss_fn(logits_of(model(x)), y)
         value.backward()
         value = value.detach()
         opt.step()

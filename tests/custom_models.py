@@ -312,3 +312,27 @@ class RealOnly(TinyLM):
 
 def make_real_only() -> nn.Module:
     return RealOnly()
+
+
+class LossOnly(TinyLM):
+    """Takes targets and returns only its loss: no logits to size the targets by."""
+
+    def forward(self, ids, targets=None):
+        logits = super().forward(ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) if targets is not None else logits
+
+
+def make_loss_only() -> nn.Module:
+    return LossOnly()
+
+
+class MetaShy(TinyLM):
+    """A forward with data-dependent code (`.item()`): it runs on real tensors only, never on the meta device."""
+
+    def forward(self, ids):
+        assert int(ids.max().item()) < self.emb.num_embeddings
+        return super().forward(ids)
+
+
+def make_meta_shy() -> nn.Module:
+    return MetaShy()

@@ -22,5 +22,6 @@ FAMILIES_TINY = {
                  "&vocab_size=128&max_position_embeddings=64"),
     "opt": ("hf:opt?num_hidden_layers=4&hidden_size=64&ffn_dim=128&num_attention_heads=4&vocab_size=128"
             "&max_position_embeddings=64&word_embed_proj_dim=64&dropout=0&attention_dropout=0"),
-    "gpt2": "hf:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=128&n_positions=64&resid_pdrop=0&embd_pdrop=0&attn_pdrop=0",
+    "gpt2": ("hf:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=128&n_positions=64&resid_pdrop=0&embd_pdrop=0"
+             "&attn_pdrop=0"),
 }

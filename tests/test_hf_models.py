@@ -108,3 +108,16 @@ def test_encoders_and_seq2seq_models_are_refused_in_one_line_unless_configured_a
         resolve("hf:t5?num_layers=2&d_model=64")
     model = resolve(bert + "&is_decoder=true").build(device="meta", dtype=torch.float32)
     assert model.config.is_decoder and type(model).__name__ == "BertLMHeadModel"
+
+
+def test_attention_implementations_are_transformers_own_only():
+    """`?attn_implementation=` picks one of transformers' built-in kernels (eager for soft-capped Gemma 2); a kernel
+    repository name, which transformers would fetch and run, is refused in one line."""
+    from cost_models.records.errors import ModelSourceError
+    eager = resolve("hf:gemma2?num_hidden_layers=1&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+                    "&num_key_value_heads=2&head_dim=16&vocab_size=128&attn_implementation=eager")
+    assert eager.build(device="meta", dtype=torch.float32).config._attn_implementation == "eager"
+    with pytest.raises(ModelSourceError, match=r"^hf:llama\?attn_implementation=kernels-community/flash-attn2: "
+                                               r"attn_implementation=kernels-community/flash-attn2 is not one of sdpa, "
+                                               r"eager, flex_attention, flash_attention_2, flash_attention_3"):
+        resolve("hf:llama?attn_implementation=kernels-community/flash-attn2")

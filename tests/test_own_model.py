@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from cli import app
 from cost_models.models.source import resolve
 from cost_models.profiling.model_profiler import profile_model
+from cost_models.records.errors import ConfigError, ProfileError
 from cost_models.records.strategy import Strategy
 from cost_models.torch_compat.elastic import elastic_job, init_process_group
 from executor.launch import run_many
@@ -193,8 +194,21 @@ def test_an_output_no_loss_can_be_taken_on_is_refused_at_profile_time_and_before
     prof = profile_model(resolve("tests.custom_models:make_tiny_lm"), micro_batch_size=2, seq_len=8, meta=True)
     prof = dataclasses.replace(prof, source="tests.custom_models:make_pair_out")   # the same modules, other output
     plan = plan_for(_zero([u.name for u in prof.units], 2, 0), prof)
-    with pytest.raises(Exception, match=r"^its forward returns a tuple, not a tensor of logits"):
+    with pytest.raises(ConfigError, match=r"^its forward returns a tuple, not a tensor of logits"):
         launch(plan, RunConfig(steps=1, warmup=0))
+    with pytest.raises(ProfileError, match=r"^make_loss_only: its forward, given targets=, returns no logits beside "
+                                           r"its loss; return \(logits, loss\)"):
+        profile_model(resolve("tests.custom_models:make_loss_only"), micro_batch_size=2, seq_len=8, meta=True)
+
+
+def test_a_forward_that_cannot_run_on_meta_is_left_to_the_ranks():
+    """A data-dependent forward (`.item()`) profiles for real; the launcher's checks on the meta device cannot run
+    it, and let it through rather than fail with a traceback (the ranks run it for real)."""
+    from executor.launch import _check_model
+    prof = profile_model(resolve("tests.custom_models:make_meta_shy"), micro_batch_size=2, seq_len=8, meta=False,
+                         repeats=1, warmup=0)
+    plan = plan_for(_zero([u.name for u in prof.units], 2, 0), prof)
+    assert _check_model(plan, "tests.custom_models:smoothed_loss").__class__.__name__ == "MetaShy"
 
 
 def test_a_block_the_forward_runs_twice_is_counted_twice():

@@ -19,7 +19,7 @@ from cost_models.models.llama import Llama
 
 @dataclass(frozen=True, kw_only=True)
 class Family:
-    name: str                                     # its TP plan in PLANS; a transformers family's pipeline kind too
+    name: str                                     # its TP plan in PLANS
     dims: Callable[[Any], dict[str, Any]]         # model -> TPShape's dimension fields
     zoo_class: type[nn.Module] | None = None      # a zoo family: its model class
     model_types: tuple[str, ...] = ()             # a transformers family: the config.model_type values it covers

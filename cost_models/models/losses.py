@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cost_models.models.source import load_attr
 from cost_models.records.errors import ConfigError
 
 TARGETS = "targets"   # the forward argument a model that computes its own loss takes its targets in
@@ -77,16 +78,29 @@ def synthetic_target(kind: str, output: torch.Tensor, *, seed: int = 4321) -> to
     return target.to(output.device)
 
 
+def own_logits(output: Any) -> torch.Tensor | None:
+    """The logits beside the loss in what a forward given targets returned: an output object's `.logits`, or the
+    first tensor of 2 or more dimensions in a tuple ((logits, loss)); None if there are none."""
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    items = output if isinstance(output, (tuple, list)) else ()
+    return next((t for t in items if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+
+
 def output_refusal(output: Any, *, own: bool) -> str | None:
     """Why training cannot take a loss on what the forward returned, or None: a model with its own loss must return
-    one (own_loss); any other must return its logits, as a tensor or an output's `.logits`. The reason says what
-    wrapper to write."""
+    one (own_loss) and its logits (own_logits: their shape sets the targets'); any other must return its logits, as
+    a tensor or an output's `.logits`. The reason says what wrapper to write."""
     if own:
         try:
             own_loss(output)
-            return None
         except ConfigError as exc:
             return str(exc)
+        if own_logits(output) is None:
+            return (f"its forward, given {TARGETS}=, returns no logits beside its loss; return (logits, loss) (or an "
+                    f"output with .logits and .loss)")
+        return None
     if isinstance(output, torch.Tensor) or isinstance(getattr(output, "logits", None), torch.Tensor):
         return None
     return (f"its forward returns a {type(output).__name__}, not a tensor of logits (or an output with .logits); "
@@ -95,19 +109,24 @@ def output_refusal(output: Any, *, own: bool) -> str | None:
 
 
 def declared_loss(ref: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
-    """`planner run --loss module:fn`: fn(output, targets) -> a scalar loss on what the model's forward returns (its
-    logits, or an output object) and the step's targets, in place of next-token cross-entropy on the logits."""
-    from cost_models.models.source import load_attr
+    """`planner run --loss module:fn`: fn(logits, targets) -> a scalar loss on the model's logits (what its forward
+    returns, or its `.logits`: what every layout's last stage hands on) and the step's targets, in place of
+    next-token cross-entropy."""
     fn = load_attr(ref, "--loss")
 
-    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         try:
-            value = fn(output, targets)
+            value = fn(logits, targets)
         except Exception as exc:   # the user's code: one line naming it
             raise ConfigError(f"--loss {ref} raised {type(exc).__name__}: {exc}; fix the function") from None
-        if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
-            raise ConfigError(f"--loss {ref} returned {type(value).__name__}"
-                              f"{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}, not a scalar "
-                              f"floating-point tensor; return the mean loss")
-        return value.reshape(())
+        return scalar_loss(ref, value)
     return loss
+
+
+def scalar_loss(ref: str, value: Any) -> torch.Tensor:
+    """A declared loss's value as a 0-dim tensor, or one line: it must be one floating-point number (the mean)."""
+    if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
+        raise ConfigError(f"--loss {ref} returned {type(value).__name__}"
+                          f"{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}, not a scalar "
+                          f"floating-point tensor; return the mean loss")
+    return value.reshape(())

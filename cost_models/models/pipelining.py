@@ -11,8 +11,8 @@ known to hold:
     units the profiler derives for it: an embedding unit, one unit per decoder layer, a head unit (DecoderLayout,
     read off the model, no per-family table); executor/hf_stages.py runs the model's own forward over each
     stage's layers ("hf-llama" / "hf-gpt2" in profiles written before: the same stages);
-  * "traced": not a chain, but its fx graph (units as leaves) runs every unit once, in order, reads one input and
-    returns one value: executor/traced_stages.py cuts that graph at the stage boundaries, each stage running the
+  * "traced": not a chain, but its fx graph (units as leaves) runs every unit once, in order, reads one input (and
+    its targets, for a model computing its own loss) and returns one value (or its (logits, loss)): executor/traced_stages.py cuts that graph at the stage boundaries, each stage running the
     model's own operations between its units and passing on every value a later stage needs (what
     torch.distributed.pipelining's tracer does with split points, on the graph this check already has);
   * otherwise "no: <reason>": the planner offers only pp = 1 and says why (planner/search.py, planner/manual.py).
@@ -84,8 +84,9 @@ def decoder_layout(model: nn.Module, units: Units) -> DecoderLayout | str:
     for i, (name, mods) in enumerate(blocks):
         if mods != (f"{list_path}.{i}",):
             return f"unit {name} holds {'+'.join(mods)}, not {list_path}.{i}"
-    if len(model.get_submodule(list_path)) != len(blocks):   # type: ignore[arg-type]  # a ModuleList: TypeError
-        return f"its units hold {len(blocks)} of the {len(model.get_submodule(list_path))} layers of {list_path}"  # type: ignore[arg-type]
+    n_layers = len(model.get_submodule(list_path))   # type: ignore[arg-type]  # not a ModuleList: a "no" (TypeError)
+    if n_layers != len(blocks):
+        return f"its units hold {len(blocks)} of the {n_layers} layers of {list_path}"
     inside = tuple(m.removeprefix(decoder + ".") for m in embed)
     if any("." in m or not mod.startswith(decoder + ".") for m, mod in zip(inside, embed)):
         return f"unit {first} holds {'+'.join(embed)}, not modules of {decoder}"

@@ -220,6 +220,10 @@ HF_LOADER_KEYS = frozenset({"trust_remote_code", "code_revision", "revision", "c
                             "return_unused_kwargs", "from_pipeline", "from_auto"})
 
 
+# transformers' built-in attention implementations (AttentionInterface's defaults, transformers 5.x)
+HF_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
 def _hf_overrides(query: str) -> dict[str, Any]:
     """`key=value&...` of an `hf:` reference: config fields only, one line refusing anything else."""
     overrides: dict[str, Any] = {}
@@ -258,8 +262,12 @@ def _hf_source(ref: str) -> ModelSource:
     target, _, query = body.partition("?")
     overrides = _hf_overrides(query)
     # how attention is computed is a loading option of from_config, not a config field; SDPA unless the reference
-    # says otherwise (families without SDPA support, or soft-capped attention, need "eager")
+    # says otherwise (families without SDPA support, or soft-capped attention, need "eager"); only transformers'
+    # built-in kernels: any other value names a kernel repository it would download and run
     attention = str(overrides.pop("attn_implementation", "sdpa"))
+    if attention not in HF_ATTENTION:
+        raise ModelSourceError(f"{ref}: attn_implementation={attention} is not one of {', '.join(HF_ATTENTION)}; hf: "
+                               f"models never fetch or run code from elsewhere")
     try:
         import transformers
     except ImportError:

@@ -142,6 +142,9 @@ def repeat_counts(results_by_unit: UnitResults, calls: dict[str, int]) -> None:
                 res.saved_other_bytes, res.saved_other_fixed_bytes = (k * res.saved_other_bytes,
                                                                       k * res.saved_other_fixed_bytes)
                 res.split_kept_bytes *= k
+                res.split_after_bytes = None if res.split_after_bytes is None else k * res.split_after_bytes
+                res.split_suffix_bytes = None if res.split_suffix_bytes is None else k * res.split_suffix_bytes
+                res.tp = {key: k * value for key, value in res.tp.items()}   # TPWatch: bytes, calls, FLOPs, all sums
                 fwd, bwd = res.fwd_work, res.bwd_work
                 for _ in range(k - 1):
                     res.fwd_work, res.bwd_work = res.fwd_work.plus(fwd), res.bwd_work.plus(bwd)

@@ -169,8 +169,12 @@ def _pipelining(model: nn.Module, units, inputs, edges: tuple[UnitEdge, ...]) ->
     `edges`)."""
     pipelining = pipeline_support(model, units)
     if pipelining == TRACED:
-        with torch.no_grad():
-            return pipelining, tuple(UnitEdge(src=a, dst=b, bytes=n) for a, b, n in traced_edges(model, units, inputs))
+        try:
+            with torch.no_grad():
+                flow = traced_edges(model, units, inputs)
+            return pipelining, tuple(UnitEdge(src=a, dst=b, bytes=n) for a, b, n in flow)
+        except Exception:   # the user's forward, run once more: should it fail now, keep what the capture saw
+            return pipelining, edges
     hidden = next((e.bytes for e in edges if e.src == 1 and e.dst == 2), None)
     if pipelining == HF_DECODER and hidden is not None:
         return pipelining, tuple(UnitEdge(src=i, dst=i + 1, bytes=hidden) for i in range(len(units) - 1))
