@@ -502,6 +502,10 @@ def cases_f() -> list[Case]:
         Case(name="run:SIGSTOP-rank-1,--timeout-15", category="f-signals", argv=("run", "plan.json", "--steps", "4",
              "--timeout", "15", "-o", "out.json"), env=(("ZEROPIPE_INJECT_FAILURE", "1:2:stop"),), expect=(1,),
              check=_names_rank(1), absent=("out.json",), spawns=True),
+        Case(name="run:SIGSTOP-rank-1-at-start-up,--timeout-15", category="f-signals", argv=(
+             "run", "plan.json", "--steps", "4", "--timeout", "15", "-o", "out.json"),
+             env=(("ZEROPIPE_INJECT_FAILURE", "1:start:stop"),), expect=(1,), check=_names_rank(1),
+             absent=("out.json",), spawns=True),
     ]
 
 

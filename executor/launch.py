@@ -36,7 +36,7 @@ from executor import trust
 from executor.data import TokenFile, data_identity
 from executor.runtime import example_logits
 from executor.stages import UnitMap, check_covers_model
-from executor.train import TrainConfig, run_on_rank, summarize_times
+from executor.train import TrainConfig, fail_at_start_up, run_on_rank, summarize_times
 from executor.weights import check_weights
 from planner.plan import Plan, check_plan
 from planner.run_record import Measure, RankResult, RunFile
@@ -120,6 +120,7 @@ def _work(plan_data: dict, cfg_data: dict, timeout_s: float) -> list[dict] | Non
     plan = Plan.from_dict(plan_data)
     cfg = TrainConfig.from_dict(cfg_data)
     claim_device(one_thread=True)
+    fail_at_start_up()
     init_process_group(rank_backend(), timeout_s)
     try:
         result = run_on_rank(plan.strategy, cfg, plan)

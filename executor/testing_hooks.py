@@ -8,7 +8,7 @@ import os
 # "RANK:STEP" makes that rank raise at the start of that step, "RANK:STEP:kill" makes it SIGKILL itself there (what
 # kill -9 or the OOM killer does: no exception, no cleanup, no note), "RANK:STEP:stop" SIGSTOP itself (a hung rank:
 # alive, silent, its peers time out waiting for it), "RANK:STEP:nan" sets one of its parameters to NaN after that
-# step's update (executor.train)
+# step's update (executor.train); STEP "start" does it during start-up, before the process group (executor.launch)
 INJECT_FAILURE_ENV = "ZEROPIPE_INJECT_FAILURE"
 # a full disk: "STEP:BYTES" makes every rank's files stop growing at BYTES from the save after STEP on (RLIMIT_FSIZE,
 # with SIGXFSZ ignored, so write(2) fails with a real EFBIG: setrlimit(2), getrlimit(2)) (executor.train)

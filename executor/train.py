@@ -179,6 +179,14 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
                       activation_bytes=meter.peak if meter else -1)
 
 
+def fail_at_start_up() -> None:
+    """INJECT_FAILURE_ENV's "RANK:start[:kind]": this rank fails during start-up, before the process group exists."""
+    rank, _, rest = hook(INJECT_FAILURE_ENV).partition(":")
+    step, _, how = rest.partition(":")
+    if step == "start" and rank == os.environ.get("RANK"):
+        _fail_now(-1, how or "raise")
+
+
 def _fail_now(step: int, how: str) -> None:
     """The injected failure of INJECT_FAILURE_ENV at the start of `step` (all kinds but "nan")."""
     if how in ("kill", "stop"):
@@ -301,6 +309,8 @@ def _injected_failure() -> tuple[int, int, str]:
     if not spec:
         return -1, -1, ""
     rank, step, *how = spec.split(":")
+    if step == "start":   # a start-up failure (executor.launch), not a step's
+        return -1, -1, ""
     return int(rank), int(step or 0), how[0] if how else "raise"
 
 

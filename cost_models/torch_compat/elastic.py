@@ -31,7 +31,9 @@ from cost_models.torch_compat.host import keep_freed_memory
 STORE_FILE_ENV = "ZEROPIPE_STORE_FILE"
 
 # Messages a rank raises because another rank died first: never the root cause when a real error exists.
-_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Timed out waiting")
+# "Wait timeout": the store's wait for a peer's key at start-up (a peer that never joined the process group)
+_CONSEQUENCES = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Timed out waiting",
+                 "Wait timeout")
 
 
 @contextlib.contextmanager
