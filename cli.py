@@ -47,7 +47,7 @@ class _ErrorBoundary(TyperGroup):
             if not interrupted(exc):
                 raise
             _debug_traceback()
-            print("interrupted", file=sys.stderr)
+            _say_interrupted()
             raise typer.Exit(130) from None
         finally:
             release_outputs()   # the command's output claims (_prepare_output), however it ended
@@ -746,14 +746,27 @@ def _sigterm(signum, frame) -> None:
     raise KeyboardInterrupt   # handled like Ctrl-C: "interrupted", exit 130, files written atomically or not at all
 
 
+_INTERRUPT_SAID: list[bool] = []   # whether "interrupted" was printed (once, whoever caught the signal)
+
+
+def _say_interrupted() -> None:
+    if not _INTERRUPT_SAID:
+        _INTERRUPT_SAID.append(True)
+        print("interrupted", file=sys.stderr)
+
+
 def main() -> None:
     import signal
     signal.signal(signal.SIGTERM, _sigterm)
     try:
         app()
     except KeyboardInterrupt:   # before the commands' boundary (_ErrorBoundary) is entered: typer building it
-        print("interrupted", file=sys.stderr)
+        _say_interrupted()
         sys.exit(130)
+    except SystemExit as exc:   # typer turns a Ctrl-C while it parses the command line into exit 130, silently
+        if exc.code == 130:
+            _say_interrupted()
+        raise
 
 
 if __name__ == "__main__":

@@ -73,3 +73,26 @@ def test_zeropipe_debug_shows_the_failing_rank_s_own_traceback(tmp_path):
     lines = debug.stderr.strip().splitlines()
     assert lines[0] == "the failing rank's traceback:" and lines[-1] == plain.stderr.strip()
     assert any('tests/custom_models.py' in ln and "in forward" in ln for ln in lines)
+
+
+def test_ctrl_c_while_typer_parses_the_command_line_still_says_interrupted(monkeypatch, capsys):
+    """typer turns a KeyboardInterrupt during its command-line parsing into a silent exit 130 (typer/core.py,
+    _main); main() says "interrupted" then, once, as the commands' boundary does."""
+    import signal
+    import sys
+
+    import cli
+    monkeypatch.setattr(signal, "signal", lambda *args: None)   # main()'s SIGTERM handler stays out of pytest
+
+    def swallowed_by_typer():   # what typer does with the Ctrl-C: sys.exit(130), nothing printed
+        sys.exit(130)
+
+    def boundary_said_it():     # the commands' boundary printed it and exited 130
+        cli._say_interrupted()
+        sys.exit(130)
+    for app, in ((swallowed_by_typer,), (boundary_said_it,)):
+        monkeypatch.setattr(cli, "app", app)
+        monkeypatch.setattr(cli, "_INTERRUPT_SAID", [])
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main()
+        assert exit_info.value.code == 130 and capsys.readouterr().err == "interrupted\n"
