@@ -85,3 +85,21 @@ def test_per_action_cost_follows_the_pipelines_running_at_once(prof):
     # a calibrated value is what runs showed: it replaces every kind and shape
     cal = dataclasses.replace(cluster, calibration=Calibration(pipeline_action_s=7e-4))
     assert action_cost(_pipeline(prof, pp=8, m=8), cal) == action_cost(_pipeline(prof, pp=2, dp=4, m=8), cal) == 7e-4
+
+
+def test_other_programs_runnable_beside_the_probe_share_the_cores():
+    """Processor sharing with b other runnable tasks: each of k busy ranks gets cores / (k + b). A probe of 4 ranks
+    on 2 cores beside 2 busy programs measured each rank at a third of its alone rate (both shared): 2 cores (capped
+    by the host's), and 4 busy ranks then compute 3x slower than alone, not 2x; without background, as before."""
+    from cost_models.cost.sharing import contention, effective_cores
+    from cost_models.records.cluster import ComputeProbe
+    from cost_models.torch_compat.host import runnable_tasks
+    probe = ComputeProbe(dtype="fp32", matmul_n=512, ranks=4, threads_per_rank=1, flops_per_rank=1e9,
+                         flops_alone=2e9, host_cores=2)
+    cluster = dataclasses.replace(preset("dgx-a100"), compute=probe,
+                                  device=dataclasses.replace(preset("dgx-a100").device, kind="cpu"))
+    assert (effective_cores(cluster, 4), contention(cluster, 4), contention(cluster, 1)) == (2.0, 2.0, 1.0)
+    loaded = dataclasses.replace(cluster, compute=dataclasses.replace(probe, background_runnable=2.0))
+    assert effective_cores(loaded, 4) == pytest.approx(2 * 4 / 6)
+    assert contention(loaded, 4) == pytest.approx(3.0) and contention(loaded, 1) == pytest.approx(1.5)
+    assert runnable_tasks("3.95 4.10 2.00 5/612 90210\n") == 5 and runnable_tasks("garbage") is None

@@ -101,19 +101,31 @@ def stretches(schedule: str, p: int, m: int, v: int, costs: tuple[StageCost, ...
     return out
 
 
-def effective_cores(cluster: ClusterProfile) -> float | None:
+def effective_cores(cluster: ClusterProfile, ranks_running: float | None = None) -> float | None:
     """How many ranks' worth of compute the CPU ranks get together: the probe's ranks x each one's FLOP/s while all
     run, over one rank's alone (about the cores, measured: benchmarks/results/measurements.md, "Compute contention
-    on shared cores"). None on GPUs or without a probe."""
+    on shared cores"). None on GPUs or without a probe.
+
+    Other programs' runnable tasks (ComputeProbe.background_runnable, b) take their share: processor sharing
+    (Kleinrock 1967, the module doc) gives each of k busy ranks cores / (k + b), as if the ranks alone had
+    cores x k / (k + b) (`ranks_running` = k). The probe's own ratio ran beside them too, which hides them (its
+    alone rate shared the cores as well): the cores are then taken as that ratio x (ranks + b) / ranks, at most
+    the cores the host gives the ranks (ComputeProbe.host_cores)."""
     c = cluster.compute
     if cluster.device.kind != "cpu" or c is None or c.flops_alone <= 0:
         return None
-    return c.ranks * c.flops_per_rank / c.flops_alone
+    cores = c.ranks * c.flops_per_rank / c.flops_alone
+    b = c.background_runnable
+    if b <= 0 or ranks_running is None or ranks_running <= 0:
+        return cores
+    cores = cores * (c.ranks + b) / c.ranks
+    cores = min(cores, c.host_cores) if c.host_cores > 0 else cores
+    return cores * ranks_running / (ranks_running + b)
 
 
 def contention(cluster: ClusterProfile, ranks_running: float) -> float:
     """How much slower each of `ranks_running` CPU ranks computes than one rank alone (1.0 on GPUs)."""
-    cores_eff = effective_cores(cluster)
+    cores_eff = effective_cores(cluster, ranks_running)
     return 1.0 if cores_eff is None else max(1.0, ranks_running / cores_eff)
 
 
@@ -157,7 +169,7 @@ def send_delay(s: Strategy, cluster: ClusterProfile) -> float:
     clamped to [0, 1]: a pipeline of one micro-batch runs one rank at a time (little or no delay), one of many
     micro-batches on more ranks than cores keeps them all busy (the cap). Scored offline against fidelity
     measurements: benchmarks/results/measurements.md, "CPU pipeline sends wait for a core"."""
-    cores = effective_cores(cluster)
+    cores = effective_cores(cluster, busy_ranks(s))
     if cores is None:
         return 0.0
     return SEND_DELAY_CAP_S * min(1.0, max(0.0, busy_ranks(s) - (cores - 1.0)))
@@ -201,5 +213,5 @@ class CoreSharing:
 
 def core_sharing(s: Strategy, cluster: ClusterProfile) -> CoreSharing:
     busy = busy_ranks(s)
-    return CoreSharing(busy=busy, cores=effective_cores(cluster), contention=contention(cluster, busy),
+    return CoreSharing(busy=busy, cores=effective_cores(cluster, busy), contention=contention(cluster, busy),
                        send_delay_s=send_delay(s, cluster))

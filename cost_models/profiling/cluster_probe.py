@@ -47,7 +47,7 @@ from cost_models.records.fit import fit_alpha_beta
 from cost_models.records.formatting import fixed
 from cost_models.torch_compat.devices import claim_device, rank_backend
 from cost_models.torch_compat.elastic import elastic_job, init_process_group, root_failure
-from cost_models.torch_compat.host import peak_rss_bytes
+from cost_models.torch_compat.host import background_runnable, peak_rss_bytes
 
 KIB, MIB = 2**10, 2**20
 # broadcast: ZeroRedundancyOptimizer sends each updated parameter tensor from its owner with one (its
@@ -356,13 +356,15 @@ def run_local_probe(ranks: int, cfg: ProbeConfig) -> dict[str, Any]:
 
     if ranks < 1:
         raise ConfigError(f"--ranks must be >= 1, got {ranks}")
+    background = background_runnable()   # before the ranks start: only other programs' tasks
     try:
         with elastic_job("probe", ranks) as (config, _):
             results = elastic_launch(config, probe_worker)(cfg.to_dict())
     except ChildFailedError as exc:
         rank, line = root_failure(exc)
         raise ProfileError(f"the cluster probe failed on rank {rank}: {line}") from None
-    return results[0]
+    return {**results[0], "background_runnable": background, "host_cores": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)}
 
 
 def _fits(raw: list[dict[str, Any]]) -> list[CollectiveFit]:
@@ -393,6 +395,8 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
                            threads_per_rank=raw["threads_per_rank"], flops_per_rank=together, flops_alone=raw["flops_alone"],
                            copy_Bps=statistics.median(raw["copy_Bps"]), copy_alone_Bps=raw.get("copy_alone_Bps", 0.0),
                            rank_rss_bytes=raw.get("rank_rss_bytes", 0),
+                           background_runnable=0.0 if gpu else raw.get("background_runnable", 0.0),
+                           host_cores=0 if gpu else raw.get("host_cores", 0),
                            **raw.get("overheads", {}))
     local_world = raw["local_world"]
     known = next((p.device for p in PRESETS.values() if gpu and p.device.name.split("-")[0] in raw["device_name"]), None)
@@ -412,10 +416,7 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
                             source="measured: matmul rate of one rank while all ranks run (no datasheet peak)",
                             memory_bandwidth_Bps=compute.copy_Bps)
         if not gpu:
-            notes.append(f"CPU ranks: {local_world} ranks share {os.cpu_count()} cores and "
-                         f"{fixed(psutil.virtual_memory().total, 'GiB', 1)}; each rank gets "
-                         f"{fixed(together, 'GFLOP/s', 1)} ({dtype} matmul, all ranks busy; "
-                         f"{fixed(raw['flops_alone'], 'GFLOP/s', 1, show_unit=False)} alone) and {fixed(mem, 'GiB', 1)}")
+            notes.extend(_cpu_notes(compute, local_world, mem))
     links = {}
     for scope in ("intra", "inter"):
         p2p = next((f for f in fits if f.op == "send_recv" and f.scope == scope), None)
@@ -439,6 +440,18 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
                           devices_per_node=local_world, device=device, intra_node=links["intra"],
                           inter_node=links.get("inter"), fits=tuple(sorted(fits, key=lambda f: (f.scope, f.op, f.group_size))),
                           topology=topology, compute=compute, backend=raw["backend"], notes=tuple(notes))
+
+
+def _cpu_notes(compute: ComputeProbe, local_world: int, mem: int) -> list[str]:
+    """What CPU ranks share: the host's cores and memory, and other programs' runnable tasks."""
+    notes = [f"CPU ranks: {local_world} ranks share {os.cpu_count()} cores and "
+             f"{fixed(psutil.virtual_memory().total, 'GiB', 1)}; each rank gets "
+             f"{fixed(compute.flops_per_rank, 'GFLOP/s', 1)} ({compute.dtype} matmul, all ranks busy; "
+             f"{fixed(compute.flops_alone, 'GFLOP/s', 1, show_unit=False)} alone) and {fixed(mem, 'GiB', 1)}"]
+    if compute.background_runnable > 0:
+        notes.append(f"other programs: {compute.background_runnable:g} runnable task(s) beside the probe, priced as "
+                     f"sharing the cores with the ranks (a plan's step time includes them)")
+    return notes
 
 
 def _unmeasured_link(gpu: bool) -> LinkSpec:

@@ -136,6 +136,10 @@ class ComputeProbe(Record):
     optimizer_dtensor_s: float = 0.0   # the same per DTensor parameter (FSDP2, TP); 0: as optimizer_tensor_s
     rank_rss_bytes: int = 0            # CPU ranks: a probe rank's peak RSS after init_process_group, before any
                                        # tensor (memory.overhead_bytes); 0 on GPUs, in presets and older files
+    # CPU ranks: tasks of other programs runnable while the probe ran (host.background_runnable), which share the
+    # cores with the ranks (cost.sharing.effective_cores); and the cores the ranks may use. 0: none, not measured
+    background_runnable: float = 0.0
+    host_cores: int = 0
 
 
 @record

@@ -44,3 +44,31 @@ def peak_rss_bytes() -> tuple[int, str]:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS (getrusage ru_maxrss)"
+
+
+def runnable_tasks(loadavg_text: str) -> int | None:
+    """The tasks runnable right now, from /proc/loadavg's fourth field ("runnable/total", proc(5)), or None."""
+    fields = loadavg_text.split()
+    try:
+        return int(fields[3].split("/")[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def background_runnable(samples: int = 21, interval_s: float = 0.02) -> float:
+    """How many tasks besides this process compete for the cores now: the median over `samples` readings of the
+    runnable count, less this process's own (Linux; 0.0 where /proc/loadavg cannot be read). The 1-minute load
+    average lags a load that just started by a minute; this count does not."""
+    import statistics
+    import time
+    counts = []
+    for _ in range(samples):
+        try:
+            with open("/proc/loadavg", encoding="ascii") as fh:
+                n = runnable_tasks(fh.read())
+        except OSError:
+            n = None
+        if n is not None:
+            counts.append(max(0, n - 1))
+        time.sleep(interval_s)
+    return float(statistics.median(counts)) if counts else 0.0
