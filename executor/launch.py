@@ -161,7 +161,7 @@ class RunConfig(Record):
     data: str | None = None              # a token file (executor.data); None: synthetic batches
     init_from: str | None = None         # pretrained weights: an HF folder or a checkpoint (executor.weights)
     allow_extra: bool = False            # load init_from even where it holds tensors the model has no place for
-    loss: str | None = None              # module:fn, fn(output, targets) -> loss (losses.declared_loss)
+    loss: str | None = None              # module:fn, fn(logits, targets) -> loss (losses.declared_loss)
 
     def check(self, world_size: int) -> None:
         """The flags' own constraints, as one-line ConfigErrors, before anything is read or started."""

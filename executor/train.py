@@ -56,7 +56,7 @@ class TrainConfig(Record):
     unit_modules: tuple[tuple[str, ...], ...] = ()   # the modules of each unit (ModelRef.unit_modules)
     init_from: str | None = None           # pretrained weights (executor.weights): an HF folder or a checkpoint
     tp_rules: tuple[TPRule, ...] = ()      # a custom tensor-parallel plan's rules (ModelRef.tp_rules)
-    loss_fn: str | None = None             # --loss module:fn on the model's output (losses.declared_loss)
+    loss_fn: str | None = None             # --loss module:fn on the model's logits (losses.declared_loss)
 
 
 def _loss_fn(cfg: TrainConfig, kind: str):
@@ -181,10 +181,9 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
 
 def fail_at_start_up() -> None:
     """INJECT_FAILURE_ENV's "RANK:start[:kind]": this rank fails during start-up, before the process group exists."""
-    rank, _, rest = hook(INJECT_FAILURE_ENV).partition(":")
-    step, _, how = rest.partition(":")
-    if step == "start" and rank == os.environ.get("RANK"):
-        _fail_now(-1, how or "raise")
+    rank, step, how = _injection()
+    if step == "start" and str(rank) == os.environ.get("RANK"):
+        _fail_now(-1, how)
 
 
 def _fail_now(step: int, how: str) -> None:
@@ -304,14 +303,19 @@ def _limit_file_size(step: int) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(spec.split(":")[1]), hard))
 
 
-def _injected_failure() -> tuple[int, int, str]:
+def _injection() -> tuple[int, str, str]:
+    """INJECT_FAILURE_ENV as (rank, step or "start", kind); (-1, "", "") when unset."""
     spec = hook(INJECT_FAILURE_ENV)
     if not spec:
-        return -1, -1, ""
+        return -1, "", ""
     rank, step, *how = spec.split(":")
-    if step == "start":   # a start-up failure (executor.launch), not a step's
-        return -1, -1, ""
-    return int(rank), int(step or 0), how[0] if how else "raise"
+    return int(rank), step or "0", how[0] if how else "raise"
+
+
+def _injected_failure() -> tuple[int, int, str]:
+    """The step failure to inject (rank, step, kind); a start-up one (fail_at_start_up) is not a step's."""
+    rank, step, how = _injection()
+    return (-1, -1, "") if step in ("", "start") else (rank, int(step), how)
 
 
 def single_process_losses(strategy: Strategy, cfg: TrainConfig) -> list[float]:

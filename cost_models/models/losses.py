@@ -41,8 +41,12 @@ def synthetic_token_targets(inputs: torch.Tensor, vocab: int | None, *, seed: in
     if vocab is None:
         raise ConfigError(f"the model's forward takes {TARGETS}, but its input is not token ids of a known vocabulary "
                           f"(an nn.Embedding); drop the {TARGETS} parameter or feed it token ids")
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, tuple(inputs.shape), generator=gen).to(inputs.device)
+    return _token_ids(tuple(inputs.shape), vocab, seed).to(inputs.device)
+
+
+def _token_ids(shape: tuple[int, ...], vocab: int, seed: int) -> torch.Tensor:
+    """Class ids below `vocab`, drawn on CPU from a generator seeded with `seed` (the same on every rank)."""
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def own_loss(output: Any) -> torch.Tensor:
@@ -70,11 +74,10 @@ def compute_loss(kind: str, output: torch.Tensor, target: torch.Tensor) -> torch
 
 def synthetic_target(kind: str, output: torch.Tensor, *, seed: int = 4321) -> torch.Tensor:
     """A target shaped for `output` (class ids for cross-entropy, values for MSE), made on CPU with a fixed seed."""
-    gen = torch.Generator().manual_seed(seed)
     if kind == "cross_entropy":
-        target = torch.randint(0, output.shape[-1], tuple(output.shape[:-1]), generator=gen)
+        target = _token_ids(tuple(output.shape[:-1]), output.shape[-1], seed)
     else:
-        target = torch.randn(tuple(output.shape), generator=gen)
+        target = torch.randn(tuple(output.shape), generator=torch.Generator().manual_seed(seed))
     return target.to(output.device)
 
 

@@ -6,7 +6,7 @@ pass and the timed runs fill."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -129,22 +129,27 @@ def count_module(module: nn.Module, captured: tuple[tuple[Any, ...], dict[str, A
     return res
 
 
+def repeated(results_by_unit: UnitResults, calls: dict[str, int]) -> Iterator[tuple[ModuleResult, int]]:
+    """(result, k) of each module the forward runs k > 1 times (Capture.calls)."""
+    for _, mods, results in results_by_unit:
+        for m, res in zip(mods, results):
+            if calls.get(m, 1) > 1:
+                yield res, calls[m]
+
+
 def repeat_counts(results_by_unit: UnitResults, calls: dict[str, int]) -> None:
     """A module the forward runs k times (weight sharing across depth: ALBERT, a looped block) does its work and
     keeps its activations k times per step: its counts (measured on its first call) are scaled by k, in place,
     assuming every call sees inputs of the first one's shapes (what such loops do)."""
-    for _, mods, results in results_by_unit:
-        for m, res in zip(mods, results):
-            k = calls.get(m, 1)
-            if k > 1:
-                res.fwd_flops, res.bwd_flops = k * res.fwd_flops, k * res.bwd_flops
-                res.saved_bytes, res.saved_fixed_bytes = k * res.saved_bytes, k * res.saved_fixed_bytes
-                res.saved_other_bytes, res.saved_other_fixed_bytes = (k * res.saved_other_bytes,
-                                                                      k * res.saved_other_fixed_bytes)
-                res.split_kept_bytes *= k
-                res.split_after_bytes = None if res.split_after_bytes is None else k * res.split_after_bytes
-                res.split_suffix_bytes = None if res.split_suffix_bytes is None else k * res.split_suffix_bytes
-                res.tp = {key: k * value for key, value in res.tp.items()}   # TPWatch: bytes, calls, FLOPs, all sums
-                fwd, bwd = res.fwd_work, res.bwd_work
-                for _ in range(k - 1):
-                    res.fwd_work, res.bwd_work = res.fwd_work.plus(fwd), res.bwd_work.plus(bwd)
+    for res, k in repeated(results_by_unit, calls):
+        res.fwd_flops, res.bwd_flops = k * res.fwd_flops, k * res.bwd_flops
+        res.saved_bytes, res.saved_fixed_bytes = k * res.saved_bytes, k * res.saved_fixed_bytes
+        res.saved_other_bytes, res.saved_other_fixed_bytes = (k * res.saved_other_bytes,
+                                                              k * res.saved_other_fixed_bytes)
+        res.split_kept_bytes *= k
+        res.split_after_bytes = None if res.split_after_bytes is None else k * res.split_after_bytes
+        res.split_suffix_bytes = None if res.split_suffix_bytes is None else k * res.split_suffix_bytes
+        res.tp = {key: k * value for key, value in res.tp.items()}   # TPWatch: bytes, calls, FLOPs, all sums
+        fwd, bwd = res.fwd_work, res.bwd_work
+        for _ in range(k - 1):
+            res.fwd_work, res.bwd_work = res.fwd_work.plus(fwd), res.bwd_work.plus(bwd)

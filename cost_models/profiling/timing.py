@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from cost_models.models.source import ModelSource
-from cost_models.profiling.counting import ModuleResult, UnitResults
+from cost_models.profiling.counting import ModuleResult, UnitResults, repeated
 from cost_models.profiling.progress import Progress
 from cost_models.profiling.tensors import backward_roots, fresh, one_sample
 from cost_models.profiling.units import Capture
@@ -86,12 +86,9 @@ def time_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_un
 
 def _repeat_times(results_by_unit: UnitResults, calls: dict[str, int]) -> None:
     """A module the forward runs k times takes k times its measured time per step (counting.repeat_counts)."""
-    for _, mods, results in results_by_unit:
-        for m, res in zip(mods, results):
-            k = calls.get(m, 1)
-            if k > 1:
-                for samples in (res.fwd_times, res.bwd_times, res.fwd_times_one, res.bwd_times_one):
-                    samples[:] = [k * t for t in samples]
+    for res, k in repeated(results_by_unit, calls):
+        for samples in (res.fwd_times, res.bwd_times, res.fwd_times_one, res.bwd_times_one):
+            samples[:] = [k * t for t in samples]
 
 
 # Identical units (the same modules, parameters and input shapes: a model's repeated blocks) do the same work, so
