@@ -1,5 +1,5 @@
 """What a model is to zeropipe: the model families it knows (families: how each is recognised, its tensor-parallel
-dimensions, a transformers family's pipeline layout), the built-in zoo (zoo, gpt, llama, mlp, chain), the
+dimensions, a transformers family's pipeline layout), the built-in zoo (zoo, gpt, llama, mlp, moe: mixtures of experts, chain), the
 resolution of `--model` references (source: zoo name, module:factory, hf:config), the training loss an input
 implies (losses), whether a torch model can be cut into pipeline stages (pipelining) and which tensor-parallel
 plan fits it (tp_shape).

@@ -38,15 +38,15 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 class LlamaEmbedding(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(idx)
@@ -71,8 +71,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device, q.dtype)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat K/V as Meta's reference does
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -81,11 +81,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x), `width` wide."""
+
+    def __init__(self, dim: int, width: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w1 = nn.Linear(dim, width, bias=False)
+        self.w2 = nn.Linear(width, dim, bias=False)
+        self.w3 = nn.Linear(dim, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -97,7 +99,7 @@ class LlamaBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -105,10 +107,10 @@ class LlamaBlock(nn.Module):
 
 
 class LlamaHead(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, dim: int, vocab_size: int, norm_eps: float) -> None:
         super().__init__()
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(x))
@@ -118,7 +120,7 @@ class Llama(UnitChain):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = LlamaEmbedding(cfg)
+        self.embed = LlamaEmbedding(cfg.vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
-        self.head = LlamaHead(cfg)
+        self.head = LlamaHead(cfg.dim, cfg.vocab_size, cfg.norm_eps)
         self.init_weights()
