@@ -336,3 +336,35 @@ class MetaShy(TinyLM):
 
 def make_meta_shy() -> nn.Module:
     return MetaShy()
+
+
+class _UndeclaredMoE(nn.Module):
+    """A mixture-of-experts block with a router and experts but no `num_experts` / `top_k` declared."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, 4, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        choice = self.gate(x).argmax(-1, keepdim=True)
+        outs = torch.stack([e(x) for e in self.experts], dim=-2)
+        return x + outs.gather(-2, choice.unsqueeze(-1).expand(*choice.shape, x.shape[-1])).squeeze(-2)
+
+
+class UndeclaredMoENet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList(_UndeclaredMoE(16) for _ in range(2))
+        self.out = nn.Linear(16, 64)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def undeclared_moe():
+    return UndeclaredMoENet()

@@ -49,7 +49,8 @@ def test_probe_fits_predict_held_out_sizes(ranks):
     prof = build_cluster_profile(raw, topology=None, notes=[], dtype="fp32")
     groups = [2, 4] if ranks == 4 else [2]
     assert {(f.op, f.group_size) for f in prof.fits} == (
-        {(op, g) for op in ("all_gather", "reduce_scatter", "all_reduce", "broadcast") for g in groups} | {("send_recv", 2)})
+        {(op, g) for op in ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all") for g in groups}
+        | {("send_recv", 2)})
     errors = []
     for f in prof.fits:
         # R^2 of unweighted times after a 1/t^2-weighted fit can fall below 0 on a noisy machine (validate: SIGNED)

@@ -52,7 +52,9 @@ from cost_models.torch_compat.host import background_runnable, peak_rss_bytes
 KIB, MIB = 2**10, 2**20
 # broadcast: ZeroRedundancyOptimizer sends each updated parameter tensor from its owner with one (its
 # _broadcast_params_from_rank); over gloo it is not an all-gather's cost (below, _broadcast_run)
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "broadcast")
+# all_to_all: expert parallelism's token dispatch (cost.moe), even splits: the full buffer is what each rank hands
+# all_to_all_single
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "broadcast", "all_to_all")
 # A broadcast is timed as ZeroRedundancyOptimizer issues them: a run of this many, async, each owner's in turn, then
 # waited on; its time per call. Over gloo a run costs per call what a ZeRO-1 step's broadcasts do, where one
 # broadcast at a time or an all-gather of the same bytes do not (measured: benchmarks/results/measurements.md,
@@ -125,8 +127,8 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
     buffers = [(torch.ones(_buffer_numel(s, g), device=device), torch.ones(_buffer_numel(s, g) // g, device=device))
                for s in sizes]
     # a broadcast run sends distinct tensors, as the optimizer's are (one buffer 8 times would stay in cache)
-    runs = [[full, *(torch.ones_like(full) for _ in range(_run_length(full) - 1))] if op == "broadcast" else [full]
-            for full, _ in buffers]
+    runs = [[full, *(torch.ones_like(full) for _ in range(_run_length(full) - 1))] if op == "broadcast"
+            else [full, torch.empty_like(full)] if op == "all_to_all" else [full] for full, _ in buffers]
     out = []
     for i in range(cfg.warmup + _collective_repeats(cfg)):
         row = []
@@ -142,6 +144,8 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
                 dist.all_reduce(full, group=group)
             elif op == "broadcast":   # a run (BROADCAST_RUN): elapsed is per call
                 _broadcast_run(run, members, group)
+            elif op == "all_to_all":   # into the second of the run's buffers (a copy of the full one's shape)
+                dist.all_to_all_single(run[-1], full, group=group)
             else:  # send_recv: ping-pong between the two members, one-way time = round trip / 2
                 if rank == members[0]:
                     dist.send(full, peer)
@@ -151,7 +155,7 @@ def _time_op(op: str, sizes: tuple[int, ...], members: list[int], group, cfg: Pr
                     dist.send(full, peer)
             _sync(device)
             elapsed = time.perf_counter() - t0
-            row.append(elapsed / 2 if op == "send_recv" else elapsed / len(run))
+            row.append(elapsed / 2 if op == "send_recv" else elapsed / len(run) if op == "broadcast" else elapsed)
         if i >= cfg.warmup:
             out.append(row)
     return out

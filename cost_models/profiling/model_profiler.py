@@ -44,6 +44,7 @@ from cost_models.models.source import DTYPES, ModelSource, input_spec, source_in
 from cost_models.models.tp_shape import tp_shape
 from cost_models.profiling.counting import ModuleResult, UnitResults, count_module, repeat_counts
 from cost_models.profiling.flops import FusedAttentionOnMeta, attention_ops
+from cost_models.profiling.moe import measure_moe
 from cost_models.profiling.progress import Progress, ProgressFn
 from cost_models.profiling.split_backward import SPLIT_MEMO, split_kept_in_stages
 from cost_models.profiling.tensors import tensor_bytes
@@ -53,7 +54,7 @@ from cost_models.profiling.units import data_flow_edges, find_units
 from cost_models.records.errors import ConfigError, ProfileError
 from cost_models.records.formatting import fixed, now_utc
 from cost_models.records.limits import check_seq_len
-from cost_models.records.profile import ModelProfile, SharedParam, TPUnit, UnitEdge, UnitProfile
+from cost_models.records.profile import ModelProfile, MoEUnit, SharedParam, TPUnit, UnitEdge, UnitProfile
 from cost_models.records.tensor_parallel import TPRule
 from cost_models.records.work import WorkCounts
 from cost_models.torch_compat.host import keep_freed_memory
@@ -223,13 +224,14 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         unit_results, model_fwd_flops, attention, edges, in_model, notes = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
             repeats=repeats, rules=rules, seq_len=seq_len, on_progress=on_progress, on_estimate=on_estimate)
+        moe = measure_moe(model, inputs, [(name, mods) for name, mods, _ in unit_results], excluded=excluded)
         mixed = 1.0
         if device == "cuda" and dtype == "bf16":
             mixed = mixed_factor(source, model, inputs, unit_results[-1][2][-1].target, loss=loss, warmup=warmup,
                                  repeats=repeats)
     # the optimizer's step, timed on this device (compute.optimizer_step_time prices a rank's update from it)
     optimizers = () if meta else time_optimizers(model, torch.device(device), warmup=warmup, repeats=repeats)
-    unit_profiles, shared = _account_params(model, unit_results, rules)
+    unit_profiles, shared = _account_params(model, unit_results, rules, moe)
     pipelining, edges = _pipelining(model, [(name, mods) for name, mods, _ in unit_results], inputs, edges)
     total_params = sum(p.numel() for p in model.parameters())
     assigned = sum(u.params for u in unit_profiles)
@@ -262,10 +264,10 @@ def _tp_unit(numels: list[int], splits: list[int], norms: list[bool], results: l
                   norm_params=sum(n for n, f in zip(numels, norms) if f), norm_tensors=sum(norms), **counts)
 
 
-def _account_params(model: nn.Module, unit_results,
-                    rules: tuple[TPRule, ...] | None = None) -> tuple[list[UnitProfile], list[SharedParam]]:
+def _account_params(model: nn.Module, unit_results, rules: tuple[TPRule, ...] | None = None,
+                    moe: dict[str, MoEUnit] | None = None) -> tuple[list[UnitProfile], list[SharedParam]]:
     """Count each parameter once, in the first unit (in call order) that uses it; record tied ones as shared (and,
-    with TP rules, how each counted tensor splits)."""
+    with TP rules, how each counted tensor splits; with `moe`, the units' mixture-of-experts blocks)."""
     owner: dict[int, tuple[str, str]] = {}            # id(param) -> (canonical name, owning unit)
     aliases: "OrderedDict[int, list[tuple[str, str]]]" = OrderedDict()
     profiles = []
@@ -312,6 +314,7 @@ def _account_params(model: nn.Module, unit_results,
             tp=_tp_unit(numels, splits, norms, results) if rules is not None else None,
             fwd_work=functools.reduce(WorkCounts.plus, (r.fwd_work for r in results)),
             bwd_work=functools.reduce(WorkCounts.plus, (r.bwd_work for r in results)),
+            moe=(moe or {}).get(name),
         ))
     numel = {id(p): p.numel() for p in model.parameters()}
     shared = [SharedParam(name=owner[pid][0], aliases=tuple(a for a, _ in al),

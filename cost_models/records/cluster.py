@@ -18,7 +18,7 @@ from cost_models.records.limits import check_nodes
 CLUSTER_KIND = "zeropipe.cluster"
 CLUSTER_SCHEMA_VERSION = 1
 
-CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "send_recv", "broadcast"]
+CollectiveOp = Literal["all_gather", "reduce_scatter", "all_reduce", "send_recv", "broadcast", "all_to_all"]
 
 
 @record

@@ -148,6 +148,30 @@ class TPUnit(Record):
 
 
 @record
+class MoEUnit(Record):
+    """The mixture-of-experts blocks of one unit (cost_models.profiling.moe finds them: a module with a `gate`
+    router and an `experts` module holding `num_experts` routed experts, called as experts(hidden, top_k_index,
+    top_k_weights), as transformers' Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3 and the zoo's MoE are built).
+    The unit's fwd_flops, bwd_flops and saved_bytes hold the blocks as executed (top-k routed tokens); these
+    fields say which part of them the routed experts are, which expert parallelism moves and shards."""
+
+    blocks: int                          # MoE blocks in the unit
+    experts: int                         # routed experts per block
+    top_k: int                           # routed experts per token
+    hidden: int                          # the width of what is dispatched to the experts (one token's hidden state)
+    expert_params: int                   # every routed expert of every block (of the unit's params)
+    expert_tensors: int                  # their parameter tensors
+    router_params: int = 0               # the routers' (replicated, as dense parameters)
+    shared_expert_params: int = 0        # shared experts' (every token runs them: dense)
+    tokens: int                          # tokens per micro-batch at the profile's micro-batch (each block's input)
+    routed_fwd_flops: int                # the routed experts' forward FLOPs, every block, tokens x top_k pairs
+    routed_bwd_flops: int                # and their backward (input and weight gradients)
+    routed_saved_bytes: int = 0          # what the routed experts save for backward (of saved_bytes)
+    expert_load: tuple[int, ...] = ()    # real mode: token-expert pairs routed to each expert on the profile's
+                                         # (or --data's) tokens, summed over blocks; () in meta mode (not measured)
+
+
+@record
 class UnitProfile(Record):
     """One pipeline unit: the smallest piece a stage boundary may not cut (embedding, one block, norm + head)."""
 
@@ -183,6 +207,7 @@ class UnitProfile(Record):
                                          # their gradient); 0 on CPU (no allocator statistics), meta and older files
     fwd_work: WorkCounts | None = None   # the forward's work by kind (records.work); None in older files
     bwd_work: WorkCounts | None = None   # the backward's (incl. the input gradient); None in older files
+    moe: MoEUnit | None = None           # its mixture-of-experts blocks; None for a dense unit and in older files
 
 
 @record
@@ -267,6 +292,19 @@ class ModelProfile(Record):
     # three tensors, and allocates that buffer every step. () in meta profiles and files written before it was
     # recorded (the formula stays).
     optimizer_timings: tuple[OptimizerTiming, ...] = ()
+    # the load imbalance the estimate prices expert parallelism at (the busiest expert-parallel rank's routed tokens
+    # over the mean, cost_models.cost.moe.imbalance); 0: from the units' measured expert_load, or the stated
+    # default where none was measured. `--moe-imbalance` sets it.
+    moe_imbalance: float = 0.0
+
+    @property
+    def moe_units(self) -> tuple[UnitProfile, ...]:
+        return tuple(u for u in self.units if u.moe is not None)
+
+    @property
+    def experts(self) -> int:
+        """Routed experts per MoE block (0 for a dense model)."""
+        return max((u.moe.experts for u in self.units if u.moe is not None), default=0)
 
     def optimizer_timing(self, optimizer: str) -> OptimizerTiming | None:
         return next((t for t in self.optimizer_timings if t.optimizer == optimizer), None)

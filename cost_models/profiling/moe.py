@@ -1,0 +1,159 @@
+"""Mixture-of-experts blocks in a profiled model: which they are, what of each unit's work and memory their routed
+experts are, and (real mode) how the router spread the profile's tokens over the experts.
+
+A block is recognised by its shape, the one transformers 5 gives Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3 and
+gpt-oss and the zoo's MoE has (cost_models.models.moe): a module with a router child (`gate` or `router`) and an
+`experts` child that holds `num_experts` routed experts and is called as experts(hidden (tokens, H), top_k_index
+(tokens, k), top_k_weights (tokens, k)); `top_k` on the block or its router. A custom block declares the same
+two integers; one with a router and experts but no such declaration is refused in one line.
+
+The routed experts' FLOPs are counted by formula: an expert is linear maps, each weight element one multiply-add
+(2 FLOPs) per token routed to it in forward and two in backward (input and weight gradients; Kaplan et al. 2020,
+"Scaling Laws for Neural Language Models", section 2.1: C_forward ~ 2N, backward twice that), so a block's routed
+forward is 2 x tokens x top_k x (its expert parameters / E), whatever the routing (dropless: every pair runs).
+What they save for backward is counted in one forward: the storages packed while an `experts` call runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from cost_models.records.errors import ConfigError
+from cost_models.records.profile import MoEUnit
+from cost_models.torch_compat.torch_private import storage_id
+
+ROUTERS = ("gate", "router")
+
+
+def _top_k(block: nn.Module) -> Any:
+    k = getattr(block, "top_k", None)
+    if k is None:
+        router = next((getattr(block, r) for r in ROUTERS if isinstance(getattr(block, r, None), nn.Module)), None)
+        k = getattr(router, "top_k", None)
+    return k
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One mixture-of-experts block as moe_blocks found it."""
+
+    name: str
+    module: nn.Module
+    experts: nn.Module
+    n_experts: int
+    top_k: int
+
+
+def moe_blocks(model: nn.Module) -> list[Block]:
+    """Every mixture-of-experts block, in module order; a block with a router and experts that does not declare
+    integer `num_experts` (on its experts) and `top_k` is a one-line ConfigError."""
+    out = []
+    for name, m in model.named_modules():
+        experts = getattr(m, "experts", None)
+        if not isinstance(experts, nn.Module) or not any(isinstance(getattr(m, r, None), nn.Module) for r in ROUTERS):
+            continue
+        n, k = getattr(experts, "num_experts", None), _top_k(m)
+        if not (isinstance(n, int) and isinstance(k, int) and 0 < k <= n):
+            raise ConfigError(
+                f"{name or 'the model'} looks like a mixture-of-experts block (a router and `experts`) but does not "
+                f"declare integer `num_experts` on its experts and `top_k` (1..num_experts) on it or its router "
+                f"(found {n!r}, {k!r}); set both, so its routed work can be counted")
+        out.append(Block(name=name, module=m, experts=experts, n_experts=n, top_k=k))
+    return out
+
+
+class _Watch:
+    """Hooks on every block's `experts` for one forward: tokens and hidden width dispatched, the routing's load
+    per expert (not on meta), and the bytes packed for backward while the experts run."""
+
+    def __init__(self, blocks: list[Block], excluded: set[int]) -> None:
+        self.inside: str | None = None
+        self.excluded = excluded
+        self.tokens: dict[str, tuple[int, int]] = {}
+        self.load: dict[str, list[int]] = {}
+        self.saved: dict[str, dict[int, int]] = {b.name: {} for b in blocks}
+        self.handles = []
+        for b in blocks:
+            self.handles.append(b.experts.register_forward_pre_hook(self._pre(b.name, b.n_experts), with_kwargs=True))
+            self.handles.append(b.experts.register_forward_hook(self._post))
+
+    def _pre(self, name: str, n_experts: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            self.tokens[name] = (hidden.shape[0], hidden.shape[-1])
+            if not index.is_meta:
+                counts = torch.bincount(index.reshape(-1).long(), minlength=n_experts)[:n_experts].tolist()
+                self.load[name] = [a + b for a, b in zip(self.load.get(name, [0] * n_experts), counts)]
+            self.inside = name
+        return hook
+
+    def _post(self, module, args, output):
+        self.inside = None
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.inside is not None:
+            sid = storage_id(t)
+            if sid not in self.excluded:
+                self.saved[self.inside][sid] = t.untyped_storage().nbytes()
+        return t
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def measure_moe(model: nn.Module, inputs: tuple[torch.Tensor, ...], units: list[tuple[str, tuple[str, ...]]], *,
+                excluded: set[int]) -> dict[str, MoEUnit]:
+    """Unit name -> its MoEUnit, for the units holding mixture-of-experts blocks (none: {}), from one forward of
+    the whole model on the profile's inputs (run inside the profiler's contexts)."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return {}
+    watch = _Watch(blocks, excluded)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(watch.pack, lambda t: t):
+            model(*inputs)
+    finally:
+        watch.remove()
+    out: dict[str, MoEUnit] = {}
+    for unit, mods in units:
+        mine = [b for b in blocks if any(b.name == m or b.name.startswith(m + ".") for m in mods)]
+        if mine:
+            out[unit] = _unit(unit, mine, watch)
+    return out
+
+
+def _params(m: Any) -> tuple[int, int]:
+    if not isinstance(m, nn.Module):
+        return 0, 0
+    ps = list(m.parameters())
+    return sum(p.numel() for p in ps), len(ps)
+
+
+def _unit(unit: str, blocks: list[Block], watch: _Watch) -> MoEUnit:
+    shapes = {(b.n_experts, b.top_k) for b in blocks}
+    if len(shapes) > 1:
+        raise ConfigError(f"unit {unit} holds mixture-of-experts blocks of different shapes {sorted(shapes)}; give "
+                          f"each its own unit (--units)")
+    (n_experts, top_k), = shapes
+    expert_params = expert_tensors = router = shared = flops = tokens = hidden = 0
+    saved = 0
+    load = [0] * n_experts
+    for b in blocks:
+        p, t = _params(b.experts)
+        expert_params, expert_tensors = expert_params + p, expert_tensors + t
+        router += sum(_params(getattr(b.module, r, None))[0] for r in ROUTERS)
+        shared += sum(_params(getattr(b.module, s, None))[0]
+                      for s in ("shared_experts", "shared_expert", "shared_expert_gate"))
+        tokens, hidden = watch.tokens.get(b.name, (0, 0))
+        flops += 2 * tokens * top_k * p // n_experts
+        saved += sum(watch.saved[b.name].values())
+        load = [a + c for a, c in zip(load, watch.load.get(b.name, [0] * n_experts))]
+    return MoEUnit(blocks=len(blocks), experts=n_experts, top_k=top_k, hidden=hidden, expert_params=expert_params,
+                   expert_tensors=expert_tensors, router_params=router, shared_expert_params=shared, tokens=tokens,
+                   routed_fwd_flops=flops, routed_bwd_flops=2 * flops, routed_saved_bytes=saved,
+                   expert_load=tuple(load) if any(load) else ())
