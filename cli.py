@@ -76,6 +76,11 @@ ClusterOverride = Annotated[Optional[str], typer.Option(
 PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16-mixed | fp32")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw | adam | sgd")]
 TopK = Annotated[int, typer.Option("--top-k", help="alternatives to keep, with why each lost")]
+EPDegree = typer.Option(1, "--ep", help="expert-parallel degree: routed experts split over groups of ep data-parallel "
+                        "ranks (divides --dp and the experts; MoE models)")
+MoEImbalance = typer.Option(None, "--moe-imbalance", help="MoE models: the busiest expert-parallel rank's routed "
+                            "tokens over the mean that expert parallelism is priced at (default: the profile's "
+                            "measured routing, else 1.25)")
 TimeLimit = Annotated[Optional[float], typer.Option("--time-limit", help="seconds for the MILP cross-check of the winner's stage cut (the exact DP chooses it); default: up to 1 s where the MILP can settle it (units x stages <= 256), skipped on larger cuts")]
 WithReport = Annotated[bool, typer.Option("--report/--no-report", help="write report.html and report.md beside the plan")]
 ProfileArg = Annotated[Path, typer.Argument(metavar="PROFILE", help="profile.json from `planner profile`")]
@@ -342,6 +347,8 @@ def estimate(
                                   "matmuls (torch's micro-pipelined TP; CUDA GPUs, needs --sp)"),
     sp_save_shard: bool = typer.Option(False, "--sp-save-shard", help="save SP's gathered inputs as their sequence "
                                        "shard and gather them again in backward, as Megatron-LM (needs --sp)"),
+    ep: int = EPDegree,
+    moe_imbalance: Optional[float] = MoEImbalance,
     recompute: str = typer.Option("none", "--recompute", help="none | selective (the attention core) | full (or all) | stage indices, e.g. 0,1"),
     precision: PrecisionOpt = "bf16-mixed",
     optimizer: OptimizerOpt = "adamw",
@@ -362,12 +369,12 @@ def estimate(
 
     check_training(precision, optimizer)   # before any file is read
     write_to, overwrite = _prepare_output(output, force) if output else (None, False)
-    pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
+    pf, target = _with_imbalance(load_profile_for(profile_path, cluster=cluster, nodes=nodes), moe_imbalance)
     _warn_loaded_profile(pf.model, target, precision)
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
         tp=tp, sp=sp, recompute=recompute, distributed_optimizer=distributed_optimizer, async_tp=async_tp,
-        sp_save_shard=sp_save_shard,
+        sp_save_shard=sp_save_shard, ep=ep,
         precision=cast(Precision, precision), optimizer=cast(Optimizer, optimizer)))   # check_training: no other
     est = run_estimate(strategy, pf.model, target)
     if as_json:
@@ -382,6 +389,23 @@ def estimate(
         manual_plan(strategy, pf.model, target, profile_path=str(profile_path),
                     command=_command_line()).save(write_to, overwrite=overwrite)
         err.print(f"wrote {write_to}", highlight=False)
+
+
+def _with_imbalance(loaded, moe_imbalance: float | None):
+    """(profile file, cluster) with `--moe-imbalance` set on the file's model (ModelProfile.moe_imbalance), checked."""
+    import dataclasses
+
+    from cost_models.records.errors import ConfigError
+    pf, target = loaded
+    if moe_imbalance is None:
+        return pf, target
+    if not 1.0 <= moe_imbalance <= 64.0:
+        raise ConfigError(f"--moe-imbalance is the busiest expert-parallel rank's routed tokens over the mean: "
+                          f"1 (even) to 64, got {moe_imbalance}")
+    if not pf.model.moe_units:
+        raise ConfigError(f"--moe-imbalance prices routed experts, and {pf.model.name} has no mixture-of-experts "
+                          f"blocks; drop it")
+    return dataclasses.replace(pf, model=dataclasses.replace(pf.model, moe_imbalance=moe_imbalance)), target
 
 
 def _print_estimate(strategy, est, device: str) -> None:
@@ -409,6 +433,8 @@ def plan(
     precision: PrecisionOpt = "bf16-mixed",
     optimizer: OptimizerOpt = "adamw",
     tp: Optional[str] = typer.Option(None, "--tp", help="tensor-parallel degrees to search, e.g. 1 (none) or 1,2,4 (default: every power of two the model and the nodes admit)"),
+    ep: Optional[str] = typer.Option(None, "--ep", help="MoE models: expert-parallel degrees to search, e.g. 1 (none) or 1,8,64 (default: every power of two dividing the experts)"),
+    moe_imbalance: Optional[float] = MoEImbalance,
     output: Output = Path("plan.json"),
     force: Force = False,
     as_json: AsJson = False,
@@ -427,12 +453,13 @@ def plan(
 
     outputs = _plan_outputs(output, force, report)
     verify_cfg = _verify_config(verify, verify_steps, verify_timeout) if verify else None
-    pf, target = load_profile_for(profile_path, cluster=cluster, nodes=nodes)
+    pf, target = _with_imbalance(load_profile_for(profile_path, cluster=cluster, nodes=nodes), moe_imbalance)
     _warn_loaded_profile(pf.model, target, precision)
     # typer passes any string; the search refuses other precisions and optimizers (PlanRequest.resolved_gpus)
     request = PlanRequest(gpus=gpus, global_batch_size=global_batch_size, top_k=max(top_k, verify),
                           time_limit_s=time_limit, precision=cast(Precision, precision),
-                          optimizer=cast(Optimizer, optimizer), tp_degrees=parse_degrees(tp) if tp else None)
+                          optimizer=cast(Optimizer, optimizer), tp_degrees=parse_degrees(tp) if tp else None,
+                          ep_degrees=parse_degrees(ep, "--ep") if ep else None)
     result = _planning("planning", lambda on_progress: run_plan(
         pf.model, target, request, profile_path=str(profile_path), command=_command_line(), on_progress=on_progress))
     if verify_cfg:

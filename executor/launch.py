@@ -38,6 +38,7 @@ from executor.runtime import example_logits
 from executor.stages import UnitMap, check_covers_model
 from executor.train import TrainConfig, fail_at_start_up, run_on_rank, summarize_times
 from executor.weights import check_weights
+from planner.manual import ep_not_run
 from planner.plan import Plan, check_plan
 from planner.run_record import Measure, RankResult, RunFile
 
@@ -186,6 +187,8 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None, on_warning=None) -> Ru
     resuming runs code stored in it). `on_warning(line)` gets what the checks before the ranks let through."""
     run.check(plan.strategy.world_size)
     check_plan(plan)
+    if plan.strategy.ep > 1:
+        raise ConfigError(ep_not_run(plan.strategy.ep))
     model = _check_model(plan, run.loss)
     if run.data:
         _check_data(plan, run.data, model)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from cost_models.cost.compute import unit_times
 from cost_models.cost.estimate import estimate
+from cost_models.cost.moe import check_ep
 from cost_models.records.base import Record, record
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.errors import ConfigError, InfeasibleError
@@ -78,6 +79,7 @@ class StrategyRequest(Record):
     distributed_optimizer: bool = False   # ZeRO-1 as Megatron-LM's (Strategy.zero_label)
     async_tp: bool = False                # SP's collectives behind their matmuls (Strategy.tp_label)
     sp_save_shard: bool = False           # SP's gathered inputs saved as their shard (Strategy.tp_label)
+    ep: int = 1                           # expert-parallel degree (Strategy.ep)
 
 
 def check_tp(profile: ModelProfile, cluster: ClusterProfile, *, tp: int, sp: bool, pp: int = 1) -> None:
@@ -115,6 +117,9 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
     if pp > 1 and refusal:
         raise ConfigError(f"--pp {pp}: {profile.name} cannot be pipelined: {refusal}; use --pp 1")
     check_tp(profile, cluster, tp=tp, sp=r.sp, pp=pp)
+    why = check_ep(profile, r.ep)
+    if why:
+        raise ConfigError(why)
     n_stages = pp * v
     if n_stages > len(profile.units):
         raise ConfigError(f"pp x v = {n_stages} stages, but the model has only {len(profile.units)} units")
@@ -126,7 +131,13 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
                     v=v, stages=stages_from_ranges([u.name for u in profile.units], ranges), recompute=recompute,
                     tp=tp, sp=r.sp, selective=selective, precision=precision, optimizer=r.optimizer,
                     distributed_optimizer=r.distributed_optimizer, async_tp=r.async_tp,
-                    sp_save_shard=r.sp_save_shard)
+                    sp_save_shard=r.sp_save_shard, ep=r.ep)
+
+
+def ep_not_run(ep: int) -> str:
+    """Why `planner run` refuses expert parallelism (not built in the executor yet)."""
+    return (f"expert parallelism (ep={ep}) is priced and planned, but planner run does not run it yet; run the plan "
+            f"with ep = 1 (planner plan --ep 1, or planner estimate without --ep)")
 
 
 def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
@@ -134,6 +145,8 @@ def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
     registry's guards), or None."""
     if strategy.pp > 1 and profile.pipeline_refusal:
         return f"{profile.name} cannot be pipelined: {profile.pipeline_refusal}"
+    if strategy.ep > 1:
+        return ep_not_run(strategy.ep)
     if strategy.tp > 1:
         shape = profile.tensor_parallel
         why = ("the profile predates tensor-parallel plans" if shape is None

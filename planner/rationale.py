@@ -20,14 +20,14 @@ COMM_BINDS = 0.15  # exposed communication above this share of the step makes ba
 
 _COMPONENTS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("p2p_s", "p2p transfers"),
                ("dp_comm_s", "data-parallel collectives"), ("tp_comm_s", "tensor-parallel collectives"),
-               ("optimizer_s", "optimizer step"))
+               ("ep_comm_s", "expert-parallel all-to-alls"), ("optimizer_s", "optimizer step"))
 
 
 def _part(est: Estimate, field: str) -> float:
-    """A step-time component. The estimate counts the exposed TP collectives inside compute_s (StepBreakdown);
-    here compute is without them."""
+    """A step-time component. The estimate counts the exposed TP collectives and EP all-to-alls inside compute_s
+    (StepBreakdown); here compute is without them."""
     value = getattr(est.breakdown, field)
-    return value - est.breakdown.tp_comm_s if field == "compute_s" else value
+    return value - est.breakdown.tp_comm_s - est.breakdown.ep_comm_s if field == "compute_s" else value
 
 
 def tp_traffic(est: Estimate) -> tuple[float, str, dict[str, float]]:
@@ -103,6 +103,8 @@ def why_lost(s: Strategy, est: Estimate, ws: Strategy, west: Estimate) -> str:
     if field == "tp_comm_s":
         tp_bytes, tp_link, _ = tp_traffic(est)
         detail += f" ({size(tp_bytes)} per rank per step" + (f", {tp_link})" if tp_link else ")")
+    if field == "ep_comm_s":
+        detail += f" ({size(est.comm.ep_bytes_per_rank)} per rank per step, {est.comm.ep_link})"
     return f"+{duration(slower)} per step; most of it {detail}"
 
 
@@ -122,7 +124,7 @@ def _base_family(s: Strategy) -> str:
 
 
 def _comm_s(est: Estimate) -> float:
-    return est.breakdown.dp_comm_s + est.breakdown.p2p_s + _part(est, "tp_comm_s")
+    return est.breakdown.dp_comm_s + est.breakdown.p2p_s + _part(est, "tp_comm_s") + _part(est, "ep_comm_s")
 
 
 def _binding(ws: Strategy, west: Estimate, best: dict, fastest_unfit, cluster: ClusterProfile) -> tuple[Binding, str]:
@@ -230,4 +232,41 @@ def tp_lines(ws: Strategy, west: Estimate, feasible, cluster: ClusterProfile, op
                          f"lower bound), slower than the top candidates")
         else:
             lines.append(f"tp={tp}: no strategy fits or divides the batch on these devices")
+    return lines
+
+
+def ep_lines(ws: Strategy, west: Estimate, feasible, *, experts: int, degrees: tuple[int, ...],
+             at_ep1: Estimate | None = None) -> list[str]:
+    """Why this expert-parallel degree (MoE models): what its all-to-alls move and cost, what it saves in memory
+    against ep = 1 (at_ep1: the winner with ep = 1, where that divides nothing else), and the best strategy of every
+    other degree searched, from their estimates. [] for a dense model."""
+    if not experts:
+        return []
+    lines = []
+    if ws.ep > 1:
+        b = west.breakdown
+        line = (f"expert parallelism: each block's {experts} routed experts split {ws.ep} ways "
+                f"({experts // ws.ep} per rank), all-to-alls {size(west.comm.ep_bytes_per_rank)} per rank per step "
+                f"over {west.comm.ep_link} links, {duration(b.ep_comm_s)} exposed")
+        if at_ep1 is not None:   # ZeRO-2/3 shard the experts' states as much without EP; the gathered ones and
+            # the data-parallel traffic are what shrink
+            states, _ = _states(west)
+            states1, _ = _states(at_ep1)
+            line += (f"; peak {fixed(west.peak_memory_bytes, 'GiB', 1)} vs {fixed(at_ep1.peak_memory_bytes, 'GiB', 1)} "
+                     f"at ep=1 with the same dp, pp, ZeRO and micro-batches" + ("" if at_ep1.fits else " (no fit)")
+                     + f" (model states {fixed(states, 'GiB', 1)} vs {fixed(states1, 'GiB', 1)}), data-parallel "
+                     f"{duration(b.dp_comm_s)} vs {duration(at_ep1.breakdown.dp_comm_s)}")
+        lines.append(line)
+    elif len(degrees) > 1:
+        lines.append(f"no expert parallelism chosen: every searched ep ({', '.join(map(str, degrees[1:]))}) is "
+                     f"slower or does not fit (below)")
+    best = _best_by(feasible, lambda s_: s_.ep)
+    for ep in degrees:
+        if ep == ws.ep:
+            continue
+        if ep in best:
+            s, e = best[ep]
+            lines.append(f"best ep={ep}: {s.summary}: {duration(e.step_time_s)}; {why_lost(s, e, ws, west)}")
+        else:
+            lines.append(f"ep={ep}: no strategy costed fits (or none divides the batch on these devices)")
     return lines

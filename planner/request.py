@@ -23,6 +23,8 @@ class PlanRequest(Record):
     max_v: int | None = None
     tp_degrees: tuple[int, ...] | None = None      # narrow the tensor-parallel degrees searched (None: every one
                                                    # the model and the nodes admit; (1,): none)
+    ep_degrees: tuple[int, ...] | None = None      # narrow the expert-parallel degrees searched (None: every power
+                                                   # of two dividing the experts; (1,): none)
 
     def resolved_gpus(self, cluster: ClusterProfile) -> int:
         """The GPU count to plan for, checked against the cluster (one-line ConfigErrors); the request's other
@@ -42,18 +44,19 @@ class PlanRequest(Record):
         check_training(self.precision, self.optimizer)
         for name in self.schedules or ():
             get_spec(name)
-        for tp in self.tp_degrees or ():
-            if tp < 1 or tp & (tp - 1):
-                raise ConfigError(f"tensor-parallel degrees must be powers of two, got {tp}")
+        for what, degrees in (("tensor", self.tp_degrees), ("expert", self.ep_degrees)):
+            for d in degrees or ():
+                if d < 1 or d & (d - 1):
+                    raise ConfigError(f"{what}-parallel degrees must be powers of two, got {d}")
         return gpus
 
 
-def parse_degrees(text: str) -> tuple[int, ...]:
-    """'1,2,4' -> (1, 2, 4): the tensor-parallel degrees `planner plan --tp` searches (one-line ConfigError)."""
+def parse_degrees(text: str, flag: str = "--tp") -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4): the degrees `planner plan --tp` (or --ep) searches (one-line ConfigError)."""
     try:
         degrees = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
     except ValueError:
-        raise ConfigError(f"--tp takes powers of two separated by commas, e.g. 1,2,4 (got '{text}')") from None
+        raise ConfigError(f"{flag} takes powers of two separated by commas, e.g. 1,2,4 (got '{text}')") from None
     if not degrees or any(d < 1 or d & (d - 1) for d in degrees):
-        raise ConfigError(f"--tp takes powers of two separated by commas, e.g. 1,2,4 (got '{text}')")
+        raise ConfigError(f"{flag} takes powers of two separated by commas, e.g. 1,2,4 (got '{text}')")
     return degrees

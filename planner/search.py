@@ -57,9 +57,9 @@ from cost_models.records.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition, stages_from_ranges)
 from planner.plan import Alternative, Candidate, Plan, Provenance, installed_versions, model_ref, profile_digest
-from planner.rationale import explain, tp_lines, why_lost
+from planner.rationale import ep_lines, explain, tp_lines, why_lost
 from planner.request import PlanRequest
-from planner.space import MAX_MICRO_BATCH, Point, TPOptions, enumerate_points, tp_options
+from planner.space import MAX_MICRO_BATCH, Point, TPOptions, enumerate_points, ep_degrees, tp_options
 from planner.summaries import profile_conditions
 
 ProgressFn = Callable[[int, int], None]
@@ -95,6 +95,13 @@ class _Partitions:
             where = {u.name: u.params for u in self.profile.units}
             self.fb["params", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
         return self.fb["params", k]
+
+    def stage_experts(self, k: int) -> list[float]:
+        """Routed experts' parameters per stage of the cut `stages(k)` (of stage_params; 0 in a dense model)."""
+        if ("experts", k) not in self.fb:
+            where = {u.name: u.moe.expert_params if u.moe else 0 for u in self.profile.units}
+            self.fb["experts", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
+        return self.fb["experts", k]
 
     def stage_kept(self, k: int) -> list[float]:
         """Saved-for-backward bytes per stage of the cut `stages(k)` less the attention core (what selective
@@ -144,7 +151,20 @@ def _strategy(point: Point, stages, *, precision: Precision, optimizer: Optimize
     return Strategy(dp=point.dp, pp=point.pp, zero=point.zero, schedule=point.schedule, microbatches=point.microbatches,
                     micro_batch_size=point.micro_batch_size, v=point.v, stages=stages, recompute=tuple(recompute),
                     tp=point.tp, sp=point.sp, selective=selective, precision=precision, optimizer=optimizer,
-                    distributed_optimizer=point.distributed_optimizer, sp_save_shard=shard)
+                    distributed_optimizer=point.distributed_optimizer, sp_save_shard=shard, ep=point.ep)
+
+
+def _states(pt: Point, params: float, experts: float, req: PlanRequest, *, paper: bool = False) -> float:
+    """Model-state bytes per rank for `params` parameters of which `experts` are routed experts' (whole, as at
+    ep = 1): the dense ones sharded by ZeRO over dp, the experts split ep ways and sharded over the dp / ep ranks
+    holding the same experts (cost.moe). As the executor holds them (executor_state_bytes), or with `paper` as the
+    ZeRO paper counts them (zero_model_state_bytes, P1's)."""
+    states = zero_model_state_bytes if paper else executor_state_bytes
+    zero = _state_zero(pt)
+    dense = sum(states(params - experts, pt.dp, zero, req.precision, req.optimizer))
+    if not experts:
+        return dense
+    return dense + sum(states(experts / pt.ep, pt.dp // pt.ep, zero, req.precision, req.optimizer))
 
 
 def _state_zero(pt: Point) -> int:
@@ -336,6 +356,7 @@ def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partiti
     pipelines = profile.pipeline_refusal is None
     points = [pt for pt in enumerate_points(gpus=gpus, global_batch=req.global_batch_size, n_units=n_units,
                                             pipelines=pipelines, tp_pairs=tp.pairs, sp_pipelines=tp.sp_pipelines,
+                                            eps=ep_degrees(profile.experts, degrees=req.ep_degrees),
                                             distributed_optimizer=gpu)
               if runnable(pt.schedule, pt.zero, pt.dp)
               and (req.schedules is None or pt.pp == 1 or pt.schedule in req.schedules)
@@ -389,29 +410,31 @@ class _UnitTimes:
     def __init__(self, profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest) -> None:
         self.profile, self.cluster, self.req = profile, cluster, req
         self.names = [u.name for u in profile.units]
-        self.cache: dict[tuple[int, bool, int], list[tuple[float, float]] | None] = {}
+        self.cache: dict[tuple[int, bool, int, int], list[tuple[float, float]] | None] = {}
         self.stage_cache: dict[tuple, list[tuple[float, float]]] = {}
 
-    def units(self, tp: int, sp: bool, mbs: int) -> list[tuple[float, float]] | None:
-        if (tp, sp, mbs) not in self.cache:
-            self.cache[tp, sp, mbs] = self._measure(tp, sp, mbs) if self.cluster.compute is None else None
-        return self.cache[tp, sp, mbs]
+    def units(self, tp: int, sp: bool, mbs: int, ep: int = 1) -> list[tuple[float, float]] | None:
+        if (tp, sp, mbs, ep) not in self.cache:
+            self.cache[tp, sp, mbs, ep] = self._measure(tp, sp, mbs, ep) if self.cluster.compute is None else None
+        return self.cache[tp, sp, mbs, ep]
 
-    def _measure(self, tp: int, sp: bool, mbs: int) -> list[tuple[float, float]] | None:
+    def _measure(self, tp: int, sp: bool, mbs: int, ep: int) -> list[tuple[float, float]] | None:
         n, schedule = len(self.names), _one_microbatch_schedule(len(self.names))
         if schedule is None:
             return None
-        s = Strategy(dp=1, pp=n, zero=0, schedule=schedule, microbatches=1, micro_batch_size=mbs,
+        # under expert parallelism a unit's cost holds its all-to-alls and the busiest rank's routed work at EP
+        # shapes (estimate._ep_unit), which the dp degree does not change: dp = ep stands for every dp
+        s = Strategy(dp=ep, pp=n, zero=0, schedule=schedule, microbatches=1, micro_batch_size=mbs,
                      stages=tuple((u,) for u in self.names), tp=tp, sp=sp, precision=self.req.precision,
-                     optimizer=self.req.optimizer)
+                     optimizer=self.req.optimizer, ep=ep)
         return unit_costs(s, self.profile, self.cluster)
 
     def stage_fb(self, pt: Point, parts: _Partitions) -> list[tuple[float, float]] | None:
         """(forward, backward) per stage of the point's cut, per micro-batch of its size (None: no proxy)."""
         k = pt.pp * pt.v
-        key = (k, pt.tp, pt.sp, pt.micro_batch_size)
+        key = (k, pt.tp, pt.sp, pt.micro_batch_size, pt.ep)
         if key not in self.stage_cache:
-            per_unit = self.units(pt.tp, pt.sp, pt.micro_batch_size)
+            per_unit = self.units(pt.tp, pt.sp, pt.micro_batch_size, pt.ep)
             if per_unit is None or k == 1 and len(self.names) == 1:
                 return None
             where = {name: i for i, name in enumerate(self.names)}
@@ -433,6 +456,7 @@ class _RankBound:
     forward: float = 0.0   # the forward part of its work (what full recompute runs again)
     held: tuple[int, ...] = (0,)
     alive: float = 0.0
+    experts: float = 0.0   # of params, the routed experts' (whole: split ep ways where the point says)
 
 
 def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = None) -> tuple[_RankBound, ...]:
@@ -449,10 +473,10 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
         # estimate above the profile's micro-batch, where the fixed part stays whole)
         scale = 1.0 / pt.tp
         fb = parts.stage_fb(k, pt.micro_batch_size)
-    params, kept = parts.stage_params(k), parts.stage_kept(k)
+    params, kept, experts = parts.stage_params(k), parts.stage_kept(k), parts.stage_experts(k)
     if k == 1:
         return (_RankBound(start_busy=pt.microbatches * sum(fb[0]) * scale, tail=0.0, params=params[0] / pt.tp,
-                           forward=pt.microbatches * fb[0][0] * scale, alive=kept[0]),)
+                           forward=pt.microbatches * fb[0][0] * scale, alive=kept[0], experts=experts[0]),)
     spec = get_spec(pt.schedule)
     f_before, b_before = [0.0], [0.0]
     for f, b in fb:
@@ -472,7 +496,7 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
                               tail=0.0 if spec.split_backward else b_before[first] * scale,
                               params=sum(params[st] for st in held) / pt.tp,
                               forward=pt.microbatches * sum(fb[st][0] for st in held) * scale,
-                              held=held, alive=alive))
+                              held=held, alive=alive, experts=sum(experts[st] for st in held)))
     return tuple(out)
 
 
@@ -511,18 +535,30 @@ def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], profile: ModelProfile
     memo = {} if memo is None else memo
     if ("ranks", id(ranks)) not in memo:
         memo["ranks", id(ranks)] = (max(r.start_busy + r.tail for r in ranks), max(ranks, key=lambda r: r.start_busy),
-                                    max(ranks, key=lambda r: r.start_busy + r.tail), max(r.params for r in ranks))
+                                    max(ranks, key=lambda r: r.start_busy + r.tail),
+                                    max(ranks, key=lambda r: r.params - r.experts + r.experts / pt.ep))
     schedule, busiest, critical, fullest = memo["ranks", id(ranks)]
     cal = _calibration(cluster)
 
-    def dp_time(params: float) -> float:
-        key = (pt.dp, pt.pp, pt.zero, pt.tp, params, pt.distributed_optimizer)
+    def group_time(p: Point, params: float) -> float:
+        key = (p.dp, p.pp, p.zero, p.tp, params, p.distributed_optimizer)
         if key not in memo:
-            memo[key] = _dp_bound(pt, params, cluster, req) * cal.dp_comm_scale
+            memo[key] = _dp_bound(p, params, cluster, req) * cal.dp_comm_scale
         return memo[key]
 
-    bound = max(schedule, busiest.start_busy + dp_time(busiest.params), critical.start_busy + dp_time(critical.params))
-    held = fullest / (pt.dp if pt.zero >= 1 else 1)
+    experts_pt = replace(pt, dp=pt.dp // pt.ep, tp=pt.tp * pt.ep, ep=1) if pt.ep > 1 else None
+
+    def dp_time(r: _RankBound) -> float:
+        """The dense parameters' over dp, and under EP the experts' share over their own group (dp / ep ranks, ep x
+        tp apart: placed as _dp_bound places a group of that stride)."""
+        if experts_pt is None:
+            return group_time(pt, r.params)
+        dense = group_time(pt, r.params - r.experts)
+        return dense + (group_time(experts_pt, r.experts / pt.ep) if experts_pt.dp > 1 else 0.0)
+
+    bound = max(schedule, busiest.start_busy + dp_time(busiest), critical.start_busy + dp_time(critical))
+    dense_dp, expert_dp = (pt.dp, pt.dp // pt.ep) if pt.zero >= 1 else (1, 1)
+    held = (fullest.params - fullest.experts) / dense_dp + fullest.experts / pt.ep / expert_dp
     busy = busy_ranks(cast(Strategy, pt))   # busy_ranks reads only fields a Point has too
     # the update alone, its fixed cost per tensor left out (a lower bound)
     return bound + optimizer_seconds(held, 0.0, profile=profile, cluster=cluster, precision=req.precision,
@@ -544,10 +580,9 @@ def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], act_scale: float
     dividing every parameter at best) plus their least activations with the attention core dropped (selective
     recompute; _RankBound.alive) and everything divided by tp, in `room` (the device less the per-process
     overhead): on the balanced cut they fit, if at all, only with full recompute."""
-    per_param = sum(executor_state_bytes(1.0, pt.dp, _state_zero(pt), req.precision, req.optimizer))
     out: set[int] = set()
     for r in ranks:
-        if r.params * per_param + r.alive * act_scale / pt.tp > room:
+        if _states(pt, r.params, r.experts, req) + r.alive * act_scale / pt.tp > room:
             out.update(r.held)
     return frozenset(out)
 
@@ -569,10 +604,16 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
               for mbs in {pt.micro_batch_size for pt in points}}
     acts = {mbs: kept * scale for mbs, scale in scales.items()}
     times = _UnitTimes(profile, cluster, req) if points else None
+    all_experts = sum(u.moe.expert_params if u.moe else 0 for u in profile.units)
+    largest = max(profile.units, key=lambda u: u.params)
     for pt in points:
         # tensor parallelism divides at most every parameter by tp (norms and whole embeddings stay replicated)
         held = max(profile.total_params / pt.pp, largest_unit) / pt.tp
         state = sum(zero_model_state_bytes(held, pt.dp, _state_zero(pt), req.precision, req.optimizer)) + overhead
+        if pt.ep > 1:   # the routed experts split ep ways: the average stage's states, or the largest unit's
+            state = overhead + max(
+                _states(pt, profile.total_params / pt.pp, all_experts / pt.pp, req, paper=True),
+                _states(pt, largest.params, largest.moe.expert_params if largest.moe else 0, req, paper=True)) / pt.tp
         out.min_state = min(out.min_state, state)
         g = _shape(pt)
         if g not in group_bound:
@@ -603,9 +644,9 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
 
 
 def _shape(pt: Point) -> tuple:
-    """Points that differ only in ZeRO stage: the same stages, schedule and micro-batches, so the same unit times
-    and schedule bound."""
-    return pt.tp, pt.sp, pt.pp, pt.v, pt.schedule, pt.micro_batch_size
+    """Points that differ only in ZeRO stage: the same stages, schedule, micro-batches and expert parallelism, so
+    the same unit times and schedule bound."""
+    return pt.tp, pt.sp, pt.pp, pt.v, pt.schedule, pt.micro_batch_size, pt.ep
 
 
 def _group(pt: Point) -> tuple:
@@ -676,7 +717,7 @@ def _known_overflow(pt: Point, plain: Estimate | None, parts: _Partitions, profi
     if plain is None:
         return frozenset()
     k = pt.pp * pt.v
-    params = parts.stage_params(k)
+    params, experts = parts.stage_params(k), parts.stage_experts(k)
     core = _core_bytes(profile, micro_batch_size=pt.micro_batch_size, precision=req.precision, with_shards=pt.sp)
     by_stage = {st.stage: st for st in plain.stages}
     out: set[int] = set()
@@ -684,7 +725,7 @@ def _known_overflow(pt: Point, plain: Estimate | None, parts: _Partitions, profi
         held = sum(params[sid] for sid in m.stages) / pt.tp
         drops = sum(max(1, by_stage[sid].peak_in_flight) * sum(core[u] for u in by_stage[sid].units)
                     for sid in m.stages)
-        states = sum(executor_state_bytes(held, pt.dp, _state_zero(pt), req.precision, req.optimizer))
+        states = _states(pt, held, sum(experts[sid] for sid in m.stages), req)
         if states + m.activations - drops > room:
             out.update(m.stages)
     return frozenset(out)
@@ -866,7 +907,11 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *
                         no_pipelines=profile.pipeline_refusal)
     rationale = replace(rationale, lines=rationale.lines + tuple(tp_lines(
         winner.strategy, winner.estimate, feasible, cluster, found.tp, pruned_tp_bounds=found.pruned_tp_bounds,
-        at_tp1=_at_tp1(winner.strategy, profile, cluster))))
+        at_tp1=_at_tp1(winner.strategy, profile, cluster))) + tuple(ep_lines(
+        winner.strategy, winner.estimate, feasible, experts=profile.experts,
+        degrees=ep_degrees(profile.experts, degrees=request.ep_degrees),
+        at_ep1=estimate(replace(winner.strategy, ep=1), profile, cluster, compact=True)
+        if winner.strategy.ep > 1 else None)))
     provenance = _provenance(found, winner, profile, cluster, request, profile_path=profile_path, command=command,
                              t0=t0)
     s = winner.strategy

@@ -1,6 +1,7 @@
 """The search space of strategies for N devices and a global batch B, with provable pruning."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -26,6 +27,7 @@ class Point:
     tp: int = 1
     sp: bool = False
     distributed_optimizer: bool = False   # ZeRO-1 as Megatron-LM's (Strategy.distributed_optimizer)
+    ep: int = 1                           # expert parallelism over ep of the dp ranks (Strategy.ep)
 
     @property
     def family(self) -> str:
@@ -100,17 +102,30 @@ def schedules_for(pp: int, m: int, n_units: int) -> list[tuple[str, int]]:
     return out
 
 
+def ep_degrees(experts: int, *, degrees: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The expert-parallel degrees searched for a model with `experts` routed experts per block (0: dense, ep = 1
+    only): powers of two dividing the experts (EP groups then tile nodes of a power-of-two size), narrowed to
+    `degrees` (a request's) where given."""
+    out = [1]
+    ep = 2
+    while experts and ep <= experts and experts % ep == 0:
+        out.append(ep)
+        ep *= 2
+    return tuple(e for e in out if degrees is None or e in degrees) or (1,)
+
+
 def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_batch: int = MAX_MICRO_BATCH,
                      max_microbatches: int = MAX_MICROBATCHES, pipelines: bool = True,
                      tp_pairs: Sequence[tuple[int, bool]] = NO_TP, sp_pipelines: bool = True,
-                     distributed_optimizer: bool = False) -> Iterator[Point]:
+                     distributed_optimizer: bool = False, eps: Sequence[int] = (1,)) -> Iterator[Point]:
     """Every (tp, sp) of `tp_pairs` (tp_options), every (dp, pp) with dp * pp * tp = gpus, ZeRO 0-3 on dp, every
     schedule and chunking the units allow, and every micro-batch size with dp * m * mbs = B (up to max_micro_batch
     sequences, and m up to max_microbatches, the simulator's cap). Only pp <= n_units and mbs <= max_micro_batch
     are ever tried, so the work is bounded by |tp_pairs| x n_units x max_micro_batch whatever gpus and B are.
     pipelines=False: pp = 1 only (a model the executor cannot cut into stages, ModelProfile.pipeline_refusal);
     sp_pipelines=False: sequence parallelism at pp = 1 only (TPOptions.sp_pipelines). distributed_optimizer: ZeRO-1
-    without a pipeline also as Megatron-LM's distributed optimizer (searched on GPU clusters)."""
+    without a pipeline also as Megatron-LM's distributed optimizer (searched on GPU clusters). eps: the expert-
+    parallel degrees (ep_degrees), each where it divides dp."""
     for tp, sp in tp_pairs:
         if gpus % tp:
             continue
@@ -124,9 +139,11 @@ def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_ba
                 if m > max_microbatches:
                     continue
                 for schedule, v in schedules_for(pp, m, n_units):
-                    for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+                    for zero, ep in itertools.product((0,) if dp == 1 else (0, 1, 2, 3), eps):
+                        if dp % ep:
+                            continue
                         yield Point(dp=dp, pp=pp, zero=zero, schedule=schedule, v=v, micro_batch_size=mbs,
-                                    microbatches=m, tp=tp, sp=sp)
-                        if distributed_optimizer and zero == 1 and pp == 1:
+                                    microbatches=m, tp=tp, sp=sp, ep=ep)
+                        if distributed_optimizer and zero == 1 and pp == 1 and ep == 1:
                             yield Point(dp=dp, pp=pp, zero=zero, schedule=schedule, v=v, micro_batch_size=mbs,
                                         microbatches=m, tp=tp, sp=sp, distributed_optimizer=True)

@@ -128,9 +128,13 @@ def estimate_lines(strategy, est) -> list[str]:
     s, b = strategy, est.breakdown
     switches = s.tp_label[len(f"TP{s.tp}"):]   # '+SP', '+SP+shard', '+SP+async' ...
     shape = (f"dp={s.dp} x tp={s.tp}" + (f" ({switches})" if switches else "") + f" x pp={s.pp}"
-             + (f" (v={s.v})" if s.v > 1 else "") + (", selective recompute" if s.selective else ""))
-    # compute_s includes the exposed TP collectives (the estimate adds them to each unit's pass): shown apart
-    tp_part = f" (of which tensor-parallel comm {duration(b.tp_comm_s)})" if s.tp > 1 else ""
+             + (f" (v={s.v})" if s.v > 1 else "") + (f" x ep={s.ep}" if s.ep > 1 else "")
+             + (", selective recompute" if s.selective else ""))
+    # compute_s includes the exposed TP collectives and EP all-to-alls (the estimate adds them to each unit's
+    # pass): shown apart
+    tp_part = ", ".join(([f"tensor-parallel comm {duration(b.tp_comm_s)}"] if s.tp > 1 else [])
+                        + ([f"expert-parallel all-to-alls {duration(b.ep_comm_s)}"] if s.ep > 1 else []))
+    tp_part = f" (of which {tp_part})" if tp_part else ""
     lines = [f"strategy: {shape}, {s.zero_label}, {s.schedule}, {s.microbatches} micro-batches of {s.micro_batch_size}, "
              f"{s.precision}, {s.optimizer}",
              f"step time: {duration(est.step_time_s)} = compute {duration(b.compute_s)}{tp_part} + bubble "
@@ -149,7 +153,9 @@ def estimate_lines(strategy, est) -> list[str]:
                 if est.comm.tied_bytes_per_rank else "")
              + (f", tensor-parallel {size(est.comm.tp_bytes_per_rank)} per rank ({est.comm.tp_link}: "
                 + (", ".join(f"{k} {size(v)}" for k, v in est.comm.tp_collectives.items() if v) or "none") + ")"
-                if s.tp > 1 else "")]
+                if s.tp > 1 else "")
+             + (f", expert-parallel all-to-alls {size(est.comm.ep_bytes_per_rank)} per rank ({est.comm.ep_link})"
+                if s.ep > 1 else "")]
     for st in est.stages:
         lines.append(f"stage {st.stage}: {st.units[0]}..{st.units[-1]} ({len(st.units)} units, {st.params:,} params), "
                      f"F {duration(st.fwd_s)}, B {duration(st.bwd_s)} per micro-batch, "

@@ -136,6 +136,11 @@ def unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile
     return unit.fwd_flops * scale / rate, unit.bwd_flops * scale / rate
 
 
+def priced_by_kind(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProfile, precision: str) -> bool:
+    """Whether unit_times prices `unit` by kind of work (not from measured times)."""
+    return not uses_measured_times(profile, cluster, precision) and _by_kind(unit, cluster)
+
+
 def _by_kind(unit: UnitProfile, cluster: ClusterProfile) -> bool:
     """Whether a unit is priced by kind of work (module doc, 2): a GPU target and a profile that recorded it."""
     return cluster.device.kind == "gpu" and unit.fwd_work is not None and unit.bwd_work is not None

@@ -42,8 +42,11 @@ from typing import Protocol, Sequence
 
 from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized, overlapped_exposure, p2p_time,
                                    sp_norm_grad_traffic, tp_unit_traffic)
-from cost_models.cost.compute import (compute_dtype, compute_source, executed_precision, optimizer_step_time,
-                                      tp_unit_times, unit_times)
+from cost_models.cost.compute import (compute_dtype, compute_source, executed_dtype, executed_precision,
+                                      optimizer_step_time, priced_by_kind, tp_unit_times, unit_times)
+from cost_models.cost.kernels import work_seconds
+from cost_models.cost.moe import (all_to_all_time, check_ep, dispatch_bytes, ep_ranks_per_node, ep_work,
+                                  expert_dp_ranks_per_node, imbalance)
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
                                      held_bytes_per_param, overhead_bytes, saved_at, torch_mixed, tp_param_share,
                                      tp_saved_bytes, zero1_partition)
@@ -51,6 +54,7 @@ from cost_models.cost.sharing import CoreSharing, action_seconds, core_sharing, 
 from cost_models.cost.simulator import Simulation, StageCost, simulate_schedule
 from cost_models.records.base import Record, record
 from cost_models.records.cluster import Calibration, ClusterProfile, ComputeProbe
+from cost_models.records.errors import ConfigError
 from cost_models.records.precision import BYTES_PER_PARAM, DTYPE_BYTES
 from cost_models.records.profile import ModelProfile, UnitProfile, counts_positions, items_per_sequence
 from cost_models.records.schedule import format_order, get_spec
@@ -78,6 +82,7 @@ class StepBreakdown(Record):
     optimizer_s: float
     total_s: float
     tp_comm_s: float = 0.0  # tensor-parallel collectives on that rank (exposed; inside compute_s)
+    ep_comm_s: float = 0.0  # expert-parallel all-to-alls on that rank (exposed; inside compute_s)
 
 
 @record
@@ -105,6 +110,10 @@ class StageEstimate(Record):
                                          # before micro-batch 0's forward (_stage_gather)
     bwd_input_fraction: float = 0.5      # of bwd_s, the input-gradient part (I) under a split backward; W the rest
                                          # (StageCost's; _shared moves it where I and W share cores differently)
+    expert_params: int = 0         # of params, the routed experts' on this rank under expert parallelism (ep > 1;
+                                   # their ZeRO group is dp / ep: cost.moe); 0 without
+    ep_comm_s: float = 0.0         # per micro-batch: its expert-parallel all-to-alls (in fwd_s / bwd_s)
+    ep_bytes: float = 0.0          # per micro-batch: their full-buffer bytes (forward, recomputed forward, backward)
 
     def cost(self) -> StageCost:
         """The simulator's view of this stage (reports re-simulate the plan's timeline from it): its gathers delay
@@ -131,6 +140,9 @@ class CommVolume(Record):
     tp_link: str = "none"            # the TP group's link: "intra-node" (or "inter-node" where tp > a node)
     tied_bytes_per_rank: float = 0.0 # pipeline rank 0's all-reduce of tied gradients across pipeline ranks per step
                                      # (_tied_sync; its local gradient: a ZeRO-2/3 shard), counted as CommCounter does
+    ep_bytes_per_rank: float = 0.0   # expert-parallel all-to-alls per rank per step (full buffers: what the rank
+                                     # hands all_to_all_single; cost.moe)
+    ep_link: str = "none"            # the EP group's link: "intra-node" | "inter-node"
 
 
 @record
@@ -183,11 +195,20 @@ def _rank_params(c: "_Context", unit: str, stage_units: Sequence[str]) -> int:
     """Parameters one rank holds of `unit` in its stage: with tp > 1 the split modules' share, and of a tied copy
     a tp-th where the vocabulary splits (the tied weights plans split are the vocabulary's: the zoo GPT's embedding
     and head, records.tensor_parallel), else the whole copy."""
+    moe, share = c.profile.unit(unit).moe, _expert_share(c, unit)
+    away = moe.expert_params - share if moe is not None and share else 0
     if c.s.tp == 1:
-        return held_params(c.profile, unit, stage_units)
+        return held_params(c.profile, unit, stage_units) - away
     copies = sum(tied_copies(c.profile, unit, stage_units))
     own = tp_param_share(c.profile.unit(unit).params, c.profile.unit(unit).tp, c.s.tp, c.tp_vocab)
-    return round(own + (copies / c.s.tp if c.tp_vocab else copies))
+    return round(own + (copies / c.s.tp if c.tp_vocab else copies)) - away
+
+
+def _expert_share(c: "_Context", unit: str) -> int:
+    """The routed experts' parameters of `unit` one rank holds under expert parallelism (E / ep of each block's
+    experts, whole over tp: cost.moe), 0 without it or in a dense unit."""
+    moe = c.profile.unit(unit).moe
+    return moe.expert_params // c.s.ep if moe is not None and c.s.ep > 1 else 0
 
 
 def _unit_numels(profile: ModelProfile, unit: str, stage_units: Sequence[str], *, tp: int = 1,
@@ -343,9 +364,11 @@ def action_cost(s: Strategy, cluster: ClusterProfile) -> float:
                           pipelines_at_once=s.ranks_per_stage)
 
 
-def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, float, tuple[float, ...]]:
-    """(forward, backward, saved bytes at the profile's scale, TP bytes per op + TP seconds or ()) of one
-    micro-batch through unit `name` (_tp_unit with tensor parallelism or selective recompute, else unit_times)."""
+def _unit_cost(c: _Context, name: str,
+               recompute: bool) -> tuple[float, float, float, float, float, tuple[float, ...]]:
+    """(forward, backward, saved bytes at the profile's scale, EP all-to-all seconds and bytes, TP bytes per op +
+    TP seconds or ()) of one micro-batch through unit `name` (_tp_unit with tensor parallelism or selective
+    recompute, else unit_times; _ep_unit under expert parallelism)."""
     s = c.s
     pair = (id(c.profile), id(c.cluster))
     entry = _UNIT_COSTS.get(pair)
@@ -355,20 +378,51 @@ def _unit_cost(c: _Context, name: str, recompute: bool) -> tuple[float, float, f
         entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {}, _twins(c.profile))
     name = entry[3].get(name, name)
     key = (name, s.micro_batch_size, s.precision, c.sharing.busy, s.tp, s.sp, s.selective, recompute, c.tp_on,
-           c.tp_vocab, s.optimizer, c.autocast, s.async_tp, s.sp_save_shard)
+           c.tp_vocab, s.optimizer, c.autocast, s.async_tp, s.sp_save_shard, s.ep)
     hit = entry[2].get(key)
     if hit is None:
         u = c.profile.unit(name)
         if c.tp_on:
             acc = [0.0] * (len(TP_OPS) + 1)
             f, b, kept = _tp_unit(c, u, recompute, acc)
-            hit = (f, b, kept, tuple(acc))
+            tp_acc: tuple[float, ...] = tuple(acc)
         else:
             f, b = unit_seconds(u, c.profile, c.cluster, micro_batch_size=s.micro_batch_size, precision=s.precision,
                                 ranks_running=c.sharing.busy, mixed=c.autocast)
-            hit = (f, b, _saved(c, u), ())
+            kept, tp_acc = _saved(c, u), ()
+        hit = (*_ep_unit(c, u, f, b, kept, recompute), tp_acc)
         entry[2][key] = hit
     return hit
+
+
+def _ep_unit(c: _Context, u: UnitProfile, f: float, b: float, kept: float,
+             recompute: bool) -> tuple[float, float, float, float, float]:
+    """(forward, backward, saved bytes at the profile's scale, all-to-all seconds, all-to-all bytes) of one
+    micro-batch through `u` under expert parallelism (cost.moe's module doc): its routed experts' share of the
+    compute, and of what they save, at the busiest EP rank's load; dispatch and combine all-to-alls in forward and
+    again in backward, exposed (each sits between the router and the experts, or the experts and what follows:
+    nothing computes beside it in one micro-batch's stream). The forward's run again under full recompute (in
+    the bytes here; the stage adds the forward's seconds to the backward). As given without EP or MoE blocks."""
+    m, s = u.moe, c.s
+    if m is None or s.ep == 1:
+        return f, b, kept, 0.0, 0.0
+    load = imbalance(c.profile, m, s.ep)
+    extra = load - 1.0
+    if priced_by_kind(u, c.profile, c.cluster, s.precision):   # the busiest rank's products at their EP shapes
+        dtype = executed_dtype(s.precision, c.cluster.device.kind)
+        for work, backward in ((u.fwd_work, False), (u.bwd_work, True)):
+            assert work is not None   # priced_by_kind
+            now = work_seconds(work, c.cluster.device, dtype, backward=backward)
+            ratio = work_seconds(ep_work(work, m, ep=s.ep, load=load), c.cluster.device, dtype,
+                                 backward=backward) / now if now > 0 else 1.0
+            f, b = (f, b * ratio) if backward else (f * ratio, b)
+    else:   # measured times: the routed experts' share of the unit's FLOPs, at the busiest rank's load
+        f += f * extra * (m.routed_fwd_flops / u.fwd_flops if u.fwd_flops else 0.0)
+        b += b * extra * (m.routed_bwd_flops / u.bwd_flops if u.bwd_flops else 0.0)
+    size = dispatch_bytes(m, scale=s.micro_batch_size / c.profile.micro_batch_size,
+                          elem_bytes=DTYPE_BYTES[compute_dtype(s.precision)])
+    t = all_to_all_time(c.cluster, size, s.ep, ranks_per_node=ep_ranks_per_node(c.cluster, ep=s.ep, tp=s.tp))
+    return f + 2 * t, b + 2 * t, kept + m.routed_saved_bytes * extra, 4 * t, (6 if recompute else 4) * size
 
 
 def _twins(profile: ModelProfile) -> dict[str, str]:
@@ -474,8 +528,10 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     fwd = bwd = 0.0
     saved: list[float] = []
     acc = [0.0] * (len(TP_OPS) + 1)   # TP bytes per op, TP seconds
+    ep_s = ep_bytes = 0.0
     for name in units:
-        f, b, kept, tp_acc = _unit_cost(c, name, recompute)
+        f, b, kept, a2a_s, a2a_bytes, tp_acc = _unit_cost(c, name, recompute)
+        ep_s, ep_bytes = ep_s + a2a_s * (1.5 if recompute else 1.0), ep_bytes + a2a_bytes
         if tp_acc:
             acc = [x + y for x, y in zip(acc, tp_acc)]
         fwd, bwd = fwd + f, bwd + b
@@ -497,8 +553,9 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
         bwd += fwd
     boundary = _boundary_bytes(profile, index[units[-1]]) * c.act_scale
     held = [_rank_params(c, n, units) for n in units]
+    expert = sum(_expert_share(c, n) for n in units)
     send_f, send_b = _p2p_times(c, sid, boundary, stage_input)
-    gather = _stage_gather(c, sum(held))
+    gather = _stage_gather(c, sum(held) - expert, expert)
     if s.n_stages > 1:
         # torch's schedule runtime costs a fixed amount per action (probed); a split backward runs as I and W
         per_action = action_cost(s, c.cluster)
@@ -515,11 +572,13 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
                          working_set_bytes=_working_set(c, units, saved, stage_input) if recompute and not bounded
                          else 0.0, tp_comm_s=acc[-1], kept_bytes=_kept(c, sid, units, recompute and not bounded),
                          tp_bytes=dict(zip(TP_OPS, acc)) if s.tp > 1 else {}, gather_s=gather,
-                         gather_every_forward=gather > 0 and s.zero == 3)
+                         gather_every_forward=gather > 0 and s.zero == 3, expert_params=expert, ep_comm_s=ep_s,
+                         ep_bytes=ep_bytes)
 
 
-def _stage_gather(c: _Context, params: int) -> float:
-    """Seconds of one all-gather of a pipeline stage's parameters over dp under ZeRO-2/3, 0 otherwise.
+def _stage_gather(c: _Context, params: int, experts: int = 0) -> float:
+    """Seconds of one all-gather of a pipeline stage's parameters over dp under ZeRO-2/3 (its routed experts'
+    share under expert parallelism over their own group, dp / ep: _expert_coll), 0 otherwise.
 
     torch's pipeline stage is one FSDP unit, gathered by FSDP's pre-forward hook inside the stage's forward: after
     the stage received its input, so the gather sits on the pipeline's critical path, not after it. Counted per
@@ -534,7 +593,10 @@ def _stage_gather(c: _Context, params: int) -> float:
     section)."""
     if not gathers_in_schedule(c.s):
         return 0.0
-    return _dp_coll(c)("all_gather", params * c.param_bytes) * c.calibration.dp_comm_scale
+    t = _dp_coll(c)("all_gather", params * c.param_bytes)
+    if experts:
+        t += _expert_coll(c)("all_gather", experts * c.param_bytes)
+    return t * c.calibration.dp_comm_scale
 
 
 def gathers_in_schedule(s: Strategy) -> bool:
@@ -550,6 +612,18 @@ def _dp_coll(c: _Context) -> CollFn:
 
     def coll(op: str, size: float, back_to_back: bool = False) -> float:
         return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn, back_to_back=back_to_back)
+    return coll
+
+
+def _expert_coll(c: _Context) -> CollFn:
+    """collective_time over the routed experts' data-parallel group: the dp / ep ranks holding the same experts,
+    ep x tp apart (cost.moe)."""
+    s, cluster = c.s, c.cluster
+    n, rpn = s.dp // s.ep, expert_dp_ranks_per_node(cluster, ep=s.ep, tp=s.tp)
+
+    def coll(op: str, size: float, back_to_back: bool = False) -> float:
+        return collective_time(cluster, op, size, n, ranks_per_node=rpn if n > rpn else None,
+                               back_to_back=back_to_back)
     return coll
 
 
@@ -633,16 +707,23 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
     coll = _dp_coll(c)
     dp_bytes: dict[str, float] = {}
     rank_dp: list[float] = []
+    experts_s = _experts_dp(c)
     for r in range(s.pp):
         mine = _rank_stages(s, stages, r)
-        units = [(_rank_params(c, n, st.units), c.profile.unit(n).param_tensors) for st in mine for n in st.units]
+        units = [(_rank_params(c, n, st.units) - _expert_share(c, n),
+                  c.profile.unit(n).param_tensors - (_expert_tensors(c, n))) for st in mine for n in st.units]
+        experts = [(_expert_share(c, n), _expert_tensors(c, n)) for st in mine for n in st.units]
         exposed = 0.0
-        for op, count, size, back_to_back in _dp_collectives(s, units, [st.params for st in mine], c.param_bytes,
-                                                             c.grad_bytes):
-            if not (op == "all_gather" and gathers_in_schedule(s)):   # in the stages' costs (_stage_gather)
-                exposed += count * coll(op, size, back_to_back)
-            if r == 0:
-                dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
+        groups = [(s, coll, units, [st.params - st.expert_params for st in mine])]
+        if experts_s is not None:   # the routed experts' over their own data-parallel group (cost.moe)
+            groups.append((experts_s, _expert_coll(c), experts, [st.expert_params for st in mine]))
+        for strategy, group_coll, group_units, stage_params in groups:
+            for op, count, size, back_to_back in _dp_collectives(strategy, group_units, stage_params,
+                                                                 c.param_bytes, c.grad_bytes):
+                if not (op == "all_gather" and gathers_in_schedule(s)):   # in the stages' costs (_stage_gather)
+                    exposed += count * group_coll(op, size, back_to_back)
+                if r == 0:
+                    dp_bytes[op] = dp_bytes.get(op, 0.0) + count * size
         if s.gathers_per_unit and not gathers_in_schedule(s):
             # FSDP2's per-unit work beyond compute and collective latency (probed), every micro-batch: one unit per
             # pipeline unit without a pipeline, one per stage with one (in the stages' costs where the pipeline
@@ -650,12 +731,33 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
             fsdp_units = len(units) if s.pp == 1 else len(mine)
             exposed += s.microbatches * fsdp_units * c.overheads.fsdp_unit_s
         if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1:
-            params = [u.params if s.tp == 1 else tp_param_share(u.params, u.tp, s.tp, c.tp_vocab)
-                      for u in c.profile.units]
-            tensors = [max(1, u.param_tensors) for u in c.profile.units]
+            shares = [_expert_share(c, u.name) for u in c.profile.units]
+            params = [(u.params if s.tp == 1 else tp_param_share(u.params, u.tp, s.tp, c.tp_vocab))
+                      - (u.moe.expert_params if u.moe and e else 0) for u, e in zip(c.profile.units, shares)]
+            tensors = [max(1, u.param_tensors - _expert_tensors(c, u.name)) for u in c.profile.units]
             exposed = _overlapped_dp_time(s, params, tensors, unit_fb, coll, c.param_bytes, c.grad_bytes)
+            if experts_s is not None:   # hidden behind the same compute as the dense ones: counted apart, at worst
+                exposed += _overlapped_dp_time(experts_s, [float(e) for e in shares],
+                                               [max(1, _expert_tensors(c, u.name)) for u in c.profile.units],
+                                               unit_fb, _expert_coll(c), c.param_bytes, c.grad_bytes)
         rank_dp.append(exposed * c.calibration.dp_comm_scale)
     return rank_dp, dp_bytes
+
+
+def _expert_tensors(c: _Context, unit: str) -> int:
+    """The routed experts' parameter tensors of `unit` under expert parallelism (each rank holds a slice of every
+    one: its E / ep experts), 0 without it."""
+    moe = c.profile.unit(unit).moe
+    return moe.expert_tensors if moe is not None and c.s.ep > 1 else 0
+
+
+def _experts_dp(c: _Context) -> Strategy | None:
+    """The strategy as the routed experts' data-parallel group runs it (dp / ep ranks, the same ZeRO stage), or
+    None where that group is one rank (or there is no expert parallelism)."""
+    s = c.s
+    if s.ep == 1 or s.dp // s.ep == 1:
+        return None
+    return dataclasses.replace(s, dp=s.dp // s.ep, ep=1)
 
 
 # --- pass 4: the optimizer ----------------------------------------------------------------------------------------
@@ -664,8 +766,11 @@ def _optimizer_pass(c: _Context, stages: tuple[StageEstimate, ...]) -> float:
     """The busiest pipeline rank's optimizer step: its parameters' update plus a per-tensor overhead (probed)."""
     s = c.s
     per_rank = [_rank_stages(s, stages, r) for r in range(s.pp)]
-    opt_params = max(sum(st.params for st in mine) for mine in per_rank)
-    opt_params_rank = opt_params / (s.dp if s.zero >= 1 else 1)
+    # ZeRO-1-3 split the optimizer states over the data-parallel group: dp for dense parameters, dp / ep for the
+    # routed experts' (their own group under expert parallelism)
+    dense_dp, expert_dp = (s.dp, s.dp // s.ep) if s.zero >= 1 else (1, 1)
+    opt_params_rank = max(sum((st.params - st.expert_params) / dense_dp + st.expert_params / expert_dp for st in mine)
+                          for mine in per_rank)
     opt_tensors = max(sum(max(1, c.profile.unit(n).param_tensors) for st in mine for n in st.units)
                       for mine in per_rank)
     # FSDP2 keeps a shard of every tensor on every rank; ZeroRedundancyOptimizer gives each rank whole tensors
@@ -738,9 +843,12 @@ def _comm_volume(c: _Context, stages: tuple[StageEstimate, ...], dp_bytes: dict[
     dp_link = "inter-node" if s.ranks_per_stage > cluster.devices_per_node else "intra-node"
     tp_bytes = _tp_step_bytes(s, stages, 0)
     tp_link = "none" if s.tp == 1 else "intra-node" if s.tp <= cluster.devices_per_node else "inter-node"
+    ep_link = ("none" if s.ep == 1 else "intra-node" if ep_ranks_per_node(cluster, ep=s.ep, tp=s.tp) is None
+               else "inter-node")
     return CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()), dp_collectives=dp_bytes,
                       p2p_link=p2p_link, dp_link=dp_link, tp_bytes_per_rank=sum(tp_bytes.values()),
-                      tp_collectives=tp_bytes, tp_link=tp_link)
+                      tp_collectives=tp_bytes, tp_link=tp_link, ep_link=ep_link,
+                      ep_bytes_per_rank=s.microbatches * sum(st.ep_bytes for st in _rank_stages(s, stages, 0)))
 
 
 def _tp_step_bytes(s: Strategy, stages: tuple[StageEstimate, ...], pp_rank: int) -> dict[str, float]:
@@ -772,6 +880,9 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     per_rank = not compact if per_rank is None else per_rank
     s = executed(strategy, cluster)
     s.validate(tuple(u.name for u in profile.units))
+    why = check_ep(profile, s.ep)
+    if why:
+        raise ConfigError(why)
     c = _Context.of(s, profile, cluster)
     stages, unit_fb = _stage_pass(c)
     stages = _shared(c, stages)
@@ -785,7 +896,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         compute_s=sim.busy_s[critical], bubble_s=max(0.0, free.makespan_s - free.busy_s[critical]),
         p2p_s=max(0.0, sim.makespan_s - free.makespan_s),
         dp_comm_s=rank_end[critical] - sim.finish_s.get(critical, 0.0), optimizer_s=optimizer_s,
-        total_s=total, tp_comm_s=s.microbatches * sum(st.tp_comm_s for st in _rank_stages(s, stages, critical)))
+        total_s=total, tp_comm_s=s.microbatches * sum(st.tp_comm_s for st in _rank_stages(s, stages, critical)),
+        ep_comm_s=s.microbatches * sum(st.ep_comm_s for st in _rank_stages(s, stages, critical)))
     stages = tuple(dataclasses.replace(st, peak_in_flight=sim.peak_in_flight.get(st.stage, 0)) for st in stages)
     memory = _memory(c, stages, sim, per_rank=per_rank)
     tokens, unit, mfu, hfu = _throughput(c, total)
@@ -958,7 +1070,11 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
     # the distributed optimizer holds shards as ZeRO-2's FSDP2 does, and the whole parameters and gradients
     # through the step as a pipeline's FSDP2 stages do (comm_buffer_bytes)
     zero = 2 if s.distributed_optimizer else s.zero
-    p, g, o = executor_state_bytes(params, s.dp, zero, s.precision, s.optimizer, mixed=c.mixed)
+    experts = sum(st.expert_params for st in mine)
+    p, g, o = executor_state_bytes(params - experts, s.dp, zero, s.precision, s.optimizer, mixed=c.mixed)
+    if experts:   # the routed experts' states, ZeRO-sharded over their own group (dp / ep ranks: cost.moe)
+        p, g, o = (a + b for a, b in zip((p, g, o), executor_state_bytes(
+            experts, s.dp // s.ep, zero, s.precision, s.optimizer, mixed=c.mixed)))
     buffers = comm_buffer_bytes(stage_params=params, largest_unit_params=largest, zero=zero, pp=s.pp, dp=s.dp,
                                 param_bytes=c.param_bytes, grad_bytes=c.grad_bytes,
                                 held_whole=s.distributed_optimizer)
@@ -971,7 +1087,7 @@ def _pp_rank_memory(c: _Context, mine: list[StageEstimate],
     shares = None
     numels = [n for st in mine for u in st.units
               for n in _unit_numels(c.profile, u, st.units, tp=s.tp, vocab=c.tp_vocab)]
-    if s.zero == 1 and not s.distributed_optimizer and s.dp > 1 and numels:
+    if s.zero == 1 and not s.distributed_optimizer and s.dp > 1 and numels and s.ep == 1:
         k_b = held_bytes_per_param(s.precision, s.optimizer, mixed=c.mixed)[2]
         shares = [k_b * n for n in zero1_partition(numels, s.dp)]
     base = MemoryBreakdown(rank=0, stages=tuple(st.stage for st in mine), parameters=int(p), gradients=int(g),

@@ -39,6 +39,8 @@ class Strategy(Record):
     distributed_optimizer: bool = False  # ZeRO-1 as Megatron-LM's distributed optimizer (zero_label)
     async_tp: bool = False               # SP's collectives fused with their matmuls (tp_label), CUDA GPUs only
     sp_save_shard: bool = False          # SP's gathered inputs saved as their shard, gathered again (tp_label)
+    ep: int = 1                          # expert parallelism: routed experts split over groups of ep dp ranks
+                                         # (cost_models.cost.moe); the world size is unchanged
 
     @property
     def zero_label(self) -> str:
@@ -82,6 +84,7 @@ class Strategy(Record):
             shape = (f"PP{self.pp} {self.schedule}" + (f" v={self.v}" if self.v > 1 else "")
                      + (f" x {self.tp_label}" if self.tp > 1 else "")
                      + (f" x DP{self.dp} {self.zero_label}" if self.dp > 1 else ""))
+        shape += f" EP{self.ep}" if self.ep > 1 else ""
         rec = sum(self.recompute) if self.recompute else 0
         return (f"{shape}, {self.microbatches}x{self.micro_batch_size}" + (f" +recompute {rec}/{self.n_stages}" if rec else "")
                 + (" +selective" if self.selective and rec < self.n_stages else ""))
@@ -98,6 +101,7 @@ class Strategy(Record):
             shape = f"{self.pp}-stage {self.schedule}" + (f" (v={self.v})" if self.v > 1 else "")
             shape += f" x {tensor}" if tensor else ""
             shape += f" x {self.dp}-way ZeRO-{self.zero}" if self.dp > 1 else ""
+        shape += f", experts split {self.ep} ways" if self.ep > 1 else ""
         rec = sum(self.recompute) if self.recompute else 0
         recompute = "" if not rec else (", full recompute" if rec == self.n_stages
                                         else f", recompute on {rec} of {self.n_stages} stages")
@@ -194,7 +198,7 @@ class Strategy(Record):
         """A strategy checks its own shape when it is made (from flags, a plan file or the search): one-line
         ConfigErrors that say what to change. Whether it covers a model's units is `validate`."""
         for name, value in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp), ("microbatches", self.microbatches),
-                            ("micro_batch_size", self.micro_batch_size), ("v", self.v)):
+                            ("micro_batch_size", self.micro_batch_size), ("v", self.v), ("ep", self.ep)):
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         # caps that keep the estimate's work bounded (cost_models/records/limits.py); a plan file can hold any number
@@ -224,6 +228,9 @@ class Strategy(Record):
             raise ConfigError(f"--sp-save-shard with {self.schedule}, whose backward runs twice over a retained graph "
                               f"(input, then weight gradients), would gather each input twice; choose another "
                               f"schedule or drop --sp-save-shard")
+        if self.dp % self.ep:
+            raise ConfigError(f"--ep {self.ep} must divide --dp {self.dp}: expert-parallel ranks are data-parallel "
+                              f"ranks holding different experts")
         if self.distributed_optimizer and (self.zero != 1 or self.pp > 1):
             raise ConfigError("--distributed-optimizer runs ZeRO-1 without a pipeline (--zero 1 --pp 1); a pipeline's "
                               "ZeRO-2 stages already gather once and reduce-scatter once per step")

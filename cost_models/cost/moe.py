@@ -1,0 +1,122 @@
+"""Expert parallelism's costs (pure functions): the routed experts' load imbalance, the token all-to-alls, and
+where an expert-parallel group sits on the mesh.
+
+Layout (torchtitan's, torchtitan/distributed/parallel_dims.py: expert-parallel ranks are borrowed from the data-
+parallel ones, so the world size is unchanged): on the mesh (pp, dp, tp) the dp ranks split into dp / ep groups of
+ep consecutive dp ranks; each EP group holds every routed expert once, E / ep on each rank, and a rank's tokens
+are dispatched to the ranks holding their top-k experts and combined back. Dense parameters (attention, norms,
+routers, shared experts) are data-parallel over dp as before; the routed experts' over the dp / ep ranks holding
+the same experts (their ZeRO group). Tensor-parallel ranks run the MoE blocks whole (their attention is split).
+
+Per MoE block and micro-batch each rank dispatches its tokens x top_k hidden states and receives as many back
+(two all-to-alls in forward, two in backward: dispatch and combine, and their gradients; Lepikhin et al. 2021,
+"GShard", section 2.2; Rajbhandari et al. 2022, "DeepSpeed-MoE", section 5.2). Byte convention as comm's: the full
+buffer is what one rank hands its all_to_all_single (tokens x top_k x hidden x bytes), of which (ep-1)/ep leaves
+the rank, spread evenly over the group (the busbw factor nccl-tests doc/PERFORMANCE.md gives all-to-all).
+
+Load: with expert parallelism the step waits for the busiest rank, whose routed work is the mean's times the
+imbalance: from the profile's measured load per expert where it has one (real mode: max over the EP ranks of
+their experts' load, over the mean), else `DEFAULT_IMBALANCE`, unless the profile's moe_imbalance sets it.
+Without expert parallelism each rank runs every expert for its own tokens: no imbalance.
+
+Shapes (GPU pricing by kind of work, cost.kernels): without EP each of the E experts multiplies r = tokens x top_k /
+E rows (a meta profile's even routing: cost_models.models.moe.expert_order); with EP a rank runs E / ep experts,
+each on the rows every rank of its group sends it, r x ep at the mean and r x ep x imbalance on the busiest rank
+(ep_work). Larger products run closer to the device's best rate, which is much of what expert parallelism buys.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from cost_models.records.cluster import ClusterProfile
+from cost_models.records.profile import ModelProfile, MoEUnit
+from cost_models.records.work import WorkCounts
+
+# The headroom expert capacity is commonly provisioned at over an even load: Switch Transformer trains with a
+# capacity factor of 1.0-1.25 (Fedus et al. 2022, "Switch Transformers", section 2.2 and table 1), i.e. the
+# busiest expert taking up to 1.25x the mean. Stated, not measured: `--moe-imbalance` sets it, and a real-mode
+# profile measures it on its tokens.
+DEFAULT_IMBALANCE = 1.25
+
+
+def imbalance(profile: ModelProfile, u: MoEUnit, ep: int) -> float:
+    """The busiest EP rank's routed tokens over the mean for unit `u` at `ep` (module doc); 1 without EP."""
+    if ep <= 1:
+        return 1.0
+    if profile.moe_imbalance > 0:
+        return profile.moe_imbalance
+    load = u.expert_load
+    if not load or sum(load) == 0:
+        return DEFAULT_IMBALANCE
+    per = len(load) // ep   # experts per EP rank, in order (rank i holds experts i*per .. (i+1)*per - 1)
+    ranks = [sum(load[i * per:(i + 1) * per]) for i in range(ep)]
+    return max(ranks) / (sum(ranks) / ep)
+
+
+def ep_work(work: WorkCounts, u: MoEUnit, *, ep: int, load: float) -> WorkCounts:
+    """One pass's work on the busiest EP rank (module doc, shapes): each routed-expert product (a shape whose rows
+    or depth are the profile's r = tokens x top_k / E and that runs a multiple of E times) runs count / ep times
+    on r x ep x load rows. Other work as profiled (its memory-bound bytes and kernels: an upper bound)."""
+    r = u.tokens * u.top_k // u.experts
+    if ep == 1 or r == 0:
+        return work
+    rows = max(1, round(r * ep * load))
+    gemms = []
+    for g in work.gemms:
+        routed = g.count % u.experts == 0 and r in (g.m, g.k)
+        if not routed:
+            gemms.append(g)
+        elif g.m == r:
+            gemms.append(dataclasses.replace(g, m=rows, count=g.count // ep))
+        else:
+            gemms.append(dataclasses.replace(g, k=rows, count=g.count // ep))
+    return dataclasses.replace(work, gemms=tuple(gemms))
+
+
+def dispatch_bytes(u: MoEUnit, *, scale: float, elem_bytes: int) -> float:
+    """One all-to-all's full buffer per rank for the unit's blocks at this micro-batch (scale: micro-batch over
+    the profile's): tokens x top_k x hidden x bytes, summed over its blocks."""
+    return u.blocks * u.tokens * scale * u.top_k * u.hidden * elem_bytes
+
+
+def ep_ranks_per_node(cluster: ClusterProfile, *, ep: int, tp: int) -> int | None:
+    """ranks_per_node of an EP group (ep consecutive dp ranks, each tp apart): a node holds devices_per_node / tp
+    of them; None where the group fits in a node."""
+    per_node = max(1, cluster.devices_per_node // tp)
+    return per_node if ep > per_node else None
+
+
+def expert_dp_ranks_per_node(cluster: ClusterProfile, *, ep: int, tp: int) -> int:
+    """ranks_per_node of the expert data-parallel group (dp / ep ranks, ep x tp apart)."""
+    return max(1, cluster.devices_per_node // (ep * tp))
+
+
+def all_to_all_time(cluster: ClusterProfile, size_bytes: float, n: int, *, ranks_per_node: int | None) -> float:
+    """Seconds of one all-to-all over n ranks, S = the full buffer per rank (module doc). The probe's fit for this
+    group where it measured one; else from the links: (g-1)/n x S inside the node on its links and (n-g)/n x S
+    across nodes on the rank's share of the network, at once, after one latency (NCCL runs the n-1 peer transfers
+    of ncclAllToAll as grouped sends and receives, concurrently)."""
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    g = min(n, ranks_per_node or cluster.devices_per_node)
+    scope = "intra" if g == n else "inter"
+    fit = cluster.fit("all_to_all", n, scope)
+    if fit is not None:
+        return fit.predict(size_bytes)
+    intra = (g - 1) / n * size_bytes / cluster.intra_node.bandwidth_Bps
+    if g == n or cluster.inter_node is None:
+        return cluster.intra_node.alpha_s + (n - 1) / n * size_bytes / cluster.intra_node.bandwidth_Bps
+    inter = (n - g) / n * size_bytes / cluster.inter_node.bandwidth_Bps
+    return cluster.inter_node.alpha_s + max(intra, inter)
+
+
+def check_ep(profile: ModelProfile, ep: int) -> str | None:
+    """Why `ep` cannot split this model's experts, or None."""
+    if ep == 1:
+        return None
+    if not profile.moe_units:
+        return (f"--ep {ep} splits routed experts, and {profile.name} has no mixture-of-experts blocks; use --ep 1 "
+                f"(or re-profile: profiles written before MoE blocks were recorded have none)")
+    if profile.experts % ep:
+        return f"--ep {ep} does not divide the {profile.experts} routed experts per block; use a divisor of it"
+    return None

@@ -1,0 +1,199 @@
+"""Mixture-of-experts models: the zoo's sizes against the published ones, the dropless expert block, the profile's
+record of the routed experts, expert parallelism's costs and its place in the search."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cost_models.cost.estimate import estimate
+from cost_models.cost.moe import DEFAULT_IMBALANCE, all_to_all_time, ep_work, imbalance
+from cost_models.models.moe import active_params, total_params
+from cost_models.models.source import resolve
+from cost_models.models.zoo import ZOO, build_zoo_model
+from cost_models.profiling.model_profiler import profile_model
+from cost_models.records.errors import ConfigError
+from cost_models.records.presets import preset
+from cost_models.records.strategy import Strategy
+from planner.manual import executor_refuses
+from planner.request import PlanRequest
+from planner.search import plan, search
+
+# (total, active) parameters as published: Mixtral 8x7B 46.7B / 12.9B (Jiang et al. 2024, section 2); Qwen3-30B-A3B
+# 30.5B / 3.3B (Qwen3 Technical Report, table 2); DeepSeek-V3 671B / 37B (DeepSeek-V3 Technical Report, abstract)
+PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "qwen3-30b-a3b": (30.5e9, 3.3e9), "deepseek-v3": (671e9, 37e9)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_zoo_moe_sizes_match_the_published_totals_and_active_counts(name):
+    cfg = ZOO[name].config
+    with torch.device("meta"):
+        counted = sum(p.numel() for p in build_zoo_model(ZOO[name]).parameters())
+    assert counted == total_params(cfg)
+    total, active = PUBLISHED[name]
+    assert abs(counted / total - 1) < 0.005
+    # the published active counts are rounded to one decimal of a billion (37B: two significant digits)
+    assert abs(active_params(cfg) / active - 1) < 0.02
+
+
+def test_the_expert_block_is_dropless_and_equals_a_token_by_token_mixture():
+    torch.manual_seed(0)
+    model = build_zoo_model(ZOO["moe-tiny"])
+    block = model.blocks[1].feed_forward
+    x = torch.randn(24, 64)
+    logits, weights, index = block.gate(x)
+    got = block.experts(x, index, weights)
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(index.shape[1]):
+            e = int(index[t, j])
+            gate, up = F.linear(x[t], block.experts.gate_up_proj[e]).chunk(2)
+            want[t] += weights[t, j] * F.linear(F.silu(gate) * up, block.experts.down_proj[e])
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(weights.sum(-1).round(decimals=5), torch.ones(24))
+
+
+@pytest.fixture(scope="module")
+def moe_profiles():
+    return {meta: profile_model(resolve("moe-tiny"), micro_batch_size=2, seq_len=16, dtype="fp32", meta=meta,
+                                warmup=1, repeats=2) for meta in (True, False)}
+
+
+def test_the_profile_records_each_units_routed_experts(moe_profiles):
+    for meta, prof in moe_profiles.items():
+        cfg = ZOO["moe-tiny"].config
+        assert [u.name for u in prof.moe_units] == ["blocks.1", "blocks.2", "blocks.3"]
+        assert prof.unit("blocks.0").moe is None and prof.experts == 8
+        m = prof.unit("blocks.2").moe
+        tokens = 2 * 16
+        assert (m.experts, m.top_k, m.hidden, m.tokens) == (8, 2, 64, tokens)
+        assert m.expert_params == 8 * 3 * 64 * cfg.expert_dim and m.expert_tensors == 2
+        assert m.router_params == 8 * 64 and m.shared_expert_params == 3 * 64 * cfg.expert_dim
+        assert m.routed_fwd_flops == 2 * tokens * 2 * 3 * 64 * cfg.expert_dim
+        assert m.routed_bwd_flops == 2 * m.routed_fwd_flops
+        # the counted forward holds the routed experts' products as executed: every token-expert pair once
+        assert m.routed_fwd_flops < prof.unit("blocks.2").fwd_flops
+        assert 0 < m.routed_saved_bytes < prof.unit("blocks.2").saved_bytes
+        if meta:
+            assert m.expert_load == ()
+        else:   # every token-expert pair of the profile's forward, counted once
+            assert sum(m.expert_load) == tokens * 2 and len(m.expert_load) == 8
+
+
+def test_a_block_with_a_router_and_experts_but_no_declaration_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="num_experts.*top_k"):
+        profile_model(resolve("tests.custom_models:undeclared_moe"), micro_batch_size=2, seq_len=8, dtype="fp32",
+                      meta=True)
+
+
+def _strategy(prof, **kw) -> Strategy:
+    fields = dict(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=2,
+                  stages=(tuple(u.name for u in prof.units),), precision="fp32")
+    fields.update(kw)
+    return Strategy(**fields)
+
+
+def test_bad_expert_parallel_degrees_are_one_line_errors(moe_profiles, tiny_profiles):
+    prof, cluster = moe_profiles[True], preset("dgx-h100")
+    with pytest.raises(ConfigError, match="must divide --dp"):
+        _strategy(prof, dp=2, ep=4)
+    with pytest.raises(ConfigError, match="does not divide the 8 routed experts"):
+        estimate(_strategy(prof, dp=3, ep=3), prof, cluster)
+    dense = tiny_profiles["llama-tiny", True]
+    with pytest.raises(ConfigError, match="no mixture-of-experts blocks"):
+        estimate(_strategy(dense, dp=2, ep=2), dense, cluster)
+    assert "does not run it yet" in executor_refuses(_strategy(prof, dp=2, ep=2), prof)
+
+
+def test_expert_parallelism_moves_the_dispatched_tokens_and_splits_the_experts(moe_profiles):
+    prof, cluster = moe_profiles[True], preset("dgx-h100")
+    m, moe_units = prof.unit("blocks.1").moe, len(prof.moe_units)
+    one = estimate(_strategy(prof, dp=4, microbatches=3), prof, cluster)
+    two = estimate(_strategy(prof, dp=4, microbatches=3, ep=2), prof, cluster)
+    assert one.comm.ep_bytes_per_rank == 0 and one.breakdown.ep_comm_s == 0
+    # per block and micro-batch: dispatch and combine, forward and backward, of tokens x top_k x hidden x 4 bytes
+    per = m.tokens * m.top_k * m.hidden * 4
+    assert two.comm.ep_bytes_per_rank == pytest.approx(3 * moe_units * 4 * per)
+    assert two.comm.ep_link == "intra-node" and two.breakdown.ep_comm_s > 0
+    experts = sum(u.moe.expert_params for u in prof.moe_units)
+    assert one.stages[0].params - two.stages[0].params == experts // 2
+    assert two.stages[0].expert_params == experts // 2
+    # ZeRO-0: every rank holds its experts' fp32 weights, gradients and Adam moments (16 B per parameter)
+    states = lambda e: sum(x.parameters + x.gradients + x.optimizer_states for x in e.memory_per_rank[:1])
+    assert states(one) - states(two) == pytest.approx(experts // 2 * 16, rel=1e-6)
+    # data-parallel gradients: the dense ones over 4 ranks, the experts' over the 2 holding the same experts
+    assert two.comm.dp_bytes_per_rank < one.comm.dp_bytes_per_rank
+
+
+def test_imbalance_comes_from_the_measured_load_or_the_stated_default(moe_profiles):
+    real, meta = moe_profiles[False], moe_profiles[True]
+    u = real.unit("blocks.1").moe
+    load = u.expert_load
+    half = [sum(load[:4]), sum(load[4:])]
+    assert imbalance(real, u, 2) == pytest.approx(max(half) / (sum(half) / 2))
+    assert imbalance(real, u, 1) == 1.0
+    assert imbalance(meta, meta.unit("blocks.1").moe, 4) == DEFAULT_IMBALANCE
+    assert imbalance(dataclasses.replace(real, moe_imbalance=1.7), u, 8) == 1.7
+
+
+def test_routed_products_run_ep_times_taller_on_the_busiest_rank(moe_profiles):
+    u = moe_profiles[True].unit("blocks.1")
+    r = u.moe.tokens * u.moe.top_k // u.moe.experts
+    routed = lambda w: sum(g.flops for g in w.gemms if r in (g.m, g.k) and g.count % 8 == 0)
+    for work in (u.fwd_work, u.bwd_work):
+        shaped = ep_work(work, u.moe, ep=4, load=1.5)
+        assert routed(work) > 0
+        assert shaped.gemm_flops - work.gemm_flops == pytest.approx(routed(work) * 0.5)
+        assert all(g.count * 4 == h.count for g, h in zip(shaped.gemms, work.gemms) if g.m == r * 6 or g.k == r * 6)
+
+
+def test_all_to_all_crosses_nodes_at_the_network_rate():
+    c = preset("dgx-h100", nodes=2)
+    size = 64e6
+    inside = all_to_all_time(c, size, 8, ranks_per_node=None)
+    assert inside == pytest.approx(c.intra_node.alpha_s + 7 / 8 * size / c.intra_node.bandwidth_Bps)
+    across = all_to_all_time(c, size, 16, ranks_per_node=8)
+    assert across == pytest.approx(c.inter_node.alpha_s + max(7 / 16 * size / c.intra_node.bandwidth_Bps,
+                                                               8 / 16 * size / c.inter_node.bandwidth_Bps))
+
+
+def test_pruned_search_finds_the_exhaustive_searchs_best_with_expert_parallelism(moe_profiles):
+    prof, cluster = moe_profiles[True], preset("dgx-h100")
+    req = PlanRequest(global_batch_size=16, gpus=8, precision="bf16-mixed")
+    pruned = search(prof, cluster, req)
+    every = search(prof, cluster, dataclasses.replace(req, prune=False))
+    assert {c.strategy.ep for c in every.feasible} == {1, 2, 4, 8}
+    assert pruned.feasible[0].estimate.step_time_s == pytest.approx(every.feasible[0].estimate.step_time_s)
+
+
+def test_planning_a_large_moe_model_chooses_expert_parallelism_and_says_why():
+    prof = profile_model(resolve("qwen3-30b-a3b"), micro_batch_size=1, seq_len=4096, meta=True, dtype="bf16")
+    p = plan(prof, preset("dgx-h100", nodes=16), PlanRequest(global_batch_size=512))
+    assert p.prediction.fits and p.strategy.ep > 1
+    lines = "\n".join(p.rationale.lines)
+    assert f"split {p.strategy.ep} ways" in lines and "best ep=1:" in lines
+    dense = plan(profile_model(resolve("llama-tiny"), micro_batch_size=2, seq_len=16, meta=True, dtype="bf16"),
+                 preset("dgx-h100"), PlanRequest(global_batch_size=16))
+    assert dense.strategy.ep == 1 and "expert" not in "\n".join(dense.rationale.lines)
+
+
+_HF_TINY = "hidden_size=64&num_hidden_layers=2&num_attention_heads=4&vocab_size=256&num_experts_per_tok=2"
+HF_MOE = {   # transformers' MoE families, tiny configs: (query, routed experts, shared expert parameters)
+    "mixtral": (f"{_HF_TINY}&intermediate_size=128&num_key_value_heads=2&num_local_experts=4", 4, 0),
+    "qwen3_moe": (f"{_HF_TINY}&moe_intermediate_size=32&num_key_value_heads=2&num_experts=8&head_dim=16", 8, 0),
+    "olmoe": (f"{_HF_TINY}&intermediate_size=32&num_key_value_heads=4&num_experts=8", 8, 0),
+    "deepseek_v3": (f"{_HF_TINY}&intermediate_size=128&moe_intermediate_size=32&first_k_dense_replace=1"
+                    "&num_key_value_heads=4&n_routed_experts=8&n_group=1&topk_group=1&n_shared_experts=1&q_lora_rank=32"
+                    "&kv_lora_rank=16&qk_rope_head_dim=8&qk_nope_head_dim=8&v_head_dim=8", 8, 3 * 64 * 32),
+}
+
+
+@pytest.mark.parametrize("family", sorted(HF_MOE))
+def test_transformers_moe_blocks_are_recognised_by_their_shape(family):
+    query, experts, shared = HF_MOE[family]
+    prof = profile_model(resolve(f"hf:{family}?{query}"), micro_batch_size=2, seq_len=8, dtype="fp32", warmup=0,
+                         repeats=1)
+    moe = [u.moe for u in prof.moe_units]
+    assert moe and all(m.experts == experts and m.top_k == 2 and m.hidden == 64 for m in moe)
+    assert all(m.shared_expert_params == shared and sum(m.expert_load) == 2 * 8 * 2 for m in moe)
+    assert all(m.routed_fwd_flops == 2 * 16 * 2 * m.expert_params // experts for m in moe)
