@@ -38,7 +38,7 @@ from executor.runtime import example_logits
 from executor.stages import UnitMap, check_covers_model
 from executor.train import TrainConfig, fail_at_start_up, run_on_rank, summarize_times
 from executor.weights import check_weights
-from planner.manual import ep_not_run
+from planner.manual import expert_parallel_refusal
 from planner.plan import Plan, check_plan
 from planner.run_record import Measure, RankResult, RunFile
 
@@ -187,8 +187,7 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None, on_warning=None) -> Ru
     resuming runs code stored in it). `on_warning(line)` gets what the checks before the ranks let through."""
     run.check(plan.strategy.world_size)
     check_plan(plan)
-    if plan.strategy.ep > 1:
-        raise ConfigError(ep_not_run(plan.strategy.ep))
+    _check_expert_parallel(plan, run)
     model = _check_model(plan, run.loss)
     if run.data:
         _check_data(plan, run.data, model)
@@ -291,6 +290,19 @@ def _checkpoint_folder(root: Path, start: int, overwrite: bool, *, lock: bool) -
         yield
 
 
+def _check_expert_parallel(plan: Plan, run: RunConfig) -> None:
+    """One line, before any rank starts, for what expert parallelism does not run with yet: the strategy's
+    (planner.manual.expert_parallel_refusal), and checkpoints (a rank holds E / ep of each block's experts: saving
+    and resuming them needs the experts' layout in the checkpoint, not built)."""
+    s = plan.strategy
+    why = expert_parallel_refusal(s)
+    if why:
+        raise ConfigError(why)
+    if s.ep > 1 and (run.checkpoint_dir or run.resume):
+        raise ConfigError(f"expert parallelism (ep={s.ep}) does not save or resume checkpoints yet (a rank holds "
+                          f"1/{s.ep} of each block's experts); drop --checkpoint-dir/--resume, or run with ep = 1")
+
+
 def _check_model(plan: Plan, loss: str | None = None):
     """Before any rank starts: the plan's model builds (on the meta device: no memory), its stages hold all of it
     (executor.stages.check_covers_model), a pipeline plan's model can be pipelined
@@ -305,7 +317,7 @@ def _check_model(plan: Plan, loss: str | None = None):
                               f"with pp=1 (planner plan does not offer pipelines for it)")
     check_covers_model(model, plan.strategy.stages, units, model_level=plan.strategy.pp == 1 or support == "traced")
     example = resolve(plan.model.source).example_input(model, 1, plan.model.seq_len, "cpu")[0].to("meta")
-    with meta_forward_context(), torch.no_grad():   # a loss can be taken on what it returns (one line if not)
+    with meta_forward_context(model), torch.no_grad():   # a loss can be taken on what it returns (one line if not)
         logits = _meta_logits(model, example)
         if loss:
             _check_loss(model, loss, logits, example if plan.model.input_kind == "tokens" else logits)
@@ -348,7 +360,7 @@ def _check_data(plan: Plan, path: str, model) -> None:
     tokens = TokenFile(path, plan.model.seq_len)
     source = resolve(plan.model.source)
     example = source.example_input(model, 1, plan.model.seq_len, "cpu")[0]
-    with meta_forward_context(), torch.no_grad():
+    with meta_forward_context(model), torch.no_grad():
         tokens.check_ids(vocab=example_logits(model, example.to("meta")).shape[-1])
 
 
@@ -446,7 +458,7 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
                 continue
             rows.append(Measure(quantity=f"rank {r.rank} {label}", unit="B", predicted=float(pred),
                                 measured=float(meas)))
-    dp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if not k.startswith(("p2p", "tp_")))
+    dp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if not k.startswith(("p2p", "tp_", "all_to_all")))
     # the tied gradients' all-reduce across pipeline ranks is counted among them (estimate._tied_sync)
     rows.append(Measure(quantity="rank 0 data-parallel and tied-gradient bytes per step (full buffers)", unit="B",
                         predicted=est.comm.dp_bytes_per_rank + est.comm.tied_bytes_per_rank,
@@ -455,6 +467,10 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
         tp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if k.startswith("tp_"))
         rows.append(Measure(quantity="rank 0 tensor-parallel bytes per step", unit="B",
                             predicted=est.comm.tp_bytes_per_rank, measured=float(tp_measured)))
+    if plan.strategy.ep > 1:   # a rank's share varies with the routing: the mean over ranks is the prediction's
+        rows.append(Measure(quantity="expert-parallel all-to-all bytes per step (mean over ranks)", unit="B",
+                            predicted=est.comm.ep_bytes_per_rank,
+                            measured=sum(r.comm_bytes.get("all_to_all", 0) for r in ranks) / len(ranks)))
     p2p_measured = sum(r.comm_bytes.get("p2p_send", 0) for r in ranks) / max(1, plan.strategy.dp)
     rows.append(Measure(quantity="p2p bytes per step (one pipeline)", unit="B",
                         predicted=est.comm.p2p_bytes_per_step, measured=float(p2p_measured)))

@@ -47,7 +47,9 @@ class CommCounter(TorchDispatchMode):
             return NotImplemented
         name = str(func.overloadpacket.__name__).rstrip("_")
         namespace = getattr(func, "namespace", "")
-        if namespace == "c10d" and name in _KINDS:
+        if namespace == "c10d" and name == "alltoall_base":   # (output, input, ...): what this rank sends
+            self.add("all_to_all", _bytes(args[1]))
+        elif namespace == "c10d" and name in _KINDS:
             self.add(_KINDS[name], max((_bytes(a) for a in args), default=0))
         elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
             kind, gathers = _FUNCTIONAL[name]

@@ -29,7 +29,9 @@ from executor.stage_builders import build_stages
 from executor.stages import (UnitMap, canonical_names, check_covers_model, recompute_units, state_maps, tied_params,
                              tied_units)
 from executor.traced_stages import as_tuple
-from executor.zero import Wrapped, all_reduce_grads, local_bytes, wrap
+from executor.expert_parallel import shard_experts, sync_expert_grads
+from executor.zero import Experts, Wrapped, all_reduce_grads, local_bytes, wrap
+from planner.manual import expert_parallel_refusal
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # FSDP2 warns whenever a wrapped module returns a view (an in-place op on it would skip its pre-backward hook).
@@ -104,7 +106,9 @@ class Runtime:
             loss = torch.stack([tensor_parallel.local_value(l.detach()) for l in losses]).mean() if losses else None
         t0 = time.perf_counter()
         if self.wrapped.manual_grad_sync:
-            all_reduce_grads(self.wrapped.params, self.dp_group, self.wrapped.reduce_dtype)
+            all_reduce_grads(self.wrapped.dense_params, self.dp_group, self.wrapped.reduce_dtype)
+        if self.wrapped.sync_experts:
+            sync_expert_grads(self.wrapped.experts, self.wrapped.expert_group, self.wrapped.ep)
         for name, group in self.tie_groups:
             p = self.params_by_name[name]
             if p.grad is not None:
@@ -205,14 +209,15 @@ class ModelSpec:
 def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optimizer_fn, example: torch.Tensor | None,
                   seed: int = 0, device: torch.device | None = None, local_ranks: int = 1,
                   loading: bool = False, builtin_cross_entropy: bool = False,
-                  compute: torch.dtype | None = None) -> Runtime:
+                  compute: torch.dtype | None = None, preload=None) -> Runtime:
     """Apply `strategy` to the model of `spec` on this rank of an initialised process group.
 
     The model is built on meta first (names, ties, the stages' static shapes from `example`, one micro-batch of
     input; pipelines need it), then for real with its own initialisation (executor.materialize), keeping only this
     rank's share. `loading`: pretrained weights will be loaded into it (executor.weights), so nothing is drawn and,
     under FSDP2, no rank ever holds more than its shards. `compute`: mixed precision's compute dtype
-    (executor.zero.mixed_precision; pp = 1 only)."""
+    (executor.zero.mixed_precision; pp = 1 only). `preload(params, buffers, model)`: with expert parallelism,
+    pretrained weights loaded into the whole model before this rank keeps its experts."""
     s = strategy
     _check_world(s)
     device = device or rank_device()
@@ -247,7 +252,8 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,
                    tp=s.tp, compute=compute if s.pp == 1 else None,
-                   distributed_optimizer=s.distributed_optimizer and s.dp > 1)
+                   distributed_optimizer=s.distributed_optimizer and s.dp > 1,
+                   experts=_expert_parallel(s, model, mode, dp_rank, device, preload, canon) if s.ep > 1 else None)
     if _shards_later(s, mode):
         _allocate_shards(wrapped, optimizer_fn, device, model=model, mode=mode, seed=seed, dp_rank=dp_rank, dp=s.dp)
     schedule = None
@@ -260,6 +266,29 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
                    loss_fn=loss_fn, schedule=schedule, dp_group=mesh["dp"].get_group() if s.dp > 1 else None,
                    tie_groups=_tie_groups(s, ties, dist.get_rank()), params_by_name=params, buffers_by_name=buffers,
                    model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits, own_loss=own)
+
+
+def _expert_parallel(s: Strategy, model: nn.Module, mode: str, dp_rank: int, device: torch.device, preload,
+                     canon) -> Experts:
+    """This rank's experts (executor.expert_parallel), on the (pp, dp / ep, ep, tp) mesh: an EP group is ep
+    consecutive dp ranks, the experts' data-parallel group the dp / ep ranks at the same place in theirs.
+    `preload`: pretrained weights, loaded into the whole model first (build_runtime)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    why = expert_parallel_refusal(s)
+    if why or mode != "factory":
+        raise ConfigError(why or f"expert parallelism needs the whole model built on every rank first (init "
+                          f"{mode}: it does not fit the host {dist.get_world_size()} times); use ep = 1")
+    mesh = _cached_group(("ep-mesh", device.type, s.pp, s.dp, s.ep, s.tp), lambda: init_device_mesh(
+        device.type, (s.pp, s.dp // s.ep, s.ep, s.tp), mesh_dim_names=("pp", "edp", "ep", "tp")))
+    timeout = default_group_timeout(device)
+    for dim in ("edp", "ep"):
+        set_group_timeout(mesh[dim].get_group(), timeout)
+    if preload is not None:
+        preload(*state_maps(model, [model], canon), model)
+    params = shard_experts(model, ep=s.ep, ep_rank=dp_rank % s.ep, group=mesh["ep"].get_group())
+    mine = {id(p) for p in params}
+    modules = [m for m in model.modules() if any(id(p) in mine for p in m.parameters(recurse=False))]
+    return Experts(modules=modules, mesh=mesh["edp"] if s.dp // s.ep > 1 else None, ep=s.ep)
 
 
 def _check_world(s: Strategy) -> None:
@@ -432,7 +461,7 @@ def stage_io_shapes(meta: nn.Module, s: Strategy, units: UnitMap, support: str, 
         return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.is_floating_point())
 
     xs: tuple[torch.Tensor, ...] = (example_input.to("meta"),) * (2 if own_loss else 1)
-    with meta_forward_context(), torch.no_grad():
+    with meta_forward_context(meta), torch.no_grad():
         for stage in stages:
             outs = as_tuple(stage(*xs))
             io.append((tuple(example(t) for t in xs), tuple(example(t) for t in outs)))

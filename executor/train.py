@@ -3,6 +3,7 @@ the equivalence tests compare against."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -113,7 +114,7 @@ def _setup(cfg: TrainConfig, strategy: Strategy):
         model = spec.build()
     example = source.example_input(model, strategy.micro_batch_size, cfg.seq_len, "cpu")[0]
     loss = "cross_entropy" if cfg.input_kind == "tokens" else "mse"
-    with meta_forward_context(), torch.no_grad():
+    with meta_forward_context(model), torch.no_grad():
         out = example_logits(model, example.to("meta"))
     return spec, example, tuple(out.shape), loss
 
@@ -130,21 +131,29 @@ class _Progress:
     optim_bytes: int = 0
 
 
+def _load_init(cfg: TrainConfig, params, buffers, model) -> None:
+    """cfg.init_from's weights into `params` and `buffers` of `model` (executor.weights)."""
+    assert cfg.init_from is not None
+    load_weights(params, buffers, Path(cfg.init_from), trusted=cfg.trust_checkpoint, model=model)
+
+
 def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) -> RankResult:
     """Train steps cfg.start_step .. cfg.steps - 1 of `strategy` on this rank of an initialised process group,
     resuming from and saving checkpoints as `cfg` says (saves need the `plan`, which goes into them), and measure
     the steps."""
     spec, example, out_shape, loss = _setup(cfg, strategy)
     device = rank_device()
+    loading = bool(cfg.init_from and not cfg.resume_from)
+    # expert parallelism loads the whole model's weights before it keeps this rank's experts (build_runtime)
+    load = functools.partial(_load_init, cfg) if loading else None
     rt = build_runtime(strategy, spec, loss_fn=_loss_fn(cfg, loss),
                        optimizer_fn=optimizer_for(strategy, cfg.lr), example=example, seed=cfg.seed, device=device,
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                       loading=bool(cfg.init_from and not cfg.resume_from),
+                       loading=loading and strategy.ep == 1, preload=load if strategy.ep > 1 else None,
                        builtin_cross_entropy=loss == "cross_entropy" and not cfg.loss_fn,
                        compute=_precision(strategy).compute)
-    if cfg.init_from and not cfg.resume_from:
-        load_weights(rt.params_by_name, rt.buffers_by_name, Path(cfg.init_from), trusted=cfg.trust_checkpoint,
-                     model=rt.model)
+    if load is not None and strategy.ep == 1:
+        load(rt.params_by_name, rt.buffers_by_name, rt.model)
     restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0
     fail_rank, fail_step, how = _injected_failure()
     per_replica = strategy.microbatches * strategy.micro_batch_size

@@ -233,8 +233,8 @@ def _renames(model: torch.nn.Module | None, saved: dict, fmt: str, folder: Path)
     renames, merged = checkpoint_key_renames(model, saved)
     if merged:
         raise WeightsError(f"--init-from {folder}: {merged[0]} (and {len(merged) - 1} more) are tensors transformers "
-                           f"merges into one on load; load the folder with from_pretrained and save_pretrained it "
-                           f"again, then pass the new folder")
+                           f"merges into one on load (as it saves mixture-of-experts weights: one tensor per expert), "
+                           f"which --init-from does not do yet; start from the model's own initialisation")
     return renames
 
 

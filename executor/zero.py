@@ -76,11 +76,61 @@ class Wrapped:
     autocast: torch.dtype | None = None      # run forward under torch.autocast in this dtype (mixed precision)
     reduce_dtype: torch.dtype | None = None  # manual_grad_sync: all-reduce gradients cast to this dtype
     sync_last_only: bool = False             # FSDP2 reduce-scatters and reshards on the last micro-batch only
+    experts: list[nn.Parameter] = field(default_factory=list)   # expert parallelism: this rank's experts'
+    expert_group: object | None = None       # their data-parallel group (dp / ep ranks) where averaged by hand
+    ep: int = 1
+    sync_experts: bool = False               # their gradients finished by hand (executor.expert_parallel)
+
+    @property
+    def dense_params(self) -> list[nn.Parameter]:
+        """The parameters a manual sync averages over dp: all but the experts."""
+        if not self.experts:
+            return self.params
+        mine = {id(p) for p in self.experts}
+        return [p for p in self.params if id(p) not in mine]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experts:
+    """Expert parallelism's part of wrapping (executor.expert_parallel): the blocks' `experts` modules on this rank,
+    the mesh of the dp / ep ranks holding the same experts (None where that is one rank) and ep."""
+
+    modules: list[nn.Module]
+    mesh: object | None
+    ep: int
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
 
 
 def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn,
          unit_groups: list[list[nn.Module]] | None = None, tp: int = 1, compute: torch.dtype | None = None,
-         distributed_optimizer: bool = False) -> Wrapped:
+         distributed_optimizer: bool = False, experts: Experts | None = None) -> Wrapped:
+    """_wrap, and with expert parallelism the experts' part: FSDP2 shards them over their group (ZeRO-2/3 with a
+    group of two or more), else their gradients are averaged over it by hand; either way then scaled by 1 / ep, to
+    the global loss's gradient (executor.expert_parallel). FSDP2's own divide factor would do the scaling in its
+    reduce-scatter, but it reduces with PREMUL_SUM, which gloo does not have."""
+    if experts is None:
+        return _wrap(modules, zero=zero, pp=pp, dp_mesh=dp_mesh, optimizer_fn=optimizer_fn, unit_groups=unit_groups,
+                     tp=tp, compute=compute, distributed_optimizer=distributed_optimizer)
+    by_fsdp = zero >= 2 and experts.mesh is not None
+    if by_fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if compute else MixedPrecisionPolicy()
+        for m in experts.modules:
+            fully_shard(m, mesh=experts.mesh, reshard_after_forward=zero == 3, mp_policy=mp)  # type: ignore[arg-type]
+    wrapped = _wrap(modules, zero=zero, pp=pp, dp_mesh=dp_mesh, optimizer_fn=optimizer_fn, unit_groups=unit_groups,
+                    tp=tp, compute=compute, ignored=None if by_fsdp else set(experts.params), no_ddp=True)
+    wrapped.experts, wrapped.ep, wrapped.sync_experts = experts.params, experts.ep, True
+    wrapped.expert_group = experts.mesh.get_group() if experts.mesh is not None and not by_fsdp else None  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn,
+          unit_groups: list[list[nn.Module]] | None = None, tp: int = 1, compute: torch.dtype | None = None,
+          distributed_optimizer: bool = False, ignored: set[nn.Parameter] | None = None,
+          no_ddp: bool = False) -> Wrapped:
     """Apply the mapping to this rank's modules (pp = 1: the model itself; else its stages) and build the optimizer
     over its (local) parameters. `unit_groups` (pp = 1): the modules of each unit, sharded one FSDP2 group each.
     `tp` > 1: the modules are already split over the tp mesh (executor.tensor_parallel). `compute`: mixed
@@ -98,7 +148,7 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
         raf = zero == 3
         reduce = torch.float32 if distributed_optimizer else compute
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce) if compute else MixedPrecisionPolicy()
-        shard = functools.partial(fully_shard, mp_policy=mp)
+        shard = functools.partial(fully_shard, mp_policy=mp, ignored_params=ignored)
         if pp == 1:
             # One FSDP group per pipeline unit: gather one at a time, prefetch the next. A unit holding a parameter
             # shared with another unit (a tied embedding) is left to the root's group: FSDP2 would otherwise shard
@@ -114,7 +164,7 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
         return Wrapped(modules=list(modules), optimizer=optimizer_fn(params), manual_grad_sync=False, params=params,
                        sync_last_only=distributed_optimizer)
     params = [p for st in modules for p in st.parameters()]
-    if pp == 1 and tp == 1:
+    if pp == 1 and tp == 1 and not no_ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         ddps = [DDP(st, process_group=group, gradient_as_bucket_view=True) for st in modules]
         if compute is not None:   # reduce in the compute dtype (mixed_precision)

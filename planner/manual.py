@@ -134,10 +134,17 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
                     sp_save_shard=r.sp_save_shard, ep=r.ep)
 
 
-def ep_not_run(ep: int) -> str:
-    """Why `planner run` refuses expert parallelism (not built in the executor yet)."""
-    return (f"expert parallelism (ep={ep}) is priced and planned, but planner run does not run it yet; run the plan "
-            f"with ep = 1 (planner plan --ep 1, or planner estimate without --ep)")
+def expert_parallel_refusal(s: Strategy) -> str | None:
+    """Why `planner run` cannot run this strategy's expert parallelism (executor.expert_parallel runs it without a
+    pipeline or tensor parallelism, with ZeRO-0, 2 or 3), or None. The planner plans these too: they are priced."""
+    if s.ep == 1:
+        return None
+    why = ("pipeline stages" if s.pp > 1 else "tensor parallelism" if s.tp > 1
+           else "ZeRO-1 (ZeroRedundancyOptimizer over expert shards)" if s.zero == 1 else None)
+    if why is None:
+        return None
+    return (f"expert parallelism (ep={s.ep}) with {why} is priced and planned, but planner run does not run it yet; "
+            f"run it without, or with ep = 1 (planner plan --ep 1)")
 
 
 def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
@@ -145,8 +152,8 @@ def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
     registry's guards), or None."""
     if strategy.pp > 1 and profile.pipeline_refusal:
         return f"{profile.name} cannot be pipelined: {profile.pipeline_refusal}"
-    if strategy.ep > 1:
-        return ep_not_run(strategy.ep)
+    if strategy.ep > 1 and expert_parallel_refusal(strategy):
+        return expert_parallel_refusal(strategy)
     if strategy.tp > 1:
         shape = profile.tensor_parallel
         why = ("the profile predates tensor-parallel plans" if shape is None

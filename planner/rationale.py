@@ -217,26 +217,35 @@ def tp_lines(ws: Strategy, west: Estimate, feasible, cluster: ClusterProfile, op
     degrees = sorted({tp for tp, _ in options.pairs})
     if len(degrees) == 1:
         return lines
-    if ws.tp == 1:
-        lines.append(f"no tensor parallelism chosen: every searched tp ({', '.join(map(str, degrees[1:]))}) is "
-                     f"slower or does not fit (below)")
-    best = _best_by(feasible, lambda s_: s_.tp)
-    for tp in degrees:
-        if tp == ws.tp:
+    return lines + _other_degrees("tp", "tensor parallelism", degrees, ws, west, feasible, pruned_tp_bounds)
+
+
+def _other_degrees(key: str, what: str, degrees, ws: Strategy, west: Estimate, feasible,
+                   pruned: Mapping[int, float] | None = None) -> list[str]:
+    """For the degrees of `key` ("tp" or "ep") searched: that none was chosen (where the winner has 1), and the best
+    strategy of every other degree with why it lost, or that it was pruned by a bound or nothing of it fits."""
+    chosen = getattr(ws, key)
+    lines = []
+    if chosen == 1:
+        lines.append(f"no {what} chosen: every searched {key} ({', '.join(map(str, degrees[1:]))}) is slower or does "
+                     f"not fit (below)")
+    best = _best_by(feasible, lambda s_: getattr(s_, key))
+    for d in degrees:
+        if d == chosen:
             continue
-        if tp in best:
-            s, e = best[tp]
-            lines.append(f"best tp={tp}: {s.summary}: {duration(e.step_time_s)}; {why_lost(s, e, ws, west)}")
-        elif pruned_tp_bounds and tp in pruned_tp_bounds:
-            lines.append(f"best tp={tp}: not costed: no such strategy can beat {duration(pruned_tp_bounds[tp])} (a "
+        if d in best:
+            s, e = best[d]
+            lines.append(f"best {key}={d}: {s.summary}: {duration(e.step_time_s)}; {why_lost(s, e, ws, west)}")
+        elif pruned and d in pruned:
+            lines.append(f"best {key}={d}: not costed: no such strategy can beat {duration(pruned[d])} (a "
                          f"lower bound), slower than the top candidates")
         else:
-            lines.append(f"tp={tp}: no strategy fits or divides the batch on these devices")
+            lines.append(f"{key}={d}: no strategy fits or divides the batch on these devices")
     return lines
 
 
 def ep_lines(ws: Strategy, west: Estimate, feasible, *, experts: int, degrees: tuple[int, ...],
-             at_ep1: Estimate | None = None) -> list[str]:
+             at_ep1: Estimate | None = None, pruned: Mapping[int, float] | None = None) -> list[str]:
     """Why this expert-parallel degree (MoE models): what its all-to-alls move and cost, what it saves in memory
     against ep = 1 (at_ep1: the winner with ep = 1, where that divides nothing else), and the best strategy of every
     other degree searched, from their estimates. [] for a dense model."""
@@ -257,16 +266,5 @@ def ep_lines(ws: Strategy, west: Estimate, feasible, *, experts: int, degrees: t
                      + f" (model states {fixed(states, 'GiB', 1)} vs {fixed(states1, 'GiB', 1)}), data-parallel "
                      f"{duration(b.dp_comm_s)} vs {duration(at_ep1.breakdown.dp_comm_s)}")
         lines.append(line)
-    elif len(degrees) > 1:
-        lines.append(f"no expert parallelism chosen: every searched ep ({', '.join(map(str, degrees[1:]))}) is "
-                     f"slower or does not fit (below)")
-    best = _best_by(feasible, lambda s_: s_.ep)
-    for ep in degrees:
-        if ep == ws.ep:
-            continue
-        if ep in best:
-            s, e = best[ep]
-            lines.append(f"best ep={ep}: {s.summary}: {duration(e.step_time_s)}; {why_lost(s, e, ws, west)}")
-        else:
-            lines.append(f"ep={ep}: no strategy costed fits (or none divides the batch on these devices)")
-    return lines
+    return lines + (_other_degrees("ep", "expert parallelism", degrees, ws, west, feasible, pruned)
+                    if len(degrees) > 1 else [])

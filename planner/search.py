@@ -339,6 +339,7 @@ class SearchResult:
     gpus: int                        # the GPU count searched (the request's, or the cluster's)
     tp: TPOptions = field(default_factory=TPOptions)   # the (tp, sp) searched, and why others were not
     pruned_tp_bounds: dict[int, float] = field(default_factory=dict)   # tp -> least bound among points P2 pruned
+    pruned_ep_bounds: dict[int, float] = field(default_factory=dict)   # the same per ep
 
 
 def search_tp(profile: ModelProfile, cluster: ClusterProfile, gpus: int, req: PlanRequest) -> TPOptions:
@@ -843,9 +844,11 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
         costed += 1
     pruned_bounds: dict[str, float] = {}   # family -> least time bound among points never costed
     pruned_tp: dict[int, float] = {}       # the same per tp
+    pruned_ep: dict[int, float] = {}       # and per ep
     for later_bound, later in rest:
         pruned_bounds.setdefault(later.family, later_bound)
         pruned_tp.setdefault(later.tp, later_bound)
+        pruned_ep.setdefault(later.ep, later_bound)
     if on_progress:
         on_progress(len(survivors), len(survivors))
     feasible.sort(key=lambda c: (c.estimate.step_time_s, c.estimate.peak_memory_bytes))
@@ -855,7 +858,7 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
                             for i, c in enumerate(feasible[:req.top_k])]
     return SearchResult(feasible=feasible, infeasible=infeasible, considered=len(points), pruned=pruned, costed=costed,
                         pruned_bounds=pruned_bounds, min_state=min_state, unit_cost=unit_cost, gpus=gpus, tp=tp,
-                        pruned_tp_bounds=pruned_tp)
+                        pruned_tp_bounds=pruned_tp, pruned_ep_bounds=pruned_ep)
 
 
 def _no_fit(found: SearchResult, capacity: int, no_pipelines: str | None) -> InfeasibleError:
@@ -909,7 +912,7 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *
         winner.strategy, winner.estimate, feasible, cluster, found.tp, pruned_tp_bounds=found.pruned_tp_bounds,
         at_tp1=_at_tp1(winner.strategy, profile, cluster))) + tuple(ep_lines(
         winner.strategy, winner.estimate, feasible, experts=profile.experts,
-        degrees=ep_degrees(profile.experts, degrees=request.ep_degrees),
+        degrees=ep_degrees(profile.experts, degrees=request.ep_degrees), pruned=found.pruned_ep_bounds,
         at_ep1=estimate(replace(winner.strategy, ep=1), profile, cluster, compact=True)
         if winner.strategy.ep > 1 else None)))
     provenance = _provenance(found, winner, profile, cluster, request, profile_path=profile_path, command=command,

@@ -102,7 +102,10 @@ def test_bad_expert_parallel_degrees_are_one_line_errors(moe_profiles, tiny_prof
     dense = tiny_profiles["llama-tiny", True]
     with pytest.raises(ConfigError, match="no mixture-of-experts blocks"):
         estimate(_strategy(dense, dp=2, ep=2), dense, cluster)
-    assert "does not run it yet" in executor_refuses(_strategy(prof, dp=2, ep=2), prof)
+    assert executor_refuses(_strategy(prof, dp=2, ep=2), prof) is None
+    pipelined = _strategy(prof, dp=2, ep=2, pp=2, microbatches=2,
+                          stages=(("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head")))
+    assert "pipeline stages" in executor_refuses(pipelined, prof)
 
 
 def test_expert_parallelism_moves_the_dispatched_tokens_and_splits_the_experts(moe_profiles):
@@ -111,9 +114,10 @@ def test_expert_parallelism_moves_the_dispatched_tokens_and_splits_the_experts(m
     one = estimate(_strategy(prof, dp=4, microbatches=3), prof, cluster)
     two = estimate(_strategy(prof, dp=4, microbatches=3, ep=2), prof, cluster)
     assert one.comm.ep_bytes_per_rank == 0 and one.breakdown.ep_comm_s == 0
-    # per block and micro-batch: dispatch and combine, forward and backward, of tokens x top_k x hidden x 4 bytes
+    # per block and micro-batch: dispatch and combine, forward and backward, of tokens x top_k x hidden x 4 bytes,
+    # and each forward's counts (one int64 per expert)
     per = m.tokens * m.top_k * m.hidden * 4
-    assert two.comm.ep_bytes_per_rank == pytest.approx(3 * moe_units * 4 * per)
+    assert two.comm.ep_bytes_per_rank == pytest.approx(3 * moe_units * (4 * per + 8 * m.experts))
     assert two.comm.ep_link == "intra-node" and two.breakdown.ep_comm_s > 0
     experts = sum(u.moe.expert_params for u in prof.moe_units)
     assert one.stages[0].params - two.stages[0].params == experts // 2
@@ -197,3 +201,53 @@ def test_transformers_moe_blocks_are_recognised_by_their_shape(family):
     assert moe and all(m.experts == experts and m.top_k == 2 and m.hidden == 64 for m in moe)
     assert all(m.shared_expert_params == shared and sum(m.expert_load) == 2 * 8 * 2 for m in moe)
     assert all(m.routed_fwd_flops == 2 * 16 * 2 * m.expert_params // experts for m in moe)
+
+
+# transformers' MoE decoders run under expert parallelism: vocabulary 128 (the token file's ids), several experts
+HF_RUN = {"mixtral": f"hf:mixtral?{HF_MOE['mixtral'][0].replace('vocab_size=256', 'vocab_size=128')}",
+          "qwen3_moe": f"hf:qwen3_moe?{HF_MOE['qwen3_moe'][0].replace('vocab_size=256', 'vocab_size=128')}"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, ranks, plans", [("mixtral", 4, ((4, 2, 2), (4, 2, 3), (4, 4, 0))),
+                                                ("qwen3_moe", 2, ((2, 2, 0), (2, 2, 2)))])
+def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ranks, plans, tmp_path):
+    """On a token file, from the model's own initialisation (transformers saves MoE experts one tensor per expert,
+    which --init-from does not merge yet): five AdamW steps under EP (dp, ep, ZeRO) = `plans` are one process's;
+    all-to-all bytes as predicted."""
+    from executor.launch import run_many
+    from executor.train import TrainConfig, single_process_losses
+    from tests.test_hf_executor import GLOBAL, SEQ, _tokens
+    ref = HF_RUN[name]
+    prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=SEQ, meta=False, dtype="fp32", warmup=0,
+                         repeats=1)
+    units = (tuple(u.name for u in prof.units),)
+    # lr 3e-3: a larger step moves routers' near-ties, so one float rounding (an all-reduce's order) can send a
+    # token to another expert, a discrete change no tolerance covers
+    cfg = TrainConfig(model_source=ref, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=3e-3,
+                      unit_modules=tuple(u.modules for u in prof.units), data=_tokens(tmp_path / "tokens.bin"))
+    one = Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=GLOBAL, stages=units,
+                   precision="fp32")
+    reference = single_process_losses(one, cfg)
+    assert len({round(x, 6) for x in reference}) == 5
+    strategies = [Strategy(dp=dp, pp=1, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
+                           stages=units, precision="fp32", ep=ep) for dp, ep, z in plans]
+    for s, rank_results in zip(strategies, run_many(ranks, strategies, cfg)):
+        assert [list(r.losses) for r in rank_results if r.losses][0] == pytest.approx(reference, rel=1e-4), s.name
+        # the token all-to-alls: dispatch and combine, forward and backward, of every routed pair, plus each
+        # forward's counts; summed over ranks, as every pair leaves one rank once each way
+        est = estimate(s, dataclasses.replace(prof, micro_batch_size=1), preset("dgx-h100"))
+        measured = sum(r.comm_bytes.get("all_to_all", 0) for r in rank_results) / ranks
+        assert measured == pytest.approx(est.comm.ep_bytes_per_rank, rel=1e-9), s.name
+
+
+def test_planner_run_refuses_what_expert_parallelism_does_not_run_before_any_rank_starts(moe_profiles, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+    from tests.plans import plan_file
+    prof = moe_profiles[True]
+    path = plan_file(tmp_path, _strategy(prof, dp=2, ep=2, microbatches=2, micro_batch_size=1), prof)
+    res = CliRunner().invoke(app, ["run", str(path), "--checkpoint-dir", str(tmp_path / "ck"), "-o", "-"])
+    assert res.exit_code == 2 and "does not save or resume checkpoints yet" in res.output
+    assert not (tmp_path / "ck").exists()

@@ -401,8 +401,9 @@ def _ep_unit(c: _Context, u: UnitProfile, f: float, b: float, kept: float,
     micro-batch through `u` under expert parallelism (cost.moe's module doc): its routed experts' share of the
     compute, and of what they save, at the busiest EP rank's load; dispatch and combine all-to-alls in forward and
     again in backward, exposed (each sits between the router and the experts, or the experts and what follows:
-    nothing computes beside it in one micro-batch's stream). The forward's run again under full recompute (in
-    the bytes here; the stage adds the forward's seconds to the backward). As given without EP or MoE blocks."""
+    nothing computes beside it in one micro-batch's stream). The all-to-all seconds and bytes count the forward's
+    twice under full recompute (the stage adds the forward's seconds to the backward). As given without EP or MoE
+    blocks."""
     m, s = u.moe, c.s
     if m is None or s.ep == 1:
         return f, b, kept, 0.0, 0.0
@@ -421,8 +422,15 @@ def _ep_unit(c: _Context, u: UnitProfile, f: float, b: float, kept: float,
         b += b * extra * (m.routed_bwd_flops / u.bwd_flops if u.bwd_flops else 0.0)
     size = dispatch_bytes(m, scale=s.micro_batch_size / c.profile.micro_batch_size,
                           elem_bytes=DTYPE_BYTES[compute_dtype(s.precision)])
-    t = all_to_all_time(c.cluster, size, s.ep, ranks_per_node=ep_ranks_per_node(c.cluster, ep=s.ep, tp=s.tp))
-    return f + 2 * t, b + 2 * t, kept + m.routed_saved_bytes * extra, 4 * t, (6 if recompute else 4) * size
+    rpn = ep_ranks_per_node(c.cluster, ep=s.ep, tp=s.tp)
+    # each forward first exchanges the token counts per expert (an int64 each), then dispatches and combines
+    counts = m.blocks * m.experts * 8
+    fwd = all_to_all_time(c.cluster, counts, s.ep, ranks_per_node=rpn) + 2 * all_to_all_time(
+        c.cluster, size, s.ep, ranks_per_node=rpn)
+    bwd = 2 * all_to_all_time(c.cluster, size, s.ep, ranks_per_node=rpn)
+    passes = 2 if recompute else 1
+    return (f + fwd, b + bwd, kept + m.routed_saved_bytes * extra, passes * fwd + bwd,
+            passes * (counts + 2 * size) + 2 * size)
 
 
 def _twins(profile: ModelProfile) -> dict[str, str]:
@@ -531,7 +539,7 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     ep_s = ep_bytes = 0.0
     for name in units:
         f, b, kept, a2a_s, a2a_bytes, tp_acc = _unit_cost(c, name, recompute)
-        ep_s, ep_bytes = ep_s + a2a_s * (1.5 if recompute else 1.0), ep_bytes + a2a_bytes
+        ep_s, ep_bytes = ep_s + a2a_s, ep_bytes + a2a_bytes
         if tp_acc:
             acc = [x + y for x, y in zip(acc, tp_acc)]
         fwd, bwd = fwd + f, bwd + b
@@ -718,8 +726,8 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
         if experts_s is not None:   # the routed experts' over their own data-parallel group (cost.moe)
             groups.append((experts_s, _expert_coll(c), experts, [st.expert_params for st in mine]))
         for strategy, group_coll, group_units, stage_params in groups:
-            for op, count, size, back_to_back in _dp_collectives(strategy, group_units, stage_params,
-                                                                 c.param_bytes, c.grad_bytes):
+            for op, count, size, back_to_back in _dp_collectives(strategy, group_units, stage_params, c.param_bytes,
+                                                                 c.grad_bytes, by_hand=s.ep > 1):
                 if not (op == "all_gather" and gathers_in_schedule(s)):   # in the stages' costs (_stage_gather)
                     exposed += count * group_coll(op, size, back_to_back)
                 if r == 0:
@@ -730,7 +738,7 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
             # schedule holds their gathers: _stage)
             fsdp_units = len(units) if s.pp == 1 else len(mine)
             exposed += s.microbatches * fsdp_units * c.overheads.fsdp_unit_s
-        if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1:
+        if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1 and not (s.ep > 1 and s.zero <= 1):
             shares = [_expert_share(c, u.name) for u in c.profile.units]
             params = [(u.params if s.tp == 1 else tp_param_share(u.params, u.tp, s.tp, c.tp_vocab))
                       - (u.moe.expert_params if u.moe and e else 0) for u, e in zip(c.profile.units, shares)]
@@ -972,12 +980,13 @@ def _tied_sync(c: _Context, rank_end: list[float]) -> tuple[list[float], float]:
 
 
 def _dp_collectives(s: Strategy, units: list[tuple[int, int]], stage_params: list[int], p_b: int,
-                    g_b: int) -> list[tuple[str, int, float, bool]]:
+                    g_b: int, *, by_hand: bool = False) -> list[tuple[str, int, float, bool]]:
     """(op, times per step, full buffer bytes, back to back) of every collective one pipeline rank's dp group
     issues per step, as the executor issues them (module doc): each message pays the latency alpha, so the count
     matters as much as the bytes. Per-tensor all-reduces (all_reduce_grads) go back to back, with no compute
     between them (CollectiveFit.predict). `units` holds (parameters, parameter
-    tensors) of the units on this rank, `stage_params` the parameters of each of its stages."""
+    tensors) of the units on this rank, `stage_params` the parameters of each of its stages. `by_hand`: ZeRO-0/1
+    gradients all-reduced per tensor after backward without a pipeline too (expert parallelism's, executor.zero)."""
     if s.dp == 1:
         return []
     m, pipelined = s.microbatches, s.pp > 1
@@ -988,7 +997,7 @@ def _dp_collectives(s: Strategy, units: list[tuple[int, int]], stage_params: lis
         return [(op, 1, n * b, False) for op, b in (("all_gather", p_b), ("reduce_scatter", DTYPE_BYTES["fp32"]))
                 for n, _ in units]
     if s.zero <= 1:
-        if pipelined:   # all_reduce_grads: one all-reduce per parameter tensor
+        if pipelined or by_hand:   # all_reduce_grads: one all-reduce per parameter tensor
             out += [("all_reduce", count, size * g_b, True) for size, count in tensors]
         else:           # DDP: one all-reduce per gradient bucket, as backward reaches it
             buckets = max(1, math.ceil(total * g_b / DDP_BUCKET_BYTES))

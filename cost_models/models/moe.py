@@ -15,6 +15,10 @@ DeepSeek-V3: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 4.2 and t
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from typing import Any, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +26,7 @@ from torch import nn
 from cost_models.models.chain import UnitChain
 from cost_models.models.llama import FeedForward, LlamaEmbedding, LlamaHead, rotate_half, rope_tables
 from cost_models.records.base import Record, record
+from cost_models.records.errors import ConfigError
 
 
 @record
@@ -167,6 +172,8 @@ class Experts(nn.Module):
     """Every routed expert of one block as stacked SwiGLU weights (transformers' MixtralExperts layout), run
     dropless: each token-expert pair goes through its expert, outputs weighted and summed per token."""
 
+    meta_routing = True   # on meta, routes evenly (expert_order): a meta profile counts its work exactly
+
     def __init__(self, dim: int, width: int, n_experts: int) -> None:
         super().__init__()
         self.num_experts = n_experts
@@ -258,3 +265,70 @@ def total_params(cfg: MoEConfig) -> int:
     layers = sum(attn + 2 * cfg.dim + (moe if cfg.is_moe(i) else 3 * cfg.dim * cfg.ffn_dim)
                  for i in range(cfg.n_layers))
     return layers + 2 * cfg.vocab_size * cfg.dim + cfg.dim
+
+
+ROUTERS = ("gate", "router")
+
+
+def _top_k(block: nn.Module) -> Any:
+    k = getattr(block, "top_k", None)
+    if k is None:
+        router = next((getattr(block, r) for r in ROUTERS if isinstance(getattr(block, r, None), nn.Module)), None)
+        k = getattr(router, "top_k", None)
+    return k
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One mixture-of-experts block as moe_blocks found it."""
+
+    name: str
+    module: nn.Module
+    experts: nn.Module
+    n_experts: int
+    top_k: int
+
+
+def moe_blocks(model: nn.Module) -> list[Block]:
+    """Every mixture-of-experts block, in module order; a block with a router and experts that does not declare
+    integer `num_experts` (on its experts) and `top_k` is a one-line ConfigError."""
+    out = []
+    for name, m in model.named_modules():
+        experts = getattr(m, "experts", None)
+        if not isinstance(experts, nn.Module) or not any(isinstance(getattr(m, r, None), nn.Module) for r in ROUTERS):
+            continue
+        n, k = getattr(experts, "num_experts", None), _top_k(m)
+        if not (isinstance(n, int) and isinstance(k, int) and 0 < k <= n):
+            raise ConfigError(
+                f"{name or 'the model'} looks like a mixture-of-experts block (a router and `experts`) but does not "
+                f"declare integer `num_experts` on its experts and `top_k` (1..num_experts) on it or its router "
+                f"(found {n!r}, {k!r}); set both, so its routed work can be counted")
+        out.append(Block(name=name, module=m, experts=experts, n_experts=n, top_k=k))
+    return out
+
+
+def check_meta_routing(model: nn.Module) -> None:
+    """For a model on meta, a one-line ConfigError for a meta profile of MoE blocks whose experts route by data (transformers': their
+    tokens per expert are picked with nonzero): only experts that route evenly on meta (`meta_routing`, the
+    zoo's: expert_order) can be counted there."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    odd = next((b for b in moe_blocks(model) if not getattr(b.experts, "meta_routing", False)), None)
+    if odd is not None:
+        raise ConfigError(f"{odd.name}.experts ({type(odd.experts).__name__}) picks its tokens by data-dependent "
+                          f"routing, which a meta profile cannot count; profile it in real mode (a smaller config), "
+                          f"or plan with the zoo's mixtral-8x7b, qwen3-30b-a3b or deepseek-v3 (meta)")
+
+
+@contextlib.contextmanager
+def shape_only_experts(model: nn.Module) -> Iterator[None]:
+    """For a forward on meta run for its shapes only: experts that route by data (not `meta_routing`) return zeros
+    of their input's shape (the interface's output shape) instead of running."""
+    patched = [b.experts for b in moe_blocks(model) if not getattr(b.experts, "meta_routing", False)]
+    for e in patched:
+        e.forward = lambda hidden, *args, **kwargs: torch.zeros_like(hidden)
+    try:
+        yield
+    finally:
+        for e in patched:
+            del e.forward

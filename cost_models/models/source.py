@@ -18,15 +18,17 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from cost_models.models.mlp import MLPConfig
+from cost_models.models.moe import shape_only_experts
 from cost_models.models.zoo import ZOO, ZooEntry, build_zoo_model
 from cost_models.records.errors import ModelSourceError
 from cost_models.records.profile import InputSpec
+from cost_models.torch_compat.torch_private import meta_nonzero_all
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -82,15 +84,23 @@ class ModelSource:
         return tuple(t.to(device) for t in inputs)
 
 
-def meta_forward_context() -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def meta_forward_context(model: nn.Module | None = None) -> Iterator[None]:
     """Context to run a forward on meta tensors. transformers (5.x) probes position_ids for packed sequences with a
     data-dependent branch, which cannot run on meta tensors; one sequence per row (synthetic batches, token-file
-    windows) is never packed, so the probe's answer is known. A no-op without transformers."""
+    windows) is never packed, so the probe's answer is known. Its MoE experts pick each expert's tokens with
+    nonzero: on meta every position is taken (shapes stay right; the counts do not, which is why meta profiles
+    refuse those blocks: models.moe.check_meta_routing); given the `model`, such experts return zeros of their
+    input's shape instead (models.moe.shape_only_experts: for shapes only). Without transformers, a no-op."""
     from unittest import mock
     masking = sys.modules.get("transformers.masking_utils")
-    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
-        return contextlib.nullcontext()
-    return mock.patch.object(masking, "find_packed_sequence_indices", lambda *a, **k: None)
+    with contextlib.ExitStack() as stack:
+        if masking is not None and hasattr(masking, "find_packed_sequence_indices"):
+            stack.enter_context(mock.patch.object(masking, "find_packed_sequence_indices", lambda *a, **k: None))
+            stack.enter_context(meta_nonzero_all())
+        if model is not None:
+            stack.enter_context(shape_only_experts(model))
+        yield
 
 
 def input_spec(inputs: tuple[torch.Tensor, ...], *, kind: str, vocab_size: int | None) -> InputSpec:
@@ -294,8 +304,11 @@ def _hf_source(ref: str) -> ModelSource:
     _check_causal(ref, config)
 
     def build() -> nn.Module:
+        # MoE experts as their own per-expert loop ("eager"): transformers 5 otherwise picks grouped_mm, whose
+        # kernels take bf16 operands only (fp32 CPU ranks fail), and records it on the shared config
         with contextlib.redirect_stdout(sys.stderr):
-            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention,
+                                                                 experts_implementation="eager")
 
     def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
         return (torch.randint(0, int(config.vocab_size), (b, s)),)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from cost_models.models.losses import loss_kind, synthetic_token_targets, takes_targets
+from cost_models.models.moe import check_meta_routing
 from cost_models.models.pipelining import HF_DECODER, TRACED, pipeline_support, traced_edges
 from cost_models.models.source import DTYPES, ModelSource, input_spec, source_input_kind
 from cost_models.models.tp_shape import tp_shape
@@ -208,9 +209,8 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
     torch_dtype = DTYPES[dtype]
     if not meta:
         _check_fits_in_memory(source, torch_dtype, device)
-
-    model = source.build(device=device, dtype=torch_dtype)
-    model.train()
+    model = source.build(device=device, dtype=torch_dtype).train()
+    check_meta_routing(model)   # transformers' MoE experts route by data: not countable on meta
     inputs = source.example_input(model, micro_batch_size, seq_len, device)
     in_kind, vocab = source_input_kind(source, model, inputs, seq_len)
     loss, inputs = loss_kind(in_kind), _as_trained(model, inputs, vocab if in_kind == "tokens" else None)

@@ -5,7 +5,9 @@ A block is recognised by its shape, the one transformers 5 gives Mixtral, Qwen2/
 gpt-oss and the zoo's MoE has (cost_models.models.moe): a module with a router child (`gate` or `router`) and an
 `experts` child that holds `num_experts` routed experts and is called as experts(hidden (tokens, H), top_k_index
 (tokens, k), top_k_weights (tokens, k)); `top_k` on the block or its router. A custom block declares the same
-two integers; one with a router and experts but no such declaration is refused in one line.
+two integers; one with a router and experts but no such declaration is refused in one line. A meta profile counts
+only experts that say they route evenly on meta (`meta_routing = True`, as the zoo's do: models.moe.expert_order);
+others are refused there.
 
 The routed experts' FLOPs are counted by formula: an expert is linear maps, each weight element one multiply-add
 (2 FLOPs) per token routed to it in forward and two in backward (input and weight gradients; Kaplan et al. 2020,
@@ -15,55 +17,15 @@ What they save for backward is counted in one forward: the storages packed while
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
+from cost_models.models.moe import ROUTERS, Block, moe_blocks
 from cost_models.records.errors import ConfigError
 from cost_models.records.profile import MoEUnit
 from cost_models.torch_compat.torch_private import storage_id
-
-ROUTERS = ("gate", "router")
-
-
-def _top_k(block: nn.Module) -> Any:
-    k = getattr(block, "top_k", None)
-    if k is None:
-        router = next((getattr(block, r) for r in ROUTERS if isinstance(getattr(block, r, None), nn.Module)), None)
-        k = getattr(router, "top_k", None)
-    return k
-
-
-@dataclasses.dataclass(frozen=True)
-class Block:
-    """One mixture-of-experts block as moe_blocks found it."""
-
-    name: str
-    module: nn.Module
-    experts: nn.Module
-    n_experts: int
-    top_k: int
-
-
-def moe_blocks(model: nn.Module) -> list[Block]:
-    """Every mixture-of-experts block, in module order; a block with a router and experts that does not declare
-    integer `num_experts` (on its experts) and `top_k` is a one-line ConfigError."""
-    out = []
-    for name, m in model.named_modules():
-        experts = getattr(m, "experts", None)
-        if not isinstance(experts, nn.Module) or not any(isinstance(getattr(m, r, None), nn.Module) for r in ROUTERS):
-            continue
-        n, k = getattr(experts, "num_experts", None), _top_k(m)
-        if not (isinstance(n, int) and isinstance(k, int) and 0 < k <= n):
-            raise ConfigError(
-                f"{name or 'the model'} looks like a mixture-of-experts block (a router and `experts`) but does not "
-                f"declare integer `num_experts` on its experts and `top_k` (1..num_experts) on it or its router "
-                f"(found {n!r}, {k!r}); set both, so its routed work can be counted")
-        out.append(Block(name=name, module=m, experts=experts, n_experts=n, top_k=k))
-    return out
-
 
 class _Watch:
     """Hooks on every block's `experts` for one forward: tokens and hidden width dispatched, the routing's load

@@ -248,3 +248,11 @@ def default_store():
     gloo's connections are torn down."""
     from torch.distributed.distributed_c10d import _get_default_store
     return _get_default_store()
+
+
+def meta_nonzero_all():
+    """A context where nonzero (and one-argument where) on meta tensors returns every position instead of raising
+    (torch.fx.experimental._config.meta_nonzero_assume_all_nonzero): a data-dependent branch of a forward run on
+    meta for its shapes only (transformers' MoE experts pick their tokens with it)."""
+    from torch.fx.experimental import _config
+    return _config.patch(meta_nonzero_assume_all_nonzero=True)
