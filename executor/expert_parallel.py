@@ -102,13 +102,13 @@ def shard_experts(model: nn.Module, *, ep: int, ep_rank: int, group) -> list[nn.
     return out
 
 
-def sync_expert_grads(params: list[nn.Parameter], group, ep: int) -> None:
+def sync_expert_grads(params: list[nn.Parameter], group, ep: int, dtype: torch.dtype | None = None) -> None:
     """The experts' gradients as the global loss's (module doc): averaged over the dp / ep ranks holding the same
-    experts (`group`; None when that is this rank alone or FSDP2 averaged them), then divided by ep (a DTensor
-    shard's gradient divides locally)."""
+    experts (`group`, in `dtype` as the dense ones are: executor.zero.all_reduce_grads; None when that is this rank
+    alone or FSDP2 averaged them), then divided by ep (a DTensor shard's gradient divides locally)."""
+    from executor.zero import all_reduce_grads
+    if group is not None:
+        all_reduce_grads(params, group, dtype)
     for p in params:
-        if p.grad is None:
-            continue
-        if group is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
-        p.grad.div_(ep)
+        if p.grad is not None:
+            p.grad.div_(ep)

@@ -108,7 +108,8 @@ class Runtime:
         if self.wrapped.manual_grad_sync:
             all_reduce_grads(self.wrapped.dense_params, self.dp_group, self.wrapped.reduce_dtype)
         if self.wrapped.sync_experts:
-            sync_expert_grads(self.wrapped.experts, self.wrapped.expert_group, self.wrapped.ep)
+            sync_expert_grads(self.wrapped.experts, self.wrapped.expert_group, self.wrapped.ep,
+                              self.wrapped.reduce_dtype)
         for name, group in self.tie_groups:
             p = self.params_by_name[name]
             if p.grad is not None:
@@ -253,7 +254,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,
                    tp=s.tp, compute=compute if s.pp == 1 else None,
                    distributed_optimizer=s.distributed_optimizer and s.dp > 1,
-                   experts=_expert_parallel(s, model, mode, dp_rank, device, preload, canon) if s.ep > 1 else None)
+                   experts=_expert_parallel(s, model, held, mode, dp_rank, device, preload, canon) if s.ep > 1 else None)
     if _shards_later(s, mode):
         _allocate_shards(wrapped, optimizer_fn, device, model=model, mode=mode, seed=seed, dp_rank=dp_rank, dp=s.dp)
     schedule = None
@@ -268,8 +269,8 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
                    model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits, own_loss=own)
 
 
-def _expert_parallel(s: Strategy, model: nn.Module, mode: str, dp_rank: int, device: torch.device, preload,
-                     canon) -> Experts:
+def _expert_parallel(s: Strategy, model: nn.Module, held: list[nn.Module], mode: str, dp_rank: int,
+                     device: torch.device, preload, canon) -> Experts:
     """This rank's experts (executor.expert_parallel), on the (pp, dp / ep, ep, tp) mesh: an EP group is ep
     consecutive dp ranks, the experts' data-parallel group the dp / ep ranks at the same place in theirs.
     `preload`: pretrained weights, loaded into the whole model first (build_runtime)."""
@@ -284,10 +285,10 @@ def _expert_parallel(s: Strategy, model: nn.Module, mode: str, dp_rank: int, dev
     for dim in ("edp", "ep"):
         set_group_timeout(mesh[dim].get_group(), timeout)
     if preload is not None:
-        preload(*state_maps(model, [model], canon), model)
+        preload(*state_maps(model, held, canon), model)
     params = shard_experts(model, ep=s.ep, ep_rank=dp_rank % s.ep, group=mesh["ep"].get_group())
-    mine = {id(p) for p in params}
-    modules = [m for m in model.modules() if any(id(p) in mine for p in m.parameters(recurse=False))]
+    mine = {id(p) for p in params}   # those this rank's modules hold (a pipeline's other stages are on meta)
+    modules = [m for h in held for m in h.modules() if any(id(p) in mine for p in m.parameters(recurse=False))]
     return Experts(modules=modules, mesh=mesh["edp"] if s.dp // s.ep > 1 else None, ep=s.ep)
 
 

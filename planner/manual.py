@@ -135,12 +135,17 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
 
 
 def expert_parallel_refusal(s: Strategy) -> str | None:
-    """Why `planner run` cannot run this strategy's expert parallelism (executor.expert_parallel runs it without a
-    pipeline or tensor parallelism, with ZeRO-0, 2 or 3), or None. The planner plans these too: they are priced."""
+    """Why `planner run` cannot run this strategy's expert parallelism, or None: executor.expert_parallel runs it
+    without tensor parallelism, with ZeRO-0, 2 or 3; in pipelines with ZeRO-0, or ZeRO-2/3 where each EP group holds
+    every expert once (dp = ep: no FSDP group of experts nested in a stage's), under schedules without a split
+    backward. The planner plans the others too: they are priced."""
     if s.ep == 1:
         return None
-    why = ("pipeline stages" if s.pp > 1 else "tensor parallelism" if s.tp > 1
-           else "ZeRO-1 (ZeroRedundancyOptimizer over expert shards)" if s.zero == 1 else None)
+    why = ("tensor parallelism" if s.tp > 1
+           else "ZeRO-1 (ZeroRedundancyOptimizer over expert shards)" if s.zero == 1
+           else "pipeline stages sharding experts over dp / ep ranks (ZeRO-2/3 with dp > ep)"
+           if s.pp > 1 and s.zero >= 2 and s.dp > s.ep
+           else f"the {s.schedule} schedule's split backward" if s.n_stages > 1 and s.spec.split_backward else None)
     if why is None:
         return None
     return (f"expert parallelism (ep={s.ep}) with {why} is priced and planned, but planner run does not run it yet; "
@@ -152,8 +157,8 @@ def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
     registry's guards), or None."""
     if strategy.pp > 1 and profile.pipeline_refusal:
         return f"{profile.name} cannot be pipelined: {profile.pipeline_refusal}"
-    if strategy.ep > 1 and expert_parallel_refusal(strategy):
-        return expert_parallel_refusal(strategy)
+    if why := expert_parallel_refusal(strategy):
+        return why
     if strategy.tp > 1:
         shape = profile.tensor_parallel
         why = ("the profile predates tensor-parallel plans" if shape is None

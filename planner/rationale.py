@@ -53,14 +53,15 @@ def _own_binding(est: Estimate, cluster: ClusterProfile) -> tuple[Binding, str]:
     """What binds a strategy judged on its own breakdown: exposed communication past COMM_BINDS of the step, else
     computation."""
     b = est.breakdown
-    comm = b.dp_comm_s + b.p2p_s + _part(est, "tp_comm_s")
+    comm = _comm_s(est)
     comm_share = comm / est.step_time_s if est.step_time_s else 0.0
     link = cluster.inter_node if est.comm.dp_link == "inter-node" and cluster.inter_node else cluster.intra_node
     if comm_share >= COMM_BINDS:
         return "bandwidth", (f"bandwidth binds: {comm_share:.0%} of the step is exposed communication "
                              f"({duration(b.dp_comm_s)} data-parallel over {link.kind}, {duration(b.p2p_s)} p2p"
                              + (f", {duration(_part(est, 'tp_comm_s'))} tensor-parallel" if _part(est, "tp_comm_s")
-                                else "") + ")")
+                                else "")
+                             + (f", {duration(b.ep_comm_s)} expert all-to-alls" if b.ep_comm_s else "") + ")")
     return "compute", (f"compute binds: {_part(est, 'compute_s') / est.step_time_s:.0%} of the step is computation; bubble "
                        f"{duration(b.bubble_s)}, exposed communication {duration(comm)}")
 
@@ -79,6 +80,10 @@ def by_hand(s: Strategy, est: Estimate, cluster: ClusterProfile, *, at_tp1: Esti
                               "not compared with other strategies: `planner plan` searches them all")
     if s.tp > 1:
         lines += (_tp_chosen_line(s, est, cluster, at_tp1),)
+    if s.ep > 1:
+        lines += (f"expert parallelism: routed experts split {s.ep} ways, all-to-alls "
+                  f"{size(est.comm.ep_bytes_per_rank)} per rank per step over {est.comm.ep_link} links, "
+                  f"{duration(est.breakdown.ep_comm_s)} exposed",)
     # Strategy.family is typed str; family_of only ever returns one of WinnerFamily's values
     return Rationale(binding=binding, winner_family=cast(WinnerFamily, s.family),
                      summary=f"chosen by hand: {s.summary} at {duration(est.step_time_s)} per step; {why}",
@@ -134,7 +139,7 @@ def _binding(ws: Strategy, west: Estimate, best: dict, fastest_unfit, cluster: C
     if runner is not None:
         _, rs, re_ = runner
         deltas = {f: _part(re_, f) - _part(west, f) for f, _ in _COMPONENTS}
-        if max(deltas, key=deltas.__getitem__) in ("dp_comm_s", "p2p_s", "tp_comm_s"):
+        if max(deltas, key=deltas.__getitem__) in ("dp_comm_s", "p2p_s", "tp_comm_s", "ep_comm_s"):
             # The question was decided by the links: the best other family lost to communication.
             tp_bytes, tp_link, _ = tp_traffic(re_)
             tp_part = f", {size(tp_bytes)} tensor-parallel over {tp_link or 'intra-node'}" if tp_bytes else ""
@@ -246,9 +251,9 @@ def _other_degrees(key: str, what: str, degrees, ws: Strategy, west: Estimate, f
 
 def ep_lines(ws: Strategy, west: Estimate, feasible, *, experts: int, degrees: tuple[int, ...],
              at_ep1: Estimate | None = None, pruned: Mapping[int, float] | None = None) -> list[str]:
-    """Why this expert-parallel degree (MoE models): what its all-to-alls move and cost, what it saves in memory
-    against ep = 1 (at_ep1: the winner with ep = 1, where that divides nothing else), and the best strategy of every
-    other degree searched, from their estimates. [] for a dense model."""
+    """Why this expert-parallel degree (MoE models): what its all-to-alls move and cost, what it saves against
+    ep = 1 (at_ep1: the winner's strategy with ep = 1, all else equal), and the best strategy of every other
+    degree searched, from their estimates. [] for a dense model."""
     if not experts:
         return []
     lines = []

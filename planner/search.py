@@ -45,6 +45,7 @@ from cost_models.cost.compute import executed_precision
 from cost_models.cost.estimate import (Estimate, activation_scale, dp_ranks_per_node, dtype_ratio, estimate,
                                        held_params, optimizer_seconds, saved_bytes, unit_costs, unit_seconds)
 from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_parts, zero_model_state_bytes
+from cost_models.cost.moe import check_ep
 from cost_models.cost.sharing import busy_ranks
 from cost_models.records.cluster import Calibration, ClusterProfile
 from cost_models.records.errors import ConfigError, InfeasibleError
@@ -355,6 +356,11 @@ def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partiti
     n_units = len(profile.units)
     ties = tuple(sp.units for sp in profile.shared)
     pipelines = profile.pipeline_refusal is None
+    for ep in req.ep_degrees or ():
+        why = check_ep(profile, ep) or (None if ep in ep_degrees(profile.experts) else
+                                        f"--ep {ep} is not a power of two dividing the {profile.experts} experts")
+        if why:
+            raise ConfigError(why)
     points = [pt for pt in enumerate_points(gpus=gpus, global_batch=req.global_batch_size, n_units=n_units,
                                             pipelines=pipelines, tp_pairs=tp.pairs, sp_pipelines=tp.sp_pipelines,
                                             eps=ep_degrees(profile.experts, degrees=req.ep_degrees),
@@ -404,9 +410,10 @@ class _UnitTimes:
     stages (estimate.unit_costs, the function the estimate's stages sum: compute share, narrow-GEMM efficiency and
     exposed TP collectives), per (tp, sp, micro-batch size), for a strategy that puts every unit in its own stage
     and runs one micro-batch. Each size is priced, not scaled from another: a GPU profile's in-model gap is a fixed
-    cost per call (compute._in_model), so per-sample time can grow with the batch. Only on clusters without a
-    compute probe (presets), where unit times do not depend on how many ranks run; None elsewhere (the bound falls
-    back to the profile's unit times / tp)."""
+    cost per call (compute._in_model), so per-sample time can grow with the batch. On clusters without a compute
+    probe (presets), where unit times do not depend on how many ranks run, and under expert parallelism on GPUs
+    (whose taller expert products can run faster than the profile's); None elsewhere (the bound falls back to the
+    profile's unit times / tp, which EP on CPU ranks only lengthens: imbalance >= 1, all-to-alls added)."""
 
     def __init__(self, profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest) -> None:
         self.profile, self.cluster, self.req = profile, cluster, req
@@ -416,7 +423,10 @@ class _UnitTimes:
 
     def units(self, tp: int, sp: bool, mbs: int, ep: int = 1) -> list[tuple[float, float]] | None:
         if (tp, sp, mbs, ep) not in self.cache:
-            self.cache[tp, sp, mbs, ep] = self._measure(tp, sp, mbs, ep) if self.cluster.compute is None else None
+            # expert parallelism can make a unit faster on GPUs (taller expert products: estimate._ep_unit), where
+            # a probed cluster's unit times do not depend on the ranks running either: priced as the estimate does
+            priced = self.cluster.compute is None or (ep > 1 and self.cluster.device.kind == "gpu")
+            self.cache[tp, sp, mbs, ep] = self._measure(tp, sp, mbs, ep) if priced else None
         return self.cache[tp, sp, mbs, ep]
 
     def _measure(self, tp: int, sp: bool, mbs: int, ep: int) -> list[tuple[float, float]] | None:

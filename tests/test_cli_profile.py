@@ -91,7 +91,8 @@ def test_profile_probes_this_machine_by_default(tmp_path):
     assert res.exit_code == 0, res.output
     cluster = json.loads(res.stdout)["cluster"]
     assert cluster["source"] == "probe" and cluster["devices_per_node"] == 2
-    assert {f["op"] for f in cluster["fits"]} == {"all_gather", "reduce_scatter", "all_reduce", "send_recv", "broadcast"}
+    assert {f["op"] for f in cluster["fits"]} == {"all_gather", "reduce_scatter", "all_reduce", "send_recv", "broadcast",
+                                                "all_to_all"}
     assert any(n.startswith("no NVIDIA driver") for n in cluster["notes"])  # this machine: said in one line
     assert "no NVIDIA driver" in res.stderr
 

@@ -103,9 +103,11 @@ def test_bad_expert_parallel_degrees_are_one_line_errors(moe_profiles, tiny_prof
     with pytest.raises(ConfigError, match="no mixture-of-experts blocks"):
         estimate(_strategy(dense, dp=2, ep=2), dense, cluster)
     assert executor_refuses(_strategy(prof, dp=2, ep=2), prof) is None
-    pipelined = _strategy(prof, dp=2, ep=2, pp=2, microbatches=2,
-                          stages=(("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head")))
-    assert "pipeline stages" in executor_refuses(pipelined, prof)
+    halves = (("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head"))
+    assert executor_refuses(_strategy(prof, dp=2, ep=2, pp=2, microbatches=2, stages=halves), prof) is None
+    nested = _strategy(prof, dp=4, ep=2, pp=2, zero=2, microbatches=2, stages=halves)
+    assert "pipeline stages sharding experts" in executor_refuses(nested, prof)
+    assert "ZeRO-1" in executor_refuses(_strategy(prof, dp=2, ep=2, zero=1), prof)
 
 
 def test_expert_parallelism_moves_the_dispatched_tokens_and_splits_the_experts(moe_profiles):
@@ -209,19 +211,20 @@ HF_RUN = {"mixtral": f"hf:mixtral?{HF_MOE['mixtral'][0].replace('vocab_size=256'
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, ranks, plans", [("mixtral", 4, ((4, 2, 2), (4, 2, 3), (4, 4, 0))),
-                                                ("qwen3_moe", 2, ((2, 2, 0), (2, 2, 2)))])
+@pytest.mark.parametrize("name, ranks, plans", [("mixtral", 4, ((4, 1, 2, 2), (4, 1, 2, 3), (2, 2, 2, 0), (2, 2, 2, 2))),
+                                                ("qwen3_moe", 2, ((2, 1, 2, 0), (2, 1, 2, 2)))])
 def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ranks, plans, tmp_path):
     """On a token file, from the model's own initialisation (transformers saves MoE experts one tensor per expert,
-    which --init-from does not merge yet): five AdamW steps under EP (dp, ep, ZeRO) = `plans` are one process's;
-    all-to-all bytes as predicted."""
+    which --init-from does not merge yet): five AdamW steps under EP (dp, pp, ep, ZeRO) = `plans` (pp 2: 1F1B, EP
+    inside each stage) are one process's; all-to-all bytes as predicted."""
     from executor.launch import run_many
     from executor.train import TrainConfig, single_process_losses
     from tests.test_hf_executor import GLOBAL, SEQ, _tokens
     ref = HF_RUN[name]
     prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=SEQ, meta=False, dtype="fp32", warmup=0,
                          repeats=1)
-    units = (tuple(u.name for u in prof.units),)
+    names = tuple(u.name for u in prof.units)
+    units = (names,)
     # lr 3e-3: a larger step moves routers' near-ties, so one float rounding (an all-reduce's order) can send a
     # token to another expert, a discrete change no tolerance covers
     cfg = TrainConfig(model_source=ref, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=3e-3,
@@ -230,12 +233,13 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
                    precision="fp32")
     reference = single_process_losses(one, cfg)
     assert len({round(x, 6) for x in reference}) == 5
-    strategies = [Strategy(dp=dp, pp=1, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
-                           stages=units, precision="fp32", ep=ep) for dp, ep, z in plans]
+    halves = (names[:len(names) // 2], names[len(names) // 2:])
+    strategies = [Strategy(dp=dp, pp=pp, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
+                           stages=units if pp == 1 else halves, precision="fp32", ep=ep) for dp, pp, ep, z in plans]
     for s, rank_results in zip(strategies, run_many(ranks, strategies, cfg)):
         assert [list(r.losses) for r in rank_results if r.losses][0] == pytest.approx(reference, rel=1e-4), s.name
         # the token all-to-alls: dispatch and combine, forward and backward, of every routed pair, plus each
-        # forward's counts; summed over ranks, as every pair leaves one rank once each way
+        # forward's counts; the mean over ranks, as every pair leaves one rank once each way
         est = estimate(s, dataclasses.replace(prof, micro_batch_size=1), preset("dgx-h100"))
         measured = sum(r.comm_bytes.get("all_to_all", 0) for r in rank_results) / ranks
         assert measured == pytest.approx(est.comm.ep_bytes_per_rank, rel=1e-9), s.name

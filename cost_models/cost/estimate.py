@@ -45,8 +45,7 @@ from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized,
 from cost_models.cost.compute import (compute_dtype, compute_source, executed_dtype, executed_precision,
                                       optimizer_step_time, priced_by_kind, tp_unit_times, unit_times)
 from cost_models.cost.kernels import work_seconds
-from cost_models.cost.moe import (all_to_all_time, check_ep, dispatch_bytes, ep_ranks_per_node, ep_work,
-                                  expert_dp_ranks_per_node, imbalance)
+from cost_models.cost.moe import all_to_all_time, check_ep, dispatch_bytes, ep_ranks_per_node, ep_work, imbalance
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
                                      held_bytes_per_param, overhead_bytes, saved_at, torch_mixed, tp_param_share,
                                      tp_saved_bytes, zero1_partition)
@@ -140,8 +139,8 @@ class CommVolume(Record):
     tp_link: str = "none"            # the TP group's link: "intra-node" (or "inter-node" where tp > a node)
     tied_bytes_per_rank: float = 0.0 # pipeline rank 0's all-reduce of tied gradients across pipeline ranks per step
                                      # (_tied_sync; its local gradient: a ZeRO-2/3 shard), counted as CommCounter does
-    ep_bytes_per_rank: float = 0.0   # expert-parallel all-to-alls per rank per step (full buffers: what the rank
-                                     # hands all_to_all_single; cost.moe)
+    ep_bytes_per_rank: float = 0.0   # expert-parallel all-to-alls per rank per step, the mean over pipeline ranks
+                                     # (full buffers: what a rank hands all_to_all_single; cost.moe)
     ep_link: str = "none"            # the EP group's link: "intra-node" | "inter-node"
 
 
@@ -409,15 +408,16 @@ def _ep_unit(c: _Context, u: UnitProfile, f: float, b: float, kept: float,
         return f, b, kept, 0.0, 0.0
     load = imbalance(c.profile, m, s.ep)
     extra = load - 1.0
-    if priced_by_kind(u, c.profile, c.cluster, s.precision):   # the busiest rank's products at their EP shapes
+    shaped = [ep_work(w, m, ep=s.ep, load=load) for w in (u.fwd_work, u.bwd_work) if w is not None]
+    if priced_by_kind(u, c.profile, c.cluster, s.precision) and all(w is not None for w in shaped):
+        # the busiest rank's products at their EP shapes (a profile whose routed products were found: ep_work)
         dtype = executed_dtype(s.precision, c.cluster.device.kind)
-        for work, backward in ((u.fwd_work, False), (u.bwd_work, True)):
-            assert work is not None   # priced_by_kind
+        for work, new, backward in ((u.fwd_work, shaped[0], False), (u.bwd_work, shaped[1], True)):
+            assert work is not None and new is not None   # priced_by_kind
             now = work_seconds(work, c.cluster.device, dtype, backward=backward)
-            ratio = work_seconds(ep_work(work, m, ep=s.ep, load=load), c.cluster.device, dtype,
-                                 backward=backward) / now if now > 0 else 1.0
+            ratio = work_seconds(new, c.cluster.device, dtype, backward=backward) / now if now > 0 else 1.0
             f, b = (f, b * ratio) if backward else (f * ratio, b)
-    else:   # measured times: the routed experts' share of the unit's FLOPs, at the busiest rank's load
+    else:   # measured times, or products not found: the routed experts' share of the FLOPs at the busiest load
         f += f * extra * (m.routed_fwd_flops / u.fwd_flops if u.fwd_flops else 0.0)
         b += b * extra * (m.routed_bwd_flops / u.bwd_flops if u.bwd_flops else 0.0)
     size = dispatch_bytes(m, scale=s.micro_batch_size / c.profile.micro_batch_size,
@@ -627,11 +627,11 @@ def _expert_coll(c: _Context) -> CollFn:
     """collective_time over the routed experts' data-parallel group: the dp / ep ranks holding the same experts,
     ep x tp apart (cost.moe)."""
     s, cluster = c.s, c.cluster
-    n, rpn = s.dp // s.ep, expert_dp_ranks_per_node(cluster, ep=s.ep, tp=s.tp)
+    n = s.dp // s.ep
+    rpn = dp_ranks_per_node(cluster, dp=n, tp=s.tp * s.ep)   # placed as a dp group of stride ep x tp
 
     def coll(op: str, size: float, back_to_back: bool = False) -> float:
-        return collective_time(cluster, op, size, n, ranks_per_node=rpn if n > rpn else None,
-                               back_to_back=back_to_back)
+        return collective_time(cluster, op, size, n, ranks_per_node=rpn, back_to_back=back_to_back)
     return coll
 
 
@@ -737,6 +737,8 @@ def _dp_pass(c: _Context, stages: tuple[StageEstimate, ...], unit_fb: list[tuple
             # pipeline unit without a pipeline, one per stage with one (in the stages' costs where the pipeline
             # schedule holds their gathers: _stage)
             fsdp_units = len(units) if s.pp == 1 else len(mine)
+            if experts_s is not None:   # each block's experts are an FSDP unit of their own (executor.zero.wrap)
+                fsdp_units += sum(1 for e, _ in experts if e)
             exposed += s.microbatches * fsdp_units * c.overheads.fsdp_unit_s
         if cluster.device.kind == "gpu" and s.pp == 1 and s.dp > 1 and not (s.ep > 1 and s.zero <= 1):
             shares = [_expert_share(c, u.name) for u in c.profile.units]
@@ -856,7 +858,7 @@ def _comm_volume(c: _Context, stages: tuple[StageEstimate, ...], dp_bytes: dict[
     return CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()), dp_collectives=dp_bytes,
                       p2p_link=p2p_link, dp_link=dp_link, tp_bytes_per_rank=sum(tp_bytes.values()),
                       tp_collectives=tp_bytes, tp_link=tp_link, ep_link=ep_link,
-                      ep_bytes_per_rank=s.microbatches * sum(st.ep_bytes for st in _rank_stages(s, stages, 0)))
+                      ep_bytes_per_rank=s.microbatches * sum(st.ep_bytes for st in stages) / s.pp)
 
 
 def _tp_step_bytes(s: Strategy, stages: tuple[StageEstimate, ...], pp_rank: int) -> dict[str, float]:

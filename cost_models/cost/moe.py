@@ -53,23 +53,31 @@ def imbalance(profile: ModelProfile, u: MoEUnit, ep: int) -> float:
     return max(ranks) / (sum(ranks) / ep)
 
 
-def ep_work(work: WorkCounts, u: MoEUnit, *, ep: int, load: float) -> WorkCounts:
+def ep_work(work: WorkCounts, u: MoEUnit, *, ep: int, load: float) -> WorkCounts | None:
     """One pass's work on the busiest EP rank (module doc, shapes): each routed-expert product (a shape whose rows
     or depth are the profile's r = tokens x top_k / E and that runs a multiple of E times) runs count / ep times
-    on r x ep x load rows. Other work as profiled (its memory-bound bytes and kernels: an upper bound)."""
-    r = u.tokens * u.top_k // u.experts
-    if ep == 1 or r == 0:
+    on r x ep x load rows. Other work as profiled (its memory-bound bytes and kernels: an upper bound). None where
+    those products are not found making up the routed FLOPs (a real routing's uneven shapes, or tokens x top_k not
+    a multiple of E): the caller prices the routed share by FLOPs instead."""
+    r, even = divmod(u.tokens * u.top_k, u.experts)
+    if ep == 1:
         return work
+    if r == 0 or even:
+        return None
     rows = max(1, round(r * ep * load))
-    gemms = []
+    gemms, found = [], 0
     for g in work.gemms:
         routed = g.count % u.experts == 0 and r in (g.m, g.k)
+        found += g.flops if routed else 0
         if not routed:
             gemms.append(g)
         elif g.m == r:
             gemms.append(dataclasses.replace(g, m=rows, count=g.count // ep))
         else:
             gemms.append(dataclasses.replace(g, k=rows, count=g.count // ep))
+    # forward: the routed forward's FLOPs; backward: twice them; a dense product of the same shape would add more
+    if not any(abs(found - want) <= 0.01 * want for want in (u.routed_fwd_flops, u.routed_bwd_flops)):
+        return None
     return dataclasses.replace(work, gemms=tuple(gemms))
 
 
@@ -86,11 +94,6 @@ def ep_ranks_per_node(cluster: ClusterProfile, *, ep: int, tp: int) -> int | Non
     return per_node if ep > per_node else None
 
 
-def expert_dp_ranks_per_node(cluster: ClusterProfile, *, ep: int, tp: int) -> int:
-    """ranks_per_node of the expert data-parallel group (dp / ep ranks, ep x tp apart)."""
-    return max(1, cluster.devices_per_node // (ep * tp))
-
-
 def all_to_all_time(cluster: ClusterProfile, size_bytes: float, n: int, *, ranks_per_node: int | None) -> float:
     """Seconds of one all-to-all over n ranks, S = the full buffer per rank (module doc). The probe's fit for this
     group where it measured one; else from the links: (g-1)/n x S inside the node on its links and (n-g)/n x S
@@ -99,8 +102,8 @@ def all_to_all_time(cluster: ClusterProfile, size_bytes: float, n: int, *, ranks
     if n <= 1 or size_bytes <= 0:
         return 0.0
     g = min(n, ranks_per_node or cluster.devices_per_node)
-    scope = "intra" if g == n else "inter"
-    fit = cluster.fit("all_to_all", n, scope)
+    # the probe's groups: inside a node, or one rank per node across nodes
+    fit = cluster.fit("all_to_all", n, "intra") if g == n else cluster.fit("all_to_all", n, "inter") if g == 1 else None
     if fit is not None:
         return fit.predict(size_bytes)
     intra = (g - 1) / n * size_bytes / cluster.intra_node.bandwidth_Bps

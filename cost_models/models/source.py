@@ -303,12 +303,13 @@ def _hf_source(ref: str) -> ModelSource:
     config = load_config()
     _check_causal(ref, config)
 
+    # MoE experts as their own per-expert loop ("eager"): transformers 5 otherwise picks grouped_mm, whose kernels
+    # take bf16 operands only (fp32 CPU ranks fail), and records it on the shared config; 4.x has no such option
+    experts = {"experts_implementation": "eager"} if int(transformers.__version__.split(".")[0]) >= 5 else {}
+
     def build() -> nn.Module:
-        # MoE experts as their own per-expert loop ("eager"): transformers 5 otherwise picks grouped_mm, whose
-        # kernels take bf16 operands only (fp32 CPU ranks fail), and records it on the shared config
         with contextlib.redirect_stdout(sys.stderr):
-            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention,
-                                                                 experts_implementation="eager")
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention, **experts)
 
     def make_input(model: nn.Module, b: int, s: int) -> tuple[torch.Tensor, ...]:
         return (torch.randint(0, int(config.vocab_size), (b, s)),)

@@ -168,7 +168,10 @@ class MoEUnit(Record):
     routed_bwd_flops: int                # and their backward (input and weight gradients)
     routed_saved_bytes: int = 0          # what the routed experts save for backward (of saved_bytes)
     expert_load: tuple[int, ...] = ()    # real mode: token-expert pairs routed to each expert on the profile's
-                                         # (or --data's) tokens, summed over blocks; () in meta mode (not measured)
+                                         # tokens, summed over the unit's blocks (one in every family here: a
+                                         # unit of several would smooth it); () in meta mode (not measured). A
+                                         # router as initialised spreads random tokens evenly: optimistic for a
+                                         # trained one (the profile takes no --data yet)
 
 
 @record
