@@ -368,3 +368,13 @@ class UndeclaredMoENet(nn.Module):
 
 def undeclared_moe():
     return UndeclaredMoENet()
+
+
+def qwen3_moe_4_layers():
+    """The zoo's qwen3-30b-a3b cut to 4 of its 48 layers: the same blocks (128 experts, top-8), profiled in seconds."""
+    import dataclasses
+
+    from cost_models.models.moe import MoETransformer
+    from cost_models.models.zoo import ZOO
+    with torch.device("meta"):   # planning only: nothing to draw
+        return MoETransformer(dataclasses.replace(ZOO["qwen3-30b-a3b"].config, n_layers=4))

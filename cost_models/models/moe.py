@@ -90,10 +90,8 @@ class GQAttention(nn.Module):
         k = self.k_norm(self.wk(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = _rope(q, self.rope_theta), _rope(k, self.rope_theta)
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # grouped-query attention in the kernel (key/value heads not repeated: saved once per kv head)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -184,21 +182,24 @@ class Experts(nn.Module):
         nn.init.normal_(self.gate_up_proj, mean=0.0, std=0.02)
         nn.init.normal_(self.down_proj, mean=0.0, std=0.02)
 
-    def run(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows of x grouped by expert (counts[e] rows for expert e, in order) through their experts. The stacked
-        weights are unbound once: indexing them per expert would make each expert's gradient a zero-filled tensor
-        of the whole stack (select's backward), E times the bytes."""
+    def run(self, x: torch.Tensor, counts: list[int], weights: torch.Tensor) -> torch.Tensor:
+        """Rows of x grouped by expert (counts[e] rows for expert e, in order) through their experts, each scaled
+        by its routing weight (one per row). The weight scales the expert's inner activation, before the down
+        projection (a linear map: the same product), so backward keeps that F-wide activation rather than the
+        H-wide output. The stacked weights are unbound once: indexing them per expert would make each expert's
+        gradient a zero-filled tensor of the whole stack (select's backward), E times the bytes."""
         outs = []
-        for rows, w_in, w_out in zip(x.split(counts), self.gate_up_proj.unbind(0), self.down_proj.unbind(0)):
+        for rows, w, w_in, w_out in zip(x.split(counts), weights.split(counts), self.gate_up_proj.unbind(0),
+                                        self.down_proj.unbind(0)):
             gate, up = F.linear(rows, w_in).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, w_out))
+            outs.append(F.linear(F.silu(gate) * up * w, w_out))
         return torch.cat(outs)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
         order, counts = expert_order(top_k_index, self.num_experts)
         token = order // k
-        y = self.run(hidden[token], counts) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        y = self.run(hidden[token], counts, top_k_weights.reshape(-1)[order].unsqueeze(-1).to(hidden.dtype))
         return torch.zeros_like(hidden).index_add(0, token, y)
 
 
