@@ -20,9 +20,10 @@ their experts' load, over the mean), else `DEFAULT_IMBALANCE`, unless the profil
 Without expert parallelism each rank runs every expert for its own tokens: no imbalance.
 
 Shapes (GPU pricing by kind of work, cost.kernels): without EP each of the E experts multiplies r = tokens x top_k /
-E rows (a meta profile's even routing: cost_models.models.moe.expert_order); with EP a rank runs E / ep experts,
-each on the rows every rank of its group sends it, r x ep at the mean and r x ep x imbalance on the busiest rank
-(ep_work). Larger products run closer to the device's best rate, which is much of what expert parallelism buys.
+E rows (a meta profile's even routing: cost_models.models.moe.expert_order, run as one batch of E products per
+matrix, as the grouped GEMMs of Megatron-Core's and torchtitan's MoE layers run them); with EP a rank runs E / ep
+experts, each on the rows every rank of its group sends it, r x ep at the mean and r x ep x imbalance on the
+busiest rank (ep_work).
 """
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def imbalance(profile: ModelProfile, u: MoEUnit, ep: int) -> float:
 
 def ep_work(work: WorkCounts, u: MoEUnit, *, ep: int, load: float) -> WorkCounts | None:
     """One pass's work on the busiest EP rank (module doc, shapes): each routed-expert product (a shape whose rows
-    or depth are the profile's r = tokens x top_k / E and that runs a multiple of E times) runs count / ep times
-    on r x ep x load rows. Other work as profiled (its memory-bound bytes and kernels: an upper bound). None where
+    or depth are the profile's r = tokens x top_k / E and that runs a multiple of E times, as E products or one
+    batch of E) runs E / ep times on r x ep x load rows. Other work as profiled (its memory-bound bytes and kernels: an upper bound). None where
     those products are not found making up the routed FLOPs (a real routing's uneven shapes, or tokens x top_k not
     a multiple of E): the caller prices the routed share by FLOPs instead."""
     r, even = divmod(u.tokens * u.top_k, u.experts)
@@ -67,14 +68,14 @@ def ep_work(work: WorkCounts, u: MoEUnit, *, ep: int, load: float) -> WorkCounts
     rows = max(1, round(r * ep * load))
     gemms, found = [], 0
     for g in work.gemms:
-        routed = g.count % u.experts == 0 and r in (g.m, g.k)
+        batched = g.batch % u.experts == 0
+        routed = (batched or g.count % u.experts == 0) and r in (g.m, g.k)
         found += g.flops if routed else 0
         if not routed:
             gemms.append(g)
-        elif g.m == r:
-            gemms.append(dataclasses.replace(g, m=rows, count=g.count // ep))
-        else:
-            gemms.append(dataclasses.replace(g, k=rows, count=g.count // ep))
+            continue
+        fewer = {"batch": g.batch // ep} if batched else {"count": g.count // ep}
+        gemms.append(dataclasses.replace(g, **({"m": rows} if g.m == r else {"k": rows}), **fewer))
     # forward: the routed forward's FLOPs; backward: twice them; a dense product of the same shape would add more
     if not any(abs(found - want) <= 0.01 * want for want in (u.routed_fwd_flops, u.routed_bwd_flops)):
         return None

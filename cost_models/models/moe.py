@@ -188,6 +188,13 @@ class Experts(nn.Module):
         projection (a linear map: the same product), so backward keeps that F-wide activation rather than the
         H-wide output. The stacked weights are unbound once: indexing them per expert would make each expert's
         gradient a zero-filled tensor of the whole stack (select's backward), E times the bytes."""
+        if x.is_meta and len(set(counts)) == 1:   # an even routing on meta: one batched product per matrix, the
+            # same FLOPs and shapes as the loop, without E small ops per block (a 256-expert model profiles in
+            # seconds)
+            e, r = len(counts), counts[0]
+            gate, up = torch.bmm(x.view(e, r, -1), self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+            h = F.silu(gate) * up * weights.view(e, r, 1)
+            return torch.bmm(h, self.down_proj.transpose(1, 2)).reshape(e * r, -1)
         outs = []
         for rows, w, w_in, w_out in zip(x.split(counts), weights.split(counts), self.gate_up_proj.unbind(0),
                                         self.down_proj.unbind(0)):
