@@ -325,6 +325,9 @@ def cases_c() -> list[Case]:
 
 # --- (d) huge and zero numbers, under a memory and a time limit ------------------------------------------------------
 
+TESTS_MODELS = Path(__file__).resolve().parents[1] / "tests" / "custom_models.py"   # module:factory by path
+
+
 def cases_d() -> list[Case]:
     plan = ("plan", "profile.json", "--no-report", "-o", "out.json")
     rows = [   # name, argv, accepted exit codes, what the refusal must name
@@ -346,6 +349,18 @@ def cases_d() -> list[Case]:
         ("estimate:dp=0", ("estimate", "profile.json", "--dp", "0"), (2,), r"\bdp\b"),
         ("profile-cluster:nodes=0", ("profile-cluster", "--cluster", "dgx-a100", "--nodes", "0", "-o", "out.json"),
          (2,), r"nodes"),
+        # expert parallelism asked of the demo's dense model (issue 36, item 7)
+        ("estimate:ep=2,dense", ("estimate", "profile.json", "--dp", "4", "--ep", "2"), (2,), r"mixture-of-experts"),
+        ("estimate:ep=3,dp=4", ("estimate", "profile.json", "--dp", "4", "--ep", "3"), (2,), r"--ep 3"),
+        ("estimate:moe-imbalance,dense", ("estimate", "profile.json", "--dp", "4", "--moe-imbalance", "2"), (2,),
+         r"mixture-of-experts"),
+        ("estimate:moe-imbalance=0.5", ("estimate", "profile.json", "--dp", "4", "--moe-imbalance", "0.5"), (2,),
+         r"moe-imbalance"),
+        ("plan:ep=2,dense", (*plan, "-B", "64", "--ep", "2"), (2,), r"mixture-of-experts"),
+        ("plan:ep=3", (*plan, "-B", "64", "--ep", "3"), (2,), r"powers of two"),
+        ("profile:undeclared-moe-block", ("profile", "--model", f"{TESTS_MODELS}:undeclared_moe", "-b", "2", "-s",
+                                          "8", "--meta", "--cluster", "none", "-o", "out.json"), (2,),
+         r"num_experts.*top_k"),
     ]
     cases = [Case(name=name, category="d-numbers", argv=argv, expect=expect, mentions=mentions, limits=True,
                   absent=("out.json",)) for name, argv, expect, mentions in rows]
