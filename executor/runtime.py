@@ -254,7 +254,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,
                    tp=s.tp, compute=compute if s.pp == 1 else None,
                    distributed_optimizer=s.distributed_optimizer and s.dp > 1,
-                   experts=_expert_parallel(s, model, held, mode, dp_rank, device, preload, canon) if s.ep > 1 else None)
+                   experts=_expert_parallel(s, model, held, mode, dp_rank, device, preload, canon))
     if _shards_later(s, mode):
         _allocate_shards(wrapped, optimizer_fn, device, model=model, mode=mode, seed=seed, dp_rank=dp_rank, dp=s.dp)
     schedule = None
@@ -270,11 +270,13 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
 
 
 def _expert_parallel(s: Strategy, model: nn.Module, held: list[nn.Module], mode: str, dp_rank: int,
-                     device: torch.device, preload, canon) -> Experts:
+                     device: torch.device, preload, canon) -> Experts | None:
     """This rank's experts (executor.expert_parallel), on the (pp, dp / ep, ep, tp) mesh: an EP group is ep
     consecutive dp ranks, the experts' data-parallel group the dp / ep ranks at the same place in theirs.
-    `preload`: pretrained weights, loaded into the whole model first (build_runtime)."""
+    `preload`: pretrained weights, loaded into the whole model first (build_runtime). None without EP."""
     from torch.distributed.device_mesh import init_device_mesh
+    if s.ep == 1:
+        return None
     why = expert_parallel_refusal(s)
     if why or mode != "factory":
         raise ConfigError(why or f"expert parallelism needs the whole model built on every rank first (init "

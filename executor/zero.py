@@ -123,7 +123,8 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
     wrapped = _wrap(modules, zero=zero, pp=pp, dp_mesh=dp_mesh, optimizer_fn=optimizer_fn, unit_groups=unit_groups,
                     tp=tp, compute=compute, ignored=None if by_fsdp else set(experts.params), no_ddp=True)
     wrapped.experts, wrapped.ep, wrapped.sync_experts = experts.params, experts.ep, True
-    wrapped.expert_group = experts.mesh.get_group() if experts.mesh is not None and not by_fsdp else None  # type: ignore[attr-defined]
+    if experts.mesh is not None and not by_fsdp:   # averaged by hand over it
+        wrapped.expert_group = experts.mesh.get_group()  # type: ignore[attr-defined]
     return wrapped
 
 

@@ -57,9 +57,10 @@ def imbalance(profile: ModelProfile, u: MoEUnit, ep: int) -> float:
 def ep_work(work: WorkCounts, u: MoEUnit, *, ep: int, load: float) -> WorkCounts | None:
     """One pass's work on the busiest EP rank (module doc, shapes): each routed-expert product (a shape whose rows
     or depth are the profile's r = tokens x top_k / E and that runs a multiple of E times, as E products or one
-    batch of E) runs E / ep times on r x ep x load rows. Other work as profiled (its memory-bound bytes and kernels: an upper bound). None where
-    those products are not found making up the routed FLOPs (a real routing's uneven shapes, or tokens x top_k not
-    a multiple of E): the caller prices the routed share by FLOPs instead."""
+    batch of E) runs E / ep times on r x ep x load rows. Other work as profiled (its memory-bound bytes and
+    kernels: an upper bound). None where those products are not found making up the routed FLOPs (a real
+    routing's uneven shapes, or tokens x top_k not a multiple of E): the caller prices the routed share by FLOPs
+    instead."""
     r, even = divmod(u.tokens * u.top_k, u.experts)
     if ep == 1:
         return work

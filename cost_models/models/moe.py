@@ -267,7 +267,8 @@ def total_params(cfg: MoEConfig) -> int:
                 + cfg.dim * (m.kv_lora_rank + m.qk_rope_dim) + m.kv_lora_rank
                 + m.kv_lora_rank * cfg.n_heads * (m.qk_nope_dim + m.v_head_dim) + cfg.n_heads * m.v_head_dim * cfg.dim)
     else:
-        attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
+        attn = ((2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.dim
+                + (2 * cfg.head_dim if cfg.qk_norm else 0))
     moe = (cfg.n_experts * 3 * cfg.dim * cfg.expert_dim + cfg.n_experts * cfg.dim
            + 3 * cfg.dim * cfg.expert_dim * cfg.n_shared)
     layers = sum(attn + 2 * cfg.dim + (moe if cfg.is_moe(i) else 3 * cfg.dim * cfg.ffn_dim)
@@ -316,9 +317,9 @@ def moe_blocks(model: nn.Module) -> list[Block]:
 
 
 def check_meta_routing(model: nn.Module) -> None:
-    """For a model on meta, a one-line ConfigError for a meta profile of MoE blocks whose experts route by data (transformers': their
-    tokens per expert are picked with nonzero): only experts that route evenly on meta (`meta_routing`, the
-    zoo's: expert_order) can be counted there."""
+    """For a model on meta, a one-line ConfigError for a meta profile of MoE blocks whose experts route by data
+    (transformers': their tokens per expert are picked with nonzero): only experts that route evenly on meta
+    (`meta_routing`, the zoo's: expert_order) can be counted there."""
     if not any(p.is_meta for p in model.parameters()):
         return
     odd = next((b for b in moe_blocks(model) if not getattr(b.experts, "meta_routing", False)), None)
