@@ -107,7 +107,7 @@ class Runtime:
         t0 = time.perf_counter()
         if self.wrapped.manual_grad_sync:
             all_reduce_grads(self.wrapped.dense_params, self.dp_group, self.wrapped.reduce_dtype)
-        if self.wrapped.sync_experts:
+        if self.wrapped.experts:
             sync_expert_grads(self.wrapped.experts, self.wrapped.expert_group, self.wrapped.ep,
                               self.wrapped.reduce_dtype)
         for name, group in self.tie_groups:

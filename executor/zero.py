@@ -76,10 +76,10 @@ class Wrapped:
     autocast: torch.dtype | None = None      # run forward under torch.autocast in this dtype (mixed precision)
     reduce_dtype: torch.dtype | None = None  # manual_grad_sync: all-reduce gradients cast to this dtype
     sync_last_only: bool = False             # FSDP2 reduce-scatters and reshards on the last micro-batch only
-    experts: list[nn.Parameter] = field(default_factory=list)   # expert parallelism: this rank's experts'
+    experts: list[nn.Parameter] = field(default_factory=list)   # expert parallelism: this rank's experts (their
+                                                                 # gradients finished by hand after backward)
     expert_group: object | None = None       # their data-parallel group (dp / ep ranks) where averaged by hand
     ep: int = 1
-    sync_experts: bool = False               # their gradients finished by hand (executor.expert_parallel)
 
     @property
     def dense_params(self) -> list[nn.Parameter]:
@@ -122,7 +122,7 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
             fully_shard(m, mesh=experts.mesh, reshard_after_forward=zero == 3, mp_policy=mp)  # type: ignore[arg-type]
     wrapped = _wrap(modules, zero=zero, pp=pp, dp_mesh=dp_mesh, optimizer_fn=optimizer_fn, unit_groups=unit_groups,
                     tp=tp, compute=compute, ignored=None if by_fsdp else set(experts.params), no_ddp=True)
-    wrapped.experts, wrapped.ep, wrapped.sync_experts = experts.params, experts.ep, True
+    wrapped.experts, wrapped.ep = experts.params, experts.ep
     if experts.mesh is not None and not by_fsdp:   # averaged by hand over it
         wrapped.expert_group = experts.mesh.get_group()  # type: ignore[attr-defined]
     return wrapped
