@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from cost_models.records.base import Record, record
 from cost_models.records.errors import WeightsError
-from cost_models.torch_compat.torch_private import checkpoint_key_renames, keys_to_ignore_unexpected
+from cost_models.torch_compat.torch_private import (StackedPiece, checkpoint_key_renames, keys_to_ignore_unexpected,
+                                                     local_rows)
 from executor import checkpoint
 from executor import checkpoint_layout as layout
 
@@ -61,11 +62,11 @@ def load_weights(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch
     """Fill this rank's `params` (every one must be in `source`) and those of its `buffers` that `source` has, in
     place, from `source`. `trusted` accepts a checkpoint this installation did not sign (executor.checkpoint).
     `model` (the whole model object the tensors belong to) lets an HF folder's keys be renamed as transformers
-    renames them for its class (_renames)."""
+    renames them for its class and its experts stacked (_conversions)."""
     fmt, folder = weights_format(Path(source))
     reader, prefix = _reader(fmt, folder, trusted)
     saved = _saved_tensors(reader, folder)
-    wanted = _wanted(params, buffers, saved, prefix, folder, _renames(model, saved, fmt, folder))
+    wanted = _wanted(params, buffers, saved, prefix, folder, *_conversions(model, saved, fmt, folder))
     planner = _RecordingPlanner()
     try:
         with warnings.catch_warnings():   # no_dist: DCP warns that it loads in one process, which is intended
@@ -225,53 +226,120 @@ def _saved_tensors(reader: dcp.StorageReader, folder: Path) -> dict:
         raise
 
 
-def _renames(model: torch.nn.Module | None, saved: dict, fmt: str, folder: Path) -> dict[str, str]:
-    """{key in an HF folder: the model's name for it} where transformers renames keys on load for this model's
-    class (torch_private.checkpoint_key_renames); keys it would merge into one tensor are refused in one line."""
+Stacks = Mapping[str, list[tuple[str, StackedPiece]]]   # {a stacked tensor's model name: its (file key, piece)s}
+
+
+def _conversions(model: torch.nn.Module | None, saved: dict, fmt: str,
+                 folder: Path) -> tuple[dict[str, str], Stacks]:
+    """({key in an HF folder: the model's name for it}, the tensors read as pieces stacked into one) where
+    transformers renames or stacks keys on load for this model's class (torch_private.checkpoint_key_renames:
+    MoE experts saved one tensor per expert are read into the model's stacked experts); keys it would convert
+    otherwise are refused in one line."""
     if model is None or fmt != SAFETENSORS:
-        return {}
-    renames, merged = checkpoint_key_renames(model, saved)
-    if merged:
-        raise WeightsError(f"--init-from {folder}: {merged[0]} (and {len(merged) - 1} more) are tensors transformers "
-                           f"merges into one on load (as it saves mixture-of-experts weights: one tensor per expert), "
-                           f"which --init-from does not do yet; start from the model's own initialisation")
-    return renames
+        return {}, {}
+    renames, stacked, refused = checkpoint_key_renames(model, saved)
+    if refused:
+        raise WeightsError(f"--init-from {folder}: {refused[0]} (and {len(refused) - 1} more) are tensors transformers "
+                           f"converts on load in a way --init-from does not (only stacking and concatenating "
+                           f"experts); start from the model's own initialisation")
+    stacks: dict[str, list[tuple[str, StackedPiece]]] = {}
+    for key, piece in sorted(stacked.items()):
+        stacks.setdefault(piece.target, []).append((key, piece))
+    return renames, stacks
 
 
 def _wanted(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], saved: dict, prefix: str,
-            folder: Path, renames: Mapping[str, str]) -> dict[str, torch.Tensor]:
+            folder: Path, renames: Mapping[str, str], stacks: Stacks) -> dict[str, torch.Tensor]:
     """The state dict DCP loads: this rank's tensors (detached aliases: DCP copies into them) under their keys in
-    the file, after checking every parameter is there with its shape and kind of dtype (_matched)."""
-    key_of, tensors = _matched(params, buffers, saved, prefix, folder, renames)
+    the file, a stacked tensor as views of the rows this rank holds, one per piece (_stack_views), after checking
+    every parameter is there with its shape and kind of dtype (_matched)."""
+    key_of, tensors = _matched(params, buffers, saved, prefix, folder, renames, stacks)
+    wanted = {}
     for name, t in tensors.items():
         if t.device.type == "meta":
             raise ValueError(f"{name} is on the meta device: materialise the model (to_empty) before loading weights")
-    return {key_of[n]: t.detach() for n, t in tensors.items()}
+        key = key_of[name]
+        if key in stacks:
+            wanted.update(_stack_views(name, t.detach(), stacks[key], saved, folder))
+        else:
+            wanted[key] = t.detach()
+    return wanted
+
+
+def _stack_views(name: str, t: torch.Tensor, pieces: list[tuple[str, StackedPiece]], saved: dict,
+                 folder: Path) -> dict[str, torch.Tensor]:
+    """{file key: the view of `t` that piece fills} for the pieces of the rows (experts) this rank holds of `t`:
+    row `index`, and of it the `part`-th run of dimension 1 (gate before up, in the converter's order)."""
+    try:
+        local, first = local_rows(t)
+    except ValueError:
+        raise WeightsError(f"--init-from {folder}: {name} is split along a dimension other than its experts here "
+                           f"(tensor parallelism), which loading from one tensor per expert does not do; plan it "
+                           f"without --tp") from None
+    sizes = {p.part: int(saved[k].size[0]) for k, p in pieces if p.index == 0}
+    starts = {j: sum(sizes[i] for i in range(j)) for j in sizes}
+    views = {}
+    for key, p in pieces:
+        if 0 <= p.index - first < local.shape[0]:
+            row = local[p.index - first]
+            views[key] = row if p.parts == 1 else row.narrow(0, starts[p.part], sizes[p.part])
+    return views
 
 
 def _matched(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], saved: dict, prefix: str,
-             folder: Path, renames: Mapping[str, str]) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+             folder: Path, renames: Mapping[str, str],
+             stacks: Stacks) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """({name: its key in the file}, the tensors to fill: every parameter, and the buffers the file has), or one
     line naming the first parameter missing, of another shape, or of another kind of dtype (integers into floats
     or the reverse: DCP's copy_ would cast them without a word; one float dtype into another is a cast we want)."""
-    key_of = _file_keys(list(params) + list(buffers), saved, prefix, renames)
+    key_of = _file_keys(list(params) + list(buffers), saved, prefix, renames, stacks)
     missing = [n for n in params if n not in key_of]
     if missing:
         raise WeightsError(f"--init-from {folder} has no weights for {missing[0]} (nor for {len(missing) - 1} more "
                            f"of the {len(params)} parameters this model has here); was it saved from another model?")
     tensors = {**params, **{n: b for n, b in buffers.items() if n in key_of}}
     for name, t in tensors.items():
+        if key_of[name] in stacks:
+            _check_stack(name, t, stacks[key_of[name]], saved, folder)
+            continue
         stored = saved[key_of[name]]
         shape = getattr(stored, "size", None)   # DCP keeps non-tensor entries as bytes, without a size
         if shape is None or tuple(shape) != tuple(t.shape):
             raise WeightsError(f"--init-from {folder}: {name} has shape {_shape(shape)} there, the model's is "
                                f"{_shape(t.shape)}; was it saved from another configuration of the model?")
-        dtype = stored.properties.dtype
-        if dtype.is_floating_point != t.dtype.is_floating_point:
-            raise WeightsError(f"--init-from {folder}: {name} is {str(dtype).removeprefix('torch.')} there, the "
-                               f"model's is {str(t.dtype).removeprefix('torch.')}; it would be cast between integers "
-                               f"and floats: was it saved from another model?")
+        _check_kind(name, stored.properties.dtype, t.dtype, folder)
     return key_of, tensors
+
+
+def _check_kind(name: str, dtype: torch.dtype, want: torch.dtype, folder: Path) -> None:
+    """One line where a stored tensor would be cast between integers and floats."""
+    if dtype.is_floating_point != want.is_floating_point:
+        raise WeightsError(f"--init-from {folder}: {name} is {str(dtype).removeprefix('torch.')} there, the "
+                           f"model's is {str(want).removeprefix('torch.')}; it would be cast between integers "
+                           f"and floats: was it saved from another model?")
+
+
+def _check_stack(name: str, t: torch.Tensor, pieces: list[tuple[str, StackedPiece]], saved: dict,
+                 folder: Path) -> None:
+    """Every piece of stacked tensor `name` is in the file, once, and they tile its shape: one per row (expert) and
+    part, the parts' first dimensions summing to its second."""
+    parts = pieces[0][1].parts
+    by = {(p.index, p.part): saved[k] for k, p in pieces}
+    want = {(e, j) for e in range(t.shape[0]) for j in range(parts)}
+    if set(by) != want or len(by) != len(pieces):
+        raise WeightsError(f"--init-from {folder}: {name} stacks {t.shape[0]} experts x {parts} tensor(s); the "
+                           f"folder has {len(by)} matching tensors, not {len(want)} (one per expert and part): was "
+                           f"it saved from another configuration of the model?")
+    for e in range(t.shape[0]):
+        shapes = [tuple(by[e, j].size) for j in range(parts)]
+        tiled = (shapes[0] if parts == 1 else
+                 (sum(s[0] for s in shapes), *shapes[0][1:]) if len({s[1:] for s in shapes}) == 1 else None)
+        if tiled != tuple(t.shape[1:]):
+            raise WeightsError(f"--init-from {folder}: {name}'s expert {e} has shape(s) "
+                               f"{', '.join(map(_shape, shapes))} there; the model's expert is {_shape(t.shape[1:])}:"
+                               f" was it saved from another configuration of the model?")
+        for j in range(parts):
+            _check_kind(name, by[e, j].properties.dtype, t.dtype, folder)
 
 
 def check_weights(model: torch.nn.Module, source: Path, *, trusted: bool = False,
@@ -284,13 +352,15 @@ def check_weights(model: torch.nn.Module, source: Path, *, trusted: bool = False
     fmt, folder = weights_format(Path(source))
     reader, prefix = _reader(fmt, folder, trusted)
     saved = _saved_tensors(reader, folder)
-    renames = _renames(model, saved, fmt, folder)
+    renames, stacks = _conversions(model, saved, fmt, folder)
     canon = canonical_names(model)
     params = {c: p for n, p in model.named_parameters(remove_duplicate=False) if (c := canon[n]) == n}
     every_buffer = dict(model.named_buffers(remove_duplicate=False))
     persistent = set(model.state_dict(keep_vars=True))   # what ranks load (state_maps); others stay as built
-    _matched(params, {n: b for n, b in every_buffer.items() if n in persistent}, saved, prefix, folder, renames)
-    taken = set(_file_keys(list(canon) + list(every_buffer), saved, prefix, renames).values())
+    _matched(params, {n: b for n, b in every_buffer.items() if n in persistent}, saved, prefix, folder, renames,
+             stacks)
+    named = set(_file_keys(list(canon) + list(every_buffer), saved, prefix, renames, stacks).values())
+    taken = named | {k for target in named & set(stacks) for k, _ in stacks[target]}
     # what transformers itself ignores in such files (GPT-2's old attn.bias masks): not a sign of another model
     ignored = [re.compile(p) for p in keys_to_ignore_unexpected(model)]
     extra = sorted(k for k in saved if k.startswith(prefix) and k not in taken
@@ -304,13 +374,13 @@ def check_weights(model: torch.nn.Module, source: Path, *, trusted: bool = False
     return (f"--init-from {folder}: {len(extra)} tensor(s) left unread, the model has no place for them ({first})",)
 
 
-def _file_keys(names: list[str], saved: dict, prefix: str = "",
-               renames: Mapping[str, str] | None = None) -> dict[str, str]:
+def _file_keys(names: list[str], saved: dict, prefix: str = "", renames: Mapping[str, str] | None = None,
+               stacks: Stacks | None = None) -> dict[str, str]:
     """{canonical name: its key in the file} for the names the file has, a key read under the name `renames` gives
-    it. An HF folder saved from the base model (the hub's GPT-2: "h.0.attn.c_attn.weight" for GPT2LMHeadModel's
-    "transformer.h.0.attn.c_attn.weight") lacks the first component of every name: that key is taken when the file
-    has no key under that component at all."""
-    named = {(renames or {}).get(k, k): k for k in saved}
+    it, a stacked tensor under its own name (a key of `stacks`). An HF folder saved from the base model (the hub's
+    GPT-2: "h.0.attn.c_attn.weight" for GPT2LMHeadModel's "transformer.h.0.attn.c_attn.weight") lacks the first
+    component of every name: that key is taken when the file has no key under that component at all."""
+    named = {(renames or {}).get(k, k): k for k in saved} | {t: t for t in stacks or {}}
     heads = {k.split(".", 1)[0] for k in named}
     out = {}
     for name in names:

@@ -32,6 +32,19 @@ def _llama(seed: int) -> nn.Module:
         vocab_size=128, bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
+def _moe(family: str, seed: int, experts: int = 3) -> nn.Module:
+    """transformers' Mixtral or Qwen3-MoE, tiny: `experts` routed experts (3: FSDP2 splits them 2 + 1)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    sizes = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                 num_experts_per_tok=2)
+    if family == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **sizes, intermediate_size=96, num_local_experts=experts))
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **sizes, moe_intermediate_size=32, num_experts=experts, head_dim=16))
+
+
 MODELS = {"gpt2": _gpt2, "llama": _llama}
 
 
@@ -116,6 +129,38 @@ def test_keys_transformers_renames_on_load_are_read_under_the_model_s_names(tmp_
     config.save_pretrained(tmp_path / "pythia")
     reference = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "pythia")
     assert torch.equal(reference.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_experts_saved_one_tensor_per_expert_are_stacked_as_transformers_stacks_them(tmp_path, family):
+    """save_pretrained writes a mixture of experts' stacked experts back one tensor per expert (Mixtral's w1/w3/w2,
+    Qwen3-MoE's gate/up/down_proj): --init-from reads them into the stacked tensors, gate before up, as
+    from_pretrained does; an expert missing from the folder, or a model with more experts, is one line."""
+    saved = _moe(family, seed=0)
+    saved.save_pretrained(tmp_path / "hf")
+    assert not any("gate_up_proj" in k for k in _file_tensors(tmp_path / "hf"))
+    reference = type(saved).from_pretrained(tmp_path / "hf")
+    model = _moe(family, seed=1)
+    params = dict(model.named_parameters())
+    assert not torch.equal(params["model.layers.0.mlp.experts.gate_up_proj"],
+                           saved.model.layers[0].mlp.experts.gate_up_proj)
+    assert check_weights(model, tmp_path / "hf") == ()
+    loaded = load_weights(params, {}, tmp_path / "hf", model=model)
+    assert all(torch.equal(params[n], p) for n, p in reference.named_parameters())
+    stacked = [n for n in params if n.endswith(("gate_up_proj", "down_proj"))]
+    # each layer's two stacked tensors are read as 3 experts x (gate, up, down)
+    assert loaded.tensors == len(params) - len(stacked) + 9 * len(stacked) // 2
+    with pytest.raises(WeightsError, match=r"was it saved from another configuration of the model\?$"):
+        check_weights(_moe(family, seed=1, experts=4), tmp_path / "hf")
+    files = _file_tensors(tmp_path / "hf")
+    gone = next(k for k in files if ".experts.2." in k and "layers.1." in k)
+    del files[gone]
+    (tmp_path / "cut").mkdir()
+    pytest.importorskip("safetensors.torch").save_file(files, str(tmp_path / "cut" / "model.safetensors"))
+    with pytest.raises(WeightsError, match=r"gate_up_proj stacks 3 experts x 2 tensor\(s\); the folder has 5 "
+                                           r"matching tensors, not 6|down_proj stacks 3 experts x 1 tensor\(s\); the "
+                                           r"folder has 2 matching tensors, not 3"):
+        load_weights(params, {}, tmp_path / "cut", model=model)
 
 
 class _Net(nn.Module):
@@ -314,7 +359,10 @@ def _rank_loads_its_shard(rank: int, tmp: Path, meta_fields: dict) -> None:
         mesh = init_device_mesh("cpu", (2,))
         _CountingReads.patch(weights)
         for family in MODELS:
-            _check_hf_shard(rank, _sharded(MODELS[family](seed=1), mesh), tmp / family)
+            _check_hf_shard(rank, _sharded(MODELS[family](seed=1), mesh), tmp / family, _file_tensors(tmp / family))
+        moe = _moe("mixtral", seed=0)   # experts stacked from one tensor per expert, 2 + 1 over the ranks
+        whole = dict(type(moe).from_pretrained(tmp / "mixtral").named_parameters())
+        _check_hf_shard(rank, _sharded(_moe("mixtral", seed=1), mesh), tmp / "mixtral", whole)
         _CountingReads.unpatch(weights)
         model = _sharded(_gpt2(seed=1), mesh)
         params = dict(model.named_parameters())
@@ -331,27 +379,29 @@ def _rank_loads_its_shard(rank: int, tmp: Path, meta_fields: dict) -> None:
         dist.destroy_process_group()
 
 
-def _check_hf_shard(rank: int, model: nn.Module, folder: Path) -> None:
+def _check_hf_shard(rank: int, model: nn.Module, folder: Path, whole: dict[str, torch.Tensor]) -> None:
+    """Each parameter's local shard is its rows of `whole` (the model's tensors, loaded in one process), and the
+    rank reads those rows only."""
     params = dict(model.named_parameters())
     _CountingReads.read.clear()
-    loaded = load_weights(params, {}, folder)
-    files = _file_tensors(folder)
+    loaded = load_weights(params, {}, folder, model=model)
     for name, p in params.items():
-        assert torch.equal(p.to_local(), torch.chunk(files[name], 2, dim=0)[rank]), name   # FSDP2: Shard(0)
+        assert torch.equal(p.to_local(), torch.chunk(whole[name], 2, dim=0)[rank]), name   # FSDP2: Shard(0)
     mine = _nbytes(p.to_local() for p in params.values())
     assert loaded.bytes_read == sum(_CountingReads.read) == mine
-    assert mine < 0.55 * _nbytes(files[n] for n in params), (mine, folder.name)
-    print(f"rank {rank} {folder.name}: read {mine} of {_nbytes(files[n] for n in params)} bytes", flush=True)
+    assert mine < 0.7 * _nbytes(whole[n] for n in params), (mine, folder.name)   # 3 experts split 2 + 1
+    print(f"rank {rank} {folder.name}: read {mine} of {_nbytes(whole[n] for n in params)} bytes", flush=True)
 
 
 @pytest.mark.slow
 def test_each_fsdp2_rank_reads_only_its_shard(tmp_path, plan):
-    """2 ranks on gloo, FSDP2 per layer then root: from an HF folder (GPT-2 single file, Llama sharded) each rank's
-    local shard equals its rows of the file, and the bytes it reads are its shard's (counted at safetensors'
-    get_slice); a checkpoint those ranks save loads back into the same layout and, in one process, whole."""
+    """2 ranks on gloo, FSDP2 per layer then root: from an HF folder (GPT-2 single file, Llama sharded, Mixtral's
+    experts one tensor per expert) each rank's local shard equals its rows of the model, and the bytes it reads are
+    its shard's (counted at safetensors' get_slice); a checkpoint those ranks save loads back into the same layout and, in one process, whole."""
     import torch.multiprocessing as mp
     _save_hf(_gpt2(seed=0), tmp_path / "gpt2", sharded=False)
     _save_hf(_llama(seed=0), tmp_path / "llama", sharded=True)
+    _moe("mixtral", seed=0).save_pretrained(tmp_path / "mixtral")
     mp.spawn(_rank_loads_its_shard, args=(tmp_path, _meta_fields(plan, 2)), nprocs=2)
     model = _gpt2(seed=3)
     params = dict(model.named_parameters())

@@ -6,8 +6,9 @@ Where torch 2.13 has a public equivalent it is used instead (ProcessGroup.set_ti
 """
 from __future__ import annotations
 
+import re
 from datetime import timedelta
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -118,32 +119,79 @@ def _unsharded_class(model: Any) -> Any:
     return view
 
 
-def checkpoint_key_renames(model: nn.Module, keys: Iterable[str]) -> tuple[dict[str, str], list[str]]:
-    """({key in a file: the model's name for it}, the keys transformers would merge with others) for the keys that
-    transformers' loader renames for this model's class (GPT-NeoX files name the head `embed_out`, the module is
-    `lm_head`; legacy LayerNorm gamma/beta). The rules are its per-architecture conversion mapping
+class StackedPiece(NamedTuple):
+    """One tensor of a file that transformers stacks into a model tensor on load (MoE experts: one tensor per expert
+    in the file, one (experts, ...) tensor in the model)."""
+    target: str    # the model's name of the stacked tensor
+    index: int     # its position along the stacked tensor's dimension 0 (the expert)
+    part: int      # which of the tensors concatenated along dimension 1 (gate, up) it is
+    parts: int     # how many are concatenated there (1: stacked only)
+
+
+def checkpoint_key_renames(model: nn.Module, keys: Iterable[str]) \
+        -> tuple[dict[str, str], dict[str, StackedPiece], list[str]]:
+    """({key in a file: the model's name for it}, {key: the stacked tensor it is a piece of}, keys transformers
+    would convert some other way) for the keys that transformers' loader renames or converts for this model's class
+    (GPT-NeoX files name the head `embed_out`, the module is `lm_head`; legacy LayerNorm gamma/beta; Mixtral's and
+    Qwen-MoE's experts saved one tensor per expert). The rules are its per-architecture conversion mapping
     (transformers/conversion_mapping.py get_model_conversion_mapping, core_model_loading.rename_source_key,
-    transformers 5.x); a WeightConverter merges several tensors into one (MoE experts stacked), which a reader of
-    one tensor per key cannot do, so those keys are returned to be refused. ({}, []) for other models."""
+    transformers 5.x). Of its WeightConverters, those whose operations are MergeModulelist(dim=0) (stack the
+    pieces' "*" index along dimension 0), optionally then Concatenate(dim=1) of the converter's source patterns in
+    their order, are returned as pieces; others (quantised, interleaved, transposed weights) as keys to refuse.
+    ({}, {}, []) for other models."""
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     except ImportError:
-        return {}, []
+        return {}, {}, []
     if not isinstance(model, PreTrainedModel):
-        return {}, []
+        return {}, {}, []
     transforms = get_model_conversion_mapping(_unsharded_class(model))
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    renames, merged = {}, []
+    renames, stacked, refused = {}, {}, []
     for key in keys:
-        new, converter = rename_source_key(key, renamings, converters)
-        if converter is not None:
-            merged.append(key)
+        new, pattern = rename_source_key(key, renamings, converters)
+        if pattern is not None:
+            piece = _stacked_piece(key, new, pattern, converters)
+            if piece is None:
+                refused.append(key)
+            else:
+                stacked[key] = piece
         elif new != key:
             renames[key] = new
-    return renames, merged
+    return renames, stacked, refused
+
+
+def _stacked_piece(key: str, target: str, pattern: str, converters: list) -> StackedPiece | None:
+    """`key` as a piece of `target` where the converter that matched it only stacks (and concatenates) its
+    pieces; None otherwise."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+    converter = next(c for c in converters if pattern in c.source_patterns)
+    ops = [(type(op), op.dim) for op in converter.operations]
+    parts = len(converter.source_patterns)
+    if ops not in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]) or (len(ops) == 1 < parts):
+        return None
+    index = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+    if index is None:
+        return None
+    return StackedPiece(target=target, index=int(index.group(1)), part=converter.source_patterns.index(pattern),
+                        parts=parts)
+
+
+def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the tensor this rank holds of `t`, the index along dimension 0 of its first row): FSDP2's shard of a
+    DTensor, else `t` itself from row 0. A DTensor's offsets are what DCP reads them from (__create_chunk_list__,
+    torch/distributed/tensor/_api.py; no public accessor in torch 2.13). ValueError for a shard split along another
+    dimension (tensor parallelism): its rows are not whole."""
+    if not hasattr(t, "to_local"):
+        return t, 0
+    chunk = t.__create_chunk_list__()[0]
+    local = t.to_local()
+    if any(chunk.offsets[1:]) or tuple(local.shape[1:]) != tuple(t.shape[1:]):
+        raise ValueError("a tensor split along a dimension other than its first")
+    return local, int(chunk.offsets[0])
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
