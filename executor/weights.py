@@ -53,7 +53,8 @@ _WHAT_IT_NEEDS = (f"an HF folder (config.json with model.safetensors, or {HF_IND
 class WeightsLoaded(Record):
     format: str        # SAFETENSORS or DCP
     source: str        # the folder read (for a --checkpoint-dir folder: its latest step)
-    tensors: int       # parameters and buffers filled (buffers the file lacks keep their values)
+    tensors: int       # tensors read: parameters and buffers (those the file lacks keep their values), a stacked
+                       # tensor counted once per piece the file holds it in (MoE experts: one per expert and part)
     bytes_read: int    # bytes this rank read for them, in the file's dtype (see the module's note per format)
 
 
@@ -276,12 +277,12 @@ def _stack_views(name: str, t: torch.Tensor, pieces: list[tuple[str, StackedPiec
         raise WeightsError(f"--init-from {folder}: {name} is split along a dimension other than its experts here "
                            f"(tensor parallelism), which loading from one tensor per expert does not do; plan it "
                            f"without --tp") from None
-    sizes = {p.part: int(saved[k].size[0]) for k, p in pieces if p.index == 0}
+    sizes = {p.part: int(saved[k].size[0]) for k, p in pieces if p.row == 0}
     starts = {j: sum(sizes[i] for i in range(j)) for j in sizes}
     views = {}
     for key, p in pieces:
-        if 0 <= p.index - first < local.shape[0]:
-            row = local[p.index - first]
+        if 0 <= p.row - first < local.shape[0]:
+            row = local[p.row - first]
             views[key] = row if p.parts == 1 else row.narrow(0, starts[p.part], sizes[p.part])
     return views
 
@@ -324,7 +325,7 @@ def _check_stack(name: str, t: torch.Tensor, pieces: list[tuple[str, StackedPiec
     """Every piece of stacked tensor `name` is in the file, once, and they tile its shape: one per row (expert) and
     part, the parts' first dimensions summing to its second."""
     parts = pieces[0][1].parts
-    by = {(p.index, p.part): saved[k] for k, p in pieces}
+    by = {(p.row, p.part): saved[k] for k, p in pieces}
     want = {(e, j) for e in range(t.shape[0]) for j in range(parts)}
     if set(by) != want or len(by) != len(pieces):
         raise WeightsError(f"--init-from {folder}: {name} stacks {t.shape[0]} experts x {parts} tensor(s); the "

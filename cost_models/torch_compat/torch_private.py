@@ -123,7 +123,7 @@ class StackedPiece(NamedTuple):
     """One tensor of a file that transformers stacks into a model tensor on load (MoE experts: one tensor per expert
     in the file, one (experts, ...) tensor in the model)."""
     target: str    # the model's name of the stacked tensor
-    index: int     # its position along the stacked tensor's dimension 0 (the expert)
+    row: int       # its position along the stacked tensor's dimension 0 (the expert)
     part: int      # which of the tensors concatenated along dimension 1 (gate, up) it is
     parts: int     # how many are concatenated there (1: stacked only)
 
@@ -176,7 +176,7 @@ def _stacked_piece(key: str, target: str, pattern: str, converters: list) -> Sta
     index = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
     if index is None:
         return None
-    return StackedPiece(target=target, index=int(index.group(1)), part=converter.source_patterns.index(pattern),
+    return StackedPiece(target=target, row=int(index.group(1)), part=converter.source_patterns.index(pattern),
                         parts=parts)
 
 
@@ -187,7 +187,7 @@ def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     dimension (tensor parallelism): its rows are not whole."""
     if not hasattr(t, "to_local"):
         return t, 0
-    chunk = t.__create_chunk_list__()[0]
+    chunk = getattr(t, "__create_chunk_list__")()[0]
     local = t.to_local()
     if any(chunk.offsets[1:]) or tuple(local.shape[1:]) != tuple(t.shape[1:]):
         raise ValueError("a tensor split along a dimension other than its first")
