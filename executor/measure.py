@@ -1,6 +1,9 @@
 """What a rank measures: bytes moved by collectives and p2p, and process memory."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from cost_models.torch_compat.host import peak_rss_bytes
@@ -57,8 +60,25 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def add(self, kind: str, nbytes: int) -> None:
+        kind = f"{_LABEL}_{kind}" if _LABEL else kind
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+
+_LABEL = ""   # comm_label's: a prefix for the kinds counted while it is set
+
+
+@contextlib.contextmanager
+def comm_label(label: str) -> Iterator[None]:
+    """Count the collectives issued inside as "<label>_<kind>" (context parallelism's gathers of keys and values
+    are all-gathers like FSDP2's, and are predicted apart). Process-wide, as autograd may run a backward's
+    collectives on another thread."""
+    global _LABEL
+    before, _LABEL = _LABEL, label
+    try:
+        yield
+    finally:
+        _LABEL = before
 
 
 def peak_memory_bytes() -> tuple[int, str]:

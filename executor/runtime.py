@@ -23,7 +23,8 @@ from cost_models.records.strategy import Strategy
 from cost_models.torch_compat.devices import rank_device
 from cost_models.torch_compat.torch_private import (default_group_timeout, default_store, schedule_stages,
                                                     set_group_timeout)
-from executor import checkpoint, pipeline, tensor_parallel
+from executor import checkpoint, context_parallel, pipeline, tensor_parallel
+from executor.context_parallel import CPContext
 from executor.materialize import allocate, init_held, init_mode, parameters_on_meta, release_unheld
 from executor.stage_builders import build_stages
 from executor.stages import (UnitMap, canonical_names, check_covers_model, recompute_units, state_maps, tied_params,
@@ -57,6 +58,8 @@ class Runtime:
     tp_rank: int = 0                     # this rank's place in its tensor-parallel group (mesh (pp, dp, tp))
     sharded_logits: bool = False         # the logits stay split on the vocabulary: loss under loss_context
     own_loss: bool = False               # the model computes its loss from targets (losses.takes_targets)
+    cp: CPContext | None = None          # context parallelism: this rank's place in its CP group (its data rank
+                                         # dp_rank holds the tokens cp.split gives of replica dp_rank // cp.cp)
     # Seconds spent this step in stage forward/backward ("compute": it includes the communication FSDP and DDP
     # issue inside them), in the gradient syncs issued after them ("sync"), and in optimizer.step ("optimizer").
     timings: dict[str, float] = field(default_factory=lambda: {"compute": 0.0, "sync": 0.0, "optimizer": 0.0})
@@ -97,13 +100,14 @@ class Runtime:
         """Forward and backward over this data-parallel replica's batch (all its micro-batches), gradients synced
         over dp and across tied stages; returns the replica's mean loss on ranks holding the last stage."""
         s = self.strategy
-        if s.n_stages == 1:
-            loss: torch.Tensor | None = self._accumulate(inputs, targets)
-        else:
-            with tensor_parallel.loss_context(self.sharded_logits):
-                losses = pipeline.step(self.schedule, is_first=self.is_first, is_last=self.is_last, inputs=inputs,
-                                       targets=targets, own_loss=self.own_loss)
-            loss = torch.stack([tensor_parallel.local_value(l.detach()) for l in losses]).mean() if losses else None
+        with self.cp.steps() if self.cp else contextlib.nullcontext():
+            if s.n_stages == 1:
+                loss: torch.Tensor | None = self._accumulate(inputs, targets)
+            else:
+                with tensor_parallel.loss_context(self.sharded_logits):
+                    losses = pipeline.step(self.schedule, is_first=self.is_first, is_last=self.is_last,
+                                           inputs=inputs, targets=targets, own_loss=self.own_loss)
+                loss = torch.stack([tensor_parallel.local_value(l.detach()) for l in losses]).mean() if losses else None
         t0 = time.perf_counter()
         if self.wrapped.manual_grad_sync:
             all_reduce_grads(self.wrapped.dense_params, self.dp_group, self.wrapped.reduce_dtype)
@@ -218,8 +222,9 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     rank's share. `loading`: pretrained weights will be loaded into it (executor.weights), so nothing is drawn and,
     under FSDP2, no rank ever holds more than its shards. `compute`: mixed precision's compute dtype
     (executor.zero.mixed_precision; pp = 1 only). `preload(params, buffers, model)`: with expert parallelism,
-    pretrained weights loaded into the whole model before this rank keeps its experts."""
-    s = strategy
+    pretrained weights loaded into the whole model before this rank keeps its experts. With context parallelism
+    (strategy.cp > 1) the runtime runs its data_view, `example` being one micro-batch of this rank's tokens."""
+    s = strategy.data_view()
     _check_world(s)
     device = device or rank_device()
     with torch.device("meta"):
@@ -249,6 +254,9 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     sharded_logits = s.tp > 1 and tensor_parallel.parallelize(
         model, held, mesh["tp"], sp=s.sp, rules=spec.tp_rules, loss_parallel=builtin_cross_entropy and not own,
         save_shard=s.sp_save_shard)
+    cp = _context_parallel(strategy, dp_rank, device, seq_len) if strategy.cp > 1 else None
+    if cp is not None:   # before selective recompute wraps the same modules (context_parallel.apply)
+        context_parallel.apply(model, held, cp)
     _prepare_units(s, model, held, stage_ids, spec.units, tp_mesh=mesh["tp"] if s.async_tp else None)
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,
@@ -266,7 +274,18 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     return Runtime(strategy=s, pp_rank=pp_rank, dp_rank=dp_rank, stage_ids=stage_ids, wrapped=wrapped,
                    loss_fn=loss_fn, schedule=schedule, dp_group=mesh["dp"].get_group() if s.dp > 1 else None,
                    tie_groups=_tie_groups(s, ties, dist.get_rank()), params_by_name=params, buffers_by_name=buffers,
-                   model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits, own_loss=own)
+                   model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits, own_loss=own, cp=cp)
+
+
+def _context_parallel(s: Strategy, dp_rank: int, device: torch.device, local_seq: int) -> CPContext:
+    """This rank's CP group on the (pp, dp, cp, tp) mesh: the cp consecutive data ranks of data_view's dp x cp
+    that hold the same sequences (torchtitan's order: cp inside the data-parallel ranks, tp innermost)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = _cached_group(("cp-mesh", device.type, s.pp, s.dp, s.cp, s.tp), lambda: init_device_mesh(
+        device.type, (s.pp, s.dp, s.cp, s.tp), mesh_dim_names=("pp", "cdp", "cp", "tp")))
+    group = mesh["cp"].get_group()
+    set_group_timeout(group, default_group_timeout(device))
+    return CPContext(group=group, cp=s.cp, index=dp_rank % s.cp, seq_len=local_seq * s.cp)
 
 
 def _expert_parallel(s: Strategy, model: nn.Module, held: list[nn.Module], mode: str, dp_rank: int,

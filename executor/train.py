@@ -146,8 +146,9 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
     loading = bool(cfg.init_from and not cfg.resume_from)
     # expert parallelism loads the whole model's weights before it keeps this rank's experts (build_runtime)
     load = functools.partial(_load_init, cfg) if loading else None
-    rt = build_runtime(strategy, spec, loss_fn=_loss_fn(cfg, loss),
-                       optimizer_fn=optimizer_for(strategy, cfg.lr), example=example, seed=cfg.seed, device=device,
+    rt = build_runtime(strategy, spec, loss_fn=_loss_fn(cfg, loss), optimizer_fn=optimizer_for(strategy, cfg.lr),
+                       example=example.narrow(1, 0, cfg.seq_len // strategy.cp) if strategy.cp > 1 else example,
+                       seed=cfg.seed, device=device,
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                        loading=loading and strategy.ep == 1, preload=load if strategy.ep > 1 else None,
                        builtin_cross_entropy=loss == "cross_entropy" and not cfg.loss_fn,
@@ -162,8 +163,8 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
     for step in range(cfg.start_step, cfg.steps + (1 if cfg.count_comm else 0)):
         counting = cfg.count_comm and step == cfg.steps
         inputs, targets = batches(step)
-        sl = slice(rt.dp_rank * per_replica, (rt.dp_rank + 1) * per_replica)
-        x, y = inputs[sl].to(device), targets[sl].to(device)
+        x, y = _rank_batch(rt, inputs, targets, per_replica)
+        x, y = x.to(device), y.to(device)
         injected = step == fail_step and dist.get_rank() == fail_rank
         if injected and how != "nan":
             _fail_now(step, how)
@@ -186,6 +187,17 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
                       sync_s=tuple(progress.parts["sync"]), optimizer_s=tuple(progress.parts["optimizer"]),
                       restore_s=restore_s, checkpoint_steps=tuple(progress.saved), checkpoint_s=tuple(progress.save_s),
                       activation_bytes=meter.peak if meter else -1)
+
+
+def _rank_batch(rt, inputs: torch.Tensor, targets: torch.Tensor,
+                per_replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a global batch: its replica's sequences, and under context parallelism (the runtime's
+    data ranks are dp x cp, a CP group cp consecutive ones) its chunks of their tokens."""
+    cp = rt.cp
+    replica = rt.dp_rank // cp.cp if cp else rt.dp_rank
+    sl = slice(replica * per_replica, (replica + 1) * per_replica)
+    x, y = inputs[sl], targets[sl]
+    return (cp.split(x), cp.split(y)) if cp else (x, y)
 
 
 def fail_at_start_up() -> None:

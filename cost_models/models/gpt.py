@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cost_models.models.chain import UnitChain
+from cost_models.models.positions import token_positions
 from cost_models.records.base import Record, record
 
 
@@ -34,7 +35,7 @@ class GPTEmbedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        pos = token_positions(idx.shape[1], idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
 

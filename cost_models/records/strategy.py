@@ -41,6 +41,7 @@ class Strategy(Record):
     sp_save_shard: bool = False          # SP's gathered inputs saved as their shard, gathered again (tp_label)
     ep: int = 1                          # expert parallelism: routed experts split over groups of ep dp ranks
                                          # (cost_models.cost.moe); the world size is unchanged
+    cp: int = 1                          # context parallelism: each sequence split over cp ranks (data_view)
 
     @property
     def zero_label(self) -> str:
@@ -85,6 +86,7 @@ class Strategy(Record):
                      + (f" x {self.tp_label}" if self.tp > 1 else "")
                      + (f" x DP{self.dp} {self.zero_label}" if self.dp > 1 else ""))
         shape += f" EP{self.ep}" if self.ep > 1 else ""
+        shape += f" CP{self.cp}" if self.cp > 1 else ""
         rec = sum(self.recompute) if self.recompute else 0
         return (f"{shape}, {self.microbatches}x{self.micro_batch_size}" + (f" +recompute {rec}/{self.n_stages}" if rec else "")
                 + (" +selective" if self.selective and rec < self.n_stages else ""))
@@ -102,6 +104,7 @@ class Strategy(Record):
             shape += f" x {tensor}" if tensor else ""
             shape += f" x {self.dp}-way ZeRO-{self.zero}" if self.dp > 1 else ""
         shape += f", experts split {self.ep} ways" if self.ep > 1 else ""
+        shape += f", each sequence split {self.cp} ways (context parallel)" if self.cp > 1 else ""
         rec = sum(self.recompute) if self.recompute else 0
         recompute = "" if not rec else (", full recompute" if rec == self.n_stages
                                         else f", recompute on {rec} of {self.n_stages} stages")
@@ -111,9 +114,19 @@ class Strategy(Record):
 
     @property
     def ranks_per_stage(self) -> int:
-        """dp x tp: the ranks holding each stage, hence the pipelines running at once and the stride between
-        pipeline ranks' first global ranks on the (pp, dp, tp) mesh."""
-        return self.dp * self.tp
+        """dp x cp x tp: the ranks holding each stage, hence the pipelines running at once and the stride between
+        pipeline ranks' first global ranks on the (pp, dp, tp) mesh (cp inside dp: data_view)."""
+        return self.dp * self.cp * self.tp
+
+    def data_view(self) -> "Strategy":
+        """Context parallelism as the rest of the product sees it: dp x cp data-parallel ranks, each running a
+        micro-batch of micro_batch_size sequences of seq_len / cp tokens (torchtitan's layout: parameters sharded
+        and gradients averaged over dp x cp; a CP group is cp consecutive of those ranks, holding the same
+        sequences). Only attention differs, where the CP group's keys and values meet (executor.context_parallel,
+        cost.context_parallel). The strategy itself without context parallelism."""
+        if self.cp == 1:
+            return self
+        return dataclasses.replace(self, dp=self.dp * self.cp, cp=1)
 
     @property
     def world_size(self) -> int:
@@ -164,12 +177,13 @@ class Strategy(Record):
         return tuple(pp_rank * per_stage + i for i in range(per_stage))
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a global rank on the (pp, dp, tp) mesh."""
-        return rank // self.ranks_per_stage, rank // self.tp % self.dp, rank % self.tp
+        """(pp_rank, dp_rank, tp_rank) of a global rank on the (pp, dp, tp) mesh (dp: data_view's dp x cp)."""
+        dp = self.dp * self.cp
+        return rank // self.ranks_per_stage, rank // self.tp % dp, rank % self.tp
 
     def rank_at(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
         """The global rank at these mesh coordinates (coords' inverse)."""
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+        return (pp_rank * self.dp * self.cp + dp_rank) * self.tp + tp_rank
 
     def split_tie(self, tied_units: Iterable[Sequence[str]]) -> str | None:
         """Why this schedule cannot run a parameter shared by units in two stages on one pipeline rank, or None.
@@ -198,19 +212,26 @@ class Strategy(Record):
         """A strategy checks its own shape when it is made (from flags, a plan file or the search): one-line
         ConfigErrors that say what to change. Whether it covers a model's units is `validate`."""
         for name, value in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp), ("microbatches", self.microbatches),
-                            ("micro_batch_size", self.micro_batch_size), ("v", self.v), ("ep", self.ep)):
+                            ("micro_batch_size", self.micro_batch_size), ("v", self.v), ("ep", self.ep),
+                            ("cp", self.cp)):
             if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         # caps that keep the estimate's work bounded (cost_models/records/limits.py); a plan file can hold any number
-        check_gpus(self.world_size, "dp x tp x pp =")
+        check_gpus(self.world_size, "dp x cp x tp x pp =" if self.cp > 1 else "dp x tp x pp =")
         check_microbatches(self.microbatches, "microbatches")
         check_global_batch(self.global_batch_size, "dp x microbatches x micro_batch_size =")
         check_training(self.precision, self.optimizer)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         spec = get_spec(self.schedule)   # an unknown name is a one-line ConfigError
-        if self.zero > 0 and self.dp == 1:
+        if self.zero > 0 and self.dp * self.cp == 1:
             raise ConfigError(f"ZeRO-{self.zero} shards over data parallel ranks; with --dp 1 use --zero 0")
+        if self.cp & (self.cp - 1):
+            raise ConfigError(f"--cp must be a power of two (it splits each sequence into 2 x cp chunks), got "
+                              f"{self.cp}")
+        if self.cp > 1 and self.ep > 1:
+            raise ConfigError("context parallelism with expert parallelism is not built yet; plan one of --cp and "
+                              "--ep")
         if self.pp > 1 or self.v > 1:
             spec.check(self.pp, self.microbatches, self.v)
         if len(self.stages) != self.n_stages:

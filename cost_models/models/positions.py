@@ -1,0 +1,37 @@
+"""The global positions of the tokens a forward sees.
+
+A model sees its whole sequence, positions 0 .. s-1, except under context parallelism, where each rank holds two
+chunks of every sequence (Llama 3's load-balanced split: Grattafiori et al. 2024, "The Llama 3 Herd of Models",
+section 3.3.2) and its position-dependent parts (rotary tables, learned position embeddings) must use the tokens'
+places in the whole sequence. The executor sets them for the span of a step (executor.context_parallel); the zoo's
+models read them here. A process-wide value, not a thread-local one: autograd may recompute a checkpointed
+forward on another thread (its device threads on GPUs), which must see the same positions.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_POSITIONS: torch.Tensor | None = None
+
+
+def token_positions(seq_len: int, device: torch.device) -> torch.Tensor:
+    """The positions (int64, shape (seq_len,)) of a forward's `seq_len` tokens: 0 .. seq_len - 1 unless a step
+    set others (sequence_positions) for exactly that many tokens."""
+    pos = _POSITIONS
+    if pos is None or pos.numel() != seq_len:
+        return torch.arange(seq_len, device=device)
+    return pos.to(device)
+
+
+@contextlib.contextmanager
+def sequence_positions(positions: torch.Tensor | None) -> Iterator[None]:
+    """Forwards (and recomputed forwards) inside see `positions` as their tokens' places (None: their own)."""
+    global _POSITIONS
+    before, _POSITIONS = _POSITIONS, positions
+    try:
+        yield
+    finally:
+        _POSITIONS = before
