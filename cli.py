@@ -78,6 +78,8 @@ OptimizerOpt = Annotated[str, typer.Option("--optimizer", help="adamw | adam | s
 TopK = Annotated[int, typer.Option("--top-k", help="alternatives to keep, with why each lost")]
 EPDegree = typer.Option(1, "--ep", help="expert-parallel degree: routed experts split over groups of ep data-parallel "
                         "ranks (divides --dp and the experts; MoE models)")
+CPDegree = typer.Option(1, "--cp", help="context-parallel degree: each sequence split over cp ranks (a power of two; "
+                        "2 x cp divides the sequence length; dp x cp ranks shard the parameters)")
 MoEImbalance = typer.Option(None, "--moe-imbalance", help="MoE models: the busiest expert-parallel rank's routed "
                             "tokens over the mean that expert parallelism is priced at (default: the profile's "
                             "measured routing, else 1.25)")
@@ -348,6 +350,7 @@ def estimate(
     sp_save_shard: bool = typer.Option(False, "--sp-save-shard", help="save SP's gathered inputs as their sequence "
                                        "shard and gather them again in backward, as Megatron-LM (needs --sp)"),
     ep: int = EPDegree,
+    cp: int = CPDegree,
     moe_imbalance: Optional[float] = MoEImbalance,
     recompute: str = typer.Option("none", "--recompute", help="none | selective (the attention core) | full (or all) | stage indices, e.g. 0,1"),
     precision: PrecisionOpt = "bf16-mixed",
@@ -374,7 +377,7 @@ def estimate(
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
         tp=tp, sp=sp, recompute=recompute, distributed_optimizer=distributed_optimizer, async_tp=async_tp,
-        sp_save_shard=sp_save_shard, ep=ep,
+        sp_save_shard=sp_save_shard, ep=ep, cp=cp,
         precision=cast(Precision, precision), optimizer=cast(Optimizer, optimizer)))   # check_training: no other
     est = run_estimate(strategy, pf.model, target)
     if as_json:

@@ -458,7 +458,8 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
                 continue
             rows.append(Measure(quantity=f"rank {r.rank} {label}", unit="B", predicted=float(pred),
                                 measured=float(meas)))
-    dp_measured = sum(v for k, v in ranks[0].comm_bytes.items() if not k.startswith(("p2p", "tp_", "all_to_all")))
+    dp_measured = sum(v for k, v in ranks[0].comm_bytes.items()
+                      if not k.startswith(("p2p", "tp_", "all_to_all", "cp_")))
     # the tied gradients' all-reduce across pipeline ranks is counted among them (estimate._tied_sync)
     rows.append(Measure(quantity="rank 0 data-parallel and tied-gradient bytes per step (full buffers)", unit="B",
                         predicted=est.comm.dp_bytes_per_rank + est.comm.tied_bytes_per_rank,
@@ -471,7 +472,13 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
         rows.append(Measure(quantity="expert-parallel all-to-all bytes per step (mean over ranks)", unit="B",
                             predicted=est.comm.ep_bytes_per_rank,
                             measured=sum(r.comm_bytes.get("all_to_all", 0) for r in ranks) / len(ranks)))
-    p2p_measured = sum(r.comm_bytes.get("p2p_send", 0) for r in ranks) / max(1, plan.strategy.dp)
+    if plan.strategy.cp > 1:   # the gathers of keys and values and their gradients' reduce-scatters
+        rows.append(Measure(quantity="context-parallel bytes per step (mean over ranks)", unit="B",
+                            predicted=est.comm.cp_bytes_per_rank,
+                            measured=sum(v for r in ranks for k, v in r.comm_bytes.items() if k.startswith("cp_"))
+                            / len(ranks)))
+    # one pipeline's: there are dp x cp of them (Strategy.data_view)
+    p2p_measured = sum(r.comm_bytes.get("p2p_send", 0) for r in ranks) / (plan.strategy.dp * plan.strategy.cp)
     rows.append(Measure(quantity="p2p bytes per step (one pipeline)", unit="B",
                         predicted=est.comm.p2p_bytes_per_step, measured=float(p2p_measured)))
     return RunFile(model=plan.model.name, strategy_summary=plan.strategy.summary, world_size=len(ranks), steps=steps,

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 from cost_models.cost.compute import unit_times
+from cost_models.cost.context_parallel import cp_refusal
 from cost_models.cost.estimate import estimate
 from cost_models.cost.moe import check_ep
 from cost_models.records.base import Record, record
@@ -80,6 +81,7 @@ class StrategyRequest(Record):
     async_tp: bool = False                # SP's collectives behind their matmuls (Strategy.tp_label)
     sp_save_shard: bool = False           # SP's gathered inputs saved as their shard (Strategy.tp_label)
     ep: int = 1                           # expert-parallel degree (Strategy.ep)
+    cp: int = 1                           # context-parallel degree (Strategy.cp)
 
 
 def check_tp(profile: ModelProfile, cluster: ClusterProfile, *, tp: int, sp: bool, pp: int = 1) -> None:
@@ -107,31 +109,34 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
         raise ConfigError("--dp, --pp, --tp, --v, --microbatches and --micro-batch-size must be >= 1")
     # the caps of cost_models/records/limits.py, checked on the flags before any work sized by them
     check_gpus(dp, "--dp")
-    check_gpus(dp * pp * tp, "--dp x --tp x --pp =")
+    cp = r.cp
+    if cp < 1:
+        raise ConfigError(f"--cp must be >= 1, got {cp}")
+    check_gpus(dp * cp * pp * tp, "--dp x --cp x --tp x --pp =")
     check_microbatches(microbatches)
     check_global_batch(dp * microbatches * mbs, "--dp x --microbatches x --micro-batch-size =")
-    if dp * pp * tp > cluster.world_size:
-        raise ConfigError(f"dp x tp x pp = {dp * pp * tp} ranks, but the cluster has {cluster.world_size}; "
-                          f"lower --dp/--tp/--pp or add --nodes")
+    if dp * cp * pp * tp > cluster.world_size:
+        raise ConfigError(f"dp x cp x tp x pp = {dp * cp * pp * tp} ranks, but the cluster has "
+                          f"{cluster.world_size}; lower --dp/--cp/--tp/--pp or add --nodes")
     refusal = profile.pipeline_refusal
     if pp > 1 and refusal:
         raise ConfigError(f"--pp {pp}: {profile.name} cannot be pipelined: {refusal}; use --pp 1")
     check_tp(profile, cluster, tp=tp, sp=r.sp, pp=pp)
-    why = check_ep(profile, r.ep)
+    why = check_ep(profile, r.ep) or cp_refusal(profile, cp)
     if why:
         raise ConfigError(why)
     n_stages = pp * v
     if n_stages > len(profile.units):
         raise ConfigError(f"pp x v = {n_stages} stages, but the model has only {len(profile.units)} units")
     costs = [sum(unit_times(u, profile, cluster, micro_batch_size=mbs, precision=precision,
-                            ranks_running=dp * pp * tp)) for u in profile.units]
+                            ranks_running=dp * cp * pp * tp)) for u in profile.units]
     ranges = balanced_partition(costs, n_stages)
     recompute, selective = parse_recompute(r.recompute, n_stages)
     return Strategy(dp=dp, pp=pp, zero=r.zero, schedule=r.schedule, microbatches=microbatches, micro_batch_size=mbs,
                     v=v, stages=stages_from_ranges([u.name for u in profile.units], ranges), recompute=recompute,
                     tp=tp, sp=r.sp, selective=selective, precision=precision, optimizer=r.optimizer,
                     distributed_optimizer=r.distributed_optimizer, async_tp=r.async_tp,
-                    sp_save_shard=r.sp_save_shard, ep=r.ep)
+                    sp_save_shard=r.sp_save_shard, ep=r.ep, cp=cp)
 
 
 def expert_parallel_refusal(s: Strategy) -> str | None:

@@ -129,11 +129,13 @@ def estimate_lines(strategy, est) -> list[str]:
     switches = s.tp_label[len(f"TP{s.tp}"):]   # '+SP', '+SP+shard', '+SP+async' ...
     shape = (f"dp={s.dp} x tp={s.tp}" + (f" ({switches})" if switches else "") + f" x pp={s.pp}"
              + (f" (v={s.v})" if s.v > 1 else "") + (f" x ep={s.ep}" if s.ep > 1 else "")
+             + (f" x cp={s.cp}" if s.cp > 1 else "")
              + (", selective recompute" if s.selective else ""))
     # compute_s includes the exposed TP collectives and EP all-to-alls (the estimate adds them to each unit's
     # pass): shown apart
     tp_part = ", ".join(([f"tensor-parallel comm {duration(b.tp_comm_s)}"] if s.tp > 1 else [])
-                        + ([f"expert-parallel all-to-alls {duration(b.ep_comm_s)}"] if s.ep > 1 else []))
+                        + ([f"expert-parallel all-to-alls {duration(b.ep_comm_s)}"] if s.ep > 1 else [])
+                        + ([f"context-parallel key/value gathers {duration(b.cp_comm_s)}"] if s.cp > 1 else []))
     tp_part = f" (of which {tp_part})" if tp_part else ""
     lines = [f"strategy: {shape}, {s.zero_label}, {s.schedule}, {s.microbatches} micro-batches of {s.micro_batch_size}, "
              f"{s.precision}, {s.optimizer}",
@@ -147,7 +149,7 @@ def estimate_lines(strategy, est) -> list[str]:
              + (f", HFU {est.hfu:.1%} (hardware FLOPs, with recompute)" if est.hfu is not None else ""),
              f"communication per step: p2p {size(est.comm.p2p_bytes_per_step)} ({est.comm.p2p_link}), "
              f"data-parallel {size(est.comm.dp_bytes_per_rank)} full-buffer per rank "
-             f"({size(dp_wire_bytes(est.comm.dp_collectives, s.dp))} on the wire; {est.comm.dp_link}: "
+             f"({size(dp_wire_bytes(est.comm.dp_collectives, s.dp * s.cp))} on the wire; {est.comm.dp_link}: "
              + (", ".join(f"{k} {size(v)}" for k, v in est.comm.dp_collectives.items()) or "none") + ")"
              + (f", tied gradients {size(est.comm.tied_bytes_per_rank)} all-reduced across pipeline ranks"
                 if est.comm.tied_bytes_per_rank else "")
@@ -155,7 +157,9 @@ def estimate_lines(strategy, est) -> list[str]:
                 + (", ".join(f"{k} {size(v)}" for k, v in est.comm.tp_collectives.items() if v) or "none") + ")"
                 if s.tp > 1 else "")
              + (f", expert-parallel all-to-alls {size(est.comm.ep_bytes_per_rank)} per rank ({est.comm.ep_link})"
-                if s.ep > 1 else "")]
+                if s.ep > 1 else "")
+             + (f", context-parallel key/value all-gathers and reduce-scatters {size(est.comm.cp_bytes_per_rank)} "
+                f"per rank ({est.comm.cp_link})" if s.cp > 1 else "")]
     for st in est.stages:
         lines.append(f"stage {st.stage}: {st.units[0]}..{st.units[-1]} ({len(st.units)} units, {st.params:,} params), "
                      f"F {duration(st.fwd_s)}, B {duration(st.bwd_s)} per micro-batch, "

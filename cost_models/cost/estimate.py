@@ -44,6 +44,7 @@ from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized,
                                    sp_norm_grad_traffic, tp_unit_traffic)
 from cost_models.cost.compute import (compute_dtype, compute_source, executed_dtype, executed_precision,
                                       optimizer_step_time, priced_by_kind, tp_unit_times, unit_times)
+from cost_models.cost.context_parallel import cp_link, cp_refusal, cp_unit, cp_view
 from cost_models.cost.kernels import work_seconds
 from cost_models.cost.moe import all_to_all_time, check_ep, dispatch_bytes, ep_ranks_per_node, ep_work, imbalance
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
@@ -82,6 +83,7 @@ class StepBreakdown(Record):
     total_s: float
     tp_comm_s: float = 0.0  # tensor-parallel collectives on that rank (exposed; inside compute_s)
     ep_comm_s: float = 0.0  # expert-parallel all-to-alls on that rank (exposed; inside compute_s)
+    cp_comm_s: float = 0.0  # context-parallel gathers of keys and values on that rank (exposed; inside compute_s)
 
 
 @record
@@ -113,6 +115,8 @@ class StageEstimate(Record):
                                    # their ZeRO group is dp / ep: cost.moe); 0 without
     ep_comm_s: float = 0.0         # per micro-batch: its expert-parallel all-to-alls (in fwd_s / bwd_s)
     ep_bytes: float = 0.0          # per micro-batch: their full-buffer bytes (forward, recomputed forward, backward)
+    cp_comm_s: float = 0.0         # per micro-batch: its context-parallel collectives (in fwd_s / bwd_s)
+    cp_bytes: float = 0.0          # per micro-batch: their full-buffer bytes (cost.context_parallel.cp_unit)
 
     def cost(self) -> StageCost:
         """The simulator's view of this stage (reports re-simulate the plan's timeline from it): its gathers delay
@@ -142,6 +146,9 @@ class CommVolume(Record):
     ep_bytes_per_rank: float = 0.0   # expert-parallel all-to-alls per rank per step, the mean over pipeline ranks
                                      # (full buffers: what a rank hands all_to_all_single; cost.moe)
     ep_link: str = "none"            # the EP group's link: "intra-node" | "inter-node"
+    cp_bytes_per_rank: float = 0.0   # context-parallel gathers and reduce-scatters per rank per step, the mean over
+                                     # pipeline ranks (full buffers)
+    cp_link: str = "none"            # the CP group's link: "intra-node" | "inter-node"
 
 
 @record
@@ -244,9 +251,10 @@ class _Context:
     calibration: Calibration = Calibration()       # the cluster's, or the neutral one
     mixed: bool = False         # torch's mixed precision (memory.torch_mixed): fp32 masters, bf16 compute
     autocast: bool = False      # ... through torch.autocast (no FSDP2 casting for it): unit times pay mixed_factor
+    cp: int = 1                 # context parallelism: `s` and `profile` are its data view (cost.context_parallel)
 
     @staticmethod
-    def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> "_Context":
+    def of(s: Strategy, profile: ModelProfile, cluster: ClusterProfile, cp: int = 1) -> "_Context":
         p_b, g_b, _ = BYTES_PER_PARAM[(s.precision, s.optimizer)]
         mixed = torch_mixed(s.precision, cluster.device.kind, s.pp)
         scale = activation_scale(profile, micro_batch_size=s.micro_batch_size, precision=s.precision)
@@ -264,7 +272,7 @@ class _Context:
                         unit_index={u.name: i for i, u in enumerate(profile.units)},
                         tp_on=s.tp > 1 or s.selective, tp_vocab=shape is not None and vocab_divides(shape, s.tp),
                         tp_cost=tp_cost, mixed=mixed,
-                        autocast=mixed and not s.gathers_per_unit, sharing=core_sharing(s, cluster))
+                        autocast=mixed and not s.gathers_per_unit, sharing=core_sharing(s, cluster), cp=cp)
 
 
 def dtype_ratio(profile: ModelProfile, precision: str) -> float:
@@ -536,10 +544,13 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     fwd = bwd = 0.0
     saved: list[float] = []
     acc = [0.0] * (len(TP_OPS) + 1)   # TP bytes per op, TP seconds
-    ep_s = ep_bytes = 0.0
+    ep_s = ep_bytes = cp_s = cp_bytes = 0.0
     for name in units:
         f, b, kept, a2a_s, a2a_bytes, tp_acc = _unit_cost(c, name, recompute)
         ep_s, ep_bytes = ep_s + a2a_s, ep_bytes + a2a_bytes
+        ctx = cp_unit(profile.unit(name), c.cluster, cp=c.cp, tp=s.tp, act_scale=c.act_scale, recompute=recompute)
+        f, b, kept = f + ctx.fwd_s, b + ctx.bwd_s, kept + ctx.kept
+        cp_s, cp_bytes = cp_s + ctx.fwd_s * (2 if recompute else 1) + ctx.bwd_s, cp_bytes + ctx.bytes
         if tp_acc:
             acc = [x + y for x, y in zip(acc, tp_acc)]
         fwd, bwd = fwd + f, bwd + b
@@ -581,7 +592,7 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
                          else 0.0, tp_comm_s=acc[-1], kept_bytes=_kept(c, sid, units, recompute and not bounded),
                          tp_bytes=dict(zip(TP_OPS, acc)) if s.tp > 1 else {}, gather_s=gather,
                          gather_every_forward=gather > 0 and s.zero == 3, expert_params=expert, ep_comm_s=ep_s,
-                         ep_bytes=ep_bytes)
+                         ep_bytes=ep_bytes, cp_comm_s=cp_s, cp_bytes=cp_bytes)
 
 
 def _stage_gather(c: _Context, params: int, experts: int = 0) -> float:
@@ -858,7 +869,9 @@ def _comm_volume(c: _Context, stages: tuple[StageEstimate, ...], dp_bytes: dict[
     return CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()), dp_collectives=dp_bytes,
                       p2p_link=p2p_link, dp_link=dp_link, tp_bytes_per_rank=sum(tp_bytes.values()),
                       tp_collectives=tp_bytes, tp_link=tp_link, ep_link=ep_link,
-                      ep_bytes_per_rank=s.microbatches * sum(st.ep_bytes for st in stages) / s.pp)
+                      ep_bytes_per_rank=s.microbatches * sum(st.ep_bytes for st in stages) / s.pp,
+                      cp_bytes_per_rank=s.microbatches * sum(st.cp_bytes for st in stages) / s.pp,
+                      cp_link=cp_link(cluster, cp=c.cp, tp=s.tp))
 
 
 def _tp_step_bytes(s: Strategy, stages: tuple[StageEstimate, ...], pp_rank: int) -> dict[str, float]:
@@ -890,10 +903,14 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     per_rank = not compact if per_rank is None else per_rank
     s = executed(strategy, cluster)
     s.validate(tuple(u.name for u in profile.units))
-    why = check_ep(profile, s.ep)
+    why = check_ep(profile, s.ep) or cp_refusal(profile, s.cp)
     if why:
         raise ConfigError(why)
-    c = _Context.of(s, profile, cluster)
+    priced = priced_digest(s, model=profile.name, source=profile.source, seq_len=profile.seq_len,
+                           units=[u.name for u in profile.units])
+    cp = s.cp
+    s, profile = s.data_view(), cp_view(profile, cp) if cp > 1 else profile
+    c = _Context.of(s, profile, cluster, cp)
     stages, unit_fb = _stage_pass(c)
     stages = _shared(c, stages)
     sim, free = _pipeline_pass(s, stages, compact=compact, send_delay_s=c.sharing.send_delay_s)
@@ -907,7 +924,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         p2p_s=max(0.0, sim.makespan_s - free.makespan_s),
         dp_comm_s=rank_end[critical] - sim.finish_s.get(critical, 0.0), optimizer_s=optimizer_s,
         total_s=total, tp_comm_s=s.microbatches * sum(st.tp_comm_s for st in _rank_stages(s, stages, critical)),
-        ep_comm_s=s.microbatches * sum(st.ep_comm_s for st in _rank_stages(s, stages, critical)))
+        ep_comm_s=s.microbatches * sum(st.ep_comm_s for st in _rank_stages(s, stages, critical)),
+        cp_comm_s=s.microbatches * sum(st.cp_comm_s for st in _rank_stages(s, stages, critical)))
     stages = tuple(dataclasses.replace(st, peak_in_flight=sim.peak_in_flight.get(st.stage, 0)) for st in stages)
     memory = _memory(c, stages, sim, per_rank=per_rank)
     tokens, unit, mfu, hfu = _throughput(c, total)
@@ -919,9 +937,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         comm=dataclasses.replace(_comm_volume(c, stages, dp_bytes), tied_bytes_per_rank=tied_bytes),
         compute_source=compute_source(profile, cluster, s.precision),
         pipeline_order=format_order(s.action_order()) if per_rank else {},
-        calibrated_by=cluster.calibration.describe() if cluster.calibration else "",
-        priced=priced_digest(s, model=profile.name, source=profile.source, seq_len=profile.seq_len,
-                             units=[u.name for u in profile.units]))
+        calibrated_by=cluster.calibration.describe() if cluster.calibration else "", priced=priced)
 
 
 def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int = 0) -> dict[str, float]:

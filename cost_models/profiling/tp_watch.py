@@ -17,7 +17,7 @@ from cost_models.torch_compat.torch_private import storage_id, tree_leaves
 _SPLIT_LINEAR = ("colwise", "rowwise")
 # role of a tensor saved inside a module of each style (TPUnit's doc); region: see TPWatch.role
 _ROLE_OF_STYLE = {"colwise": "col_input", "head": "col_input", "rowwise": "split", "norm": "seq"}
-_TP_COUNTS = ("split_flops", "vocab_flops", "core_flops", "row_bytes", "row_calls",
+_TP_COUNTS = ("split_flops", "vocab_flops", "core_flops", "core_kv_bytes", "row_bytes", "row_calls",
               "region_bytes", "region_calls", "repl_region_bytes", "repl_region_calls", "entry_bytes", "entry_calls",
               "embed_bytes", "embed_calls", "whole_embed_bytes", "whole_embed_calls", "input_bytes", "input_calls",
               "head_in_bytes", "logit_bytes", "head_calls")
@@ -158,6 +158,7 @@ class TPWatch(TorchFunctionMode):
             return func(*args, **kwargs)
         qkv = list(args[:3]) + [kwargs[k] for k in ("query", "key", "value") if k in kwargs]
         self.core_inputs = {storage_id(t) for t in qkv if isinstance(t, torch.Tensor)}
+        self.counts["core_kv_bytes"] += sum(tensor_bytes(t) for t in qkv[1:3] if isinstance(t, torch.Tensor))
         start = self.counter.get_total_flops()
         try:
             return func(*args, **kwargs)

@@ -123,6 +123,8 @@ class TPUnit(Record):
     split_flops: int = 0                 # forward FLOPs inside split linears and regions that hold them
     vocab_flops: int = 0                 # forward FLOPs inside a vocabulary-split head
     core_flops: int = 0                  # forward FLOPs of the attention core (SDPA)
+    core_kv_bytes: int = 0               # bytes of the keys and values the attention core reads (SDPA's k and v):
+                                         # what context parallelism all-gathers per micro-batch (cost.context_parallel)
     saved_split: int = 0
     saved_seq: int = 0
     saved_col_input: int = 0
