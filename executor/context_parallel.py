@@ -18,6 +18,7 @@ Anything else is refused in one line when it runs (a mask, a non-causal or hand-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any
 
@@ -126,9 +127,10 @@ def attention(cp: CPContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.cat(out, dim=2)
 
 
-def _cp_mode(cp: CPContext, module_name: str):
-    """A function mode that runs an attention module's scaled_dot_product_attention calls as `attention`, and counts
-    them (a module with none computes attention some other way, which context parallelism cannot split)."""
+def _cp_mode(run, module_name: str):
+    """A function mode that runs an attention module's scaled_dot_product_attention calls as `run(q, k, v,
+    dropout_p=, scale=, enable_gqa=)` (`attention` on its CP group), refusing a mask or a non-causal call, and
+    counts them (a module with none computes attention some other way, which context parallelism cannot split)."""
     from torch.overrides import TorchFunctionMode
 
     class ContextParallelAttention(TorchFunctionMode):
@@ -146,8 +148,8 @@ def _cp_mode(cp: CPContext, module_name: str):
                                   "padding)" if named.get("attn_mask") is not None else "is_causal=False")
                                   + "; plan it with cp = 1")
             type(self).calls += 1
-            return attention(cp, q, k, v, dropout_p=named.get("dropout_p", 0.0), scale=named.get("scale"),
-                             enable_gqa=named.get("enable_gqa", False))
+            return run(q, k, v, dropout_p=named.get("dropout_p", 0.0), scale=named.get("scale"),
+                       enable_gqa=named.get("enable_gqa", False))
     return ContextParallelAttention
 
 
@@ -156,24 +158,40 @@ def apply(model: nn.Module, held: list[nn.Module], cp: CPContext) -> int:
     model's rotary embeddings the tokens' global positions. Call before selective recompute wraps the same
     modules, so that its checkpoint keeps the gathered keys and values (its recompute then needs no collective).
     Returns the attention modules wrapped; one line where there are none."""
+    return _apply(model, held, functools.partial(attention, cp), cp.positions())
+
+
+def check_model(model: nn.Module, cp: int, seq_len: int) -> None:
+    """Before any rank starts, on the (meta) model the launcher checks: the sequence splits into 2 x cp chunks, and
+    its attention can be split (module doc), found when its next forward runs: each attention module's kernel calls
+    are refused in one line unless causal without a mask, run whole here; rotary embeddings must take position_ids.
+    The model's modules are changed for that forward: a model to check, not to train."""
+    check_sequence(seq_len, cp)
+
+    def whole(q, k, v, **kwargs):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+    _apply(model, [model], whole, None)
+
+
+def _apply(model: nn.Module, held: list[nn.Module], run, positions: torch.Tensor | None) -> int:
     held_ids = {id(sub) for m in held for sub in m.modules()}
     count = 0
     for name, module in model.named_modules():
         if id(module) not in held_ids:
             continue
         if name.rpartition(".")[2] in ATTENTION_NAMES:
-            _wrap(module, name, cp)
+            _wrap(module, name, run)
             count += 1
         elif type(module).__name__.endswith("RotaryEmbedding"):
-            _global_rotary(module, name, cp)
+            _global_rotary(module, name, positions)
     if count == 0 and any(any(True for _ in m.parameters()) for m in held):
         raise ConfigError(f"context parallelism needs attention modules named one of {', '.join(ATTENTION_NAMES)} "
                           f"calling scaled_dot_product_attention; {type(model).__name__} has none here")
     return count
 
 
-def _wrap(module: nn.Module, name: str, cp: CPContext) -> None:
-    mode = _cp_mode(cp, name)
+def _wrap(module: nn.Module, name: str, run) -> None:
+    mode = _cp_mode(run, name)
     forward = module.forward
 
     def forward_cp(*args, **kwargs):
@@ -188,20 +206,19 @@ def _wrap(module: nn.Module, name: str, cp: CPContext) -> None:
     module.forward = forward_cp
 
 
-def _global_rotary(module: nn.Module, name: str, cp: CPContext) -> None:
-    """A transformers rotary embedding (forward(x, position_ids)) computed at the tokens' global positions: the
-    decoder counts positions from 0 over the tokens it sees (passing position_ids to the decoder instead would
-    make its mask builder read the jump between the two chunks as two packed sequences)."""
+def _global_rotary(module: nn.Module, name: str, positions: torch.Tensor | None) -> None:
+    """A transformers rotary embedding (forward(x, position_ids)) computed at the tokens' global `positions` (None:
+    only checked): the decoder counts positions from 0 over the tokens it sees (passing position_ids to the decoder
+    instead would make its mask builder read the jump between the two chunks as two packed sequences)."""
     params = list(inspect.signature(module.forward).parameters)
     if "position_ids" not in params:
         raise ConfigError(f"context parallelism needs rotary positions it can set; {name} "
                           f"({type(module).__name__}) takes no position_ids: plan it with cp = 1")
     at = params.index("position_ids")
-    positions = cp.positions()
 
     def hook(_module, args, kwargs):
         ids = kwargs.get("position_ids", args[at] if len(args) > at else None)
-        if ids is None:
+        if ids is None or positions is None:
             return None
         new = positions.to(ids.device).expand(ids.shape[0], -1)
         if "position_ids" in kwargs:

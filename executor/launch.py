@@ -31,6 +31,7 @@ from cost_models.records.formatting import fixed, now_utc
 from cost_models.records.strategy import Strategy
 from cost_models.torch_compat.devices import claim_device, rank_backend
 from cost_models.torch_compat.elastic import elastic_job, init_process_group, is_consequence, root_failure
+from executor import context_parallel
 from executor import checkpoint_layout as layout
 from executor import trust
 from executor.data import TokenFile, data_identity
@@ -316,6 +317,11 @@ def _check_model(plan: Plan, loss: str | None = None):
             raise ConfigError(f"{plan.model.name} cannot be pipelined: {support.removeprefix('no: ')}; plan it "
                               f"with pp=1 (planner plan does not offer pipelines for it)")
     check_covers_model(model, plan.strategy.stages, units, model_level=plan.strategy.pp == 1 or support == "traced")
+    if plan.strategy.cp > 1:   # its attention must split; found in the forward below
+        if plan.model.input_kind != "tokens":
+            raise ConfigError(f"context parallelism splits token sequences; {plan.model.name} takes "
+                              f"{plan.model.input_kind} inputs: plan it with cp = 1")
+        context_parallel.check_model(model, plan.strategy.cp, plan.model.seq_len)
     example = resolve(plan.model.source).example_input(model, 1, plan.model.seq_len, "cpu")[0].to("meta")
     with meta_forward_context(model), torch.no_grad():   # a loss can be taken on what it returns (one line if not)
         logits = _meta_logits(model, example)

@@ -158,6 +158,17 @@ class Runtime:
         dtype = self.wrapped.autocast
         return torch.autocast(x.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
+    def rank_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a step's whole global batch (sequences along dim 0, tokens along dim 1): its
+        replica's microbatches x micro_batch_size sequences, and under context parallelism (the data ranks are dp x
+        cp, a CP group cp consecutive ones) its chunks of their tokens (cp.split)."""
+        cp = self.cp
+        per_replica = self.strategy.microbatches * self.strategy.micro_batch_size
+        replica = self.dp_rank // cp.cp if cp else self.dp_rank
+        x, y = inputs[replica * per_replica:(replica + 1) * per_replica], targets[
+            replica * per_replica:(replica + 1) * per_replica]
+        return (cp.split(x), cp.split(y)) if cp else (x, y)
+
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """One optimizer step; returns the replica's loss where this rank can see it (the last stage)."""
         loss = self.forward_backward(inputs, targets)

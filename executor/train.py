@@ -157,13 +157,12 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
         load(rt.params_by_name, rt.buffers_by_name, rt.model)
     restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0
     fail_rank, fail_step, how = _injected_failure()
-    per_replica = strategy.microbatches * strategy.micro_batch_size
     progress, counter, meter = _Progress(), None, None
     batches = batch_source(cfg, example, out_shape, strategy.global_batch_size, loss)
     for step in range(cfg.start_step, cfg.steps + (1 if cfg.count_comm else 0)):
         counting = cfg.count_comm and step == cfg.steps
         inputs, targets = batches(step)
-        x, y = _rank_batch(rt, inputs, targets, per_replica)
+        x, y = rt.rank_batch(inputs, targets)
         x, y = x.to(device), y.to(device)
         injected = step == fail_step and dist.get_rank() == fail_rank
         if injected and how != "nan":
@@ -187,17 +186,6 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
                       sync_s=tuple(progress.parts["sync"]), optimizer_s=tuple(progress.parts["optimizer"]),
                       restore_s=restore_s, checkpoint_steps=tuple(progress.saved), checkpoint_s=tuple(progress.save_s),
                       activation_bytes=meter.peak if meter else -1)
-
-
-def _rank_batch(rt, inputs: torch.Tensor, targets: torch.Tensor,
-                per_replica: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's part of a global batch: its replica's sequences, and under context parallelism (the runtime's
-    data ranks are dp x cp, a CP group cp consecutive ones) its chunks of their tokens."""
-    cp = rt.cp
-    replica = rt.dp_rank // cp.cp if cp else rt.dp_rank
-    sl = slice(replica * per_replica, (replica + 1) * per_replica)
-    x, y = inputs[sl], targets[sl]
-    return (cp.split(x), cp.split(y)) if cp else (x, y)
 
 
 def fail_at_start_up() -> None:
