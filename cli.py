@@ -369,7 +369,6 @@ def estimate(
     from planner.manual import (StrategyRequest, build_strategy, check_fits, executor_refuses, load_profile_for,
                                 manual_plan)
     from planner.summaries import estimate_json
-
     check_training(precision, optimizer)   # before any file is read
     write_to, overwrite = _prepare_output(output, force) if output else (None, False)
     pf, target = _with_imbalance(load_profile_for(profile_path, cluster=cluster, nodes=nodes), moe_imbalance)
@@ -377,8 +376,8 @@ def estimate(
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
         tp=tp, sp=sp, recompute=recompute, distributed_optimizer=distributed_optimizer, async_tp=async_tp,
-        sp_save_shard=sp_save_shard, ep=ep, cp=cp,
-        precision=cast(Precision, precision), optimizer=cast(Optimizer, optimizer)))   # check_training: no other
+        sp_save_shard=sp_save_shard, ep=ep, cp=cp, precision=cast(Precision, precision),
+        optimizer=cast(Optimizer, optimizer)))   # check_training: no other
     est = run_estimate(strategy, pf.model, target)
     if as_json:
         print(dumps(estimate_json(strategy, est, target.device.name)), end="")
@@ -437,6 +436,7 @@ def plan(
     optimizer: OptimizerOpt = "adamw",
     tp: Optional[str] = typer.Option(None, "--tp", help="tensor-parallel degrees to search, e.g. 1 (none) or 1,2,4 (default: every power of two the model and the nodes admit)"),
     ep: Optional[str] = typer.Option(None, "--ep", help="MoE models: expert-parallel degrees to search, e.g. 1 (none) or 1,8,64 (default: every power of two dividing the experts)"),
+    cp: Optional[str] = typer.Option(None, "--cp", help="context-parallel degrees to search, e.g. 1 (none) or 1,8,16 (default: 1 below 16,384 tokens per sequence; from there every power of two whose 2 x cp chunks divide the sequence and hold 1,024 tokens or more)"),
     moe_imbalance: Optional[float] = MoEImbalance,
     output: Output = Path("plan.json"),
     force: Force = False,
@@ -462,7 +462,8 @@ def plan(
     request = PlanRequest(gpus=gpus, global_batch_size=global_batch_size, top_k=max(top_k, verify),
                           time_limit_s=time_limit, precision=cast(Precision, precision),
                           optimizer=cast(Optimizer, optimizer), tp_degrees=parse_degrees(tp) if tp else None,
-                          ep_degrees=parse_degrees(ep, "--ep") if ep else None)
+                          ep_degrees=parse_degrees(ep, "--ep") if ep else None,
+                          cp_degrees=parse_degrees(cp, "--cp") if cp else None)
     result = _planning("planning", lambda on_progress: run_plan(
         pf.model, target, request, profile_path=str(profile_path), command=_command_line(), on_progress=on_progress))
     if verify_cfg:

@@ -245,11 +245,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     check_covers_model(meta, s.stages, spec.units, model_level=s.pp == 1 or support == "traced")
     seq_len = example.shape[1] if example is not None and example.dim() > 1 else 0
     tensor_parallel.check_tp(meta, s.tp, sp=s.sp, seq_len=seq_len, rules=spec.tp_rules, pp=s.pp)
-    stage_io: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
-    if s.n_stages > 1:
-        assert example is not None, "a pipeline needs `example`, one micro-batch, for its static shapes"
-        stage_io = stage_io_shapes(meta, s, spec.units, support, example, own_loss=own)
-    stage_io = tensor_parallel.sequence_sharded_io(stage_io, s.tp) if s.sp and stage_io else stage_io
+    stage_io = _stage_io(meta, s, spec.units, support, example, own)
     ties = tied_params(meta, s.stages, s.stage_rank, spec.units)
     # the schedule registry's guards; the planner never plans these
     unsafe = s.unsafe_reason() or s.split_tie(tied_units(meta, s.stages, spec.units))
@@ -265,9 +261,8 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     sharded_logits = s.tp > 1 and tensor_parallel.parallelize(
         model, held, mesh["tp"], sp=s.sp, rules=spec.tp_rules, loss_parallel=builtin_cross_entropy and not own,
         save_shard=s.sp_save_shard)
-    cp = _context_parallel(strategy, dp_rank, device, seq_len) if strategy.cp > 1 else None
-    if cp is not None:   # before selective recompute wraps the same modules (context_parallel.apply)
-        context_parallel.apply(model, held, cp)
+    # before selective recompute wraps the same modules (context_parallel.apply)
+    cp = _context_parallel(strategy, dp_rank, device, seq_len, model, held) if strategy.cp > 1 else None
     _prepare_units(s, model, held, stage_ids, spec.units, tp_mesh=mesh["tp"] if s.async_tp else None)
     wrapped = wrap(held, zero=s.zero if s.dp > 1 else 0, pp=s.pp, dp_mesh=mesh["dp"], optimizer_fn=optimizer_fn,
                    unit_groups=[[m for _, m in spec.units.parts(model, u)] for u in s.stages[0]] if s.pp == 1 else None,
@@ -288,15 +283,29 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
                    model=model, init=mode, tp_rank=tp_rank, sharded_logits=sharded_logits, own_loss=own, cp=cp)
 
 
-def _context_parallel(s: Strategy, dp_rank: int, device: torch.device, local_seq: int) -> CPContext:
+def _stage_io(meta: nn.Module, s: Strategy, units: UnitMap, support: str, example: torch.Tensor | None,
+              own: bool) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """A pipeline's stage example tensors (stage_io_shapes; [] without one), as sequence parallelism shards them."""
+    if s.n_stages == 1:
+        return []
+    assert example is not None, "a pipeline needs `example`, one micro-batch, for its static shapes"
+    stage_io = stage_io_shapes(meta, s, units, support, example, own_loss=own)
+    return tensor_parallel.sequence_sharded_io(stage_io, s.tp) if s.sp else stage_io
+
+
+def _context_parallel(s: Strategy, dp_rank: int, device: torch.device, local_seq: int, model: nn.Module,
+                      held: list[nn.Module]) -> CPContext:
     """This rank's CP group on the (pp, dp, cp, tp) mesh: the cp consecutive data ranks of data_view's dp x cp
-    that hold the same sequences (torchtitan's order: cp inside the data-parallel ranks, tp innermost)."""
+    that hold the same sequences (torchtitan's order: cp inside the data-parallel ranks, tp innermost); the held
+    modules' attention run over it (context_parallel.apply)."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = _cached_group(("cp-mesh", device.type, s.pp, s.dp, s.cp, s.tp), lambda: init_device_mesh(
         device.type, (s.pp, s.dp, s.cp, s.tp), mesh_dim_names=("pp", "cdp", "cp", "tp")))
     group = mesh["cp"].get_group()
     set_group_timeout(group, default_group_timeout(device))
-    return CPContext(group=group, cp=s.cp, index=dp_rank % s.cp, seq_len=local_seq * s.cp)
+    cp = CPContext(group=group, cp=s.cp, index=dp_rank % s.cp, seq_len=local_seq * s.cp)
+    context_parallel.apply(model, held, cp)
+    return cp
 
 
 def _expert_parallel(s: Strategy, model: nn.Module, held: list[nn.Module], mode: str, dp_rank: int,

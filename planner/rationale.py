@@ -227,7 +227,7 @@ def tp_lines(ws: Strategy, west: Estimate, feasible, cluster: ClusterProfile, op
 
 def _other_degrees(key: str, what: str, degrees, ws: Strategy, west: Estimate, feasible,
                    pruned: Mapping[int, float] | None = None) -> list[str]:
-    """For the degrees of `key` ("tp" or "ep") searched: that none was chosen (where the winner has 1), and the best
+    """For the degrees of `key` ("tp", "ep" or "cp") searched: that none was chosen (where the winner has 1), and the best
     strategy of every other degree with why it lost, or that it was pruned by a bound or nothing of it fits."""
     chosen = getattr(ws, key)
     lines = []
@@ -272,4 +272,26 @@ def ep_lines(ws: Strategy, west: Estimate, feasible, *, experts: int, degrees: t
                      f"{duration(b.dp_comm_s)} vs {duration(at_ep1.breakdown.dp_comm_s)}")
         lines.append(line)
     return lines + (_other_degrees("ep", "expert parallelism", degrees, ws, west, feasible, pruned)
+                    if len(degrees) > 1 else [])
+
+
+def cp_lines(ws: Strategy, west: Estimate, feasible, *, seq_len: int, degrees: tuple[int, ...],
+             at_cp1: Estimate | None = None, pruned: Mapping[int, float] | None = None) -> list[str]:
+    """Why this context-parallel degree (long sequences): what its key/value gathers move and cost, what it saves
+    against cp = 1 (at_cp1: the winner's strategy with cp = 1, all else equal: whole sequences on fewer devices),
+    and the best strategy of every other degree searched. [] where only cp = 1 was searched."""
+    lines = []
+    if ws.cp > 1:
+        b = west.breakdown
+        line = (f"context parallelism: each {seq_len:,}-token sequence split {ws.cp} ways ({seq_len // ws.cp:,} "
+                f"tokens per rank), key/value all-gathers and reduce-scatters {size(west.comm.cp_bytes_per_rank)} "
+                f"per rank per step over {west.comm.cp_link} links, {duration(b.cp_comm_s)} exposed")
+        if at_cp1 is not None:
+            act = max(m.activations for m in west.memory_per_rank)
+            act1 = max(m.activations for m in at_cp1.memory_per_rank)
+            line += (f"; activations {fixed(act, 'GiB', 1)} vs {fixed(act1, 'GiB', 1)} per rank at cp=1 with the "
+                     f"same dp, pp, tp and micro-batches (peak {fixed(west.peak_memory_bytes, 'GiB', 1)} vs "
+                     f"{fixed(at_cp1.peak_memory_bytes, 'GiB', 1)}" + ("" if at_cp1.fits else ": no fit") + ")")
+        lines.append(line)
+    return lines + (_other_degrees("cp", "context parallelism", degrees, ws, west, feasible, pruned)
                     if len(degrees) > 1 else [])

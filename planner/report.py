@@ -125,8 +125,8 @@ def _tp_comm_line(plan: Plan) -> str:
 
 
 def mesh_cell(s) -> str:
-    """'pp x dp x tp' of a strategy, for tables: '4 x 32 x 8'."""
-    return f"{s.pp} x {s.dp} x {s.tp}" + (" +SP" if s.sp else "")
+    """'pp x dp x tp' of a strategy, for tables: '4 x 32 x 8', and its cp where it has one: '1 x 2 x 4 x cp4'."""
+    return f"{s.pp} x {s.dp} x {s.tp}" + (" +SP" if s.sp else "") + (f" x cp{s.cp}" if s.cp > 1 else "")
 
 
 def _timeline(plan: Plan) -> Section:

@@ -25,6 +25,8 @@ class PlanRequest(Record):
                                                    # the model and the nodes admit; (1,): none)
     ep_degrees: tuple[int, ...] | None = None      # narrow the expert-parallel degrees searched (None: every power
                                                    # of two dividing the experts; (1,): none)
+    cp_degrees: tuple[int, ...] | None = None      # the context-parallel degrees searched (None: planner.space's
+                                                   # cp_degrees, 1 below 16K tokens; (1,): none)
 
     def resolved_gpus(self, cluster: ClusterProfile) -> int:
         """The GPU count to plan for, checked against the cluster (one-line ConfigErrors); the request's other
@@ -44,7 +46,8 @@ class PlanRequest(Record):
         check_training(self.precision, self.optimizer)
         for name in self.schedules or ():
             get_spec(name)
-        for what, degrees in (("tensor", self.tp_degrees), ("expert", self.ep_degrees)):
+        for what, degrees in (("tensor", self.tp_degrees), ("expert", self.ep_degrees),
+                              ("context", self.cp_degrees)):
             for d in degrees or ():
                 if d < 1 or d & (d - 1):
                     raise ConfigError(f"{what}-parallel degrees must be powers of two, got {d}")

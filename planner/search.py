@@ -38,10 +38,11 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, cast
+from typing import Callable, Sequence, cast
 
 from cost_models.cost.comm import collective_time
 from cost_models.cost.compute import executed_precision
+from cost_models.cost.context_parallel import cp_view
 from cost_models.cost.estimate import (Estimate, activation_scale, dp_ranks_per_node, dtype_ratio, estimate,
                                        held_params, optimizer_seconds, saved_bytes, unit_costs, unit_seconds)
 from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_parts, zero_model_state_bytes
@@ -58,9 +59,10 @@ from cost_models.records.strategy import Strategy
 from planner.partition import (PartitionInfeasible, PartitionProblem, balanced_partition, dag_partition, dp_partition,
                                milp_partition, stages_from_ranges)
 from planner.plan import Alternative, Candidate, Plan, Provenance, installed_versions, model_ref, profile_digest
-from planner.rationale import ep_lines, explain, tp_lines, why_lost
+from planner.rationale import cp_lines, ep_lines, explain, tp_lines, why_lost
 from planner.request import PlanRequest
-from planner.space import MAX_MICRO_BATCH, Point, TPOptions, enumerate_points, ep_degrees, tp_options
+from planner.space import (MAX_MICRO_BATCH, Point, TPOptions, cp_degrees, enumerate_points, ep_degrees,
+                           tp_options)
 from planner.summaries import profile_conditions
 
 ProgressFn = Callable[[int, int], None]
@@ -149,7 +151,8 @@ def runnable(schedule: str, zero: int, dp: int) -> bool:
 
 def _strategy(point: Point, stages, *, precision: Precision, optimizer: Optimizer, recompute=(), selective: bool = False,
               shard: bool = False) -> Strategy:
-    return Strategy(dp=point.dp, pp=point.pp, zero=point.zero, schedule=point.schedule, microbatches=point.microbatches,
+    """The strategy of a point; a point of a context-parallel search is its data view (point.dp = dp x cp)."""
+    return Strategy(dp=point.dp // point.cp, cp=point.cp, pp=point.pp, zero=point.zero, schedule=point.schedule, microbatches=point.microbatches,
                     micro_batch_size=point.micro_batch_size, v=point.v, stages=stages, recompute=tuple(recompute),
                     tp=point.tp, sp=point.sp, selective=selective, precision=precision, optimizer=optimizer,
                     distributed_optimizer=point.distributed_optimizer, sp_save_shard=shard, ep=point.ep)
@@ -341,6 +344,8 @@ class SearchResult:
     tp: TPOptions = field(default_factory=TPOptions)   # the (tp, sp) searched, and why others were not
     pruned_tp_bounds: dict[int, float] = field(default_factory=dict)   # tp -> least bound among points P2 pruned
     pruned_ep_bounds: dict[int, float] = field(default_factory=dict)   # the same per ep
+    pruned_cp_bounds: dict[int, float] = field(default_factory=dict)   # the same per cp
+    cp_degrees: tuple[int, ...] = (1,)                                  # the context-parallel degrees searched
 
 
 def search_tp(profile: ModelProfile, cluster: ClusterProfile, gpus: int, req: PlanRequest) -> TPOptions:
@@ -350,9 +355,18 @@ def search_tp(profile: ModelProfile, cluster: ClusterProfile, gpus: int, req: Pl
 
 
 def _points(profile: ModelProfile, gpus: int, req: PlanRequest, parts: "_Partitions",
-            tp: TPOptions = TPOptions(), *, gpu: bool = False) -> list[Point]:
+            tp: TPOptions = TPOptions(), *, gpu: bool = False, cp: int = 1) -> list[Point]:
     """The space (planner.space) less what the executor cannot run and what the request narrows away; `gpu`: the
-    distributed optimizer too (on CPU ranks, where every plan runs fp32, it saves nothing)."""
+    distributed optimizer too (on CPU ranks, where every plan runs fp32, it saves nothing). `cp` > 1: the points of
+    context parallelism's data view (`profile` is cp_view's, the request's batch cp times the sequences): those
+    whose data ranks group into CP groups, without expert parallelism; [] where there are none."""
+    if cp > 1:
+        view = replace(req, global_batch_size=req.global_batch_size * cp, ep_degrees=(1,))
+        try:
+            points = _points(profile, gpus, view, parts, tp, gpu=gpu)
+        except ConfigError:
+            return []
+        return [replace(pt, cp=cp) for pt in points if pt.dp % cp == 0]
     n_units = len(profile.units)
     ties = tuple(sp.units for sp in profile.shared)
     pipelines = profile.pipeline_refusal is None
@@ -760,16 +774,16 @@ def _kth(times: list[float], k: int) -> float:
 
 
 def _branch_and_bound(frontier: _Frontier, bounds: _Bounds, profile: ModelProfile, cluster: ClusterProfile,
-                      parts: _Partitions, req: PlanRequest, on_progress: ProgressFn | None
-                      ) -> tuple[list[_Costed], list[_Costed], list[float], int]:
+                      parts: _Partitions, req: PlanRequest, on_progress: ProgressFn | None,
+                      incumbent: Sequence[float] = ()) -> tuple[list[_Costed], list[_Costed], list[float], int]:
     """Cost points least bound first until none left can enter the top k (module doc). Returns the feasible and
-    infeasible attempts, the feasible step times (sorted) and how many estimates were made; what is left in the
-    frontier was pruned."""
+    infeasible attempts, the feasible step times (sorted; with `incumbent`'s, the times found by the searches of
+    other context-parallel degrees) and how many estimates were made; what is left in the frontier was pruned."""
     room = cluster.device.memory_bytes - overhead_bytes(cluster)
     run = _as_run(req, cluster)
     feasible: list[_Costed] = []
     infeasible: list[_Costed] = []
-    times: list[float] = []
+    times: list[float] = sorted(incumbent)
     costed = done = 0
     while (item := frontier.pop()) is not None:
         if on_progress and done % 25 == 0:
@@ -830,22 +844,64 @@ def _as_run(req: PlanRequest, cluster: ClusterProfile) -> PlanRequest:
 
 def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *,
            on_progress: ProgressFn | None = None) -> SearchResult:
-    """Enumerate, prune and cost (module doc). request.prune=False costs every point P1 lets through (the fidelity
-    benchmark runs them all); request.schedules / micro_batch_sizes / max_v / tp_degrees narrow the space."""
+    """Enumerate, prune and cost (module doc), at each context-parallel degree searched (planner.space.cp_degrees):
+    cp > 1 searches its data view (cost.context_parallel), each search pruning against the times the earlier ones
+    found. request.prune=False costs every point P1 lets through (the fidelity benchmark runs them all);
+    request.schedules / micro_batch_sizes / max_v / tp_degrees / cp_degrees narrow the space."""
     req = request
-    run = _as_run(req, cluster)
     gpus = req.resolved_gpus(cluster)
+    degrees = cp_degrees(profile, gpus, degrees=req.cp_degrees)
+    found: list[SearchResult] = []
+    times: list[float] = []
+    for cp in degrees:
+        one = _search_at(profile if cp == 1 else cp_view(profile, cp), cluster, req, gpus, cp, times, on_progress)
+        if one is not None:
+            found.append(one)
+            times = sorted(times + [c.estimate.step_time_s for c in one.feasible])
+    if not found:
+        raise ConfigError(f"no context-parallel degree of {', '.join(map(str, degrees))} gives a (dp, pp, tp, cp) "
+                          f"split of {gpus} devices that divides the global batch {req.global_batch_size}")
+    feasible = sorted((c for r in found for c in r.feasible),
+                      key=lambda c: (c.estimate.step_time_s, c.estimate.peak_memory_bytes))
+    # full estimates (bubble and p2p apart) for what a plan shows; only the winner's lists every rank (memory and
+    # action order: the plan file's prediction), the alternatives keep one memory entry per pipeline rank
+    feasible[:req.top_k] = [replace(c, estimate=estimate(c.strategy, profile, cluster, per_rank=i == 0))
+                            for i, c in enumerate(feasible[:req.top_k])]
+    base = found[0]
+
+    def least(field_name: str) -> dict:
+        out: dict = {}
+        for r in found:
+            for k, v in getattr(r, field_name).items():
+                out[k] = min(v, out.get(k, math.inf))
+        return out
+    return SearchResult(feasible=feasible, infeasible=[c for r in found for c in r.infeasible],
+                        considered=sum(r.considered for r in found), pruned=sum(r.pruned for r in found),
+                        costed=sum(r.costed for r in found), pruned_bounds=least("pruned_bounds"),
+                        min_state=min(r.min_state for r in found), unit_cost=base.unit_cost, gpus=gpus, tp=base.tp,
+                        pruned_tp_bounds=least("pruned_tp_bounds"), pruned_ep_bounds=least("pruned_ep_bounds"),
+                        pruned_cp_bounds={r.cp_degrees[0]: min(r.pruned_bounds.values(), default=math.inf)
+                                          for r in found if r.pruned_bounds},
+                        cp_degrees=tuple(r.cp_degrees[0] for r in found))
+
+
+def _search_at(profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest, gpus: int, cp: int,
+               incumbent: Sequence[float], on_progress: ProgressFn | None) -> SearchResult | None:
+    """One context-parallel degree's search (`profile`: cp_view's for cp > 1); None where it has no points."""
+    run = _as_run(req, cluster)
     at = functools.partial(bound_unit_times, profile, cluster, req)
     parts = _Partitions(profile, at(profile.micro_batch_size), dtype_ratio=dtype_ratio(profile, run.precision),
                         at_batch=at)
     unit_cost = parts.unit_cost
     tp = search_tp(profile, cluster, gpus, req)
-    points = _points(profile, gpus, req, parts, tp, gpu=cluster.device.kind == "gpu")
+    points = _points(profile, gpus, req, parts, tp, gpu=cluster.device.kind == "gpu", cp=cp)
+    if not points:
+        return None
     bounds = _bounded(points, profile, cluster, parts, run)
     survivors, pruned, min_state = bounds.survivors, bounds.pruned, bounds.min_state
     frontier = _Frontier(survivors, bounds.must)
     feasible, infeasible, times, costed = _branch_and_bound(frontier, bounds, profile, cluster, parts, req,
-                                                            on_progress)
+                                                            on_progress, incumbent)
     rest = frontier.rest()
     pruned += len(rest)
     fastest_unfit = _memory_limited(bounds, times, profile, cluster, parts, req)
@@ -861,14 +917,9 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
         pruned_ep.setdefault(later.ep, later_bound)
     if on_progress:
         on_progress(len(survivors), len(survivors))
-    feasible.sort(key=lambda c: (c.estimate.step_time_s, c.estimate.peak_memory_bytes))
-    # full estimates (bubble and p2p apart) for what a plan shows; only the winner's lists every rank (memory and
-    # action order: the plan file's prediction), the alternatives keep one memory entry per pipeline rank
-    feasible[:req.top_k] = [replace(c, estimate=estimate(c.strategy, profile, cluster, per_rank=i == 0))
-                            for i, c in enumerate(feasible[:req.top_k])]
     return SearchResult(feasible=feasible, infeasible=infeasible, considered=len(points), pruned=pruned, costed=costed,
                         pruned_bounds=pruned_bounds, min_state=min_state, unit_cost=unit_cost, gpus=gpus, tp=tp,
-                        pruned_tp_bounds=pruned_tp, pruned_ep_bounds=pruned_ep)
+                        pruned_tp_bounds=pruned_tp, pruned_ep_bounds=pruned_ep, cp_degrees=(cp,))
 
 
 def _no_fit(found: SearchResult, capacity: int, no_pipelines: str | None) -> InfeasibleError:
@@ -924,7 +975,10 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *
         winner.strategy, winner.estimate, feasible, experts=profile.experts,
         degrees=ep_degrees(profile.experts, degrees=request.ep_degrees), pruned=found.pruned_ep_bounds,
         at_ep1=estimate(replace(winner.strategy, ep=1), profile, cluster, compact=True)
-        if winner.strategy.ep > 1 else None)))
+        if winner.strategy.ep > 1 else None)) + tuple(cp_lines(
+        winner.strategy, winner.estimate, feasible, seq_len=profile.seq_len, degrees=found.cp_degrees,
+        pruned=found.pruned_cp_bounds, at_cp1=estimate(replace(winner.strategy, cp=1), profile, cluster, compact=True)
+        if winner.strategy.cp > 1 else None)))
     provenance = _provenance(found, winner, profile, cluster, request, profile_path=profile_path, command=command,
                              t0=t0)
     s = winner.strategy

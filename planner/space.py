@@ -28,6 +28,7 @@ class Point:
     sp: bool = False
     distributed_optimizer: bool = False   # ZeRO-1 as Megatron-LM's (Strategy.distributed_optimizer)
     ep: int = 1                           # expert parallelism over ep of the dp ranks (Strategy.ep)
+    cp: int = 1                           # context parallelism: dp is its data view's dp x cp (Strategy.data_view)
 
     @property
     def family(self) -> str:
@@ -112,6 +113,39 @@ def ep_degrees(experts: int, *, degrees: Sequence[int] | None = None) -> tuple[i
         out.append(ep)
         ep *= 2
     return tuple(e for e in out if degrees is None or e in degrees) or (1,)
+
+
+# Context parallelism is searched by default from this sequence length on: NVIDIA NeMo's long-context recipes,
+# which train with context parallelism, start at 16K tokens (NeMo Framework user guide, "Long Context Recipes");
+# below it a sequence's activations are small next to a layer's weights, and CP only adds its gathers.
+LONG_SEQUENCE = 16_384
+# ... and down to chunks of this many tokens (a rank holds two): Llama 3 405B ran 131,072 tokens over CP16, chunks
+# of 4,096 (Grattafiori et al. 2024, section 3.3.2); a quarter of that still fills a flash-attention tile row many
+# times over.
+MIN_CP_CHUNK = 1_024
+
+
+def cp_degrees(profile, gpus: int, *, degrees: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The context-parallel degrees searched: `degrees` (a request's) where given, each checked (a power of two
+    whose 2 x cp chunks divide the sequence; cost.context_parallel.cp_refusal); else 1, and from LONG_SEQUENCE
+    tokens on every power of two up to the GPUs whose chunks divide the sequence and hold MIN_CP_CHUNK tokens or
+    more. A model with routed experts gets 1 (CP with EP is not built)."""
+    from cost_models.cost.context_parallel import cp_refusal
+    if degrees is not None:
+        for cp in degrees:
+            why = cp_refusal(profile, cp) or ("context parallelism with expert parallelism is not built yet"
+                                              if cp > 1 and profile.experts else None)
+            if why:
+                raise ConfigError(f"--cp {cp}: {why}")
+        return tuple(degrees)
+    out = [1]
+    cp = 2
+    seq = profile.seq_len
+    while (not profile.experts and seq >= LONG_SEQUENCE and cp <= gpus and seq % (2 * cp) == 0
+           and seq // (2 * cp) >= MIN_CP_CHUNK and cp_refusal(profile, cp) is None):
+        out.append(cp)
+        cp *= 2
+    return tuple(out)
 
 
 def enumerate_points(*, gpus: int, global_batch: int, n_units: int, max_micro_batch: int = MAX_MICRO_BATCH,

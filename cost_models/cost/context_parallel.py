@@ -26,10 +26,12 @@ from cost_models.cost.comm import collective_time
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.profile import ModelProfile, UnitProfile
 
-# views made per (profile, cp): the estimate caches unit costs by the profile's id, so a view is kept (with the
-# profile it came from) while it may be asked for again, never remade under an id another view had
+# views made per (profile, cp), and each view's profile: the estimate caches unit costs by the profile's id, so a
+# view is kept (with the profile it came from) while it may be asked for again, never remade under an id another
+# view had; the search costs a view's points, which the estimate prices from the profile (cp_origin)
 _VIEWS: dict[tuple[int, int], tuple[ModelProfile, ModelProfile]] = {}
-_MAX_VIEWS = 16
+_ORIGINS: dict[int, tuple[ModelProfile, ModelProfile]] = {}
+_MAX_VIEWS = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,9 +67,17 @@ def cp_view(profile: ModelProfile, cp: int) -> ModelProfile:
     view = dataclasses.replace(profile, micro_batch_size=profile.micro_batch_size * cp,
                                seq_len=profile.seq_len // cp, units=units)
     if len(_VIEWS) >= _MAX_VIEWS:
-        _VIEWS.pop(next(iter(_VIEWS)))
+        _, old = _VIEWS.pop(next(iter(_VIEWS)))
+        _ORIGINS.pop(id(old), None)
     _VIEWS[key] = (profile, view)
+    _ORIGINS[id(view)] = (view, profile)
     return view
+
+
+def cp_origin(profile: ModelProfile) -> ModelProfile:
+    """The profile a cp_view was made from, or `profile` itself where it is not a view."""
+    hit = _ORIGINS.get(id(profile))
+    return hit[1] if hit is not None and hit[0] is profile else profile
 
 
 def cp_ranks_per_node(cluster: ClusterProfile, *, cp: int, tp: int) -> int | None:

@@ -44,7 +44,7 @@ from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized,
                                    sp_norm_grad_traffic, tp_unit_traffic)
 from cost_models.cost.compute import (compute_dtype, compute_source, executed_dtype, executed_precision,
                                       optimizer_step_time, priced_by_kind, tp_unit_times, unit_times)
-from cost_models.cost.context_parallel import cp_link, cp_refusal, cp_unit, cp_view
+from cost_models.cost.context_parallel import cp_link, cp_origin, cp_refusal, cp_unit, cp_view
 from cost_models.cost.kernels import work_seconds
 from cost_models.cost.moe import all_to_all_time, check_ep, dispatch_bytes, ep_ranks_per_node, ep_work, imbalance
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
@@ -901,6 +901,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
     listings alone: one memory entry per global rank and every rank's action order, or neither (they grow with
     dp x pp and m x pp x v; a plan's alternatives need the split, not the listings)."""
     per_rank = not compact if per_rank is None else per_rank
+    profile = cp_origin(profile)   # the search costs context-parallel points on their view of the profile
     s = executed(strategy, cluster)
     s.validate(tuple(u.name for u in profile.units))
     why = check_ep(profile, s.ep) or cp_refusal(profile, s.cp)

@@ -40,6 +40,8 @@ def _gpt2(name: str, dim: int, n_layers: int, n_heads: int) -> ZooEntry:
 
 
 def _llama(name: str, *, vocab: int, dim: int, layers: int, heads: int, kv: int, ffn: int, ctx: int, theta: float) -> ZooEntry:
+    """Llama 3 entries take Llama 3.1's context, 131,072 tokens (Meta 2024, "The Llama 3 Herd of Models", section
+    3.4.2); its RoPE frequency scaling changes values only, not shapes or costs, and is not applied here."""
     cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn,
                       max_seq_len=ctx, rope_theta=theta)
     return ZooEntry(name=name, family="llama", description=f"Llama {layers}L d{dim} {heads}h/{kv}kv ffn{ffn}", config=cfg)
@@ -57,9 +59,9 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
     _llama("llama2-7b", vocab=32000, dim=4096, layers=32, heads=32, kv=32, ffn=11008, ctx=4096, theta=1e4),
     _llama("llama2-13b", vocab=32000, dim=5120, layers=40, heads=40, kv=40, ffn=13824, ctx=4096, theta=1e4),
     _llama("llama2-70b", vocab=32000, dim=8192, layers=80, heads=64, kv=8, ffn=28672, ctx=4096, theta=1e4),
-    _llama("llama3-8b", vocab=128256, dim=4096, layers=32, heads=32, kv=8, ffn=14336, ctx=8192, theta=5e5),
-    _llama("llama3-70b", vocab=128256, dim=8192, layers=80, heads=64, kv=8, ffn=28672, ctx=8192, theta=5e5),
-    _llama("llama3-405b", vocab=128256, dim=16384, layers=126, heads=128, kv=8, ffn=53248, ctx=8192, theta=5e5),
+    _llama("llama3-8b", vocab=128256, dim=4096, layers=32, heads=32, kv=8, ffn=14336, ctx=131072, theta=5e5),
+    _llama("llama3-70b", vocab=128256, dim=8192, layers=80, heads=64, kv=8, ffn=28672, ctx=131072, theta=5e5),
+    _llama("llama3-405b", vocab=128256, dim=16384, layers=126, heads=128, kv=8, ffn=53248, ctx=131072, theta=5e5),
     ZooEntry(name="gpt-tiny", family="gpt", description="GPT 4L d64 (CPU tests and demo)",
              config=GPTConfig(vocab_size=512, max_seq_len=128, dim=64, n_layers=4, n_heads=4)),
     ZooEntry(name="gpt-tiny-untied", family="gpt", description="GPT 4L d64, head untied (CPU tests: vocabulary split)",
