@@ -98,12 +98,24 @@ def _why(plan: Plan) -> Section:
                           "per step on rank 0; with its wait for the peer it is in the exposed time "
                           f"({duration(b.dp_comm_s)}).")
     comm_lines.append(_tp_comm_line(plan))
-    tp_s = b.tp_comm_s
+    s = plan.strategy
+    for on, line in ((s.ep > 1, f"Expert-parallel all-to-alls ({est.comm.ep_link}, groups of {s.ep}): "
+                                f"{size(est.comm.ep_bytes_per_rank)} per rank per step, {duration(b.ep_comm_s)} "
+                                f"exposed."),
+                     (s.cp > 1, f"Context-parallel key/value all-gathers and reduce-scatters ({est.comm.cp_link}, "
+                                f"groups of {s.cp}): {size(est.comm.cp_bytes_per_rank)} per rank per step, "
+                                f"{duration(b.cp_comm_s)} exposed.")):
+        if on:
+            comm_lines.append(line)
+    # compute_s holds the exposed TP, EP and CP collectives (each unit's pass): shown apart
+    tp_s, ep_s, cp_s = b.tp_comm_s, b.ep_comm_s, b.cp_comm_s
     return Section("Why: ZeRO or pipeline?", [
         r.summary,
-        f"Step time = compute {duration(b.compute_s - tp_s)} + bubble {duration(b.bubble_s)} + p2p {duration(b.p2p_s)} + "
-        f"data-parallel communication {duration(b.dp_comm_s)}"
-        + (f" + tensor-parallel communication {duration(tp_s)}" if plan.strategy.tp > 1 else "")
+        f"Step time = compute {duration(b.compute_s - tp_s - ep_s - cp_s)} + bubble {duration(b.bubble_s)} + p2p "
+        f"{duration(b.p2p_s)} + data-parallel communication {duration(b.dp_comm_s)}"
+        + (f" + tensor-parallel communication {duration(tp_s)}" if s.tp > 1 else "")
+        + (f" + expert-parallel all-to-alls {duration(ep_s)}" if s.ep > 1 else "")
+        + (f" + context-parallel key/value gathers {duration(cp_s)}" if s.cp > 1 else "")
         + f" + optimizer {duration(b.optimizer_s)}.",
         f"Bubble: {est.bubble_ratio:.3f} of ideal compute (Narayanan's (p-1)/m convention), "
         f"{est.bubble_share:.1%} of rank-time idle.",
