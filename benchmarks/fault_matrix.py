@@ -358,6 +358,10 @@ def cases_d() -> list[Case]:
          r"moe-imbalance"),
         ("plan:ep=2,dense", (*plan, "-B", "64", "--ep", "2"), (2,), r"mixture-of-experts"),
         ("plan:ep=3", (*plan, "-B", "64", "--ep", "3"), (2,), r"powers of two"),
+        # context parallelism degrees that cannot split the demo's sequences (issue 37, item 5)
+        ("estimate:cp=3", ("estimate", "profile.json", "--dp", "1", "--cp", "3"), (2,), r"power of two"),
+        ("estimate:cp=1024", ("estimate", "profile.json", "--cp", "1024"), (2,), r"not a multiple|cp|ranks"),
+        ("plan:cp=3", (*plan, "-B", "64", "--cp", "3"), (2,), r"powers of two"),
         ("profile:undeclared-moe-block", ("profile", "--model", f"{TESTS_MODELS}:undeclared_moe", "-b", "2", "-s",
                                           "8", "--meta", "--cluster", "none", "-o", "out.json"), (2,),
          r"num_experts.*top_k"),

@@ -256,7 +256,7 @@ def ep_lines(ws: Strategy, west: Estimate, feasible, *, experts: int, degrees: t
     degree searched, from their estimates. [] for a dense model."""
     if not experts:
         return []
-    lines = []
+    line = None
     if ws.ep > 1:
         b = west.breakdown
         line = (f"expert parallelism: each block's {experts} routed experts split {ws.ep} ways "
@@ -270,9 +270,14 @@ def ep_lines(ws: Strategy, west: Estimate, feasible, *, experts: int, degrees: t
                      f"at ep=1 with the same dp, pp, ZeRO and micro-batches" + ("" if at_ep1.fits else " (no fit)")
                      + f" (model states {fixed(states, 'GiB', 1)} vs {fixed(states1, 'GiB', 1)}), data-parallel "
                      f"{duration(b.dp_comm_s)} vs {duration(at_ep1.breakdown.dp_comm_s)}")
-        lines.append(line)
-    return lines + (_other_degrees("ep", "expert parallelism", degrees, ws, west, feasible, pruned)
-                    if len(degrees) > 1 else [])
+    return _and_others(line, "ep", "expert parallelism", degrees, ws, west, feasible, pruned)
+
+
+def _and_others(line: str | None, key: str, what: str, degrees, ws: Strategy, west: Estimate, feasible,
+                pruned: Mapping[int, float] | None) -> list[str]:
+    """`line` (the chosen degree's, where it has one), then the other degrees searched (_other_degrees)."""
+    return ([line] if line else []) + (_other_degrees(key, what, degrees, ws, west, feasible, pruned)
+                                       if len(degrees) > 1 else [])
 
 
 def cp_lines(ws: Strategy, west: Estimate, feasible, *, seq_len: int, degrees: tuple[int, ...],
@@ -280,7 +285,7 @@ def cp_lines(ws: Strategy, west: Estimate, feasible, *, seq_len: int, degrees: t
     """Why this context-parallel degree (long sequences): what its key/value gathers move and cost, what it saves
     against cp = 1 (at_cp1: the winner's strategy with cp = 1, all else equal: whole sequences on fewer devices),
     and the best strategy of every other degree searched. [] where only cp = 1 was searched."""
-    lines = []
+    line = None
     if ws.cp > 1:
         b = west.breakdown
         line = (f"context parallelism: each {seq_len:,}-token sequence split {ws.cp} ways ({seq_len // ws.cp:,} "
@@ -292,6 +297,4 @@ def cp_lines(ws: Strategy, west: Estimate, feasible, *, seq_len: int, degrees: t
             line += (f"; activations {fixed(act, 'GiB', 1)} vs {fixed(act1, 'GiB', 1)} per rank at cp=1 with the "
                      f"same dp, pp, tp and micro-batches (peak {fixed(west.peak_memory_bytes, 'GiB', 1)} vs "
                      f"{fixed(at_cp1.peak_memory_bytes, 'GiB', 1)}" + ("" if at_cp1.fits else ": no fit") + ")")
-        lines.append(line)
-    return lines + (_other_degrees("cp", "context parallelism", degrees, ws, west, feasible, pruned)
-                    if len(degrees) > 1 else [])
+    return _and_others(line, "cp", "context parallelism", degrees, ws, west, feasible, pruned)

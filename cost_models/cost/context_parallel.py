@@ -46,6 +46,8 @@ def cp_refusal(profile: ModelProfile, cp: int) -> str | None:
     """Why `profile` cannot be planned with context parallelism over cp ranks, or None."""
     if cp == 1:
         return None
+    if cp < 1 or cp & (cp - 1):
+        return f"--cp must be a power of two (it splits each sequence into 2 x cp chunks), got {cp}"
     if profile.seq_len % (2 * cp):
         return (f"context parallelism over {cp} ranks cuts each sequence into {2 * cp} equal chunks; the profile's "
                 f"--seq-len {profile.seq_len} is not a multiple of {2 * cp}")
