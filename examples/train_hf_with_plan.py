@@ -72,12 +72,10 @@ def main() -> None:
     path = _data(args, vocab)
     dist.barrier()   # rank 0 has written the example's token file
     tokens = TokenFile(path, the_plan.model.seq_len)
-    s = rt.strategy
-    per_replica = s.microbatches * s.micro_batch_size
+    s = the_plan.strategy
     for step in range(args.steps):
         x, y = tokens.batch(step, s.global_batch_size)
-        mine = slice(rt.dp_rank * per_replica, (rt.dp_rank + 1) * per_replica)
-        loss = rt.step(x[mine], y[mine])
+        loss = rt.step(*rt.rank_batch(x, y))   # its replica's sequences (and under CP its tokens of them)
         if loss is not None and rt.dp_rank == 0:
             print(f"rank {dist.get_rank()} step {step}: loss {float(loss):.4f} ({s.name})", flush=True)
     dist.destroy_process_group()

@@ -19,6 +19,7 @@ from cost_models.models.source import resolve
 from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.presets import preset
 from executor.api import apply_plan
+from planner.plan import Plan
 from planner.request import PlanRequest
 from planner.search import plan as make_plan
 
@@ -33,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.plan:
-        the_plan = args.plan
+        the_plan = Plan.load(args.plan)
     else:
         profile = profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=SEQ, meta=True, dtype="fp32")
         the_plan = make_plan(profile, preset("dgx-a100"),
@@ -41,14 +42,12 @@ def main() -> None:
     rt = apply_plan(the_plan, model_fn=lambda: GPT(CONFIG),
                     optimizer_fn=lambda params: torch.optim.AdamW(params, lr=1e-3),
                     loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
-    s = rt.strategy
-    per_replica = s.microbatches * s.micro_batch_size
+    s = the_plan.strategy
     for step in range(args.steps):
-        gen = torch.Generator().manual_seed(step)      # every rank makes the same global batch and takes its slice
+        gen = torch.Generator().manual_seed(step)      # every rank makes the same global batch and takes its share
         x = torch.randint(0, CONFIG.vocab_size, (s.global_batch_size, SEQ), generator=gen)
         y = torch.randint(0, CONFIG.vocab_size, (s.global_batch_size, SEQ), generator=gen)
-        mine = slice(rt.dp_rank * per_replica, (rt.dp_rank + 1) * per_replica)
-        loss = rt.step(x[mine], y[mine])
+        loss = rt.step(*rt.rank_batch(x, y))   # its replica's sequences (and under CP its tokens of them)
         if loss is not None and rt.dp_rank == 0:
             print(f"rank {torch.distributed.get_rank()} step {step}: loss {float(loss):.4f} "
                   f"(dp={s.dp} pp={s.pp} ZeRO-{s.zero} {s.schedule})", flush=True)

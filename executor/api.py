@@ -4,8 +4,8 @@
     from executor.api import apply_plan
     rt = apply_plan("plan.json", model_fn=lambda: MyModel(cfg), optimizer_fn=lambda ps: torch.optim.AdamW(ps, lr=3e-4),
                     loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
-    for inputs, targets in my_loader(rank=rt.dp_rank, replicas=rt.strategy.dp):   # this replica's batch
-        loss = rt.step(inputs, targets)      # forward + backward over its micro-batches, gradient sync, optimizer step
+    for inputs, targets in my_loader():      # each step's whole global batch, the same on every rank
+        loss = rt.step(*rt.rank_batch(inputs, targets))   # this rank's share: forward + backward, sync, update
         if loss is not None: print(loss.item())   # ranks holding the last stage see their replica's loss
 
 `model_fn` builds the model the plan was made for (the same unit names), in whatever device context it is called:
@@ -102,7 +102,7 @@ def _init_process_group(strategy: Strategy, timeout_s: float) -> None:
             keep_freed_memory()
         dist.init_process_group(rank_backend(), timeout=dt.timedelta(seconds=timeout_s))
     if dist.get_world_size() != strategy.world_size:
-        raise ConfigError(f"the plan runs on {strategy.world_size} ranks (dp {strategy.dp} x tp {strategy.tp} x pp "
-                          f"{strategy.pp}), this job "
+        raise ConfigError(f"the plan runs on {strategy.world_size} ranks (dp {strategy.dp} x cp {strategy.cp} x tp "
+                          f"{strategy.tp} x pp {strategy.pp}), this job "
                           f"has {dist.get_world_size()}; start it with torchrun --nproc-per-node {strategy.world_size} "
                           f"(per node) or re-plan for {dist.get_world_size()} GPUs")

@@ -60,6 +60,16 @@ class CPContext:
         c = self.chunk
         return torch.cat([t.narrow(dim, g * c, c) for g in self.chunks], dim=dim)
 
+    @functools.cached_property
+    def biases(self) -> tuple:
+        """Per local chunk g, the causal mask of its queries over the keys of chunks 0..g, aligned to the lower
+        right (torch's CausalBias: no mask tensor is made where a kernel takes the alignment, as the memory-efficient
+        one does on GPUs). Made before the step (runtime._context_parallel): a tensor subclass cannot be created
+        under a dispatch mode (executor.measure's counter), in torch 2.13."""
+        from torch.nn.attention.bias import causal_lower_right
+        c = self.chunk
+        return tuple(causal_lower_right(c, (g + 1) * c) for g in self.chunks)
+
     def steps(self):
         """The span of a training step: forwards see this rank's global positions."""
         return sequence_positions(self.positions())
@@ -111,19 +121,17 @@ class _GatherSequence(torch.autograd.Function):
 
 def attention(cp: CPContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
               scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-    """Causal attention of this rank's queries (b, h, s/cp, d) over the CP group's keys and values (module doc).
-    The mask is a boolean one (query i of chunk g sees keys up to g x chunk + i): torch's lower-right CausalBias,
-    which would keep the flash kernels on GPUs, cannot be made inside the function mode this runs in (torch 2.13:
-    "the raw Tensor object is already associated to a python object"), so GPUs run the memory-efficient kernel."""
+    """Causal attention of this rank's queries (b, h, s/cp, d) over the CP group's keys and values (module doc):
+    query i of chunk g sees the keys up to g x chunk + i (CPContext.biases; on GPUs torch runs it as the
+    memory-efficient kernel's lower-right causal mask, on CPUs it makes the mask)."""
     k_all, v_all = _GatherSequence.apply(k, cp), _GatherSequence.apply(v, cp)
     c = cp.chunk
     out = []
-    for j, g in enumerate(cp.chunks):
+    for j, (g, bias) in enumerate(zip(cp.chunks, cp.biases)):
         end = (g + 1) * c
-        mask = torch.ones(c, end, dtype=torch.bool, device=q.device).tril(g * c)
         out.append(F.scaled_dot_product_attention(
             q.narrow(2, j * c, c), k_all.narrow(2, 0, end), v_all.narrow(2, 0, end),
-            attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
+            attn_mask=bias, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
     return torch.cat(out, dim=2)
 
 
@@ -175,7 +183,7 @@ def check_model(model: nn.Module, cp: int, seq_len: int) -> None:
 
 def _apply(model: nn.Module, held: list[nn.Module], run, positions: torch.Tensor | None) -> int:
     held_ids = {id(sub) for m in held for sub in m.modules()}
-    count = 0
+    count = rotary = 0
     for name, module in model.named_modules():
         if id(module) not in held_ids:
             continue
@@ -184,6 +192,11 @@ def _apply(model: nn.Module, held: list[nn.Module], run, positions: torch.Tensor
             count += 1
         elif type(module).__name__.endswith("RotaryEmbedding"):
             _global_rotary(module, name, positions)
+            rotary += 1
+    if type(model).__module__.startswith("transformers.") and not rotary and count:
+        # its positions would be counted from 0 on every rank (GPT-2's and OPT's learned position tables)
+        raise ConfigError(f"context parallelism sets a transformers model's positions through its rotary embedding; "
+                          f"{type(model).__name__} has none (learned positions): plan it with cp = 1")
     if count == 0 and any(any(True for _ in m.parameters()) for m in held):
         raise ConfigError(f"context parallelism needs attention modules named one of {', '.join(ATTENTION_NAMES)} "
                           f"calling scaled_dot_product_attention; {type(model).__name__} has none here")

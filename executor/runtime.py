@@ -163,6 +163,9 @@ class Runtime:
         replica's microbatches x micro_batch_size sequences, and under context parallelism (the data ranks are dp x
         cp, a CP group cp consecutive ones) its chunks of their tokens (cp.split)."""
         cp = self.cp
+        if cp is not None and inputs.shape[1] != cp.seq_len:
+            raise ConfigError(f"rank_batch takes whole sequences of the plan's {cp.seq_len} tokens; got "
+                              f"{inputs.shape[1]}")
         per_replica = self.strategy.microbatches * self.strategy.micro_batch_size
         replica = self.dp_rank // cp.cp if cp else self.dp_rank
         x, y = inputs[replica * per_replica:(replica + 1) * per_replica], targets[
@@ -303,7 +306,11 @@ def _context_parallel(s: Strategy, dp_rank: int, device: torch.device, local_seq
         device.type, (s.pp, s.dp, s.cp, s.tp), mesh_dim_names=("pp", "cdp", "cp", "tp")))
     group = mesh["cp"].get_group()
     set_group_timeout(group, default_group_timeout(device))
+    if local_seq <= 0:
+        raise ConfigError("context parallelism needs an example micro-batch of token sequences (apply_plan's "
+                          "example_input) to know the sequence it splits")
     cp = CPContext(group=group, cp=s.cp, index=dp_rank % s.cp, seq_len=local_seq * s.cp)
+    cp.biases   # made here, outside any dispatch mode (CPContext.biases)
     context_parallel.apply(model, held, cp)
     return cp
 

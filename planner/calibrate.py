@@ -102,7 +102,8 @@ def predicted_parts(est: Estimate, s: Strategy, cluster: ClusterProfile) -> Pred
     b = est.breakdown
     action_s = action_cost(s, cluster)
     actions = actions_per_step(s)
-    unit_compute = max(0.0, b.compute_s - b.tp_comm_s - actions * action_s)
+    # the exposed TP, EP and CP collectives counted inside compute_s are communication, not refitted
+    unit_compute = max(0.0, b.compute_s - b.tp_comm_s - b.ep_comm_s - b.cp_comm_s - actions * action_s)
     return PredictedParts(step_s=est.step_time_s, unit_compute_s=unit_compute, actions=actions, action_s=action_s,
                           tp_comm_s=b.tp_comm_s, bubble_factor=b.bubble_s / b.compute_s if b.compute_s > 0 else 0.0,
                           dp_comm_s=b.dp_comm_s, optimizer_s=b.optimizer_s)

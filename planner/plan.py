@@ -212,8 +212,8 @@ def check_plan(plan: Plan) -> None:
                           f"the {plan.prediction.tokens_per_step:,} {plan.prediction.throughput_unit} per step the "
                           f"prediction is for; {fix}")
     if s.world_size != plan.gpus:
-        raise ConfigError(f"strategy dp x tp x pp = {s.dp} x {s.tp} x {s.pp} = {s.world_size} ranks but gpus is "
-                          f"{plan.gpus}; {fix}")
+        raise ConfigError(f"strategy dp x cp x tp x pp = {s.dp} x {s.cp} x {s.tp} x {s.pp} = {s.world_size} ranks "
+                          f"but gpus is {plan.gpus}; {fix}")
     if plan.stage_ranks != tuple(s.stage_ranks(i) for i in range(s.n_stages)):
         raise ConfigError(f"stage_ranks do not match the (pp, dp, tp) = ({s.pp}, {s.dp}, {s.tp}) mesh; {fix}")
     node = tp_node_refusal(s.tp, plan.cluster.devices_per_node)

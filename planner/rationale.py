@@ -20,14 +20,16 @@ COMM_BINDS = 0.15  # exposed communication above this share of the step makes ba
 
 _COMPONENTS = (("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("p2p_s", "p2p transfers"),
                ("dp_comm_s", "data-parallel collectives"), ("tp_comm_s", "tensor-parallel collectives"),
-               ("ep_comm_s", "expert-parallel all-to-alls"), ("optimizer_s", "optimizer step"))
+               ("ep_comm_s", "expert-parallel all-to-alls"), ("cp_comm_s", "context-parallel key/value gathers"),
+               ("optimizer_s", "optimizer step"))
 
 
 def _part(est: Estimate, field: str) -> float:
-    """A step-time component. The estimate counts the exposed TP collectives and EP all-to-alls inside compute_s
-    (StepBreakdown); here compute is without them."""
-    value = getattr(est.breakdown, field)
-    return value - est.breakdown.tp_comm_s - est.breakdown.ep_comm_s if field == "compute_s" else value
+    """A step-time component. The estimate counts the exposed TP collectives, EP all-to-alls and CP gathers inside
+    compute_s (StepBreakdown); here compute is without them."""
+    b = est.breakdown
+    value = getattr(b, field)
+    return value - b.tp_comm_s - b.ep_comm_s - b.cp_comm_s if field == "compute_s" else value
 
 
 def tp_traffic(est: Estimate) -> tuple[float, str, dict[str, float]]:
@@ -104,7 +106,7 @@ def why_lost(s: Strategy, est: Estimate, ws: Strategy, west: Estimate) -> str:
     if field == "bubble_s":
         detail += f" (bubble {est.bubble_ratio:.2f} of compute)"
     if field == "dp_comm_s":
-        detail += f" ({_dp_bytes(est, s.dp)} per rank per step, {est.comm.dp_link})"
+        detail += f" ({_dp_bytes(est, s.dp * s.cp)} per rank per step, {est.comm.dp_link})"
     if field == "tp_comm_s":
         tp_bytes, tp_link, _ = tp_traffic(est)
         detail += f" ({size(tp_bytes)} per rank per step" + (f", {tp_link})" if tp_link else ")")
@@ -129,7 +131,8 @@ def _base_family(s: Strategy) -> str:
 
 
 def _comm_s(est: Estimate) -> float:
-    return est.breakdown.dp_comm_s + est.breakdown.p2p_s + _part(est, "tp_comm_s") + _part(est, "ep_comm_s")
+    return (est.breakdown.dp_comm_s + est.breakdown.p2p_s + _part(est, "tp_comm_s") + _part(est, "ep_comm_s")
+            + _part(est, "cp_comm_s"))
 
 
 def _binding(ws: Strategy, west: Estimate, best: dict, fastest_unfit, cluster: ClusterProfile) -> tuple[Binding, str]:
@@ -139,13 +142,13 @@ def _binding(ws: Strategy, west: Estimate, best: dict, fastest_unfit, cluster: C
     if runner is not None:
         _, rs, re_ = runner
         deltas = {f: _part(re_, f) - _part(west, f) for f, _ in _COMPONENTS}
-        if max(deltas, key=deltas.__getitem__) in ("dp_comm_s", "p2p_s", "tp_comm_s", "ep_comm_s"):
+        if max(deltas, key=deltas.__getitem__) in ("dp_comm_s", "p2p_s", "tp_comm_s", "ep_comm_s", "cp_comm_s"):
             # The question was decided by the links: the best other family lost to communication.
             tp_bytes, tp_link, _ = tp_traffic(re_)
             tp_part = f", {size(tp_bytes)} tensor-parallel over {tp_link or 'intra-node'}" if tp_bytes else ""
             return "bandwidth", (f"bandwidth binds: the best {rs.family} strategy ({rs.summary}) spends "
                                  f"{duration(_comm_s(re_))} per step in exposed communication "
-                                 f"({_dp_bytes(re_, rs.dp)} per rank over {re_.comm.dp_link} links"
+                                 f"({_dp_bytes(re_, rs.dp * rs.cp)} per rank over {re_.comm.dp_link} links"
                                  f"{tp_part}) against {duration(_comm_s(west))} here")
     if fastest_unfit is not None and fastest_unfit.estimate.step_time_s < west.step_time_s:
         fast = fastest_unfit.estimate

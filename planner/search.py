@@ -977,8 +977,7 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *
         at_ep1=estimate(replace(winner.strategy, ep=1), profile, cluster, compact=True)
         if winner.strategy.ep > 1 else None)) + tuple(cp_lines(
         winner.strategy, winner.estimate, feasible, seq_len=profile.seq_len, degrees=found.cp_degrees,
-        pruned=found.pruned_cp_bounds, at_cp1=estimate(replace(winner.strategy, cp=1), profile, cluster, compact=True)
-        if winner.strategy.cp > 1 else None)))
+        pruned=found.pruned_cp_bounds, at_cp1=_at_cp1(winner.strategy, profile, cluster))))
     provenance = _provenance(found, winner, profile, cluster, request, profile_path=profile_path, command=command,
                              t0=t0)
     s = winner.strategy
@@ -986,6 +985,16 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *
                 strategy=s, stage_ranks=tuple(s.stage_ranks(i) for i in range(s.n_stages)), prediction=winner.estimate,
                 alternatives=alternatives, candidates=_candidates(feasible + infeasible), rationale=rationale,
                 provenance=provenance)
+
+
+def _at_cp1(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> Estimate | None:
+    """The chosen strategy without context parallelism (whole sequences on dp x tp x pp devices; ZeRO off where
+    that leaves one data-parallel rank): what CP saves in memory, for the rationale. None when cp = 1."""
+    if s.cp == 1:
+        return None
+    whole = replace(s, cp=1, zero=s.zero if s.dp > 1 else 0,
+                    distributed_optimizer=s.distributed_optimizer and s.dp > 1)
+    return estimate(whole, profile, cluster, compact=True)
 
 
 def _at_tp1(s: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> Estimate | None:

@@ -172,7 +172,7 @@ def estimate_json(strategy, est, device: str) -> dict:
     derives rather than stores: the data-parallel bytes on the wire (a ring's 2(N-1)/N of the full buffer), and the
     warning when the MFU is above the best published for the device (records.published; None otherwise)."""
     data = {"strategy": strategy.to_dict(), **est.to_dict()}
-    data["comm"]["dp_wire_bytes_per_rank"] = dp_wire_bytes(est.comm.dp_collectives, strategy.dp)
+    data["comm"]["dp_wire_bytes_per_rank"] = dp_wire_bytes(est.comm.dp_collectives, strategy.dp * strategy.cp)
     data["implausible_mfu"] = implausible_mfu(est.mfu, device, strategy.precision)
     return data
 

@@ -80,11 +80,11 @@ class Strategy(Record):
         'PP4 1f1b x DP2 ZeRO-1, 16x1 +recompute 2/4' (m x mbs)."""
         if self.pp == 1:
             shape = (f"{self.tp_label} x " if self.tp > 1 and self.dp > 1 else self.tp_label if self.tp > 1 else "")
-            shape += f"{self.zero_label} dp={self.dp}" if self.dp > 1 or self.tp == 1 else ""
+            shape += f"{self.zero_label} dp={self.dp}" if self.dp * self.cp > 1 or self.tp == 1 else ""
         else:
             shape = (f"PP{self.pp} {self.schedule}" + (f" v={self.v}" if self.v > 1 else "")
                      + (f" x {self.tp_label}" if self.tp > 1 else "")
-                     + (f" x DP{self.dp} {self.zero_label}" if self.dp > 1 else ""))
+                     + (f" x DP{self.dp} {self.zero_label}" if self.dp * self.cp > 1 else ""))
         shape += f" EP{self.ep}" if self.ep > 1 else ""
         shape += f" CP{self.cp}" if self.cp > 1 else ""
         rec = sum(self.recompute) if self.recompute else 0
@@ -97,12 +97,14 @@ class Strategy(Record):
         tensor = "" if self.tp == 1 else f"{self.tp}-way tensor parallel" + (
             (" with sequence parallelism" + (" saving shards" if self.sp_save_shard else "")) if self.sp else "")
         if self.pp == 1:
-            shape = (f"{self.zero_label} over {self.dp} ranks" if self.dp > 1 else "") or tensor or "one device"
-            shape = f"{tensor} x {shape}" if tensor and self.dp > 1 else shape
+            # ZeRO shards over the dp x cp ranks (data_view)
+            ranks = self.dp * self.cp
+            shape = (f"{self.zero_label} over {ranks} ranks" if ranks > 1 else "") or tensor or "one device"
+            shape = f"{tensor} x {shape}" if tensor and ranks > 1 else shape
         else:
             shape = f"{self.pp}-stage {self.schedule}" + (f" (v={self.v})" if self.v > 1 else "")
             shape += f" x {tensor}" if tensor else ""
-            shape += f" x {self.dp}-way ZeRO-{self.zero}" if self.dp > 1 else ""
+            shape += f" x {self.dp * self.cp}-way ZeRO-{self.zero}" if self.dp * self.cp > 1 else ""
         shape += f", experts split {self.ep} ways" if self.ep > 1 else ""
         shape += f", each sequence split {self.cp} ways (context parallel)" if self.cp > 1 else ""
         rec = sum(self.recompute) if self.recompute else 0
