@@ -40,6 +40,7 @@ class CPContext:
     cp: int                # ranks in it
     index: int             # this rank's place in it
     seq_len: int           # tokens of a whole sequence
+    device: torch.device = torch.device("cpu")   # the rank's: positions are kept there (no copy per layer)
 
     @property
     def chunk(self) -> int:
@@ -52,8 +53,13 @@ class CPContext:
 
     def positions(self) -> torch.Tensor:
         """The global positions of this rank's seq_len / cp tokens."""
+        return self.placed_positions.cpu()
+
+    @functools.cached_property
+    def placed_positions(self) -> torch.Tensor:
+        """positions() on the rank's device, made once."""
         c = self.chunk
-        return torch.cat([torch.arange(g * c, (g + 1) * c) for g in self.chunks])
+        return torch.cat([torch.arange(g * c, (g + 1) * c) for g in self.chunks]).to(self.device)
 
     def split(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of `t` (whole sequences along `dim`): its two chunks, concatenated."""
@@ -72,7 +78,7 @@ class CPContext:
 
     def steps(self):
         """The span of a training step: forwards see this rank's global positions."""
-        return sequence_positions(self.positions())
+        return sequence_positions(self.placed_positions)
 
 
 def check_sequence(seq_len: int, cp: int) -> None:
@@ -166,7 +172,7 @@ def apply(model: nn.Module, held: list[nn.Module], cp: CPContext) -> int:
     model's rotary embeddings the tokens' global positions. Call before selective recompute wraps the same
     modules, so that its checkpoint keeps the gathered keys and values (its recompute then needs no collective).
     Returns the attention modules wrapped; one line where there are none."""
-    return _apply(model, held, functools.partial(attention, cp), cp.positions())
+    return _apply(model, held, functools.partial(attention, cp), cp.placed_positions)
 
 
 def check_model(model: nn.Module, cp: int, seq_len: int) -> None:
@@ -233,7 +239,7 @@ def _global_rotary(module: nn.Module, name: str, positions: torch.Tensor | None)
         ids = kwargs.get("position_ids", args[at] if len(args) > at else None)
         if ids is None or positions is None:
             return None
-        new = positions.to(ids.device).expand(ids.shape[0], -1)
+        new = (positions if positions.device == ids.device else positions.to(ids.device)).expand(ids.shape[0], -1)
         if "position_ids" in kwargs:
             return args, {**kwargs, "position_ids": new}
         return (*args[:at], new, *args[at + 1:]), kwargs

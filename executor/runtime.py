@@ -309,7 +309,7 @@ def _context_parallel(s: Strategy, dp_rank: int, device: torch.device, local_seq
     if local_seq <= 0:
         raise ConfigError("context parallelism needs an example micro-batch of token sequences (apply_plan's "
                           "example_input) to know the sequence it splits")
-    cp = CPContext(group=group, cp=s.cp, index=dp_rank % s.cp, seq_len=local_seq * s.cp)
+    cp = CPContext(group=group, cp=s.cp, index=dp_rank % s.cp, seq_len=local_seq * s.cp, device=device)
     cp.biases   # made here, outside any dispatch mode (CPContext.biases)
     context_parallel.apply(model, held, cp)
     return cp

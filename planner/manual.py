@@ -1,6 +1,7 @@
 """Build one Strategy from flags (what `planner estimate` evaluates): stages balanced by the exact chain DP."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -121,7 +122,9 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
     refusal = profile.pipeline_refusal
     if pp > 1 and refusal:
         raise ConfigError(f"--pp {pp}: {profile.name} cannot be pipelined: {refusal}; use --pp 1")
-    check_tp(profile, cluster, tp=tp, sp=r.sp, pp=pp)
+    # under CP a rank's sequence is seq_len / cp tokens, which sequence parallelism splits tp ways
+    check_tp(dataclasses.replace(profile, seq_len=profile.seq_len // cp) if cp > 1 else profile, cluster, tp=tp,
+             sp=r.sp, pp=pp)
     why = check_ep(profile, r.ep) or cp_refusal(profile, cp)
     if why:
         raise ConfigError(why)

@@ -23,7 +23,7 @@ def token_positions(seq_len: int, device: torch.device) -> torch.Tensor:
     pos = _POSITIONS
     if pos is None or pos.numel() != seq_len:
         return torch.arange(seq_len, device=device)
-    return pos.to(device)
+    return pos if pos.device == torch.device(device) else pos.to(device)
 
 
 @contextlib.contextmanager

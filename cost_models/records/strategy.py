@@ -79,7 +79,8 @@ class Strategy(Record):
         """Short label for tables: 'ZeRO-3 dp=8, 4x2', 'TP2+SP x ZeRO-1 dp=4, 4x2' or
         'PP4 1f1b x DP2 ZeRO-1, 16x1 +recompute 2/4' (m x mbs)."""
         if self.pp == 1:
-            shape = (f"{self.tp_label} x " if self.tp > 1 and self.dp > 1 else self.tp_label if self.tp > 1 else "")
+            shape = (f"{self.tp_label} x " if self.tp > 1 and self.dp * self.cp > 1 else self.tp_label if self.tp > 1
+                     else "")
             shape += f"{self.zero_label} dp={self.dp}" if self.dp * self.cp > 1 or self.tp == 1 else ""
         else:
             shape = (f"PP{self.pp} {self.schedule}" + (f" v={self.v}" if self.v > 1 else "")
