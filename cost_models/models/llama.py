@@ -35,7 +35,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
     """cos/sin of the rotary embedding (Su et al. 2021), rotate-half layout, shape (seq_len, head_dim), at the
     tokens' places in their sequence (positions.token_positions: under context parallelism, not 0 .. seq_len - 1)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(token_positions(seq_len, device).to(torch.float32), inv_freq)
+    angles = torch.outer(token_positions(seq_len, device, torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -17,13 +17,14 @@ import torch
 _POSITIONS: torch.Tensor | None = None
 
 
-def token_positions(seq_len: int, device: torch.device) -> torch.Tensor:
-    """The positions (int64, shape (seq_len,)) of a forward's `seq_len` tokens: 0 .. seq_len - 1 unless a step
-    set others (sequence_positions) for exactly that many tokens."""
+def token_positions(seq_len: int, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """The positions (shape (seq_len,), `dtype`) of a forward's `seq_len` tokens: 0 .. seq_len - 1 unless a step
+    set others (sequence_positions) for exactly that many tokens. Made in `dtype` directly: a cast would be one more
+    kernel in every attention's forward, which the profile counts."""
     pos = _POSITIONS
     if pos is None or pos.numel() != seq_len:
-        return torch.arange(seq_len, device=device)
-    return pos if pos.device == torch.device(device) else pos.to(device)
+        return torch.arange(seq_len, device=device, dtype=dtype)
+    return pos.to(device=device, dtype=dtype)
 
 
 @contextlib.contextmanager
