@@ -37,7 +37,6 @@ from cost_models.torch_compat.host import keep_freed_memory
 from executor.runtime import LossFn, ModelSpec, Runtime, build_runtime
 from executor.stages import UnitMap
 from executor.weights import check_weights, load_weights
-from executor.context_parallel import check_sequence
 from executor.zero import mixed_precision
 from planner.plan import Plan, check_plan
 
@@ -52,8 +51,8 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
     folder (config.json + safetensors) or a `planner run` checkpoint whose weights replace the model's own
     initialisation (each rank reads only what it holds), checked against the whole model first (missing tensors,
     shapes, integer/float dtypes, and tensors it has no place for: refused unless `allow_extra`, then a warning).
-    `example_input` is one micro-batch of model input (whole sequences: with context parallelism the rank's share
-    is taken; feed each step `rt.rank_batch(global inputs, global targets)`, the rank's sequences and tokens);
+    `example_input` is one micro-batch of model input (whole sequences, also under context parallelism; feed each
+    step `rt.rank_batch(global inputs, global targets)`, the rank's sequences and tokens);
     pipelines need it for their static shapes (default: token ids of the plan's micro-batch size and sequence
     length when the plan is a Plan whose model takes tokens). A bf16-mixed plan without a pipeline computes in
     bf16 on GPUs (FSDP2's MixedPrecisionPolicy or torch.autocast, in Runtime.step): build the model in fp32, its
@@ -73,9 +72,6 @@ def apply_plan(plan: Plan | Strategy | str | Path, model_fn: Callable[[], nn.Mod
         example_input = torch.zeros(strategy.micro_batch_size, plan.model.seq_len, dtype=torch.long)
     if example_input is None and strategy.n_stages > 1:
         raise ConfigError("apply_plan needs example_input (one micro-batch) to set up a pipeline's static shapes")
-    if example_input is not None and strategy.cp > 1:   # one micro-batch of this rank's tokens (rt.rank_batch)
-        check_sequence(example_input.shape[1], strategy.cp)
-        example_input = example_input.narrow(1, 0, example_input.shape[1] // strategy.cp)
     if init_from is not None:   # one line before any work if the weights do not fit the model
         with torch.device("meta"):
             whole = model_fn()

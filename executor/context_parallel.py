@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cost_models.cost.context_parallel import split_refusal
 from cost_models.models.positions import sequence_positions
 from cost_models.records.errors import ConfigError
 from executor.measure import comm_label
@@ -51,13 +52,9 @@ class CPContext:
         """The two chunks this rank holds, in the order its tokens are laid out."""
         return self.index, 2 * self.cp - 1 - self.index
 
-    def positions(self) -> torch.Tensor:
-        """The global positions of this rank's seq_len / cp tokens."""
-        return self.placed_positions.cpu()
-
     @functools.cached_property
     def placed_positions(self) -> torch.Tensor:
-        """positions() on the rank's device, made once."""
+        """The global positions of this rank's seq_len / cp tokens, on the rank's device, made once."""
         c = self.chunk
         return torch.cat([torch.arange(g * c, (g + 1) * c) for g in self.chunks]).to(self.device)
 
@@ -81,11 +78,20 @@ class CPContext:
         return sequence_positions(self.placed_positions)
 
 
-def check_sequence(seq_len: int, cp: int) -> None:
-    """One line where `seq_len` does not split into 2 x cp equal chunks."""
-    if cp > 1 and seq_len % (2 * cp):
-        raise ConfigError(f"context parallelism over {cp} ranks cuts each sequence into {2 * cp} equal chunks; "
-                          f"--seq-len {seq_len} is not a multiple of {2 * cp}")
+def rank_example(example: torch.Tensor | None, cp: int) -> tuple[torch.Tensor | None, int]:
+    """(one micro-batch of this rank's tokens of `example`, the whole sequence's length; 0 without one): under
+    context parallelism its first seq_len / cp tokens (their shape is what counts: stage shapes, checks), refused in
+    one line where there is no example or its sequence does not split (cost.context_parallel.split_refusal)."""
+    seq_len = example.shape[1] if example is not None and example.dim() > 1 else 0
+    if cp == 1:
+        return example, seq_len
+    why = split_refusal(seq_len, cp) if seq_len else (
+        "context parallelism needs an example micro-batch of token sequences (apply_plan's example_input) to know "
+        "the sequence it splits")
+    if why:
+        raise ConfigError(why)
+    assert example is not None   # seq_len > 0
+    return example.narrow(1, 0, seq_len // cp), seq_len
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -180,7 +186,9 @@ def check_model(model: nn.Module, cp: int, seq_len: int) -> None:
     its attention can be split (module doc), found when its next forward runs: each attention module's kernel calls
     are refused in one line unless causal without a mask, run whole here; rotary embeddings must take position_ids.
     The model's modules are changed for that forward: a model to check, not to train."""
-    check_sequence(seq_len, cp)
+    why = split_refusal(seq_len, cp)
+    if why:
+        raise ConfigError(why)
 
     def whole(q, k, v, **kwargs):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)

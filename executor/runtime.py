@@ -167,9 +167,8 @@ class Runtime:
             raise ConfigError(f"rank_batch takes whole sequences of the plan's {cp.seq_len} tokens; got "
                               f"{inputs.shape[1]}")
         per_replica = self.strategy.microbatches * self.strategy.micro_batch_size
-        replica = self.dp_rank // cp.cp if cp else self.dp_rank
-        x, y = inputs[replica * per_replica:(replica + 1) * per_replica], targets[
-            replica * per_replica:(replica + 1) * per_replica]
+        start = (self.dp_rank // cp.cp if cp else self.dp_rank) * per_replica
+        x, y = inputs[start:start + per_replica], targets[start:start + per_replica]
         return (cp.split(x), cp.split(y)) if cp else (x, y)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -237,7 +236,7 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     under FSDP2, no rank ever holds more than its shards. `compute`: mixed precision's compute dtype
     (executor.zero.mixed_precision; pp = 1 only). `preload(params, buffers, model)`: with expert parallelism,
     pretrained weights loaded into the whole model before this rank keeps its experts. With context parallelism
-    (strategy.cp > 1) the runtime runs its data_view, `example` being one micro-batch of this rank's tokens."""
+    (strategy.cp > 1) the runtime runs its data_view on this rank's tokens of `example` (whole sequences)."""
     s = strategy.data_view()
     _check_world(s)
     device = device or rank_device()
@@ -246,8 +245,8 @@ def build_runtime(strategy: Strategy, spec: ModelSpec, *, loss_fn: LossFn, optim
     own = takes_targets(meta)
     support = pipeline_support(meta, [(u, spec.units.names(u)) for st in s.stages for u in st]) if s.pp > 1 else ""
     check_covers_model(meta, s.stages, spec.units, model_level=s.pp == 1 or support == "traced")
-    seq_len = example.shape[1] if example is not None and example.dim() > 1 else 0
-    tensor_parallel.check_tp(meta, s.tp, sp=s.sp, seq_len=seq_len, rules=spec.tp_rules, pp=s.pp)
+    example, seq_len = context_parallel.rank_example(example, strategy.cp)
+    tensor_parallel.check_tp(meta, s.tp, sp=s.sp, seq_len=seq_len // strategy.cp, rules=spec.tp_rules, pp=s.pp)
     stage_io = _stage_io(meta, s, spec.units, support, example, own)
     ties = tied_params(meta, s.stages, s.stage_rank, spec.units)
     # the schedule registry's guards; the planner never plans these
@@ -296,7 +295,7 @@ def _stage_io(meta: nn.Module, s: Strategy, units: UnitMap, support: str, exampl
     return tensor_parallel.sequence_sharded_io(stage_io, s.tp) if s.sp else stage_io
 
 
-def _context_parallel(s: Strategy, dp_rank: int, device: torch.device, local_seq: int, model: nn.Module,
+def _context_parallel(s: Strategy, dp_rank: int, device: torch.device, seq_len: int, model: nn.Module,
                       held: list[nn.Module]) -> CPContext:
     """This rank's CP group on the (pp, dp, cp, tp) mesh: the cp consecutive data ranks of data_view's dp x cp
     that hold the same sequences (torchtitan's order: cp inside the data-parallel ranks, tp innermost); the held
@@ -306,10 +305,7 @@ def _context_parallel(s: Strategy, dp_rank: int, device: torch.device, local_seq
         device.type, (s.pp, s.dp, s.cp, s.tp), mesh_dim_names=("pp", "cdp", "cp", "tp")))
     group = mesh["cp"].get_group()
     set_group_timeout(group, default_group_timeout(device))
-    if local_seq <= 0:
-        raise ConfigError("context parallelism needs an example micro-batch of token sequences (apply_plan's "
-                          "example_input) to know the sequence it splits")
-    cp = CPContext(group=group, cp=s.cp, index=dp_rank % s.cp, seq_len=local_seq * s.cp, device=device)
+    cp = CPContext(group=group, cp=s.cp, index=dp_rank % s.cp, seq_len=seq_len, device=device)
     cp.biases   # made here, outside any dispatch mode (CPContext.biases)
     context_parallel.apply(model, held, cp)
     return cp

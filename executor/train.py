@@ -147,8 +147,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
     # expert parallelism loads the whole model's weights before it keeps this rank's experts (build_runtime)
     load = functools.partial(_load_init, cfg) if loading else None
     rt = build_runtime(strategy, spec, loss_fn=_loss_fn(cfg, loss), optimizer_fn=optimizer_for(strategy, cfg.lr),
-                       example=example.narrow(1, 0, cfg.seq_len // strategy.cp) if strategy.cp > 1 else example,
-                       seed=cfg.seed, device=device,
+                       example=example, seed=cfg.seed, device=device,
                        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                        loading=loading and strategy.ep == 1, preload=load if strategy.ep > 1 else None,
                        builtin_cross_entropy=loss == "cross_entropy" and not cfg.loss_fn,

@@ -270,7 +270,7 @@ def _wanted(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tens
 def _stack_views(name: str, t: torch.Tensor, pieces: list[tuple[str, StackedPiece]], saved: dict,
                  folder: Path) -> dict[str, torch.Tensor]:
     """{file key: the view of `t` that piece fills} for the pieces of the rows (experts) this rank holds of `t`:
-    row `index`, and of it the `part`-th run of dimension 1 (gate before up, in the converter's order)."""
+    row `row`, and of it the `part`-th run of dimension 1 (gate before up, in the converter's order)."""
     try:
         local, first = local_rows(t)
     except ValueError:

@@ -18,7 +18,7 @@ from cost_models.records.limits import check_global_batch, check_gpus, check_mic
 from cost_models.records.precision import Optimizer, Precision
 from cost_models.records.profile import ModelProfile
 from cost_models.records.schedule import DEFAULT_SCHEDULE
-from cost_models.records.strategy import Strategy, check_tp_degree, tp_node_refusal
+from cost_models.records.strategy import Strategy, check_cp_degree, check_tp_degree, tp_node_refusal
 from cost_models.records.validate import validate_cluster
 from planner.partition import balanced_partition, stages_from_ranges
 from planner.plan import Plan, Provenance, installed_versions, model_ref, profile_digest
@@ -106,13 +106,12 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
     r = request
     dp, pp, tp, v, microbatches, precision = r.dp, r.pp, r.tp, r.v, r.microbatches, r.precision
     mbs = profile.micro_batch_size if r.micro_batch_size is None else r.micro_batch_size
-    if dp < 1 or pp < 1 or tp < 1 or v < 1 or microbatches < 1 or mbs < 1:
-        raise ConfigError("--dp, --pp, --tp, --v, --microbatches and --micro-batch-size must be >= 1")
+    cp = r.cp
+    if dp < 1 or pp < 1 or tp < 1 or cp < 1 or v < 1 or microbatches < 1 or mbs < 1:
+        raise ConfigError("--dp, --pp, --tp, --cp, --v, --microbatches and --micro-batch-size must be >= 1")
+    check_cp_degree(cp)
     # the caps of cost_models/records/limits.py, checked on the flags before any work sized by them
     check_gpus(dp, "--dp")
-    cp = r.cp
-    if cp < 1:
-        raise ConfigError(f"--cp must be >= 1, got {cp}")
     check_gpus(dp * cp * pp * tp, "--dp x --cp x --tp x --pp =")
     check_microbatches(microbatches)
     check_global_batch(dp * microbatches * mbs, "--dp x --microbatches x --micro-batch-size =")

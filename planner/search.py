@@ -40,10 +40,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence, cast
 
-from cost_models.cost.comm import collective_time
+from cost_models.cost.comm import collective_time, group_ranks_per_node
 from cost_models.cost.compute import executed_precision
 from cost_models.cost.context_parallel import cp_view
-from cost_models.cost.estimate import (Estimate, activation_scale, dp_ranks_per_node, dtype_ratio, estimate,
+from cost_models.cost.estimate import (Estimate, activation_scale, dtype_ratio, estimate,
                                        held_params, optimizer_seconds, saved_bytes, unit_costs, unit_seconds)
 from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_parts, zero_model_state_bytes
 from cost_models.cost.moe import check_ep
@@ -536,7 +536,7 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     if pt.dp == 1 or (pt.pp == 1 and pt.zero != 1) or pt.distributed_optimizer:   # the latter: hidden at best
         return 0.0
     p_b, g_b, _ = BYTES_PER_PARAM[(req.precision, req.optimizer)]
-    rpn = dp_ranks_per_node(cluster, dp=pt.dp, tp=pt.tp)
+    rpn = group_ranks_per_node(cluster, n=pt.dp, stride=pt.tp)
 
     def coll(op: str, size: float) -> float:   # the lesser of the two fits (CollectiveFit.predict): a bound
         return min(collective_time(cluster, op, size, pt.dp, ranks_per_node=rpn, back_to_back=b)

@@ -126,23 +126,22 @@ MIN_CP_CHUNK = 1_024
 
 
 def cp_degrees(profile, gpus: int, *, degrees: Sequence[int] | None = None) -> tuple[int, ...]:
-    """The context-parallel degrees searched: `degrees` (a request's) where given, each checked (a power of two
-    whose 2 x cp chunks divide the sequence; cost.context_parallel.cp_refusal); else 1, and from LONG_SEQUENCE
-    tokens on every power of two up to the GPUs whose chunks divide the sequence and hold MIN_CP_CHUNK tokens or
-    more. A model with routed experts gets 1 (CP with EP is not built)."""
+    """The context-parallel degrees searched: `degrees` (a request's) where given, each checked (its 2 x cp chunks
+    divide the sequence: cost.context_parallel.cp_refusal); else 1, and from LONG_SEQUENCE tokens on every power of
+    two up to the GPUs that cp_refusal lets through and whose chunks hold MIN_CP_CHUNK tokens or more. Mixtures of
+    experts are not split (CP with their expert parallelism, or in their blocks, is not built)."""
     from cost_models.cost.context_parallel import cp_refusal
+    for cp in degrees or ():
+        why = cp_refusal(profile, cp) or ("context parallelism of mixture-of-experts models is not built yet"
+                                          if cp > 1 and profile.experts else None)
+        if why:
+            raise ConfigError(f"--cp {cp}: {why}")
     if degrees is not None:
-        for cp in degrees:
-            why = cp_refusal(profile, cp) or ("context parallelism with expert parallelism is not built yet"
-                                              if cp > 1 and profile.experts else None)
-            if why:
-                raise ConfigError(f"--cp {cp}: {why}")
         return tuple(degrees)
     out = [1]
     cp = 2
-    seq = profile.seq_len
-    while (not profile.experts and seq >= LONG_SEQUENCE and cp <= gpus and seq % (2 * cp) == 0
-           and seq // (2 * cp) >= MIN_CP_CHUNK and cp_refusal(profile, cp) is None):
+    while (not profile.experts and profile.seq_len >= LONG_SEQUENCE and cp <= gpus
+           and profile.seq_len // (2 * cp) >= MIN_CP_CHUNK and cp_refusal(profile, cp) is None):
         out.append(cp)
         cp *= 2
     return tuple(out)

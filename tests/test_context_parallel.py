@@ -31,7 +31,7 @@ def test_each_rank_holds_two_chunks_that_balance_causal_work_and_tile_the_sequen
     parts = [CPContext(group=None, cp=cp, index=i, seq_len=seq) for i in range(cp)]
     held = [p.split(tokens)[0] for p in parts]
     assert sorted(torch.cat(held).tolist()) == list(range(seq))   # every token once
-    assert all(torch.equal(h, p.positions()) for h, p in zip(held, parts))   # rotary sees the global places
+    assert all(torch.equal(h, p.placed_positions) for h, p in zip(held, parts))   # rotary sees the global places
     # causal work: a token at position t attends t + 1 keys; every rank's sum is the same
     assert len({int((h + 1).sum()) for h in held}) == 1
 

@@ -60,6 +60,8 @@ alone would all-reduce per linear: Llama's wq, wk, wv three times).
 """
 from __future__ import annotations
 
+import math
+
 import functools
 
 from cost_models.records.cluster import ClusterProfile, LinkSpec
@@ -137,6 +139,21 @@ def _phase(cluster: ClusterProfile, op: str, size_bytes: float, n: int, scope: s
         return fit.predict(size_bytes, back_to_back=back_to_back)
     link = cluster.inter_node if scope == "inter" and cluster.inter_node else cluster.intra_node
     return ring_phase(link, size_bytes, n)
+
+
+def group_ranks_per_node(cluster: ClusterProfile, *, n: int, stride: int) -> int | None:
+    """The ranks_per_node collective_time is given for a group of n data ranks `stride` apart on the mesh (pp, dp,
+    tp) (a dp group: stride tp; an expert- or context-parallel group, n consecutive data ranks: stride tp; the
+    experts' data-parallel group: stride ep x tp): a node holds devices_per_node / stride of them; None where the
+    group fits in a node. The planner's data-parallel bound places a group so too (planner.search._dp_bound)."""
+    per_node = max(1, cluster.devices_per_node // stride)
+    return math.gcd(n, per_node) if n > per_node else None
+
+
+def group_link(cluster: ClusterProfile, *, n: int, stride: int) -> str:
+    """The link a group (group_ranks_per_node) spans: "none" for one rank, "intra-node" or "inter-node"."""
+    return ("none" if n == 1 else "intra-node" if group_ranks_per_node(cluster, n=n, stride=stride) is None
+            else "inter-node")
 
 
 def collective_time(cluster: ClusterProfile, op: str, size_bytes: float, n: int, *,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cost_models.cost.comm import collective_time
+from cost_models.cost.comm import collective_time, group_ranks_per_node
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.profile import ModelProfile, UnitProfile
 
@@ -43,17 +43,24 @@ class CPUnitCost:
 
 
 def cp_refusal(profile: ModelProfile, cp: int) -> str | None:
-    """Why `profile` cannot be planned with context parallelism over cp ranks, or None."""
+    """Why `profile` cannot be planned with context parallelism over cp ranks (a power of two:
+    strategy.check_cp_degree), or None."""
     if cp == 1:
         return None
-    if cp < 1 or cp & (cp - 1):
-        return f"--cp must be a power of two (it splits each sequence into 2 x cp chunks), got {cp}"
-    if profile.seq_len % (2 * cp):
-        return (f"context parallelism over {cp} ranks cuts each sequence into {2 * cp} equal chunks; the profile's "
-                f"--seq-len {profile.seq_len} is not a multiple of {2 * cp}")
+    why = split_refusal(profile.seq_len, cp)
+    if why:
+        return why
     if not any(u.tp is not None and u.tp.core_kv_bytes for u in profile.units):
         return (f"{profile.name}'s profile records no attention kernel (scaled_dot_product_attention) whose keys and "
                 f"values context parallelism could gather; profile it again, or plan it with cp = 1")
+    return None
+
+
+def split_refusal(seq_len: int, cp: int) -> str | None:
+    """Why a sequence of `seq_len` tokens does not split into 2 x cp equal chunks, or None."""
+    if cp > 1 and seq_len % (2 * cp):
+        return (f"context parallelism over {cp} ranks cuts each sequence into {2 * cp} equal chunks; --seq-len "
+                f"{seq_len} is not a multiple of {2 * cp}")
     return None
 
 
@@ -82,13 +89,6 @@ def cp_origin(profile: ModelProfile) -> ModelProfile:
     return hit[1] if hit is not None and hit[0] is profile else profile
 
 
-def cp_ranks_per_node(cluster: ClusterProfile, *, cp: int, tp: int) -> int | None:
-    """ranks_per_node of a CP group (cp consecutive data ranks, each tp apart): a node holds devices_per_node / tp
-    of them; None where the group fits in a node."""
-    per_node = max(1, cluster.devices_per_node // tp)
-    return per_node if cp > per_node else None
-
-
 def cp_unit(u: UnitProfile, cluster: ClusterProfile, *, cp: int, tp: int, act_scale: float,
             recompute: bool) -> CPUnitCost:
     """CP's collectives and kept keys and values for one micro-batch through unit `u` (module doc). `act_scale`
@@ -97,11 +97,7 @@ def cp_unit(u: UnitProfile, cluster: ClusterProfile, *, cp: int, tp: int, act_sc
     if cp == 1 or not kv:
         return CPUnitCost()
     full = kv * cp * act_scale / tp    # keys + values of whole sequences, this rank's heads
-    rpn = cp_ranks_per_node(cluster, cp=cp, tp=tp)
+    rpn = group_ranks_per_node(cluster, n=cp, stride=tp)   # cp consecutive data ranks
     fwd = 2 * collective_time(cluster, "all_gather", full / 2, cp, ranks_per_node=rpn)
     bwd = 2 * collective_time(cluster, "reduce_scatter", full / 2, cp, ranks_per_node=rpn)
     return CPUnitCost(fwd_s=fwd, bwd_s=bwd, kept=(cp - 1) * kv / tp, bytes=full * (3 if recompute else 2))
-
-
-def cp_link(cluster: ClusterProfile, *, cp: int, tp: int) -> str:
-    return "none" if cp == 1 else "intra-node" if cp_ranks_per_node(cluster, cp=cp, tp=tp) is None else "inter-node"

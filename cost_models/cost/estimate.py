@@ -40,13 +40,13 @@ import dataclasses
 import math
 from typing import Protocol, Sequence
 
-from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, linearized, overlapped_exposure, p2p_time,
-                                   sp_norm_grad_traffic, tp_unit_traffic)
+from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, group_link, group_ranks_per_node, linearized,
+                                   overlapped_exposure, p2p_time, sp_norm_grad_traffic, tp_unit_traffic)
 from cost_models.cost.compute import (compute_dtype, compute_source, executed_dtype, executed_precision,
                                       optimizer_step_time, priced_by_kind, tp_unit_times, unit_times)
-from cost_models.cost.context_parallel import cp_link, cp_origin, cp_refusal, cp_unit, cp_view
+from cost_models.cost.context_parallel import cp_origin, cp_refusal, cp_unit, cp_view
 from cost_models.cost.kernels import work_seconds
-from cost_models.cost.moe import all_to_all_time, check_ep, dispatch_bytes, ep_ranks_per_node, ep_work, imbalance
+from cost_models.cost.moe import all_to_all_time, check_ep, dispatch_bytes, ep_work, imbalance
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
                                      held_bytes_per_param, overhead_bytes, saved_at, torch_mixed, tp_param_share,
                                      tp_saved_bytes, zero1_partition)
@@ -430,7 +430,7 @@ def _ep_unit(c: _Context, u: UnitProfile, f: float, b: float, kept: float,
         b += b * extra * (m.routed_bwd_flops / u.bwd_flops if u.bwd_flops else 0.0)
     size = dispatch_bytes(m, scale=s.micro_batch_size / c.profile.micro_batch_size,
                           elem_bytes=DTYPE_BYTES[compute_dtype(s.precision)])
-    rpn = ep_ranks_per_node(c.cluster, ep=s.ep, tp=s.tp)
+    rpn = group_ranks_per_node(c.cluster, n=s.ep, stride=s.tp)
     # each forward first exchanges the token counts per expert (an int64 each), then dispatches and combines
     counts = m.blocks * m.experts * 8
     fwd = all_to_all_time(c.cluster, counts, s.ep, ranks_per_node=rpn) + 2 * all_to_all_time(
@@ -627,7 +627,7 @@ def _dp_coll(c: _Context) -> CollFn:
     """collective_time over the strategy's dp group: its ranks are tp apart (mesh (pp, dp, tp)), so a node holds
     devices_per_node / tp of them."""
     s, cluster = c.s, c.cluster
-    dp_rpn = dp_ranks_per_node(cluster, dp=s.dp, tp=s.tp)
+    dp_rpn = group_ranks_per_node(cluster, n=s.dp, stride=s.tp)
 
     def coll(op: str, size: float, back_to_back: bool = False) -> float:
         return collective_time(cluster, op, size, s.dp, ranks_per_node=dp_rpn, back_to_back=back_to_back)
@@ -639,19 +639,11 @@ def _expert_coll(c: _Context) -> CollFn:
     ep x tp apart (cost.moe)."""
     s, cluster = c.s, c.cluster
     n = s.dp // s.ep
-    rpn = dp_ranks_per_node(cluster, dp=n, tp=s.tp * s.ep)   # placed as a dp group of stride ep x tp
+    rpn = group_ranks_per_node(cluster, n=n, stride=s.tp * s.ep)
 
     def coll(op: str, size: float, back_to_back: bool = False) -> float:
         return collective_time(cluster, op, size, n, ranks_per_node=rpn, back_to_back=back_to_back)
     return coll
-
-
-def dp_ranks_per_node(cluster: ClusterProfile, *, dp: int, tp: int) -> int | None:
-    """The ranks_per_node collective_time is given for a dp group (_dp_coll): its ranks are tp apart (mesh (pp,
-    dp, tp)), so a node holds devices_per_node / tp of them; None where the group fits in a node. The planner's
-    data-parallel bound places the group so too (planner.search._dp_bound)."""
-    per_node = max(1, cluster.devices_per_node // tp)
-    return math.gcd(dp, per_node) if dp > per_node else None
 
 
 def _p2p_times(c: _Context, sid: int, boundary: float, stage_input: float) -> tuple[float, float]:
@@ -864,14 +856,13 @@ def _comm_volume(c: _Context, stages: tuple[StageEstimate, ...], dp_bytes: dict[
     dp_link = "inter-node" if s.ranks_per_stage > cluster.devices_per_node else "intra-node"
     tp_bytes = _tp_step_bytes(s, stages, 0)
     tp_link = "none" if s.tp == 1 else "intra-node" if s.tp <= cluster.devices_per_node else "inter-node"
-    ep_link = ("none" if s.ep == 1 else "intra-node" if ep_ranks_per_node(cluster, ep=s.ep, tp=s.tp) is None
-               else "inter-node")
     return CommVolume(p2p_bytes_per_step=p2p_bytes, dp_bytes_per_rank=sum(dp_bytes.values()), dp_collectives=dp_bytes,
                       p2p_link=p2p_link, dp_link=dp_link, tp_bytes_per_rank=sum(tp_bytes.values()),
-                      tp_collectives=tp_bytes, tp_link=tp_link, ep_link=ep_link,
+                      tp_collectives=tp_bytes, tp_link=tp_link,
+                      ep_link=group_link(cluster, n=s.ep, stride=s.tp),
                       ep_bytes_per_rank=s.microbatches * sum(st.ep_bytes for st in stages) / s.pp,
                       cp_bytes_per_rank=s.microbatches * sum(st.cp_bytes for st in stages) / s.pp,
-                      cp_link=cp_link(cluster, cp=c.cp, tp=s.tp))
+                      cp_link=group_link(cluster, n=c.cp, stride=s.tp))
 
 
 def _tp_step_bytes(s: Strategy, stages: tuple[StageEstimate, ...], pp_rank: int) -> dict[str, float]:

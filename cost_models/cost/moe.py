@@ -89,13 +89,6 @@ def dispatch_bytes(u: MoEUnit, *, scale: float, elem_bytes: int) -> float:
     return u.blocks * u.tokens * scale * u.top_k * u.hidden * elem_bytes
 
 
-def ep_ranks_per_node(cluster: ClusterProfile, *, ep: int, tp: int) -> int | None:
-    """ranks_per_node of an EP group (ep consecutive dp ranks, each tp apart): a node holds devices_per_node / tp
-    of them; None where the group fits in a node."""
-    per_node = max(1, cluster.devices_per_node // tp)
-    return per_node if ep > per_node else None
-
-
 def all_to_all_time(cluster: ClusterProfile, size_bytes: float, n: int, *, ranks_per_node: int | None) -> float:
     """Seconds of one all-to-all over n ranks, S = the full buffer per rank (module doc). The probe's fit for this
     group where it measured one; else from the links: (g-1)/n x S inside the node on its links and (n-g)/n x S

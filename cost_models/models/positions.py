@@ -19,11 +19,13 @@ _POSITIONS: torch.Tensor | None = None
 
 def token_positions(seq_len: int, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """The positions (shape (seq_len,), `dtype`) of a forward's `seq_len` tokens: 0 .. seq_len - 1 unless a step
-    set others (sequence_positions) for exactly that many tokens. Made in `dtype` directly: a cast would be one more
-    kernel in every attention's forward, which the profile counts."""
+    set others (sequence_positions), which every forward inside it sees. Made in `dtype` directly: a cast would be
+    one more kernel in every attention's forward, which the profile counts."""
     pos = _POSITIONS
-    if pos is None or pos.numel() != seq_len:
+    if pos is None:
         return torch.arange(seq_len, device=device, dtype=dtype)
+    if pos.numel() != seq_len:
+        raise ValueError(f"a forward of {seq_len} tokens inside a step whose tokens are {pos.numel()}")
     return pos.to(device=device, dtype=dtype)
 
 

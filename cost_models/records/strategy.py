@@ -229,9 +229,7 @@ class Strategy(Record):
         spec = get_spec(self.schedule)   # an unknown name is a one-line ConfigError
         if self.zero > 0 and self.dp * self.cp == 1:
             raise ConfigError(f"ZeRO-{self.zero} shards over data parallel ranks; with --dp 1 use --zero 0")
-        if self.cp & (self.cp - 1):
-            raise ConfigError(f"--cp must be a power of two (it splits each sequence into 2 x cp chunks), got "
-                              f"{self.cp}")
+        check_cp_degree(self.cp)
         if self.cp > 1 and self.ep > 1:
             raise ConfigError("context parallelism with expert parallelism is not built yet; plan one of --cp and "
                               "--ep")
@@ -280,6 +278,12 @@ def priced_digest(s: Strategy, *, model: str, source: str, seq_len: int, units: 
     fields = {k: v for k, v in s.to_dict().items() if k not in defaults or getattr(s, k) != defaults[k]}
     text = json.dumps({"strategy": fields, "model": [model, source, seq_len, list(units)]}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_cp_degree(cp: int) -> None:
+    """The context-parallel degree alone: a power of two (each sequence is cut into 2 x cp chunks)."""
+    if cp < 1 or cp & (cp - 1):
+        raise ConfigError(f"--cp must be a power of two (it splits each sequence into 2 x cp chunks), got {cp}")
 
 
 def check_tp_degree(tp: int, sp: bool) -> None:
