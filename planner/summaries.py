@@ -60,9 +60,15 @@ def profile_load_line(profile: ModelProfile) -> str | None:
     if not profile.load_1min or not profile.cpus:
         return None
     lo, hi = min(profile.load_1min), max(profile.load_1min)
-    verdict = ("more runnable work than CPUs: the unit times include waiting for a core, and every step predicted "
-               "from them with it; re-profile on a quieter machine or `planner calibrate` from a run"
-               if profile_loaded(profile) else "below the CPU count")
+    if not profile_loaded(profile):
+        verdict = "below the CPU count"
+    elif profile.clock == "thread-cpu":
+        verdict = ("more runnable work than CPUs: the units were timed by their thread's CPU time, which leaves out "
+                   "waiting for a core (the cores' sharing with other programs is priced from the cluster probe); "
+                   "to check the prediction, `planner calibrate` from a run")
+    else:
+        verdict = ("more runnable work than CPUs: the unit times include waiting for a core, and every step "
+                   "predicted from them with it; re-profile on a quieter machine or `planner calibrate` from a run")
     return (f"machine load while timing the units (1-minute average): {lo:.1f} to {hi:.1f} on {profile.cpus} CPUs; "
             f"{verdict}")
 

@@ -103,3 +103,29 @@ def test_other_programs_runnable_beside_the_probe_share_the_cores():
     assert effective_cores(loaded, 4) == pytest.approx(2 * 4 / 6)
     assert contention(loaded, 4) == pytest.approx(3.0) and contention(loaded, 1) == pytest.approx(1.5)
     assert runnable_tasks("3.95 4.10 2.00 5/612 90210\n") == 5 and runnable_tasks("garbage") is None
+
+
+def test_profiles_time_one_cpu_thread_by_its_cpu_time_and_the_probe_prices_the_load_that_lasted():
+    """host.work_clock: one torch thread on CPU is timed by the thread's CPU time, which does not advance while the
+    thread waits (here: sleeps; under load: waits for a core), so other programs' tasks do not enter the unit times;
+    wall time with more threads or on a GPU. The probe counts other programs' tasks before and after its ranks and
+    prices the lesser, saying so when they differ."""
+    import time
+
+    from cost_models.profiling.cluster_probe import _cpu_notes
+    from cost_models.records.cluster import ComputeProbe
+    from cost_models.torch_compat.host import work_clock, work_clock_name
+    cpu_clock = work_clock(on_cpu=True, threads=1)
+    assert cpu_clock is time.thread_time and work_clock(on_cpu=True, threads=2) is time.perf_counter
+    assert work_clock(on_cpu=False, threads=1) is time.perf_counter
+    assert [work_clock_name(on_cpu=c, threads=t) for c, t in ((True, 1), (True, 4), (False, 1))] == [
+        "thread-cpu", "wall", "wall"]
+    t0, w0 = cpu_clock(), time.perf_counter()
+    time.sleep(0.3)
+    assert time.perf_counter() - w0 >= 0.3 and cpu_clock() - t0 < 0.15
+    probe = ComputeProbe(dtype="fp32", matmul_n=512, ranks=4, threads_per_rank=1, flops_per_rank=1e9,
+                         flops_alone=2e9, host_cores=2, background_runnable=2.0)
+    notes = _cpu_notes(probe, 4, 2**30, seen=(4.0, 2.0))
+    assert notes[-1] == ("other programs' runnable tasks changed during the probe (4 before, 2 after): the 2 that "
+                         "lasted are priced")
+    assert not any("changed" in n for n in _cpu_notes(probe, 4, 2**30, seen=(2.0, 2.0)))

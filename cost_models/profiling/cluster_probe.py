@@ -360,15 +360,17 @@ def run_local_probe(ranks: int, cfg: ProbeConfig) -> dict[str, Any]:
 
     if ranks < 1:
         raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-    background = background_runnable()   # before the ranks start: only other programs' tasks
+    before = background_runnable()   # before the ranks start and after they end: only other programs' tasks
     try:
         with elastic_job("probe", ranks) as (config, _):
             results = elastic_launch(config, probe_worker)(cfg.to_dict())
     except ChildFailedError as exc:
         rank, line = root_failure(exc)
         raise ProfileError(f"the cluster probe failed on rank {rank}: {line}") from None
-    return {**results[0], "background_runnable": background, "host_cores": len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)}
+    # the load that lasted through the probe: one that ended while it ran (or started after) is not the machine's
+    after = background_runnable()
+    return {**results[0], "background_runnable": min(before, after), "background_seen": (before, after),
+            "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)}
 
 
 def _fits(raw: list[dict[str, Any]]) -> list[CollectiveFit]:
@@ -420,7 +422,7 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
                             source="measured: matmul rate of one rank while all ranks run (no datasheet peak)",
                             memory_bandwidth_Bps=compute.copy_Bps)
         if not gpu:
-            notes.extend(_cpu_notes(compute, local_world, mem))
+            notes.extend(_cpu_notes(compute, local_world, mem, seen=tuple(raw.get("background_seen", ()))))
     links = {}
     for scope in ("intra", "inter"):
         p2p = next((f for f in fits if f.op == "send_recv" and f.scope == scope), None)
@@ -446,8 +448,9 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
                           topology=topology, compute=compute, backend=raw["backend"], notes=tuple(notes))
 
 
-def _cpu_notes(compute: ComputeProbe, local_world: int, mem: int) -> list[str]:
-    """What CPU ranks share: the host's cores and memory, and other programs' runnable tasks."""
+def _cpu_notes(compute: ComputeProbe, local_world: int, mem: int, *, seen: tuple[float, ...] = ()) -> list[str]:
+    """What CPU ranks share: the host's cores and memory, and other programs' runnable tasks (`seen`: counted
+    before and after the probe; the lesser is priced)."""
     notes = [f"CPU ranks: {local_world} ranks share {os.cpu_count()} cores and "
              f"{fixed(psutil.virtual_memory().total, 'GiB', 1)}; each rank gets "
              f"{fixed(compute.flops_per_rank, 'GFLOP/s', 1)} ({compute.dtype} matmul, all ranks busy; "
@@ -455,6 +458,9 @@ def _cpu_notes(compute: ComputeProbe, local_world: int, mem: int) -> list[str]:
     if compute.background_runnable > 0:
         notes.append(f"other programs: {compute.background_runnable:g} runnable task(s) beside the probe, priced as "
                      f"sharing the cores with the ranks (a plan's step time includes them)")
+    if len(seen) == 2 and seen[0] != seen[1]:
+        notes.append(f"other programs' runnable tasks changed during the probe ({seen[0]:g} before, {seen[1]:g} "
+                     f"after): the {min(seen):g} that lasted are priced")
     return notes
 
 

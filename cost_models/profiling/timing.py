@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
-import time
 from typing import Callable
 
 import torch
@@ -19,6 +18,7 @@ from cost_models.profiling.progress import Progress
 from cost_models.profiling.tensors import backward_roots, fresh, one_sample
 from cost_models.profiling.units import Capture
 from cost_models.records.profile import Timing
+from cost_models.torch_compat.host import work_clock
 
 
 def _sync() -> None:
@@ -29,19 +29,23 @@ def _sync() -> None:
 
 def _time_module(module: nn.Module, captured, loss: str | None, target, warmup: int,
                  repeats: int, tick: Callable[[], None]) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds of each repeat after `warmup` untimed runs; `tick()` after every run."""
+    """Forward and backward seconds of each repeat after `warmup` untimed runs, by host.work_clock (on CPU, this
+    thread's CPU time: under load the whole model's repeats, several scheduler slices long, waited for a core
+    where a block's rarely did, and a median in_model_factor moved from 1.02 to 0.92 and to 2.8 under two busy
+    loops: benchmarks/results/measurements.md, "Profiles under load"); `tick()` after every run."""
     fwd, bwd = [], []
+    clock = work_clock(on_cpu=not torch.cuda.is_initialized(), threads=torch.get_num_threads())
     for i in range(warmup + repeats):
         args, kwargs = fresh(captured)
         _sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         roots = backward_roots(module(*args, **kwargs), loss, target)
         _sync()
-        t1 = time.perf_counter()
+        t1 = clock()
         if roots:
             torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
         _sync()
-        t2 = time.perf_counter()
+        t2 = clock()
         module.zero_grad(set_to_none=True)
         if i >= warmup:
             fwd.append(t1 - t0)
@@ -81,7 +85,8 @@ def time_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_un
     notes = pool_identical(model, results_by_unit, capture, last=last, batch=batch, repeats=repeats)
     _repeat_times(results_by_unit, capture.calls)
     progress.unit("timing the whole model")
-    return _in_model_factor(model, inputs, results_by_unit, loss=loss, warmup=warmup, repeats=repeats), notes
+    return _in_model_factor(model, inputs, results_by_unit, capture, loss=loss, last=last, warmup=warmup,
+                            repeats=repeats), notes
 
 
 def _repeat_times(results_by_unit: UnitResults, calls: dict[str, int]) -> None:
@@ -161,16 +166,30 @@ def _interleaved(model: nn.Module, units: list, capture: Capture, *, batch: int,
     return pooled
 
 
-def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_unit: UnitResults, *,
-                     loss: str, warmup: int, repeats: int) -> float:
-    """The whole model's forward, loss and backward, timed end to end (median of repeats), over the sum of its
-    units' medians (ModelProfile.in_model_factor). 1.0 where the model's output is neither a tensor nor has
-    .logits (no loss to take here)."""
+def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_unit: UnitResults,
+                     capture: Capture, *, loss: str, last: str, warmup: int, repeats: int) -> float:
+    """The whole model's forward, loss and backward, timed end to end, over the sum of its modules' times
+    (ModelProfile.in_model_factor): the median over `repeats` rounds (after one untimed round) of one run of the
+    whole model then one of each module, so both sides of each ratio meet the machine in the same state. A ratio
+    of the whole model timed after every unit had been moved by the machine's drift, which changed the same
+    single-threaded work's time by up to x1.7 within a minute here (benchmarks/results/measurements.md, "Profiles
+    under load"). A module the forward runs k times counts k times (_repeat_times). 1.0 where the model's output
+    is neither a tensor nor has .logits (no loss to take here)."""
     target = results_by_unit[-1][2][-1].target
-    units_s = sum(statistics.median(r.fwd_times) + statistics.median(r.bwd_times)
-                  for _, _, results in results_by_unit for r in results)
-    whole = _whole_model_seconds(model, inputs, target, loss=loss, warmup=warmup, repeats=repeats)
-    return whole / units_s if whole and units_s > 0 else 1.0
+    if _whole_model_seconds(model, inputs, target, loss=loss, warmup=warmup, repeats=1) is None:
+        return 1.0
+    ratios = []
+    for round_ in range(repeats + 1):   # round 0: untimed
+        whole = _whole_model_seconds(model, inputs, target, loss=loss, warmup=0, repeats=1) or 0.0
+        units = 0.0
+        for _, mods, results in results_by_unit:
+            for m, res in zip(mods, results):
+                f, b = _time_module(model.get_submodule(m), capture.inputs[m], loss if m == last else None,
+                                    res.target, 0, 1, lambda: None)
+                units += capture.calls.get(m, 1) * (f[0] + b[0])
+        if round_ and units > 0:
+            ratios.append(whole / units)
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def _whole_model_seconds(model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None, *,

@@ -280,12 +280,16 @@ class ModelProfile(Record):
     command: str
     created_at: str
     # real mode: the machine's 1-minute load average (os.getloadavg) before and after the timed runs, and its CPUs.
-    # Every predicted step scales with the unit times, which include waiting for a core where the load passed the
-    # CPUs (a profile timed under such load overpredicted compute by a third and more:
+    # Every predicted step scales with the unit times: timed by the wall clock, they include waiting for a core
+    # where the load passed the CPUs (a profile timed under such load overpredicted compute by a third and more:
     # benchmarks/results/measurements.md, "Profile load and in-model factor"). () and 0 in meta profiles and files
     # written before it was recorded.
     load_1min: tuple[float, ...] = ()
     cpus: int = 0
+    # real mode: the clock that timed the units and the optimizer (torch_compat.host.work_clock): "thread-cpu" (the
+    # timing thread's CPU time, which leaves out waiting for a core: one thread on CPU) or "wall"; "" in meta
+    # profiles and files written before it was recorded (wall)
+    clock: str = ""
     # real mode: what the profiler did about noise it saw (timing.pool_identical: identical units timed far apart,
     # timed again interleaved and pooled), one line each; () when nothing was needed, in meta mode and older files
     timing_notes: tuple[str, ...] = ()
