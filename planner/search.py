@@ -18,11 +18,15 @@ the rest in order of a lower bound (a heap), branch-and-bound against the k-th b
   P5 recompute bound: one stage (pp = v = 1) that cannot hold one micro-batch's activations even with selective
      recompute and everything divided by tp must recompute fully: its forward runs twice;
   P6 / P7 recompute first: a pipeline rank that cannot hold its model states and its activations with selective
-     recompute (one micro-batch of its largest stage; on pipeline rank 0 the forwards its schedule runs before its
-     first backward, all alive at once; or the activations in flight another member of the group was estimated
+     recompute (the forwards its schedule runs before its first backward, all alive at once, and at least one
+     micro-batch of its largest stage; or the activations in flight another member of the group was estimated
      with) is costed with full recompute on its stages first: no estimate of what cannot fit; P6's ranks (found
      before costing) run their forward twice in the point's bound, and such a point is not re-cut memory-aware
-     (the planner's policy: a rank that cannot hold its warm-up's activations recomputes).
+     (the planner's policy: a rank that cannot hold its warm-up's activations recomputes);
+  P8 recompute floor: such a point (P6 / P7, never re-cut) where a pipeline rank cannot hold its model states and,
+     per forward it runs before its first backward, the least its stage keeps under any attempt (full recompute's
+     unit inputs where recompute frees memory, the selective floor divided by tp where that is less) is not
+     costed: none of its attempts fits. The same for one stage (pp = v = 1, never re-cut), one micro-batch alive.
 A point that does not fit with time-balanced stages is retried with selective recompute, full recompute on the
 stages that overflow, then the memory-aware exact DP partition. Unit times are assumed no faster at larger tp per
 FLOP (the estimate's narrow-GEMM curve) and per sample at smaller micro-batches (fixed costs spread over fewer).
@@ -38,11 +42,11 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence, cast
+from typing import Callable, cast
 
 from cost_models.cost.comm import collective_time, group_ranks_per_node
 from cost_models.cost.compute import executed_precision
-from cost_models.cost.context_parallel import cp_view
+from cost_models.cost.context_parallel import cp_unit, cp_view
 from cost_models.cost.estimate import (Estimate, activation_scale, dtype_ratio, estimate,
                                        held_params, optimizer_seconds, saved_bytes, unit_costs, unit_seconds)
 from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_parts, zero_model_state_bytes
@@ -114,6 +118,37 @@ class _Partitions:
             self.fb["kept", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
         return self.fb["kept", k]
 
+    def stage_inputs(self, k: int) -> list[float]:
+        """Per stage of the cut `stages(k)`, the inputs of its units that full recompute keeps per micro-batch
+        (estimate._stage: each unit's input but the model's own, at the profile's scale: times activation_scale)."""
+        if ("inputs", k) not in self.fb:
+            out = {u.name: float(self.profile.units[i - 1].output_bytes) if i else 0.0
+                   for i, u in enumerate(self.profile.units)}
+            self.fb["inputs", k] = [sum(out[u] for u in st) for st in self.stages(k)]
+        return self.fb["inputs", k]
+
+    def alive_kept(self, pt: Point) -> tuple[float, ...]:
+        """Per pipeline rank, stage_kept summed over the forwards it runs before its first backward (P6)."""
+        key = ("alive", pt.pp, pt.v, pt.schedule, pt.microbatches)
+        if key not in self.fb:
+            kept = self.stage_kept(pt.pp * pt.v)
+            self.fb[key] = tuple(sum(kept[st] for st in stages)
+                                 for stages in _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v))
+        return self.fb[key]
+
+    def floors(self, pt: Point, act_scale: float) -> tuple[float, ...]:
+        """P8's activation floor per pipeline rank of the point's cut and schedule (search._below_floor), in bytes,
+        the same for every ZeRO stage and dp of a shape."""
+        key = ("floors", pt.pp, pt.v, pt.tp, pt.schedule, pt.microbatches, act_scale)
+        if key not in self.fb:
+            k = pt.pp * pt.v
+            split = get_spec(pt.schedule).split_backward
+            least = [(c / pt.tp if split and sid else min(i, c / pt.tp)) * act_scale
+                     for sid, (i, c) in enumerate(zip(self.stage_inputs(k), self.stage_kept(k)))]
+            alive = _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v) if k > 1 else ((0,),)
+            self.fb[key] = tuple(sum(least[st] for st in stages) for stages in alive)
+        return self.fb[key]
+
     def stage_fb(self, k: int, mbs: int | None = None) -> list[tuple[float, float]]:
         """(forward, backward) per stage of the cut `stages(k)`, per micro-batch at the profile's batch, or at `mbs`
         where that is given (at_batch's times; linear without it)."""
@@ -163,12 +198,17 @@ def _states(pt: Point, params: float, experts: float, req: PlanRequest, *, paper
     ep = 1): the dense ones sharded by ZeRO over dp, the experts split ep ways and sharded over the dp / ep ranks
     holding the same experts (cost.moe). As the executor holds them (executor_state_bytes), or with `paper` as the
     ZeRO paper counts them (zero_model_state_bytes, P1's)."""
+    dense, expert = _state_rates(pt.dp, pt.ep, _state_zero(pt), req.precision, req.optimizer, paper)
+    return dense * (params - experts) + (expert * experts if experts else 0.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_rates(dp: int, ep: int, zero: int, precision: str, optimizer: str, paper: bool) -> tuple[float, float]:
+    """_states per dense parameter and per routed expert parameter (both linear in the parameters: the bounds ask
+    this of every pipeline rank of tens of thousands of points)."""
     states = zero_model_state_bytes if paper else executor_state_bytes
-    zero = _state_zero(pt)
-    dense = sum(states(params - experts, pt.dp, zero, req.precision, req.optimizer))
-    if not experts:
-        return dense
-    return dense + sum(states(experts / pt.ep, pt.dp // pt.ep, zero, req.precision, req.optimizer))
+    return (sum(states(1.0, dp, zero, precision, optimizer)),
+            sum(states(1.0 / ep, dp // ep, zero, precision, optimizer)))
 
 
 def _state_zero(pt: Point) -> int:
@@ -422,15 +462,16 @@ def _one_microbatch_schedule(pp: int) -> str | None:
 class _UnitTimes:
     """Per-unit (forward, backward) seconds of one micro-batch on one TP rank as the estimate prices them in its
     stages (estimate.unit_costs, the function the estimate's stages sum: compute share, narrow-GEMM efficiency and
-    exposed TP collectives), per (tp, sp, micro-batch size), for a strategy that puts every unit in its own stage
-    and runs one micro-batch. Each size is priced, not scaled from another: a GPU profile's in-model gap is a fixed
+    exposed TP collectives; under context parallelism its key/value gathers and their gradients' reduce-scatters,
+    which the estimate adds to every attention unit: cost.context_parallel.cp_unit), per (tp, sp, micro-batch
+    size), for a strategy that puts every unit in its own stage and runs one micro-batch. Each size is priced, not scaled from another: a GPU profile's in-model gap is a fixed
     cost per call (compute._in_model), so per-sample time can grow with the batch. On clusters without a compute
     probe (presets), where unit times do not depend on how many ranks run, and under expert parallelism on GPUs
     (whose taller expert products can run faster than the profile's); None elsewhere (the bound falls back to the
     profile's unit times / tp, which EP on CPU ranks only lengthens: imbalance >= 1, all-to-alls added)."""
 
-    def __init__(self, profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest) -> None:
-        self.profile, self.cluster, self.req = profile, cluster, req
+    def __init__(self, profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest, cp: int = 1) -> None:
+        self.profile, self.cluster, self.req, self.cp = profile, cluster, req, cp
         self.names = [u.name for u in profile.units]
         self.cache: dict[tuple[int, bool, int, int], list[tuple[float, float]] | None] = {}
         self.stage_cache: dict[tuple, list[tuple[float, float]]] = {}
@@ -452,7 +493,13 @@ class _UnitTimes:
         s = Strategy(dp=ep, pp=n, zero=0, schedule=schedule, microbatches=1, micro_batch_size=mbs,
                      stages=tuple((u,) for u in self.names), tp=tp, sp=sp, precision=self.req.precision,
                      optimizer=self.req.optimizer, ep=ep)
-        return unit_costs(s, self.profile, self.cluster)
+        out = unit_costs(s, self.profile, self.cluster)
+        if self.cp == 1:
+            return out
+        scale = activation_scale(self.profile, micro_batch_size=mbs, precision=self.req.precision)
+        ctx = [cp_unit(u, self.cluster, cp=self.cp, tp=tp, act_scale=scale, recompute=False)
+               for u in self.profile.units]
+        return [(f + c.fwd_s, b + c.bwd_s) for (f, b), c in zip(out, ctx)]
 
     def stage_fb(self, pt: Point, parts: _Partitions) -> list[tuple[float, float]] | None:
         """(forward, backward) per stage of the point's cut, per micro-batch of its size (None: no proxy)."""
@@ -508,15 +555,13 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
         f_before.append(f_before[-1] + f)
         b_before.append(b_before[-1] + b)
     out = []
+    # P6's activations: the forwards each rank runs before its first backward, all alive at once (1F1B's rank j
+    # holds p - j micro-batches then), and at least one micro-batch of its largest stage
+    before = parts.alive_kept(pt)
     for j, held in enumerate(placement(pt.schedule, pt.pp, pt.v)):
         first = min(held)
         busy = pt.microbatches * sum(fb[st][0] + fb[st][1] for st in held)
-        # P6's activations: one micro-batch of the rank's largest stage; on pipeline rank 0 (the one with most
-        # forwards in flight in every schedule here) the forwards it runs before its first backward, all alive
-        alive = max(kept[st] for st in held)
-        if j == 0:
-            alive = max(alive, sum(kept[st] for st in forwards_before_backward(pt.schedule, 0, pt.pp,
-                                                                               pt.microbatches, pt.v)))
+        alive = max(max(kept[st] for st in held), before[j])
         out.append(_RankBound(start_busy=(f_before[first] + busy) * scale,
                               tail=0.0 if spec.split_backward else b_before[first] * scale,
                               params=sum(params[st] for st in held) / pt.tp,
@@ -597,6 +642,14 @@ class _Bounds:
     min_state: float                       # the least model-state bytes any point needs
     memory_limited: tuple[float, Point] | None   # the least time bound, memory aside, of a point P1 or P5 hit
     must: dict[Point, frozenset[int]] = field(default_factory=dict)   # P6: stages that must recompute fully
+    # P8 at a point's turn, where P7 finds its stages: each shape's rank bounds and each micro-batch's scale
+    ranks: dict[tuple, tuple["_RankBound", ...]] = field(default_factory=dict)
+    scales: dict[int, float] = field(default_factory=dict)
+
+    def note_limited(self, bound: float, pt: Point) -> None:
+        """A point memory keeps out, with its time bound memory aside: memory_limited keeps the least."""
+        if self.memory_limited is None or bound < self.memory_limited[0]:
+            self.memory_limited = (bound, pt)
 
 
 def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], act_scale: float, room: float,
@@ -605,11 +658,31 @@ def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], act_scale: float
     dividing every parameter at best) plus their least activations with the attention core dropped (selective
     recompute; _RankBound.alive) and everything divided by tp, in `room` (the device less the per-process
     overhead): on the balanced cut they fit, if at all, only with full recompute."""
+    dense, expert = _state_rates(pt.dp, pt.ep, _state_zero(pt), req.precision, req.optimizer, False)   # _states
+    per_byte = act_scale / pt.tp
     out: set[int] = set()
     for r in ranks:
-        if _states(pt, r.params, r.experts, req) + r.alive * act_scale / pt.tp > room:
+        if dense * (r.params - r.experts) + expert * r.experts + r.alive * per_byte > room:
             out.update(r.held)
     return frozenset(out)
+
+
+def _below_floor(pt: Point, ranks: tuple["_RankBound", ...], parts: "_Partitions", act_scale: float, room: float,
+                 req: PlanRequest) -> bool:
+    """P8: whether some pipeline rank's model states (tp dividing every parameter at best) and, per forward it runs
+    before its first backward (one for a single stage), the least its stage keeps under any attempt on this cut
+    pass `room`. Full recompute keeps a stage's unit inputs (estimate._stage), except under a split backward past
+    the first stage, where a recomputed stage keeps what it saves (estimate._stage's bound); anything else keeps at
+    least the selective floor divided by tp (P6's)."""
+    dense, expert = _state_rates(pt.dp, pt.ep, _state_zero(pt), req.precision, req.optimizer, False)   # _states
+    return any(dense * (r.params - r.experts) + expert * r.experts + a > room
+               for r, a in zip(ranks, parts.floors(pt, act_scale)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _alive_before_backward(schedule: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """Per pipeline rank, schedule.forwards_before_backward (P8 asks it of thousands of points of few shapes)."""
+    return tuple(forwards_before_backward(schedule, j, p, m, v) for j in range(p))
 
 
 def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile, parts: "_Partitions",
@@ -628,7 +701,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     scales = {mbs: activation_scale(profile, micro_batch_size=mbs, precision=req.precision)
               for mbs in {pt.micro_batch_size for pt in points}}
     acts = {mbs: kept * scale for mbs, scale in scales.items()}
-    times = _UnitTimes(profile, cluster, req) if points else None
+    times = _UnitTimes(profile, cluster, req, cp=points[0].cp) if points else None
     all_experts = sum(u.moe.expert_params if u.moe else 0 for u in profile.units)
     largest = max(profile.units, key=lambda u: u.params)
     for pt in points:
@@ -650,12 +723,17 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
             bound, memory_free = bound + group_bound[g][0].forward, bound
         else:
             memory_free = bound
-        if limited and (out.memory_limited is None or memory_free < out.memory_limited[0]):
-            out.memory_limited = (memory_free, pt)
+        if limited:
+            out.note_limited(memory_free, pt)
         if state > cap:
             out.pruned += 1
             continue
         must = _must_recompute(pt, group_bound[g], scales[pt.micro_batch_size], cap - overhead, req)
+        if (must or pt.pp * pt.v == 1) and _below_floor(pt, group_bound[g], parts, scales[pt.micro_batch_size],
+                                                        cap - overhead, req):   # P8
+            out.pruned += 1
+            out.note_limited(memory_free, pt)
+            continue
         if must and pt.pp * pt.v > 1:   # P6: those ranks run their forward twice
             out.must[pt] = must
             if (g, must) not in group_bound:
@@ -665,6 +743,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
             bound = max(bound, _point_bound(pt, ranks, profile, cluster, req, memo))
         out.survivors.append((bound, pt))
     out.survivors.sort(key=lambda x: x[0])
+    out.ranks, out.scales = group_bound, scales
     return out
 
 
@@ -702,6 +781,7 @@ class _Frontier:
         self.floors: dict[tuple, dict[frozenset[int], float]] = {}
         self.plain: dict[tuple, Estimate] = {}   # group -> a member's estimate without recompute (P7)
         self.order = itertools.count(len(self.heap))   # tie-breaks for points pushed back
+        self.floored = 0   # points P8 dropped when P7 found their stages
 
     def learn(self, pt: Point, c: _Costed) -> None:
         rec = frozenset(i for i, r in enumerate(c.strategy.recompute) if r)
@@ -715,6 +795,16 @@ class _Frontier:
     def floor(self, pt: Point) -> float:
         must = self.must.get(pt, frozenset())
         return max((v for rec, v in self.floors.get(_group(pt), {}).items() if rec <= must), default=0.0)
+
+    def peek(self) -> float:
+        """The least bound left (raised to its group's floor first, as pop would), inf when empty."""
+        while self.heap:
+            bound, i, pt = self.heap[0]
+            floor = self.floor(pt)
+            if floor <= bound:
+                return bound
+            heapq.heapreplace(self.heap, (floor, i, pt))
+        return math.inf
 
     def pop(self) -> tuple[float, Point] | None:
         while self.heap:
@@ -773,45 +863,64 @@ def _kth(times: list[float], k: int) -> float:
     return times[k - 1] if len(times) >= k else math.inf
 
 
-def _branch_and_bound(frontier: _Frontier, bounds: _Bounds, profile: ModelProfile, cluster: ClusterProfile,
-                      parts: _Partitions, req: PlanRequest, on_progress: ProgressFn | None,
-                      incumbent: Sequence[float] = ()) -> tuple[list[_Costed], list[_Costed], list[float], int]:
-    """Cost points least bound first until none left can enter the top k (module doc). Returns the feasible and
-    infeasible attempts, the feasible step times (sorted; with `incumbent`'s, the times found by the searches of
-    other context-parallel degrees) and how many estimates were made; what is left in the frontier was pruned."""
+@dataclass
+class _Degree:
+    """One context-parallel degree's search: its profile (cp_view's for cp > 1), cut, points, bounds and frontier,
+    and what costing them found."""
+    cp: int
+    profile: ModelProfile
+    parts: _Partitions
+    tp: TPOptions
+    points: list[Point]
+    bounds: _Bounds
+    frontier: _Frontier
+    feasible: list[_Costed] = field(default_factory=list)
+    infeasible: list[_Costed] = field(default_factory=list)
+    costed: int = 0
+
+
+def _branch_and_bound(degrees: list[_Degree], cluster: ClusterProfile, req: PlanRequest,
+                      on_progress: ProgressFn | None) -> list[float]:
+    """Cost points least bound first, over every context-parallel degree's frontier at once, until none left can
+    enter the top k (module doc); each degree keeps its feasible and infeasible attempts and its estimate count.
+    Returns the feasible step times, sorted; what is left in the frontiers was pruned."""
     room = cluster.device.memory_bytes - overhead_bytes(cluster)
     run = _as_run(req, cluster)
-    feasible: list[_Costed] = []
-    infeasible: list[_Costed] = []
-    times: list[float] = sorted(incumbent)
-    costed = done = 0
-    while (item := frontier.pop()) is not None:
+    times: list[float] = []
+    total, done = sum(len(d.bounds.survivors) for d in degrees), 0
+    while degrees and (item := (d := min(degrees, key=lambda d: d.frontier.peek())).frontier.pop()) is not None:
         if on_progress and done % 25 == 0:
-            on_progress(done, len(bounds.survivors))
+            on_progress(done, total)
         bound, pt = item
         kth = _kth(times, req.top_k) if req.prune else math.inf
         if bound >= kth:                                       # P2 / P4: nothing left can enter the top k
-            frontier.heap.append((bound, -1, pt))
+            d.frontier.heap.append((bound, -1, pt))
             break
         # P6 / P7 are shortcuts of the search: an exhaustive one (prune=False) costs every point the plain way
-        must = (bounds.must.get(pt, frozenset()) | _known_overflow(pt, frontier.plain.get(_group(pt)), parts, profile,
-                                                                  room, run)) if req.prune else frozenset()
-        frontier.must[pt] = must
-        if frontier.floor(pt) > bound:                         # P7 raised its bound: back in line
-            heapq.heappush(frontier.heap, (frontier.floor(pt), next(frontier.order), pt))
+        must = (d.bounds.must.get(pt, frozenset()) | _known_overflow(
+            pt, d.frontier.plain.get(_group(pt)), d.parts, d.profile, room, run)) if req.prune else frozenset()
+        d.frontier.must[pt] = must
+        if must and not d.bounds.must.get(pt) and _below_floor(    # P8 on P7's stages: no attempt fits
+                pt, d.bounds.ranks[_shape(pt)], d.parts, d.bounds.scales[pt.micro_batch_size], room, run):
+            d.frontier.floored += 1
+            continue
+        if d.frontier.floor(pt) > bound:                       # P7 raised its bound: back in line
+            heapq.heappush(d.frontier.heap, (d.frontier.floor(pt), next(d.frontier.order), pt))
             continue
         done += 1
-        attempts, n = _cost_point(pt, profile, cluster, parts, parts.unit_cost, precision=req.precision,
+        attempts, n = _cost_point(pt, d.profile, cluster, d.parts, d.parts.unit_cost, precision=req.precision,
                                   optimizer=req.optimizer, kth=kth, must=must)
-        costed += n
-        frontier.learn(pt, attempts[0])
+        d.costed += n
+        d.frontier.learn(pt, attempts[0])
         best = attempts[-1]
-        (feasible if best.estimate.fits else infeasible).append(best)
+        (d.feasible if best.estimate.fits else d.infeasible).append(best)
         if best.estimate.fits:
             bisect.insort(times, best.estimate.step_time_s)
         if not best.estimate.fits or len(attempts) > 1:
-            infeasible.append(attempts[0])  # the unconstrained version, for "memory binds" in the rationale
-    return feasible, infeasible, times, costed
+            d.infeasible.append(attempts[0])  # the unconstrained version, for "memory binds" in the rationale
+    if on_progress:
+        on_progress(total, total)
+    return times
 
 
 def bound_unit_times(profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest,
@@ -845,22 +954,19 @@ def _as_run(req: PlanRequest, cluster: ClusterProfile) -> PlanRequest:
 def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *,
            on_progress: ProgressFn | None = None) -> SearchResult:
     """Enumerate, prune and cost (module doc), at each context-parallel degree searched (planner.space.cp_degrees):
-    cp > 1 searches its data view (cost.context_parallel), each search pruning against the times the earlier ones
-    found. request.prune=False costs every point P1 lets through (the fidelity benchmark runs them all);
-    request.schedules / micro_batch_sizes / max_v / tp_degrees / cp_degrees narrow the space."""
+    cp > 1 searches its data view (cost.context_parallel); one branch-and-bound costs the points of every degree in
+    the order of their bounds. request.prune=False costs every point P1 lets through (the fidelity benchmark runs
+    them all); request.schedules / micro_batch_sizes / max_v / tp_degrees / cp_degrees narrow the space."""
     req = request
     gpus = req.resolved_gpus(cluster)
     degrees = cp_degrees(profile, gpus, degrees=req.cp_degrees)
-    found: list[SearchResult] = []
-    times: list[float] = []
-    for cp in degrees:
-        one = _search_at(profile if cp == 1 else cp_view(profile, cp), cluster, req, gpus, cp, times, on_progress)
-        if one is not None:
-            found.append(one)
-            times = sorted(times + [c.estimate.step_time_s for c in one.feasible])
-    if not found:
+    ready = [d for d in (_prepare(profile if cp == 1 else cp_view(profile, cp), cluster, req, gpus, cp)
+                         for cp in degrees) if d is not None]
+    if not ready:
         raise ConfigError(f"no context-parallel degree of {', '.join(map(str, degrees))} gives a (dp, pp, tp, cp) "
                           f"split of {gpus} devices that divides the global batch {req.global_batch_size}")
+    times = _branch_and_bound(ready, cluster, req, on_progress)
+    found = [_result(d, times, cluster, req, gpus) for d in ready]
     feasible = sorted((c for r in found for c in r.feasible),
                       key=lambda c: (c.estimate.step_time_s, c.estimate.peak_memory_bytes))
     # full estimates (bubble and p2p apart) for what a plan shows; only the winner's lists every rank (memory and
@@ -885,26 +991,27 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
                         cp_degrees=tuple(r.cp_degrees[0] for r in found))
 
 
-def _search_at(profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest, gpus: int, cp: int,
-               incumbent: Sequence[float], on_progress: ProgressFn | None) -> SearchResult | None:
-    """One context-parallel degree's search (`profile`: cp_view's for cp > 1); None where it has no points."""
+def _prepare(profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest, gpus: int, cp: int) -> _Degree | None:
+    """One context-parallel degree's points, bounds and frontier (`profile`: cp_view's for cp > 1); None where it
+    has no points."""
     run = _as_run(req, cluster)
     at = functools.partial(bound_unit_times, profile, cluster, req)
     parts = _Partitions(profile, at(profile.micro_batch_size), dtype_ratio=dtype_ratio(profile, run.precision),
                         at_batch=at)
-    unit_cost = parts.unit_cost
     tp = search_tp(profile, cluster, gpus, req)
     points = _points(profile, gpus, req, parts, tp, gpu=cluster.device.kind == "gpu", cp=cp)
     if not points:
         return None
     bounds = _bounded(points, profile, cluster, parts, run)
-    survivors, pruned, min_state = bounds.survivors, bounds.pruned, bounds.min_state
-    frontier = _Frontier(survivors, bounds.must)
-    feasible, infeasible, times, costed = _branch_and_bound(frontier, bounds, profile, cluster, parts, req,
-                                                            on_progress, incumbent)
-    rest = frontier.rest()
-    pruned += len(rest)
-    fastest_unfit = _memory_limited(bounds, times, profile, cluster, parts, req)
+    return _Degree(cp=cp, profile=profile, parts=parts, tp=tp, points=points, bounds=bounds,
+                   frontier=_Frontier(bounds.survivors, bounds.must))
+
+
+def _result(d: _Degree, times: list[float], cluster: ClusterProfile, req: PlanRequest, gpus: int) -> SearchResult:
+    """One degree's SearchResult once the branch-and-bound has ended (`times`: every degree's feasible times)."""
+    rest = d.frontier.rest()
+    pruned, costed, infeasible = d.bounds.pruned + len(rest) + d.frontier.floored, d.costed, list(d.infeasible)
+    fastest_unfit = _memory_limited(d.bounds, times, d.profile, cluster, d.parts, req)
     if fastest_unfit is not None:
         infeasible.append(fastest_unfit)
         costed += 1
@@ -915,11 +1022,10 @@ def _search_at(profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest,
         pruned_bounds.setdefault(later.family, later_bound)
         pruned_tp.setdefault(later.tp, later_bound)
         pruned_ep.setdefault(later.ep, later_bound)
-    if on_progress:
-        on_progress(len(survivors), len(survivors))
-    return SearchResult(feasible=feasible, infeasible=infeasible, considered=len(points), pruned=pruned, costed=costed,
-                        pruned_bounds=pruned_bounds, min_state=min_state, unit_cost=unit_cost, gpus=gpus, tp=tp,
-                        pruned_tp_bounds=pruned_tp, pruned_ep_bounds=pruned_ep, cp_degrees=(cp,))
+    return SearchResult(feasible=d.feasible, infeasible=infeasible, considered=len(d.points), pruned=pruned,
+                        costed=costed, pruned_bounds=pruned_bounds, min_state=d.bounds.min_state,
+                        unit_cost=d.parts.unit_cost, gpus=gpus, tp=d.tp, pruned_tp_bounds=pruned_tp,
+                        pruned_ep_bounds=pruned_ep, cp_degrees=(d.cp,))
 
 
 def _no_fit(found: SearchResult, capacity: int, no_pipelines: str | None) -> InfeasibleError:

@@ -1,4 +1,4 @@
-"""The search's pruning (planner/search.py P2-P7) is safe: on problems where memory binds (P6 and P7 fire), the
+"""The search's pruning (planner/search.py P2-P8) is safe: on problems where memory binds (P6 and P7 fire), the
 branch-and-bound search returns the same top plans, with the same predicted step times, as costing every point
 (prune=False, which also skips the P6/P7 shortcuts). And the schedule facts P6 relies on hold in the simulator."""
 import functools
@@ -24,6 +24,8 @@ def _llama8b(seq_len: int):
     (4096, 32, "a100-pcie-40g", 1),    # memory binds: most points recompute
     (8192, 64, "a100-pcie-40g", 1),    # it binds harder: pipelines only with recompute on every stage
     (4096, 64, "dgx-h100", 2),         # tensor parallelism in the space
+    (32768, 16, "a100-pcie-40g", 1),   # long sequences: context parallelism in the space, one branch-and-bound
+    (65536, 16, "dgx-h100", 2),        # over every degree, P8 and the gathers of keys and values in the bounds
 ])
 def test_pruned_search_finds_the_exhaustive_searchs_top_plans(seq_len, batch, cluster, nodes):
     prof = _llama8b(seq_len)

@@ -44,7 +44,7 @@ from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, group_link,
                                    overlapped_exposure, p2p_time, sp_norm_grad_traffic, tp_unit_traffic)
 from cost_models.cost.compute import (compute_dtype, compute_source, executed_dtype, executed_precision,
                                       optimizer_step_time, priced_by_kind, tp_unit_times, unit_times)
-from cost_models.cost.context_parallel import cp_origin, cp_refusal, cp_unit, cp_view
+from cost_models.cost.context_parallel import CPUnitCost, cp_origin, cp_refusal, cp_unit, cp_view
 from cost_models.cost.kernels import work_seconds
 from cost_models.cost.moe import all_to_all_time, check_ep, dispatch_bytes, ep_work, imbalance
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
@@ -353,7 +353,10 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
 # by the cache, so its ids cannot be reused by other objects while the entry lives; a few pairs are kept.
 # per pair: (profile, cluster, unit costs by key, unit name -> its identical twin's name: _twins)
 _UNIT_COSTS: dict[tuple[int, int], tuple[ModelProfile, ClusterProfile, dict, dict[str, str]]] = {}
-_UNIT_COST_PAIRS = 4
+# A search costs one profile per context-parallel degree (cost.context_parallel.cp_view, up to 15 for powers of
+# two to 16,384 GPUs) in one branch-and-bound, interleaved: each must stay.
+_UNIT_COST_PAIRS = 16
+_NO_CP = CPUnitCost()
 
 
 def action_cost(s: Strategy, cluster: ClusterProfile) -> float:
@@ -377,12 +380,7 @@ def _unit_cost(c: _Context, name: str,
     TP seconds or ()) of one micro-batch through unit `name` (_tp_unit with tensor parallelism or selective
     recompute, else unit_times; _ep_unit under expert parallelism)."""
     s = c.s
-    pair = (id(c.profile), id(c.cluster))
-    entry = _UNIT_COSTS.get(pair)
-    if entry is None:
-        if len(_UNIT_COSTS) >= _UNIT_COST_PAIRS:
-            _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
-        entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {}, _twins(c.profile))
+    entry = _unit_entry(c)
     name = entry[3].get(name, name)
     key = (name, s.micro_batch_size, s.precision, c.sharing.busy, s.tp, s.sp, s.selective, recompute, c.tp_on,
            c.tp_vocab, s.optimizer, c.autocast, s.async_tp, s.sp_save_shard, s.ep)
@@ -399,6 +397,30 @@ def _unit_cost(c: _Context, name: str,
             kept, tp_acc = _saved(c, u), ()
         hit = (*_ep_unit(c, u, f, b, kept, recompute), tp_acc)
         entry[2][key] = hit
+    return hit
+
+
+def _unit_entry(c: _Context) -> tuple[ModelProfile, ClusterProfile, dict, dict[str, str]]:
+    """The unit-cost cache of the context's (profile, cluster) pair (_UNIT_COSTS), made on first use."""
+    pair = (id(c.profile), id(c.cluster))
+    entry = _UNIT_COSTS.get(pair)
+    if entry is None:
+        if len(_UNIT_COSTS) >= _UNIT_COST_PAIRS:
+            _UNIT_COSTS.pop(next(iter(_UNIT_COSTS)))
+        entry = _UNIT_COSTS[pair] = (c.profile, c.cluster, {}, _twins(c.profile))
+    return entry
+
+
+def _cp_cost(c: _Context, name: str, recompute: bool) -> CPUnitCost:
+    """cost.context_parallel.cp_unit of unit `name` in this context, kept with its unit costs (_unit_entry)."""
+    if c.cp == 1:
+        return _NO_CP
+    cache = _unit_entry(c)[2]
+    key = ("cp", name, c.cp, c.s.tp, c.act_scale, recompute)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = cp_unit(c.profile.unit(name), c.cluster, cp=c.cp, tp=c.s.tp, act_scale=c.act_scale,
+                                   recompute=recompute)
     return hit
 
 
@@ -548,7 +570,7 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     for name in units:
         f, b, kept, a2a_s, a2a_bytes, tp_acc = _unit_cost(c, name, recompute)
         ep_s, ep_bytes = ep_s + a2a_s, ep_bytes + a2a_bytes
-        ctx = cp_unit(profile.unit(name), c.cluster, cp=c.cp, tp=s.tp, act_scale=c.act_scale, recompute=recompute)
+        ctx = _cp_cost(c, name, recompute)
         f, b, kept = f + ctx.fwd_s, b + ctx.bwd_s, kept + ctx.kept
         cp_s, cp_bytes = cp_s + ctx.fwd_s * (2 if recompute else 1) + ctx.bwd_s, cp_bytes + ctx.bytes
         if tp_acc:

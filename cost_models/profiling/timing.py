@@ -31,8 +31,8 @@ def _time_module(module: nn.Module, captured, loss: str | None, target, warmup: 
                  repeats: int, tick: Callable[[], None]) -> tuple[list[float], list[float]]:
     """Forward and backward seconds of each repeat after `warmup` untimed runs, by host.work_clock (on CPU, this
     thread's CPU time: under load the whole model's repeats, several scheduler slices long, waited for a core
-    where a block's rarely did, and a median in_model_factor moved from 1.02 to 0.92 and to 2.8 under two busy
-    loops: benchmarks/results/measurements.md, "Profiles under load"); `tick()` after every run."""
+    where a block's rarely did, which moved in_model_factor: benchmarks/results/measurements.md, "Profiles under
+    load"); `tick()` after every run."""
     fwd, bwd = [], []
     clock = work_clock(on_cpu=not torch.cuda.is_initialized(), threads=torch.get_num_threads())
     for i in range(warmup + repeats):
@@ -170,11 +170,10 @@ def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results
                      capture: Capture, *, loss: str, last: str, warmup: int, repeats: int) -> float:
     """The whole model's forward, loss and backward, timed end to end, over the sum of its modules' times
     (ModelProfile.in_model_factor): the median over `repeats` rounds (after one untimed round) of one run of the
-    whole model then one of each module, so both sides of each ratio meet the machine in the same state. A ratio
-    of the whole model timed after every unit had been moved by the machine's drift, which changed the same
-    single-threaded work's time by up to x1.7 within a minute here (benchmarks/results/measurements.md, "Profiles
-    under load"). A module the forward runs k times counts k times (_repeat_times). 1.0 where the model's output
-    is neither a tensor nor has .logits (no loss to take here)."""
+    whole model then one of each module, so both sides of each ratio meet the machine in the same state: a ratio
+    of the whole model timed after every unit took in the machine's drift between them (measured:
+    benchmarks/results/measurements.md, "Profiles under load"). A module the forward runs k times counts k times
+    (_repeat_times). 1.0 where the model's output is neither a tensor nor has .logits (no loss to take here)."""
     target = results_by_unit[-1][2][-1].target
     if _whole_model_seconds(model, inputs, target, loss=loss, warmup=warmup, repeats=1) is None:
         return 1.0

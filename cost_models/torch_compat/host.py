@@ -37,10 +37,10 @@ def work_clock(*, on_cpu: bool, threads: int) -> Callable[[], float]:
     """The clock a profile times work with. Work that runs wholly on the calling thread (on CPU with one torch
     thread: intra-op work and the CPU autograd engine both run on the caller) is timed by that thread's CPU time
     (CLOCK_THREAD_CPUTIME_ID, clock_gettime(2)), which leaves out the time the thread waited for a core while
-    another program's task ran: under two busy loops on 2 cores, a block's wall-clock repeats ranged 1.8-6.0 ms and
-    its CPU time 1.8-2.0 ms, the same median (benchmarks/results/measurements.md, "Profiles under load"). The
-    estimate prices that waiting itself (cost.sharing: other programs' runnable tasks share the cores). Wall
-    time (perf_counter) where GPU kernels run asynchronously or other threads do part of the work."""
+    another program's task ran, where the wall clock's repeats spread out under such load (measured:
+    benchmarks/results/measurements.md, "Profiles under load"). The estimate prices that waiting itself
+    (cost.sharing: other programs' runnable tasks share the cores). Wall time (perf_counter) where GPU kernels run
+    asynchronously or other threads do part of the work."""
     return time.thread_time if work_clock_name(on_cpu=on_cpu, threads=threads) == "thread-cpu" else time.perf_counter
 
 
