@@ -42,11 +42,11 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, cast
+from typing import Callable, Sequence, cast
 
 from cost_models.cost.comm import collective_time, group_ranks_per_node
 from cost_models.cost.compute import executed_precision
-from cost_models.cost.context_parallel import cp_unit, cp_view
+from cost_models.cost.context_parallel import cp_view
 from cost_models.cost.estimate import (Estimate, activation_scale, dtype_ratio, estimate,
                                        held_params, optimizer_seconds, saved_bytes, unit_costs, unit_seconds)
 from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_parts, zero_model_state_bytes
@@ -131,22 +131,19 @@ class _Partitions:
         """Per pipeline rank, stage_kept summed over the forwards it runs before its first backward (P6)."""
         key = ("alive", pt.pp, pt.v, pt.schedule, pt.microbatches)
         if key not in self.fb:
-            kept = self.stage_kept(pt.pp * pt.v)
-            self.fb[key] = tuple(sum(kept[st] for st in stages)
-                                 for stages in _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v))
+            self.fb[key] = _over_alive(pt, self.stage_kept(pt.pp * pt.v))
         return self.fb[key]
 
-    def floors(self, pt: Point, act_scale: float) -> tuple[float, ...]:
-        """P8's activation floor per pipeline rank of the point's cut and schedule (search._below_floor), in bytes,
+    def act_floors(self, pt: Point, act_scale: float) -> tuple[float, ...]:
+        """P8's activation floor per pipeline rank of the point's cut and schedule (search._least_need), in bytes,
         the same for every ZeRO stage and dp of a shape."""
         key = ("floors", pt.pp, pt.v, pt.tp, pt.schedule, pt.microbatches, act_scale)
         if key not in self.fb:
             k = pt.pp * pt.v
             split = get_spec(pt.schedule).split_backward
-            least = [(c / pt.tp if split and sid else min(i, c / pt.tp)) * act_scale
-                     for sid, (i, c) in enumerate(zip(self.stage_inputs(k), self.stage_kept(k)))]
-            alive = _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v) if k > 1 else ((0,),)
-            self.fb[key] = tuple(sum(least[st] for st in stages) for stages in alive)
+            self.fb[key] = _over_alive(pt, [(c / pt.tp if split and sid else min(i, c / pt.tp)) * act_scale
+                                            for sid, (i, c) in enumerate(zip(self.stage_inputs(k),
+                                                                             self.stage_kept(k)))])
         return self.fb[key]
 
     def stage_fb(self, k: int, mbs: int | None = None) -> list[tuple[float, float]]:
@@ -379,6 +376,7 @@ class SearchResult:
     costed: int
     pruned_bounds: dict[str, float]  # family -> least time bound among points P2 pruned
     min_state: float                 # the least model-state bytes any point needs (P1's bound)
+    min_need: float                  # the least bytes a point P8 dropped needs (model states, activations, overhead)
     unit_cost: list[float]
     gpus: int                        # the GPU count searched (the request's, or the cluster's)
     tp: TPOptions = field(default_factory=TPOptions)   # the (tp, sp) searched, and why others were not
@@ -386,6 +384,7 @@ class SearchResult:
     pruned_ep_bounds: dict[int, float] = field(default_factory=dict)   # the same per ep
     pruned_cp_bounds: dict[int, float] = field(default_factory=dict)   # the same per cp
     cp_degrees: tuple[int, ...] = (1,)                                  # the context-parallel degrees searched
+    unit_costs: dict[int, list[float]] = field(default_factory=dict)   # cp -> unit_cost on its view (provenance)
 
 
 def search_tp(profile: ModelProfile, cluster: ClusterProfile, gpus: int, req: PlanRequest) -> TPOptions:
@@ -461,10 +460,10 @@ def _one_microbatch_schedule(pp: int) -> str | None:
 
 class _UnitTimes:
     """Per-unit (forward, backward) seconds of one micro-batch on one TP rank as the estimate prices them in its
-    stages (estimate.unit_costs, the function the estimate's stages sum: compute share, narrow-GEMM efficiency and
-    exposed TP collectives; under context parallelism its key/value gathers and their gradients' reduce-scatters,
-    which the estimate adds to every attention unit: cost.context_parallel.cp_unit), per (tp, sp, micro-batch
-    size), for a strategy that puts every unit in its own stage and runs one micro-batch. Each size is priced, not scaled from another: a GPU profile's in-model gap is a fixed
+    stages (estimate.unit_costs, the function the estimate's stages sum: compute share, narrow-GEMM efficiency,
+    exposed TP collectives and, under context parallelism, the key/value gathers and their gradients'
+    reduce-scatters), per (tp, sp, micro-batch size), for a strategy that puts every unit in its own stage and runs
+    one micro-batch. Each size is priced, not scaled from another: a GPU profile's in-model gap is a fixed
     cost per call (compute._in_model), so per-sample time can grow with the batch. On clusters without a compute
     probe (presets), where unit times do not depend on how many ranks run, and under expert parallelism on GPUs
     (whose taller expert products can run faster than the profile's); None elsewhere (the bound falls back to the
@@ -493,13 +492,7 @@ class _UnitTimes:
         s = Strategy(dp=ep, pp=n, zero=0, schedule=schedule, microbatches=1, micro_batch_size=mbs,
                      stages=tuple((u,) for u in self.names), tp=tp, sp=sp, precision=self.req.precision,
                      optimizer=self.req.optimizer, ep=ep)
-        out = unit_costs(s, self.profile, self.cluster)
-        if self.cp == 1:
-            return out
-        scale = activation_scale(self.profile, micro_batch_size=mbs, precision=self.req.precision)
-        ctx = [cp_unit(u, self.cluster, cp=self.cp, tp=tp, act_scale=scale, recompute=False)
-               for u in self.profile.units]
-        return [(f + c.fwd_s, b + c.bwd_s) for (f, b), c in zip(out, ctx)]
+        return unit_costs(s, self.profile, self.cluster, cp=self.cp)
 
     def stage_fb(self, pt: Point, parts: _Partitions) -> list[tuple[float, float]] | None:
         """(forward, backward) per stage of the point's cut, per micro-batch of its size (None: no proxy)."""
@@ -638,13 +631,20 @@ def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], profile: ModelProfile
 @dataclass
 class _Bounds:
     survivors: list[tuple[float, Point]]   # (bound, point), least first
-    pruned: int                            # by P1
+    pruned: int                            # by P1 and P8
     min_state: float                       # the least model-state bytes any point needs
-    memory_limited: tuple[float, Point] | None   # the least time bound, memory aside, of a point P1 or P5 hit
+    memory_limited: tuple[float, Point] | None   # the least time bound, memory aside, of a point P1, P5 or P8 hit
+    min_need: float = math.inf             # the least bytes a point P8 dropped needs (states, activation floor, overhead)
     must: dict[Point, frozenset[int]] = field(default_factory=dict)   # P6: stages that must recompute fully
     # P8 at a point's turn, where P7 finds its stages: each shape's rank bounds and each micro-batch's scale
     ranks: dict[tuple, tuple["_RankBound", ...]] = field(default_factory=dict)
     scales: dict[int, float] = field(default_factory=dict)
+
+    def floored(self, bound: float, pt: Point, need: float) -> None:
+        """P8 dropped `pt` (time bound `bound` memory aside), which needs at least `need` bytes."""
+        self.pruned += 1
+        self.min_need = min(self.min_need, need)
+        self.note_limited(bound, pt)
 
     def note_limited(self, bound: float, pt: Point) -> None:
         """A point memory keeps out, with its time bound memory aside: memory_limited keeps the least."""
@@ -658,30 +658,43 @@ def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], act_scale: float
     dividing every parameter at best) plus their least activations with the attention core dropped (selective
     recompute; _RankBound.alive) and everything divided by tp, in `room` (the device less the per-process
     overhead): on the balanced cut they fit, if at all, only with full recompute."""
-    dense, expert = _state_rates(pt.dp, pt.ep, _state_zero(pt), req.precision, req.optimizer, False)   # _states
     per_byte = act_scale / pt.tp
     out: set[int] = set()
-    for r in ranks:
-        if dense * (r.params - r.experts) + expert * r.experts + r.alive * per_byte > room:
+    for r, states in zip(ranks, _rank_states(pt, ranks, req)):
+        if states + r.alive * per_byte > room:
             out.update(r.held)
     return frozenset(out)
 
 
-def _below_floor(pt: Point, ranks: tuple["_RankBound", ...], parts: "_Partitions", act_scale: float, room: float,
-                 req: PlanRequest) -> bool:
-    """P8: whether some pipeline rank's model states (tp dividing every parameter at best) and, per forward it runs
-    before its first backward (one for a single stage), the least its stage keeps under any attempt on this cut
-    pass `room`. Full recompute keeps a stage's unit inputs (estimate._stage), except under a split backward past
-    the first stage, where a recomputed stage keeps what it saves (estimate._stage's bound); anything else keeps at
-    least the selective floor divided by tp (P6's)."""
-    dense, expert = _state_rates(pt.dp, pt.ep, _state_zero(pt), req.precision, req.optimizer, False)   # _states
-    return any(dense * (r.params - r.experts) + expert * r.experts + a > room
-               for r, a in zip(ranks, parts.floors(pt, act_scale)))
+def _rank_states(pt: Point, ranks: tuple["_RankBound", ...], req: PlanRequest) -> list[float]:
+    """_states of each pipeline rank's parameters, from the per-parameter rates once (P6 and P8 ask it of every
+    rank of tens of thousands of points)."""
+    dense, expert = _state_rates(pt.dp, pt.ep, _state_zero(pt), req.precision, req.optimizer, False)
+    return [dense * (r.params - r.experts) + expert * r.experts for r in ranks]
+
+
+def _least_need(pt: Point, ranks: tuple["_RankBound", ...], parts: "_Partitions", act_scale: float,
+                req: PlanRequest) -> float:
+    """P8: the most bytes any pipeline rank needs under every attempt on this cut: its model states (tp dividing
+    every parameter at best) and, per forward it runs before its first backward (one for a single stage), the least
+    its stage keeps. Full recompute keeps a stage's unit inputs (estimate._stage), except under a split backward
+    past the first stage, where a recomputed stage keeps what it saves (estimate._stage's bound); anything else
+    keeps at least the selective floor divided by tp (P6's). More than the room: no attempt fits."""
+    return max(a + b for a, b in zip(_rank_states(pt, ranks, req), parts.act_floors(pt, act_scale)))
+
+
+def _over_alive(pt: Point, per_stage: Sequence[float]) -> tuple[float, ...]:
+    """Per pipeline rank, `per_stage` summed over the forwards it runs before its first backward (one stage: one)."""
+    if pt.pp * pt.v == 1:
+        return (per_stage[0],)
+    return tuple(sum(per_stage[st] for st in stages)
+                 for stages in _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v))
 
 
 @functools.lru_cache(maxsize=4096)
 def _alive_before_backward(schedule: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
-    """Per pipeline rank, schedule.forwards_before_backward (P8 asks it of thousands of points of few shapes)."""
+    """Per pipeline rank, schedule.forwards_before_backward (P6 and P8 ask it of thousands of points of few
+    shapes)."""
     return tuple(forwards_before_backward(schedule, j, p, m, v) for j in range(p))
 
 
@@ -729,10 +742,10 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
             out.pruned += 1
             continue
         must = _must_recompute(pt, group_bound[g], scales[pt.micro_batch_size], cap - overhead, req)
-        if (must or pt.pp * pt.v == 1) and _below_floor(pt, group_bound[g], parts, scales[pt.micro_batch_size],
-                                                        cap - overhead, req):   # P8
-            out.pruned += 1
-            out.note_limited(memory_free, pt)
+        need = (_least_need(pt, group_bound[g], parts, scales[pt.micro_batch_size], req)
+                if req.prune and (must or pt.pp * pt.v == 1) else 0.0)
+        if need > cap - overhead:                              # P8
+            out.floored(memory_free, pt, need + overhead)
             continue
         if must and pt.pp * pt.v > 1:   # P6: those ranks run their forward twice
             out.must[pt] = must
@@ -848,7 +861,7 @@ def _known_overflow(pt: Point, plain: Estimate | None, parts: _Partitions, profi
 
 def _memory_limited(bounds: _Bounds, times: list[float], profile: ModelProfile, cluster: ClusterProfile,
                     parts: _Partitions, req: PlanRequest) -> _Costed | None:
-    """The point memory kept out (P1, P5) that could have been fastest, estimated as it is: the rationale's
+    """The point memory kept out (P1, P5, P8) that could have been fastest, estimated as it is: the rationale's
     "memory binds" compares the winner with it. None when none could beat the winner or it fits."""
     if bounds.memory_limited is None or not times or bounds.memory_limited[0] >= times[0]:
         return None
@@ -888,7 +901,7 @@ def _branch_and_bound(degrees: list[_Degree], cluster: ClusterProfile, req: Plan
     run = _as_run(req, cluster)
     times: list[float] = []
     total, done = sum(len(d.bounds.survivors) for d in degrees), 0
-    while degrees and (item := (d := min(degrees, key=lambda d: d.frontier.peek())).frontier.pop()) is not None:
+    while (item := (d := min(degrees, key=lambda one: one.frontier.peek())).frontier.pop()) is not None:
         if on_progress and done % 25 == 0:
             on_progress(done, total)
         bound, pt = item
@@ -900,10 +913,12 @@ def _branch_and_bound(degrees: list[_Degree], cluster: ClusterProfile, req: Plan
         must = (d.bounds.must.get(pt, frozenset()) | _known_overflow(
             pt, d.frontier.plain.get(_group(pt)), d.parts, d.profile, room, run)) if req.prune else frozenset()
         d.frontier.must[pt] = must
-        if must and not d.bounds.must.get(pt) and _below_floor(    # P8 on P7's stages: no attempt fits
-                pt, d.bounds.ranks[_shape(pt)], d.parts, d.bounds.scales[pt.micro_batch_size], room, run):
-            d.frontier.floored += 1
-            continue
+        if must and not d.bounds.must.get(pt):                 # P8 on P7's stages: no attempt fits
+            need = _least_need(pt, d.bounds.ranks[_shape(pt)], d.parts, d.bounds.scales[pt.micro_batch_size], run)
+            if need > room:
+                d.frontier.floored += 1
+                d.bounds.min_need = min(d.bounds.min_need, need + cluster.device.memory_bytes - room)
+                continue
         if d.frontier.floor(pt) > bound:                       # P7 raised its bound: back in line
             heapq.heappush(d.frontier.heap, (d.frontier.floor(pt), next(d.frontier.order), pt))
             continue
@@ -955,8 +970,9 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
            on_progress: ProgressFn | None = None) -> SearchResult:
     """Enumerate, prune and cost (module doc), at each context-parallel degree searched (planner.space.cp_degrees):
     cp > 1 searches its data view (cost.context_parallel); one branch-and-bound costs the points of every degree in
-    the order of their bounds. request.prune=False costs every point P1 lets through (the fidelity benchmark runs
-    them all); request.schedules / micro_batch_sizes / max_v / tp_degrees / cp_degrees narrow the space."""
+    the order of their bounds. request.prune=False costs every point P1 lets through, without P6-P8's shortcuts
+    (the fidelity benchmark runs them all); request.schedules / micro_batch_sizes / max_v / tp_degrees /
+    cp_degrees narrow the space."""
     req = request
     gpus = req.resolved_gpus(cluster)
     degrees = cp_degrees(profile, gpus, degrees=req.cp_degrees)
@@ -984,11 +1000,13 @@ def search(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest,
     return SearchResult(feasible=feasible, infeasible=[c for r in found for c in r.infeasible],
                         considered=sum(r.considered for r in found), pruned=sum(r.pruned for r in found),
                         costed=sum(r.costed for r in found), pruned_bounds=least("pruned_bounds"),
-                        min_state=min(r.min_state for r in found), unit_cost=base.unit_cost, gpus=gpus, tp=base.tp,
+                        min_state=min(r.min_state for r in found), min_need=min(r.min_need for r in found),
+                        unit_cost=base.unit_cost, gpus=gpus, tp=base.tp,
                         pruned_tp_bounds=least("pruned_tp_bounds"), pruned_ep_bounds=least("pruned_ep_bounds"),
                         pruned_cp_bounds={r.cp_degrees[0]: min(r.pruned_bounds.values(), default=math.inf)
                                           for r in found if r.pruned_bounds},
-                        cp_degrees=tuple(r.cp_degrees[0] for r in found))
+                        cp_degrees=tuple(r.cp_degrees[0] for r in found),
+                        unit_costs={r.cp_degrees[0]: r.unit_cost for r in found})
 
 
 def _prepare(profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest, gpus: int, cp: int) -> _Degree | None:
@@ -1024,6 +1042,7 @@ def _result(d: _Degree, times: list[float], cluster: ClusterProfile, req: PlanRe
         pruned_ep.setdefault(later.ep, later_bound)
     return SearchResult(feasible=d.feasible, infeasible=infeasible, considered=len(d.points), pruned=pruned,
                         costed=costed, pruned_bounds=pruned_bounds, min_state=d.bounds.min_state,
+                        min_need=d.bounds.min_need,
                         unit_cost=d.parts.unit_cost, gpus=gpus, tp=d.tp, pruned_tp_bounds=pruned_tp,
                         pruned_ep_bounds=pruned_ep, cp_degrees=(d.cp,))
 
@@ -1032,8 +1051,11 @@ def _no_fit(found: SearchResult, capacity: int, no_pipelines: str | None) -> Inf
     if found.infeasible:
         least = min(c.estimate.peak_memory_bytes for c in found.infeasible)
         need = f"the least memory any strategy needs is {fixed(least, 'GiB', 1)} per device"
-    else:  # every point failed the model-state bound P1 before costing
+    elif found.min_state > capacity:  # every point failed the model-state bound P1 before costing
         need = f"model states alone need at least {fixed(found.min_state, 'GiB', 1)} per device"
+    else:  # the rest failed P8: states and the least activations any attempt keeps
+        need = (f"model states and the least activations any strategy keeps need at least "
+                f"{fixed(found.min_need, 'GiB', 1)} per device")
     tried = (f"ZeRO-3, full recompute and micro-batches down to 1 were tried; pipelines were not, the model cannot "
              f"be pipelined: {no_pipelines}" if no_pipelines else
              "ZeRO-3, full recompute, micro-batches down to 1 and every pipeline depth were tried")
@@ -1125,8 +1147,10 @@ def _candidates(costed: list[_Costed]) -> tuple[Candidate, ...]:
 
 def _provenance(found: SearchResult, winner: _Costed, profile: ModelProfile, cluster: ClusterProfile,
                 request: PlanRequest, *, profile_path: str, command: str, t0: float) -> Provenance:
-    partitioner, milp_status, milp_b, dp_b = _partition_provenance(winner, profile, found.unit_cost,
-                                                                   request.time_limit_s)
+    cp = winner.strategy.cp   # a context-parallel winner's cut was made on its degree's view of the profile
+    partitioner, milp_status, milp_b, dp_b = _partition_provenance(
+        winner, cp_view(profile, cp) if cp > 1 else profile, found.unit_costs.get(cp, found.unit_cost),
+        request.time_limit_s)
     return Provenance(
         profile_path=profile_path, profile_digest=profile_digest(profile_path) if profile_path else "",
         cluster=cluster.name, partitioner=partitioner, milp_status=milp_status, milp_bottleneck_s=milp_b,

@@ -1,6 +1,6 @@
 """The search's pruning (planner/search.py P2-P8) is safe: on problems where memory binds (P6 and P7 fire), the
 branch-and-bound search returns the same top plans, with the same predicted step times, as costing every point
-(prune=False, which also skips the P6/P7 shortcuts). And the schedule facts P6 relies on hold in the simulator."""
+(prune=False, which also skips the P6-P8 shortcuts). And the schedule facts P6 relies on hold in the simulator."""
 import functools
 import random
 

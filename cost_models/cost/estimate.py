@@ -492,13 +492,20 @@ def unit_seconds(u: UnitProfile, profile: ModelProfile, cluster: ClusterProfile,
     return f * scale, b * scale
 
 
-def unit_costs(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile) -> list[tuple[float, float]]:
+def unit_costs(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile, *,
+               cp: int = 1) -> list[tuple[float, float]]:
     """Each unit's (forward, backward) seconds of one micro-batch on one TP rank as `estimate` prices it in a stage
     of `strategy` without recompute (_unit_cost: its compute share, TP collectives, selective recompute's core in
-    the backward), before what the stage adds (per-action and FSDP-hook overheads, the sharing of CPU cores). The
-    strategy's stages are not read. The planner's time bounds read them (planner.search._UnitTimes)."""
-    c = _Context.of(executed(strategy, cluster), profile, cluster)
-    return [_unit_cost(c, u.name, False)[:2] for u in profile.units]
+    the backward; `cp` > 1, where `profile` is its cp_view: the key/value gathers and their gradients'
+    reduce-scatters _stage adds), before what the stage adds (per-action and FSDP-hook overheads, the sharing of
+    CPU cores). The strategy's stages are not read. The planner's time bounds read them (planner.search._UnitTimes)."""
+    c = _Context.of(executed(strategy, cluster), profile, cluster, cp)
+    out = []
+    for u in profile.units:
+        f, b = _unit_cost(c, u.name, False)[:2]
+        ctx = _cp_cost(c, u.name, False)
+        out.append((f + ctx.fwd_s, b + ctx.bwd_s))
+    return out
 
 
 def saved_bytes(profile: ModelProfile, u: UnitProfile, *, micro_batch_size: int, precision: str) -> float:

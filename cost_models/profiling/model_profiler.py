@@ -58,7 +58,7 @@ from cost_models.records.limits import check_seq_len
 from cost_models.records.profile import ModelProfile, MoEUnit, SharedParam, TPUnit, UnitEdge, UnitProfile
 from cost_models.records.tensor_parallel import TPRule
 from cost_models.records.work import WorkCounts
-from cost_models.torch_compat.host import keep_freed_memory, work_clock_name
+from cost_models.torch_compat.host import keep_freed_memory, profile_clock
 from cost_models.torch_compat.optimizers import time_optimizers
 from cost_models.torch_compat.torch_private import storage_id
 
@@ -255,9 +255,8 @@ def _load_record(load_before: float, meta: bool) -> dict:
     them (timing._time_module's; none in meta mode)."""
     if meta:
         return {"load_1min": (), "cpus": 0}
-    clock = work_clock_name(on_cpu=not torch.cuda.is_initialized(), threads=torch.get_num_threads())
     return {"load_1min": (round(load_before, 2), round(os.getloadavg()[0], 2)), "cpus": os.cpu_count() or 0,
-            "clock": clock}
+            "clock": profile_clock()[1]}
 
 
 def _tp_unit(numels: list[int], splits: list[int], norms: list[bool], results: list[ModuleResult]) -> TPUnit:

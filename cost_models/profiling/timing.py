@@ -18,7 +18,7 @@ from cost_models.profiling.progress import Progress
 from cost_models.profiling.tensors import backward_roots, fresh, one_sample
 from cost_models.profiling.units import Capture
 from cost_models.records.profile import Timing
-from cost_models.torch_compat.host import work_clock
+from cost_models.torch_compat.host import profile_clock
 
 
 def _sync() -> None:
@@ -34,7 +34,7 @@ def _time_module(module: nn.Module, captured, loss: str | None, target, warmup: 
     where a block's rarely did, which moved in_model_factor: benchmarks/results/measurements.md, "Profiles under
     load"); `tick()` after every run."""
     fwd, bwd = [], []
-    clock = work_clock(on_cpu=not torch.cuda.is_initialized(), threads=torch.get_num_threads())
+    clock = profile_clock()[0]
     for i in range(warmup + repeats):
         args, kwargs = fresh(captured)
         _sync()
@@ -169,45 +169,62 @@ def _interleaved(model: nn.Module, units: list, capture: Capture, *, batch: int,
 def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_unit: UnitResults,
                      capture: Capture, *, loss: str, last: str, warmup: int, repeats: int) -> float:
     """The whole model's forward, loss and backward, timed end to end, over the sum of its modules' times
-    (ModelProfile.in_model_factor): the median over `repeats` rounds (after one untimed round) of one run of the
-    whole model then one of each module, so both sides of each ratio meet the machine in the same state: a ratio
-    of the whole model timed after every unit took in the machine's drift between them (measured:
-    benchmarks/results/measurements.md, "Profiles under load"). A module the forward runs k times counts k times
-    (_repeat_times). 1.0 where the model's output is neither a tensor nor has .logits (no loss to take here)."""
+    (ModelProfile.in_model_factor): the median over `repeats` rounds of one run of the whole model then one of each
+    module, each after an untimed run of itself (the warm cache of a unit timed again and again, as its medians
+    were), so both sides of each ratio meet the machine in the same state: a ratio of the whole model timed after
+    every unit took in the machine's drift between them (measured: benchmarks/results/measurements.md, "Profiles
+    under load"). A module the forward runs k times counts k times (_repeat_times). 1.0 where the model's output
+    is neither a tensor nor has .logits (no loss to take here)."""
     target = results_by_unit[-1][2][-1].target
-    if _whole_model_seconds(model, inputs, target, loss=loss, warmup=warmup, repeats=1) is None:
+    whole = _whole_model(model, inputs, target)
+    if whole is None:
         return 1.0
     ratios = []
-    for round_ in range(repeats + 1):   # round 0: untimed
-        whole = _whole_model_seconds(model, inputs, target, loss=loss, warmup=0, repeats=1) or 0.0
+    for _ in range(repeats):
+        f, b = _time_module(whole, (inputs, {}), loss, target, 1, 1, lambda: None)
         units = 0.0
         for _, mods, results in results_by_unit:
             for m, res in zip(mods, results):
-                f, b = _time_module(model.get_submodule(m), capture.inputs[m], loss if m == last else None,
-                                    res.target, 0, 1, lambda: None)
-                units += capture.calls.get(m, 1) * (f[0] + b[0])
-        if round_ and units > 0:
-            ratios.append(whole / units)
+                uf, ub = _time_module(model.get_submodule(m), capture.inputs[m], loss if m == last else None,
+                                      res.target, 1, 1, lambda: None)
+                units += capture.calls.get(m, 1) * (uf[0] + ub[0])
+        if units > 0 and f[0] + b[0] > 0:
+            ratios.append((f[0] + b[0]) / units)
+    model.zero_grad(set_to_none=True)
     return statistics.median(ratios) if ratios else 1.0
 
 
-def _whole_model_seconds(model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None, *,
-                         loss: str, warmup: int, repeats: int, autocast: torch.dtype | None = None) -> float | None:
-    """Median seconds of the whole model's forward, loss and backward (forward under torch.autocast in `autocast`
-    if given); None where there is no target or the output is neither a tensor nor has .logits (no loss here)."""
+def _whole_model(model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None,
+                 autocast: torch.dtype | None = None) -> nn.Module | None:
+    """The whole model as a module whose output a loss can be taken on: its tensor output, or an output object's
+    .logits (transformers' causal LMs), its forward under torch.autocast in `autocast` if given; None where there is
+    no target or neither (checked once, without grad)."""
 
-    class _Logits(nn.Module):   # the loss is taken on an output object's .logits (transformers' causal LMs)
+    class _Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model   # a submodule, so _time_module's zero_grad clears its gradients between runs
+
         def forward(self, *args):
             cast = torch.autocast(args[0].device.type, dtype=autocast) if autocast else contextlib.nullcontext()
             with cast:
-                out = model(*args)
+                out = self.inner(*args)
             return out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
     if target is None:
         return None
     with torch.no_grad():
         if not isinstance(_Logits()(*inputs), torch.Tensor):
             return None
-    fwd, bwd = _time_module(_Logits(), (inputs, {}), loss, target, warmup, repeats, lambda: None)
+    return _Logits()
+
+
+def _whole_model_seconds(model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None, *,
+                         loss: str, warmup: int, repeats: int, autocast: torch.dtype | None = None) -> float | None:
+    """Median seconds of the whole model's forward, loss and backward (_whole_model); None where it has no loss."""
+    whole = _whole_model(model, inputs, target, autocast)
+    if whole is None:
+        return None
+    fwd, bwd = _time_module(whole, (inputs, {}), loss, target, warmup, repeats, lambda: None)
     model.zero_grad(set_to_none=True)
     return statistics.median([f + b for f, b in zip(fwd, bwd)])
 

@@ -49,6 +49,15 @@ def work_clock_name(*, on_cpu: bool, threads: int) -> str:
     return "thread-cpu" if on_cpu and threads == 1 else "wall"
 
 
+def profile_clock() -> tuple[Callable[[], float], str]:
+    """work_clock and its name for the profiler's timings in this process, one rule for all of them (units, the
+    whole model, the optimizer, ModelProfile.clock): CPU work unless CUDA is initialized (a GPU profile, whose
+    kernels run asynchronously), with torch's intra-op threads."""
+    import torch
+    on_cpu, threads = not torch.cuda.is_initialized(), torch.get_num_threads()
+    return work_clock(on_cpu=on_cpu, threads=threads), work_clock_name(on_cpu=on_cpu, threads=threads)
+
+
 def peak_rss_bytes() -> tuple[int, str]:
     """This process's own peak RSS. Linux keeps getrusage's ru_maxrss across execve (the kernel folds the old
     address space's high-water mark into the process's maxrss), so a rank the launcher spawned would report the
@@ -78,7 +87,6 @@ def background_runnable(samples: int = 21, interval_s: float = 0.02) -> float:
     runnable count, less this process's own (Linux; 0.0 where /proc/loadavg cannot be read). The 1-minute load
     average lags a load that just started by a minute; this count does not."""
     import statistics
-    import time
     counts = []
     for _ in range(samples):
         try:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cost_models.records.profile import OPTIMIZERS, OptimizerTiming, Timing
-from cost_models.torch_compat.host import work_clock
+from cost_models.torch_compat.host import profile_clock
 
 # parameters the profiler copies to time a step: enough for full-size tensors of any model here, and at most
 # 16 B more per parameter (fp32 copy, gradient, two Adam moments) over this many beside the profiled model
@@ -38,7 +38,7 @@ def _step_times(opt: torch.optim.Optimizer, device: torch.device, warmup: int, r
     benchmarks/results/measurements.md, "Optimizer step timing")."""
     flush = torch.empty(FLUSH_BYTES // 4, device=device)
     times = []
-    clock = work_clock(on_cpu=device.type == "cpu", threads=torch.get_num_threads())
+    clock = profile_clock()[0]
     for i in range(max(1, warmup) + repeats):
         flush.fill_(float(i))
         if device.type == "cuda":
