@@ -631,10 +631,10 @@ def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], profile: ModelProfile
 @dataclass
 class _Bounds:
     survivors: list[tuple[float, Point]]   # (bound, point), least first
-    pruned: int                            # by P1 and P8
+    pruned: int                            # by P1 and P8 (also at a point's turn: floored)
     min_state: float                       # the least model-state bytes any point needs
     memory_limited: tuple[float, Point] | None   # the least time bound, memory aside, of a point P1, P5 or P8 hit
-    min_need: float = math.inf             # the least bytes a point P8 dropped needs (states, activation floor, overhead)
+    min_need: float = math.inf             # the least bytes a point P8 dropped needs (states, activations, overhead)
     must: dict[Point, frozenset[int]] = field(default_factory=dict)   # P6: stages that must recompute fully
     # P8 at a point's turn, where P7 finds its stages: each shape's rank bounds and each micro-batch's scale
     ranks: dict[tuple, tuple["_RankBound", ...]] = field(default_factory=dict)
@@ -794,7 +794,6 @@ class _Frontier:
         self.floors: dict[tuple, dict[frozenset[int], float]] = {}
         self.plain: dict[tuple, Estimate] = {}   # group -> a member's estimate without recompute (P7)
         self.order = itertools.count(len(self.heap))   # tie-breaks for points pushed back
-        self.floored = 0   # points P8 dropped when P7 found their stages
 
     def learn(self, pt: Point, c: _Costed) -> None:
         rec = frozenset(i for i, r in enumerate(c.strategy.recompute) if r)
@@ -916,8 +915,7 @@ def _branch_and_bound(degrees: list[_Degree], cluster: ClusterProfile, req: Plan
         if must and not d.bounds.must.get(pt):                 # P8 on P7's stages: no attempt fits
             need = _least_need(pt, d.bounds.ranks[_shape(pt)], d.parts, d.bounds.scales[pt.micro_batch_size], run)
             if need > room:
-                d.frontier.floored += 1
-                d.bounds.min_need = min(d.bounds.min_need, need + cluster.device.memory_bytes - room)
+                d.bounds.floored(bound, pt, need + cluster.device.memory_bytes - room)
                 continue
         if d.frontier.floor(pt) > bound:                       # P7 raised its bound: back in line
             heapq.heappush(d.frontier.heap, (d.frontier.floor(pt), next(d.frontier.order), pt))
@@ -1028,7 +1026,7 @@ def _prepare(profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest, g
 def _result(d: _Degree, times: list[float], cluster: ClusterProfile, req: PlanRequest, gpus: int) -> SearchResult:
     """One degree's SearchResult once the branch-and-bound has ended (`times`: every degree's feasible times)."""
     rest = d.frontier.rest()
-    pruned, costed, infeasible = d.bounds.pruned + len(rest) + d.frontier.floored, d.costed, list(d.infeasible)
+    pruned, costed, infeasible = d.bounds.pruned + len(rest), d.costed, list(d.infeasible)
     fastest_unfit = _memory_limited(d.bounds, times, d.profile, cluster, d.parts, req)
     if fastest_unfit is not None:
         infeasible.append(fastest_unfit)

@@ -29,7 +29,7 @@ def _sync() -> None:
 
 def _time_module(module: nn.Module, captured, loss: str | None, target, warmup: int,
                  repeats: int, tick: Callable[[], None]) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds of each repeat after `warmup` untimed runs, by host.work_clock (on CPU, this
+    """Forward and backward seconds of each repeat after `warmup` untimed runs, by host.profile_clock (on CPU, this
     thread's CPU time: under load the whole model's repeats, several scheduler slices long, waited for a core
     where a block's rarely did, which moved in_model_factor: benchmarks/results/measurements.md, "Profiles under
     load"); `tick()` after every run."""
@@ -85,8 +85,7 @@ def time_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_un
     notes = pool_identical(model, results_by_unit, capture, last=last, batch=batch, repeats=repeats)
     _repeat_times(results_by_unit, capture.calls)
     progress.unit("timing the whole model")
-    return _in_model_factor(model, inputs, results_by_unit, capture, loss=loss, last=last, warmup=warmup,
-                            repeats=repeats), notes
+    return _in_model_factor(model, inputs, results_by_unit, capture, loss=loss, last=last, repeats=repeats), notes
 
 
 def _repeat_times(results_by_unit: UnitResults, calls: dict[str, int]) -> None:
@@ -167,7 +166,7 @@ def _interleaved(model: nn.Module, units: list, capture: Capture, *, batch: int,
 
 
 def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results_by_unit: UnitResults,
-                     capture: Capture, *, loss: str, last: str, warmup: int, repeats: int) -> float:
+                     capture: Capture, *, loss: str, last: str, repeats: int) -> float:
     """The whole model's forward, loss and backward, timed end to end, over the sum of its modules' times
     (ModelProfile.in_model_factor): the median over `repeats` rounds of one run of the whole model then one of each
     module, each after an untimed run of itself (the warm cache of a unit timed again and again, as its medians
@@ -190,7 +189,6 @@ def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results
                 units += capture.calls.get(m, 1) * (uf[0] + ub[0])
         if units > 0 and f[0] + b[0] > 0:
             ratios.append((f[0] + b[0]) / units)
-    model.zero_grad(set_to_none=True)
     return statistics.median(ratios) if ratios else 1.0
 
 
