@@ -13,10 +13,11 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def fresh(captured):
-    """The captured inputs as new leaves (float tensors require grad, as a stage's received activations do)."""
+    """The captured inputs as new leaves, each float tensor requiring grad where the captured one did (the capture
+    marks what training differentiates: units.Capture._leaf)."""
     def leaf(t):
         if isinstance(t, torch.Tensor):
-            return t.detach().requires_grad_(t.is_floating_point())
+            return t.detach().requires_grad_(t.is_floating_point() and t.requires_grad)
         return t
     return tree_map(leaf, captured)
 

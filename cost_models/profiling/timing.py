@@ -180,7 +180,7 @@ def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results
         return 1.0
     ratios = []
     for _ in range(repeats):
-        f, b = _time_module(whole, (inputs, {}), loss, target, 1, 1, lambda: None)
+        f, b = _time_module(whole, (_as_received(inputs), {}), loss, target, 1, 1, lambda: None)
         units = 0.0
         for _, mods, results in results_by_unit:
             for m, res in zip(mods, results):
@@ -190,6 +190,11 @@ def _in_model_factor(model: nn.Module, inputs: tuple[torch.Tensor, ...], results
         if units > 0 and f[0] + b[0] > 0:
             ratios.append((f[0] + b[0]) / units)
     return statistics.median(ratios) if ratios else 1.0
+
+
+def _as_received(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The model's inputs as the capture marks them (units.Capture._leaf): float ones requiring grad."""
+    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
 
 
 def _whole_model(model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None,
@@ -222,7 +227,7 @@ def _whole_model_seconds(model: nn.Module, inputs: tuple[torch.Tensor, ...], tar
     whole = _whole_model(model, inputs, target, autocast)
     if whole is None:
         return None
-    fwd, bwd = _time_module(whole, (inputs, {}), loss, target, warmup, repeats, lambda: None)
+    fwd, bwd = _time_module(whole, (_as_received(inputs), {}), loss, target, warmup, repeats, lambda: None)
     model.zero_grad(set_to_none=True)
     return statistics.median([f + b for f, b in zip(fwd, bwd)])
 

@@ -16,7 +16,7 @@ from cost_models.profiling.flops import flop_counter
 from cost_models.profiling.tensors import tensor_bytes
 from cost_models.records.errors import ConfigError, ProfileError
 from cost_models.records.profile import UnitEdge
-from cost_models.torch_compat.torch_private import storage_id, tree_leaves
+from cost_models.torch_compat.torch_private import storage_id, tree_leaves, tree_map
 
 
 class Capture:
@@ -24,7 +24,8 @@ class Capture:
     its outputs (to find which unit's output feeds which unit: the data-flow edges), and, read off the running
     FLOP counter, the forward FLOPs of that call (known before any unit is measured: the progress weights)."""
 
-    def __init__(self, modules: dict[str, nn.Module], counter: FlopCounterMode) -> None:
+    def __init__(self, modules: dict[str, nn.Module], counter: FlopCounterMode,
+                 model_inputs: tuple[Any, ...] = ()) -> None:
         self.order: list[str] = []
         self.inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self.outputs: dict[str, set[int]] = {}
@@ -33,6 +34,7 @@ class Capture:
         self._flops_before: dict[str, int] = {}
         self._counter = counter
         self.keep_alive: list[torch.Tensor] = []
+        self._model_inputs = {storage_id(t) for t in tree_leaves(model_inputs) if isinstance(t, torch.Tensor)}
         self.handles = [m.register_forward_pre_hook(self._pre(name), with_kwargs=True) for name, m in modules.items()]
         self.handles += [m.register_forward_hook(self._post(name)) for name, m in modules.items()]
 
@@ -41,9 +43,20 @@ class Capture:
             self.calls[name] = self.calls.get(name, 0) + 1
             if name not in self.inputs:
                 self.order.append(name)
-                self.inputs[name] = (args, kwargs)
+                self.inputs[name] = tree_map(self._leaf, (args, kwargs))
                 self._flops_before[name] = self._counter.get_total_flops()
         return hook
+
+    def _leaf(self, t: Any) -> Any:
+        """A captured tensor as a leaf that requires grad where training computes its gradient (a float tensor
+        made from the parameters, such as an earlier unit's output, and the model's own float input, as a stage's
+        received activations), and not otherwise: position tables made from buffers (transformers' rotary cos and
+        sin, passed to every layer), which as gradient-requiring inputs would make each layer keep its queries and
+        keys again for their gradient (tensors.fresh keeps the flag)."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        grad = t.is_floating_point() and (t.requires_grad or storage_id(t) in self._model_inputs)
+        return t.detach().requires_grad_(grad)
 
     def _post(self, name: str):
         def hook(module, args, output):
@@ -148,9 +161,12 @@ def find_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_name: s
         names = _path_siblings(model, list_name) + _block_names(model, list_name)
         watched = {n: model.get_submodule(n) for n in names}
     model_fc = flop_counter()
-    capture = Capture(watched, model_fc)
+    capture = Capture(watched, model_fc, inputs)
+    # with grad, so that the capture sees which inputs training differentiates (Capture._leaf); nothing is kept
+    # for a backward that never runs (the hooks drop every saved tensor)
+    dropped = torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda _: None)
     try:
-        with torch.no_grad(), model_fc:
+        with torch.enable_grad(), dropped, model_fc:
             refusal = output_refusal(model(*inputs), own=takes_targets(model))
     except Exception as exc:
         raise ProfileError(f"the forward pass of {model_name} failed: {type(exc).__name__}: {exc}") from None
