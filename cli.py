@@ -80,6 +80,9 @@ EPDegree = typer.Option(1, "--ep", help="expert-parallel degree: routed experts 
                         "ranks (divides --dp and the experts; MoE models)")
 CPDegree = typer.Option(1, "--cp", help="context-parallel degree: each sequence split over cp ranks (a power of two; "
                         "2 x cp divides the sequence length; dp x cp ranks shard the parameters)")
+SeqLenAt = typer.Option(None, "--seq-len", "-s", help="tokens per sequence to plan for (default: the profile's); "
+                        "a profile at another length is scaled: attention's FLOPs by the square of the ratio, the "
+                        "rest by the ratio (dense models using scaled_dot_product_attention)")
 MoEImbalance = typer.Option(None, "--moe-imbalance", help="MoE models: the busiest expert-parallel rank's routed "
                             "tokens over the mean that expert parallelism is priced at (default: the profile's "
                             "measured routing, else 1.25)")
@@ -351,6 +354,7 @@ def estimate(
                                        "shard and gather them again in backward, as Megatron-LM (needs --sp)"),
     ep: int = EPDegree,
     cp: int = CPDegree,
+    seq_len: Optional[int] = SeqLenAt,
     moe_imbalance: Optional[float] = MoEImbalance,
     recompute: str = typer.Option("none", "--recompute", help="none | selective (the attention core) | full (or all) | stage indices, e.g. 0,1"),
     precision: PrecisionOpt = "bf16-mixed",
@@ -371,7 +375,8 @@ def estimate(
     from planner.summaries import estimate_json
     check_training(precision, optimizer)   # before any file is read
     write_to, overwrite = _prepare_output(output, force) if output else (None, False)
-    pf, target = _with_imbalance(load_profile_for(profile_path, cluster=cluster, nodes=nodes), moe_imbalance)
+    pf, target = _with_imbalance(load_profile_for(profile_path, cluster=cluster, nodes=nodes, seq_len=seq_len),
+                                 moe_imbalance)
     _warn_loaded_profile(pf.model, target, precision)
     strategy = build_strategy(pf.model, target, StrategyRequest(
         dp=dp, pp=pp, zero=zero, schedule=schedule, microbatches=microbatches, micro_batch_size=micro_batch_size, v=v,
@@ -437,6 +442,7 @@ def plan(
     tp: Optional[str] = typer.Option(None, "--tp", help="tensor-parallel degrees to search, e.g. 1 (none) or 1,2,4 (default: every power of two the model and the nodes admit)"),
     ep: Optional[str] = typer.Option(None, "--ep", help="MoE models: expert-parallel degrees to search, e.g. 1 (none) or 1,8,64 (default: every power of two dividing the experts)"),
     cp: Optional[str] = typer.Option(None, "--cp", help="context-parallel degrees to search, e.g. 1 (none) or 1,8,16 (default: 1 below 16,384 tokens per sequence; from there every power of two whose 2 x cp chunks divide the sequence and hold 1,024 tokens or more)"),
+    seq_len: Optional[int] = SeqLenAt,
     moe_imbalance: Optional[float] = MoEImbalance,
     output: Output = Path("plan.json"),
     force: Force = False,
@@ -456,7 +462,8 @@ def plan(
 
     outputs = _plan_outputs(output, force, report)
     verify_cfg = _verify_config(verify, verify_steps, verify_timeout) if verify else None
-    pf, target = _with_imbalance(load_profile_for(profile_path, cluster=cluster, nodes=nodes), moe_imbalance)
+    pf, target = _with_imbalance(load_profile_for(profile_path, cluster=cluster, nodes=nodes, seq_len=seq_len),
+                                 moe_imbalance)
     _warn_loaded_profile(pf.model, target, precision)
     # typer passes any string; the search refuses other precisions and optimizers (PlanRequest.resolved_gpus)
     request = PlanRequest(gpus=gpus, global_batch_size=global_batch_size, top_k=max(top_k, verify),
@@ -482,11 +489,16 @@ def plan(
 def _warn_loaded_profile(profile, cluster, precision: str) -> None:
     """One line on stderr where the predictions use unit times (compute.uses_measured_times) that were taken on an
     overloaded machine (summaries.profile_loaded): they inherit the wait for a core. Another where the cluster's
-    calibration was fitted on runs of other models (calibration_mismatch)."""
+    calibration was fitted on runs of other models (calibration_mismatch), and a note where the profile was
+    measured at another sequence length (--seq-len: cost.lengths.length_line)."""
     from cost_models.cost.compute import uses_measured_times
+    from cost_models.cost.lengths import length_line
     from planner.summaries import calibration_mismatch, profile_load_line, profile_loaded
     if profile_loaded(profile) and uses_measured_times(profile, cluster, precision):
         err.print(f"warning: {profile_load_line(profile)}", highlight=False, soft_wrap=True)
+    scaled = length_line(profile)
+    if scaled:
+        err.print(f"note: {scaled}", highlight=False, soft_wrap=True)
     mismatch = calibration_mismatch(profile, cluster)
     if mismatch:
         err.print(f"warning: {mismatch}", highlight=False, soft_wrap=True)

@@ -8,10 +8,11 @@ from pathlib import Path
 from cost_models.cost.compute import unit_times
 from cost_models.cost.context_parallel import cp_refusal
 from cost_models.cost.estimate import estimate
+from cost_models.cost.lengths import at_seq_len
 from cost_models.cost.moe import check_ep
 from cost_models.records.base import Record, record
 from cost_models.records.cluster import ClusterProfile
-from cost_models.records.errors import ConfigError, InfeasibleError
+from cost_models.records.errors import ConfigError, InfeasibleError, ModelSourceError
 from cost_models.records.files import ProfileFile
 from cost_models.records.formatting import fixed, now_utc
 from cost_models.records.limits import check_global_batch, check_gpus, check_microbatches
@@ -26,10 +27,10 @@ from planner.rationale import by_hand
 from planner.summaries import profile_conditions
 
 
-def load_profile_for(path: str | Path, *, cluster: str | None = None,
-                     nodes: int | None = None) -> tuple[ProfileFile, ClusterProfile]:
+def load_profile_for(path: str | Path, *, cluster: str | None = None, nodes: int | None = None,
+                     seq_len: int | None = None) -> tuple[ProfileFile, ClusterProfile]:
     """The profile and the cluster to plan for: --cluster (a preset or file) if given, else the profile's own,
-    scaled to --nodes."""
+    scaled to --nodes; the profile seen at --seq-len where given (at_length)."""
     from cost_models.profiling.cluster_source import check_cluster_args, resolve_cluster
     check_cluster_args(cluster or "the profile's", nodes=nodes, ranks=None)   # --nodes 0 is an error, not "default"
     pf = ProfileFile.load(path)
@@ -39,7 +40,32 @@ def load_profile_for(path: str | Path, *, cluster: str | None = None,
     if nodes is not None and not cluster:
         target = target.with_nodes(nodes)
         validate_cluster(target, str(path), fix="plan for a preset or cluster file that has an inter-node link")
-    return pf, target
+    return (at_length(pf, seq_len) if seq_len is not None else pf), target
+
+
+def at_length(pf: ProfileFile, seq_len: int) -> ProfileFile:
+    """`pf` with its model seen at `seq_len` tokens per sequence (cost.lengths.at_seq_len), after checking that
+    the model takes that many (its positions table, Llama 3's context): the run would refuse it, not the plan."""
+    m = pf.model
+    if seq_len == m.seq_len:
+        return pf
+    limit = _longest_input(m.source)
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"{m.name} takes sequences of up to {limit:,} tokens; --seq-len {seq_len:,} is longer")
+    return dataclasses.replace(pf, model=at_seq_len(m, seq_len))
+
+
+def _longest_input(source: str) -> int | None:
+    """The longest sequence a zoo or transformers model takes (its ModelSource), or None where that is unknown
+    here: a module:factory model is not imported to plan it (the run checks its input)."""
+    from cost_models.models.source import resolve
+    from cost_models.models.zoo import ZOO
+    if source not in ZOO and not source.startswith("hf:"):
+        return None
+    try:
+        return resolve(source).max_seq_len
+    except ModelSourceError:   # a config this machine cannot read: the run checks the length
+        return None
 
 
 def parse_recompute(text: str, n_stages: int) -> tuple[tuple[bool, ...], bool]:

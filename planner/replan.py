@@ -8,6 +8,7 @@ from pathlib import Path
 from cost_models.profiling.cluster_source import check_cluster_args
 from cost_models.records.errors import ConfigError
 from cost_models.records.files import ProfileFile
+from planner.manual import at_length
 from planner.plan import Plan, check_plan, profile_digest
 from planner.request import PlanRequest
 from planner.search import ProgressFn, plan
@@ -33,9 +34,10 @@ def replan(old: Plan, *, gpus: int, profile_path: str | None = None, cluster: st
         raise ConfigError(f"{path} changed since the plan was made (its sha256 differs); pass --profile {path} to "
                           f"plan with it as it is now")
     pf = ProfileFile.load(path)
-    if pf.model.source != old.model.source or pf.model.seq_len != old.model.seq_len:
-        raise ConfigError(f"{path} profiles {pf.model.source} at sequence length {pf.model.seq_len}, the checkpoint "
-                          f"trains {old.model.source} at {old.model.seq_len}; pass the profile of that model")
+    if pf.model.source != old.model.source:
+        raise ConfigError(f"{path} profiles {pf.model.source}, the checkpoint trains {old.model.source}; pass the "
+                          f"profile of that model")
+    pf = at_length(pf, old.model.seq_len)   # a plan made with --seq-len: the profile seen at its length again
     if cluster:
         from cost_models.profiling.cluster_source import resolve_cluster
         target = resolve_cluster(cluster, nodes=nodes)

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from cost_models.cost.comm import dp_wire_bytes
 from cost_models.cost.memory import MemoryBreakdown
+from cost_models.cost.lengths import length_line
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.formatting import duration, fixed, flop_rate, rate, size
 from cost_models.records.published import implausible_mfu
@@ -49,9 +50,10 @@ CLUSTER_FIT_COLUMNS = ["collective", "scope", "ranks", "alpha", "GB/s (S/beta)",
 
 
 def profile_conditions(profile: ModelProfile) -> tuple[str, ...]:
-    """Provenance.profile_conditions: the load while the units were timed, and the profiler's timing notes."""
-    load = profile_load_line(profile)
-    return ((load,) if load else ()) + tuple(profile.timing_notes)
+    """Provenance.profile_conditions: the load while the units were timed, the profiler's timing notes, and the
+    length the profile was measured at where it was seen at another (cost.lengths)."""
+    lines = (profile_load_line(profile), *profile.timing_notes, length_line(profile))
+    return tuple(line for line in lines if line)
 
 
 def profile_load_line(profile: ModelProfile) -> str | None:

@@ -293,6 +293,9 @@ class ModelProfile(Record):
     # real mode: what the profiler did about noise it saw (timing.pool_identical: identical units timed far apart,
     # timed again interleaved and pooled), one line each; () when nothing was needed, in meta mode and older files
     timing_notes: tuple[str, ...] = ()
+    # the sequence length the units were measured at, where cost.lengths.at_seq_len has seen the profile at seq_len
+    # (`planner plan --seq-len`); 0: seq_len is the measured one
+    profiled_seq_len: int = 0
     # real mode: each optimizer's step timed on this device (OptimizerTiming); compute.optimizer_step_time
     # prices a rank's update from it. The bandwidth formula it replaces (28 B per parameter at the probe's copy
     # bandwidth) underpriced the measured optimizer step in every fidelity configuration
