@@ -494,23 +494,24 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
                    created_at=now_utc())
 
 
-def _many_worker(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float, failure_dir: str) -> list | None:
+def _many_worker(strategy_dicts: list[dict], cfg_data: list[dict], plan_data: list[dict | None], timeout_s: float,
+                 failure_dir: str) -> list | None:
     """Every rank: run each strategy in turn in one process group (spawning ranks costs seconds each time)."""
-    return _guarded(failure_dir, _many, strategy_dicts, cfg_data, timeout_s)
+    return _guarded(failure_dir, _many, strategy_dicts, cfg_data, plan_data, timeout_s)
 
 
-def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list | None:
+def _many(strategy_dicts: list[dict], cfg_data: list[dict], plan_data: list[dict | None],
+          timeout_s: float) -> list | None:
     claim_device(one_thread=True)
     init_process_group(rank_backend(), timeout_s)
     try:
-        cfg = TrainConfig.from_dict(cfg_data)
         results = []
-        for data in strategy_dicts:
-            s = Strategy.from_dict(data)
+        for data, c, p in zip(strategy_dicts, cfg_data, plan_data, strict=True):
+            s, cfg = Strategy.from_dict(data), TrainConfig.from_dict(c)
             try:
-                results.append(run_on_rank(s, cfg).to_dict())
+                results.append(run_on_rank(s, cfg, Plan.from_dict(p) if p else None).to_dict())
             except Exception as exc:
-                raise RuntimeError(f"{s.name}: {type(exc).__name__}: {exc}") from exc
+                raise RuntimeError(f"{cfg.model_source} {s.name}: {type(exc).__name__}: {exc}") from exc
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, results)
         return gathered if dist.get_rank() == 0 else None
@@ -518,15 +519,21 @@ def _many(strategy_dicts: list[dict], cfg_data: dict, timeout_s: float) -> list 
         dist.destroy_process_group()
 
 
-def run_many(nproc: int, strategies: list, cfg: TrainConfig, *, timeout_s: float = 120.0) -> list[list[RankResult]]:
-    """Run several strategies of the same world size on one set of local ranks: [strategy][rank] -> RankResult.
-    (The fidelity benchmark and the executor tests; `planner run` runs one plan.)"""
+def run_many(nproc: int, strategies: list, cfg: TrainConfig | list[TrainConfig], *, plans: list | None = None,
+             timeout_s: float = 120.0) -> list[list[RankResult]]:
+    """Run several strategies of the same world size on one set of local ranks: [strategy][rank] -> RankResult;
+    `cfg` one training setup for all, or one per strategy (several models in one launch); `plans` the Plan (or
+    None) of each, where its config saves checkpoints (they hold the plan). (The fidelity benchmark and the
+    executor tests; `planner run` runs one plan.)"""
+    cfgs = cfg if isinstance(cfg, list) else [cfg] * len(strategies)
+    plan_data = [p.to_dict() if p is not None else None for p in (plans or [None] * len(strategies))]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     with elastic_job("many", nproc) as (config, failure_dir):
         try:
-            per_rank = elastic_launch(config, _many_worker)([s.to_dict() for s in strategies], cfg.to_dict(),
-                                                            timeout_s, failure_dir)[0]
+            per_rank = elastic_launch(config, _many_worker)([s.to_dict() for s in strategies],
+                                                            [c.to_dict() for c in cfgs], plan_data, timeout_s,
+                                                            failure_dir)[0]
         except ChildFailedError as exc:
             rank, line = _root_cause(failure_dir, exc, range(nproc), timeout_s)
             raise failed(failure_dir, rank, line) from None

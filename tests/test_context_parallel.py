@@ -2,6 +2,7 @@
 profile), its place in the search, the refusals before any rank starts, and (slow) training under CP on 2 and 4
 gloo ranks against one process, zoo Llama and a transformers Llama from save_pretrained with --init-from and --data."""
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -115,31 +116,56 @@ HF_LLAMA = ("hf:llama?num_hidden_layers=2&hidden_size=64&intermediate_size=128&n
 CP_PLANS = {2: ((1, 1, 1, 0),), 4: ((2, 1, 1, 3), (1, 1, 2, 0), (1, 2, 1, 0))}
 
 
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    """The zoo Llama and the HF Llama under CP_PLANS, one launch per world size (each spawns ranks that import
+    torch and transformers): {(name, ranks): (profile, cfg, units, strategies, results)}."""
+    from executor.launch import run_many
+    from executor.train import TrainConfig
+    from tests.test_hf_executor import GLOBAL, SEQ, _saved, _tokens
+    root = tmp_path_factory.mktemp("cp")
+    setups = {}
+    for i, name in enumerate(["llama-tiny", HF_LLAMA]):
+        hf = name.startswith("hf:")
+        if hf and importlib.util.find_spec("transformers") is None:
+            continue
+        prof = profile_model(resolve(name), micro_batch_size=1, seq_len=SEQ, meta=True, dtype="fp32")
+        setups[name] = prof, TrainConfig(
+            model_source=name, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=1e-2,
+            unit_modules=tuple(u.modules for u in prof.units), init_from=_saved(name, root / f"hf{i}") if hf else None,
+            data=_tokens(root / f"tokens{i}.bin") if hf else None)
+    out = {}
+    for ranks, plans in sorted(CP_PLANS.items()):
+        jobs = []
+        for name, (prof, cfg) in setups.items():
+            units = tuple(u.name for u in prof.units)
+            half = (units[:len(units) // 2], units[len(units) // 2:])
+            jobs.append((name, prof, cfg, units, [
+                _strategy(units, stages=(units,) if pp == 1 else half, dp=dp, pp=pp, tp=tp, zero=zero, cp=2,
+                          micro_batch_size=GLOBAL // dp // 2) for dp, pp, tp, zero in plans]))
+        results = run_many(ranks, [s for job in jobs for s in job[4]], [job[2] for job in jobs for _ in job[4]])
+        at = 0
+        for name, prof, cfg, units, strategies in jobs:
+            out[name, ranks] = (prof, cfg, units, strategies, results[at:at + len(strategies)])
+            at += len(strategies)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", sorted(CP_PLANS))
 @pytest.mark.parametrize("name", ["llama-tiny", HF_LLAMA])
-def test_context_parallel_training_equals_one_process(name, ranks, tmp_path):
+def test_context_parallel_training_equals_one_process(name, ranks, cp_runs):
     """Five AdamW steps under CP2 (with ZeRO-3 over dp 2, TP2, PP2 1F1B on 4 ranks) equal one process; the HF
     Llama starts from save_pretrained's folder and reads a token file, and its step 0 is from_pretrained's own loss;
     the CP bytes are the prediction's and the activations within 10% of it."""
-    from executor.launch import run_many
-    from executor.train import TrainConfig, single_process_losses
-    from tests.test_hf_executor import GLOBAL, SEQ, _own_step0_loss, _saved, _tokens
-    hf = name.startswith("hf:")
-    if hf:
+    from executor.train import single_process_losses
+    from tests.test_hf_executor import GLOBAL, _own_step0_loss
+    if name.startswith("hf:"):
         pytest.importorskip("transformers")
-    prof = profile_model(resolve(name), micro_batch_size=1, seq_len=SEQ, meta=True, dtype="fp32")
-    units = tuple(u.name for u in prof.units)
-    cfg = TrainConfig(model_source=name, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=1e-2,
-                      unit_modules=tuple(u.modules for u in prof.units),
-                      init_from=_saved(name, tmp_path / "hf") if hf else None,
-                      data=_tokens(tmp_path / "tokens.bin") if hf else None)
+    prof, cfg, units, strategies, results = cp_runs[name, ranks]
     reference = single_process_losses(_strategy(units, microbatches=1, micro_batch_size=GLOBAL), cfg)
-    half = (units[:len(units) // 2], units[len(units) // 2:])
-    strategies = [_strategy(units, stages=(units,) if pp == 1 else half, dp=dp, pp=pp, tp=tp, zero=zero, cp=2,
-                            micro_batch_size=GLOBAL // dp // 2) for dp, pp, tp, zero in CP_PLANS[ranks]]
-    own = _own_step0_loss(cfg) if hf else None
-    for s, rank_results in zip(strategies, run_many(ranks, strategies, cfg)):
+    own = _own_step0_loss(cfg) if name.startswith("hf:") else None
+    for s, rank_results in zip(strategies, results):
         losses = [list(r.losses) for r in rank_results if r.losses][0]
         assert losses == pytest.approx(reference, rel=1e-4), s.name
         if own is not None:

@@ -80,30 +80,66 @@ def _check(strategies, results, reference, own_step0):
             assert list(losses) == pytest.approx(reference, rel=1e-4), s.name
 
 
+PLAN_FAMILIES = ("llama", "gpt2")
+
+
+def _plan_families(units):
+    return [_strategy(units, 2, 1, z) for z in range(4)] + [
+        _strategy(units, 1, 2, schedule="gpipe", m=4), _strategy(units, 1, 2, m=4),
+        _strategy(units, 1, 2, schedule="interleaved-1f1b", v=2, m=4),
+        _strategy(units, 1, 2, schedule="zb-interleaved", m=4)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Every 2-rank run of this module in one launch (each launch spawns ranks that import transformers): per
+    decoder family, ZeRO-3 over 2 ranks for four steps on a token file and PP2 1F1B for four steps saving a
+    checkpoint; for Llama and GPT-2, every plan family on synthetic batches. {(name, kind): (units, cfg, results)}"""
+    from executor.train import TrainConfig as Config
+    from tests.plans import plan_for
+    root = tmp_path_factory.mktemp("hf-two-ranks")
+    jobs: list[tuple[tuple[str, str], tuple, Config, list, list, list]] = []
+    for name in sorted(MODELS):
+        (root / name).mkdir()
+        units, cfg = _setup(name, root / name, data=True)
+        four = Config(**{**cfg.to_dict(), "steps": 4})
+        pp = _strategy(units, 1, 2, m=4)
+        prof = profile_model(resolve(MODELS[name]), micro_batch_size=1, seq_len=SEQ, meta=True)
+        saving = Config(**{**four.to_dict(), "warmup": 0, "checkpoint_dir": str(root / name / "ck")})
+        jobs.append(((name, "family"), units, cfg, [_strategy(units, 2, 1, 3), pp], [four, saving],
+                     [None, plan_for(pp, prof)]))
+    for name in PLAN_FAMILIES:
+        (root / f"{name}-plans").mkdir()
+        units, cfg = _setup(name, root / f"{name}-plans")
+        strategies = _plan_families(units)
+        jobs.append(((name, "plans"), units, cfg, strategies, [cfg] * len(strategies), [None] * len(strategies)))
+    results = run_many(2, [s for job in jobs for s in job[3]], [c for job in jobs for c in job[4]],
+                       plans=[p for job in jobs for p in job[5]])
+    out, at = {}, 0
+    for key, units, cfg, strategies, cfgs, _ in jobs:
+        out[key] = (units, cfg, strategies, results[at:at + len(strategies)], cfgs)
+        at += len(strategies)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_every_decoder_family_trains_sharded_and_pipelined_like_itself_and_exports(name, tmp_path):
+def test_every_decoder_family_trains_sharded_and_pipelined_like_itself_and_exports(name, two_rank_runs, tmp_path):
     """ZeRO-3 over 2 ranks and PP2 1F1B on a token file: step 0 is the saved model's own loss, four AdamW steps are
     one process's; `planner export --hf` of the PP2 checkpoint loads with from_pretrained (its loss on step 4's
     batch is one process's fifth) and starts another run with --init-from."""
     from typer.testing import CliRunner
 
     from cli import app
-    from executor.launch import RunConfig, launch
-    from tests.plans import plan_for
-    units, cfg = _setup(name, tmp_path, data=True)
+    units, cfg, (zero3, _), (zero3_ranks, pp_ranks), (_, saving) = two_rank_runs[name, "family"]
     reference = single_process_losses(_strategy(units, 1, 1), cfg)
     own = _own_step0_loss(cfg)
     assert reference[0] == pytest.approx(own, rel=1e-5)
     assert len({round(x, 6) for x in reference}) == 5      # it really trains: every step differs
-    four = TrainConfig(**{**cfg.to_dict(), "steps": 4})
-    _check([_strategy(units, 2, 1, 3)], run_many(2, [_strategy(units, 2, 1, 3)], four), reference[:4], own)
-    prof = profile_model(resolve(MODELS[name]), micro_batch_size=1, seq_len=SEQ, meta=True)
-    run = launch(plan_for(_strategy(units, 1, 2, m=4), prof),
-                 RunConfig(steps=4, warmup=0, seed=cfg.seed, lr=cfg.lr, init_from=cfg.init_from, data=cfg.data,
-                           checkpoint_dir=str(tmp_path / "ck")))
-    assert list(run.losses) == pytest.approx(reference[:4], rel=1e-4)
-    res = CliRunner().invoke(app, ["export", str(tmp_path / "ck"), "--hf", str(tmp_path / "out")])
+    _check([zero3], [zero3_ranks], reference[:4], own)
+    losses = [r.losses for r in pp_ranks if r.losses][0]
+    assert list(losses) == pytest.approx(reference[:4], rel=1e-4)
+    res = CliRunner().invoke(app, ["export", saving.checkpoint_dir, "--hf", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     assert _own_loss(tmp_path / "out", cfg, step=4) == pytest.approx(reference[4], rel=1e-5)
     again = TrainConfig(**{**cfg.to_dict(), "steps": 1, "init_from": str(tmp_path / "out")})
@@ -112,28 +148,42 @@ def test_every_decoder_family_trains_sharded_and_pipelined_like_itself_and_expor
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_hf_model_trains_like_itself_under_every_plan_family_on_2_ranks(name, tmp_path):
-    units, cfg = _setup(name, tmp_path)
+@pytest.mark.parametrize("name", PLAN_FAMILIES)
+def test_hf_model_trains_like_itself_under_every_plan_family_on_2_ranks(name, two_rank_runs):
+    units, cfg, strategies, results, _ = two_rank_runs[name, "plans"]
     reference = single_process_losses(_strategy(units, 1, 1), cfg)
     own = _own_step0_loss(cfg)
     assert reference[0] == pytest.approx(own, rel=1e-5)
     assert len({round(x, 6) for x in reference}) == 5      # it really trains: every step differs
-    strategies = [_strategy(units, 2, 1, z) for z in range(4)] + [
-        _strategy(units, 1, 2, schedule="gpipe", m=4), _strategy(units, 1, 2, m=4),
-        _strategy(units, 1, 2, schedule="interleaved-1f1b", v=2, m=4), _strategy(units, 1, 2, schedule="zb-interleaved", m=4)]
-    _check(strategies, run_many(2, strategies, cfg), reference, own)
+    _check(strategies, results, reference, own)
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory):
+    """Llama and GPT-2 on 4 ranks in one launch: every ZeRO stage over 4 ranks once (Llama); GPT-2 for what its
+    tied head adds (the tie across 4 and 2 stages); both PP4 and PP2 x DP2 with ZeRO-1 and ZeRO-2.
+    {name: (units, cfg, strategies, results)}"""
+    root = tmp_path_factory.mktemp("hf-four-ranks")
+    jobs = []
+    for name in PLAN_FAMILIES:
+        (root / name).mkdir()
+        units, cfg = _setup(name, root / name)
+        zero = [_strategy(units, 4, 1, z) for z in range(4)] if name == "llama" else []
+        jobs.append((name, units, cfg, zero + [_strategy(units, 1, 4, m=4), _strategy(units, 2, 2, 1, m=2),
+                                               _strategy(units, 2, 2, 2, m=2)]))
+    results = run_many(4, [s for job in jobs for s in job[3]], [job[2] for job in jobs for _ in job[3]])
+    out, at = {}, 0
+    for name, units, cfg, strategies in jobs:
+        out[name] = (units, cfg, strategies, results[at:at + len(strategies)])
+        at += len(strategies)
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_hf_model_trains_like_itself_on_4_ranks(name, tmp_path):
-    units, cfg = _setup(name, tmp_path)
-    reference = single_process_losses(_strategy(units, 1, 1), cfg)
-    # every ZeRO stage over 4 ranks once (llama); GPT-2 for what its tied head adds: the tie across 4 and 2 stages
-    zero = [_strategy(units, 4, 1, z) for z in range(4)] if name == "llama" else []
-    strategies = zero + [_strategy(units, 1, 4, m=4), _strategy(units, 2, 2, 1, m=2), _strategy(units, 2, 2, 2, m=2)]
-    _check(strategies, run_many(4, strategies, cfg), reference, _own_step0_loss(cfg))
+@pytest.mark.parametrize("name", PLAN_FAMILIES)
+def test_hf_model_trains_like_itself_on_4_ranks(name, four_rank_runs):
+    units, cfg, strategies, results = four_rank_runs[name]
+    _check(strategies, results, single_process_losses(_strategy(units, 1, 1), cfg), _own_step0_loss(cfg))
 
 
 @pytest.mark.slow

@@ -222,36 +222,57 @@ HF_RUN = {"mixtral": f"hf:mixtral?{HF_MOE['mixtral'][0].replace('vocab_size=256'
 EP_PLANS = {2: ((2, 1, 2, 0),), 4: ((4, 1, 2, 2), (4, 1, 2, 3), (2, 2, 2, 0))}
 
 
+@pytest.fixture(scope="module")
+def hf_moe_runs(tmp_path_factory):
+    """Both transformers MoE models under EP_PLANS, one launch per world size (each spawns ranks that import
+    transformers): {(name, ranks): (profile, cfg, strategies, results)}. Saved with save_pretrained (one tensor per
+    expert, which --init-from stacks as transformers does), trained on a token file."""
+    from executor.launch import run_many
+    from executor.train import TrainConfig
+    from tests.test_hf_executor import GLOBAL, SEQ, _saved, _tokens
+    root = tmp_path_factory.mktemp("hf-moe")
+    setups = {}
+    for name, ref in sorted(HF_RUN.items()):
+        prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=SEQ, meta=False, dtype="fp32", warmup=0,
+                             repeats=1)
+        # lr 3e-3: a larger step moves routers' near-ties, so one float rounding (an all-reduce's order) can send a
+        # token to another expert, a discrete change no tolerance covers
+        setups[name] = prof, TrainConfig(
+            model_source=ref, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=3e-3,
+            unit_modules=tuple(u.modules for u in prof.units), data=_tokens(root / f"{name}.bin"),
+            init_from=_saved(ref, root / name))
+    out = {}
+    for ranks, plans in sorted(EP_PLANS.items()):
+        jobs = []
+        for name, (prof, cfg) in setups.items():
+            names = tuple(u.name for u in prof.units)
+            halves = (names[:len(names) // 2], names[len(names) // 2:])
+            jobs.append((name, prof, cfg, [
+                Strategy(dp=dp, pp=pp, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
+                         stages=(names,) if pp == 1 else halves, precision="fp32", ep=ep) for dp, pp, ep, z in plans]))
+        results = run_many(ranks, [s for job in jobs for s in job[3]], [job[2] for job in jobs for _ in job[3]])
+        at = 0
+        for name, prof, cfg, strategies in jobs:
+            out[name, ranks] = (prof, cfg, strategies, results[at:at + len(strategies)])
+            at += len(strategies)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", sorted(EP_PLANS))
 @pytest.mark.parametrize("name", sorted(HF_RUN))
-def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ranks, tmp_path):
-    """Saved with save_pretrained (one tensor per expert, which --init-from stacks as transformers does), on a token
-    file: step 0's loss is the saved model's own, and five AdamW steps under EP (EP_PLANS; pp 2: 1F1B, EP inside
-    each stage) are one process's; all-to-all bytes as predicted."""
-    from executor.launch import run_many
-    from executor.train import TrainConfig, single_process_losses
-    from tests.test_hf_executor import GLOBAL, SEQ, _own_step0_loss, _saved, _tokens
-    ref = HF_RUN[name]
-    prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=SEQ, meta=False, dtype="fp32", warmup=0,
-                         repeats=1)
-    names = tuple(u.name for u in prof.units)
-    units = (names,)
-    # lr 3e-3: a larger step moves routers' near-ties, so one float rounding (an all-reduce's order) can send a
-    # token to another expert, a discrete change no tolerance covers
-    cfg = TrainConfig(model_source=ref, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=3e-3,
-                      unit_modules=tuple(u.modules for u in prof.units), data=_tokens(tmp_path / "tokens.bin"),
-                      init_from=_saved(ref, tmp_path / name))
-    one = Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=GLOBAL, stages=units,
-                   precision="fp32")
+def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ranks, hf_moe_runs):
+    """Step 0's loss is the saved model's own, and five AdamW steps under EP (EP_PLANS; pp 2: 1F1B, EP inside each
+    stage) are one process's; all-to-all bytes as predicted."""
+    from executor.train import single_process_losses
+    from tests.test_hf_executor import GLOBAL, _own_step0_loss
+    prof, cfg, strategies, results = hf_moe_runs[name, ranks]
+    one = Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=GLOBAL,
+                   stages=(tuple(u.name for u in prof.units),), precision="fp32")
     reference = single_process_losses(one, cfg)
     assert len({round(x, 6) for x in reference}) == 5
     own = _own_step0_loss(cfg)
-    halves = (names[:len(names) // 2], names[len(names) // 2:])
-    strategies = [Strategy(dp=dp, pp=pp, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
-                           stages=units if pp == 1 else halves, precision="fp32", ep=ep)
-                  for dp, pp, ep, z in EP_PLANS[ranks]]
-    for s, rank_results in zip(strategies, run_many(ranks, strategies, cfg)):
+    for s, rank_results in zip(strategies, results):
         losses = [list(r.losses) for r in rank_results if r.losses][0]
         assert losses[0] == pytest.approx(own, rel=1e-5), s.name
         assert losses == pytest.approx(reference, rel=1e-4), s.name

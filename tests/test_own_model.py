@@ -36,22 +36,46 @@ def _pipe(units, schedule: str, v: int = 1) -> Strategy:
                     precision="fp32", optimizer="adamw")
 
 
+def _traced_setup(ref: str, **cfg_fields):
+    prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=8, meta=True)
+    units = [u.name for u in prof.units]
+    cfg = TrainConfig(model_source=ref, seq_len=8, input_kind=prof.input.kind, steps=4, warmup=1, seed=2, lr=1e-2,
+                      unit_modules=tuple(u.modules for u in prof.units), **cfg_fields)
+    return prof, units, cfg
+
+
+@pytest.fixture(scope="module")
+def traced_runs():
+    """Every model of WORK_BETWEEN_UNITS under every plan family, and make_posnet with a declared loss (ZeRO-2,
+    1F1B), in one 2-rank launch (each launch spawns ranks that import torch): {ref or "loss": (units, cfg,
+    strategies, results)}."""
+    jobs = []
+    for ref in WORK_BETWEEN_UNITS:
+        prof, units, cfg = _traced_setup(ref)
+        assert prof.pipelining == "traced", ref
+        jobs.append((ref, units, cfg, [_zero(units, 2, z) for z in range(4)] + [
+            _pipe(units, "gpipe"), _pipe(units, "1f1b"), _pipe(units, "interleaved-1f1b", v=2),
+            _pipe(units, "zb-interleaved")]))
+    _, units, cfg = _traced_setup("tests.custom_models:make_posnet", loss_fn="tests.custom_models:smoothed_loss")
+    jobs.append(("loss", units, TrainConfig(**{**cfg.to_dict(), "steps": 3}),
+                 [_zero(units, 2, 2), _pipe(units, "1f1b")]))
+    results = run_many(2, [s for job in jobs for s in job[3]], [job[2] for job in jobs for _ in job[3]])
+    out, at = {}, 0
+    for key, units, cfg, strategies in jobs:
+        out[key] = (units, cfg, strategies, results[at:at + len(strategies)])
+        at += len(strategies)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ref", WORK_BETWEEN_UNITS)
-def test_a_model_doing_work_between_units_trains_like_its_own_forward_under_every_plan_family(ref):
+def test_a_model_doing_work_between_units_trains_like_its_own_forward_under_every_plan_family(ref, traced_runs):
     """ZeRO 0-3 run the model itself; pipelines run its traced forward cut at the stage boundaries
     (executor.traced_stages: the scale, the position table, the residual and SkipNet's skip input on the stages
     that need them)."""
-    prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=8, meta=True)
-    assert prof.pipelining == "traced"
-    units = [u.name for u in prof.units]
-    cfg = TrainConfig(model_source=ref, seq_len=8, input_kind=prof.input.kind, steps=4, warmup=1, seed=2, lr=1e-2,
-                      unit_modules=tuple(u.modules for u in prof.units))
+    units, cfg, strategies, results = traced_runs[ref]
     reference = single_process_losses(_zero(units, 1, 0, m=1), cfg)
-    strategies = [_zero(units, 2, z) for z in range(4)] + [
-        _pipe(units, "gpipe"), _pipe(units, "1f1b"), _pipe(units, "interleaved-1f1b", v=2),
-        _pipe(units, "zb-interleaved")]
-    for s, ranks in zip(strategies, run_many(2, strategies, cfg)):
+    for s, ranks in zip(strategies, results):
         seen = [r.losses for r in ranks if r.losses]
         assert seen, (ref, s.name)
         for losses in seen:
@@ -245,16 +269,11 @@ def test_a_declared_loss_is_checked_on_the_meta_model_before_ranks_start(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_declared_loss_trains_sharded_and_pipelined_like_one_process():
-    ref = "tests.custom_models:make_posnet"
-    prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=8, meta=True)
-    units = [u.name for u in prof.units]
-    cfg = TrainConfig(model_source=ref, seq_len=8, input_kind="tokens", steps=3, warmup=1, seed=2, lr=1e-2,
-                      unit_modules=tuple(u.modules for u in prof.units), loss_fn="tests.custom_models:smoothed_loss")
+def test_a_declared_loss_trains_sharded_and_pipelined_like_one_process(traced_runs):
+    units, cfg, strategies, results = traced_runs["loss"]
     reference = single_process_losses(_zero(units, 1, 0, m=1), cfg)
     plain = single_process_losses(_zero(units, 1, 0, m=1), TrainConfig(**{**cfg.to_dict(), "loss_fn": None}))
     assert reference[0] != pytest.approx(plain[0], rel=1e-4)   # the same model and batch: the declared loss trained
-    strategies = [_zero(units, 2, 2), _pipe(units, "1f1b")]
-    for s, ranks in zip(strategies, run_many(2, strategies, cfg)):
+    for s, ranks in zip(strategies, results):
         for losses in [r.losses for r in ranks if r.losses]:
             assert list(losses) == pytest.approx(reference, rel=1e-5), s.name
