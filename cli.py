@@ -387,10 +387,7 @@ def estimate(
     if as_json:
         print(dumps(estimate_json(strategy, est, target.device.name)), end="")
     else:
-        _print_estimate(strategy, est, target.device.name)
-        refused = executor_refuses(strategy, pf.model)
-        if refused:   # the estimate stands; the planner never offers it and `planner run` refuses it
-            err.print(f"note: planner run would refuse this strategy: {refused}", highlight=False, soft_wrap=True)
+        _print_estimate(strategy, est, target.device.name, refused=executor_refuses(strategy, pf.model))
     check_fits(est)
     if write_to:   # refused (one line, exit 2) where planner run would refuse it
         manual_plan(strategy, pf.model, target, profile_path=str(profile_path),
@@ -415,7 +412,9 @@ def _with_imbalance(loaded, moe_imbalance: float | None):
     return dataclasses.replace(pf, model=dataclasses.replace(pf.model, moe_imbalance=moe_imbalance)), target
 
 
-def _print_estimate(strategy, est, device: str) -> None:
+def _print_estimate(strategy, est, device: str, *, refused: str | None = None) -> None:
+    """The estimate's lines and memory table; `refused`: why `planner run` would refuse the strategy (the estimate
+    stands; the planner never offers it)."""
     from cost_models.records.formatting import fixed
     from cost_models.records.published import implausible_mfu
     from planner.summaries import MEMORY_COLUMNS, estimate_lines, memory_rows
@@ -426,6 +425,8 @@ def _print_estimate(strategy, est, device: str) -> None:
     warning = implausible_mfu(est.mfu, device, strategy.precision)
     if warning:
         err.print(f"warning: {warning}", highlight=False, soft_wrap=True)
+    if refused:
+        err.print(f"note: planner run would refuse this strategy: {refused}", highlight=False, soft_wrap=True)
 
 
 @app.command()
