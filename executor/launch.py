@@ -527,6 +527,8 @@ def run_many(nproc: int, strategies: list, cfg: TrainConfig | list[TrainConfig],
     executor tests; `planner run` runs one plan.)"""
     cfgs = cfg if isinstance(cfg, list) else [cfg] * len(strategies)
     plan_data = [p.to_dict() if p is not None else None for p in (plans or [None] * len(strategies))]
+    if not len(cfgs) == len(plan_data) == len(strategies):
+        raise ValueError(f"run_many: {len(strategies)} strategies, {len(cfgs)} configs, {len(plan_data)} plans")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     with elastic_job("many", nproc) as (config, failure_dir):

@@ -66,7 +66,7 @@ def test_a_profile_seen_at_another_length_counts_what_one_taken_there_counts(nam
     assert f"profiled at {short:,} tokens per sequence and seen at {long:,}" in length_line(seen)
 
 
-def test_the_predictions_at_the_long_length_are_the_long_profiles(tiny_profiles):
+def test_the_predictions_at_the_long_length_are_the_long_profiles():
     short, long = _meta("llama-tiny", 32), _meta("llama-tiny", 128)
     seen = at_seq_len(short, 128)
     units = tuple(u.name for u in short.units)
@@ -80,12 +80,14 @@ def test_the_predictions_at_the_long_length_are_the_long_profiles(tiny_profiles)
         assert a.step_time_s == pytest.approx(b.step_time_s, rel=0.01), kw
         assert a.peak_memory_bytes == pytest.approx(b.peak_memory_bytes, rel=0.01), kw
         assert a.memory_per_rank[0].activations == pytest.approx(b.memory_per_rank[0].activations, rel=0.01), kw
-        # and the short profile's is not the same (at this size the H100's time is its kernel launches)
+        # and the short profile's is not the same (at this size the H100's time is its kernels' launch gaps,
+        # kernels.KERNEL_GAP_S, so the activations tell them apart)
         assert estimate(s, short, cluster).memory_per_rank[0].activations < 0.3 * b.memory_per_rank[0].activations
 
 
-def test_measured_times_split_as_the_flops_do(tiny_profiles):
-    real = tiny_profiles["llama-tiny", False]   # 2 x 16 tokens, timed
+def test_measured_times_grow_with_the_flops_and_a_calls_fixed_cost_stays(tiny_profiles):
+    from cost_models.cost.compute import _affine
+    real = tiny_profiles["llama-tiny", False]   # 2 x 16 tokens, timed at 2 sequences and at 1
     seen = at_seq_len(real, 64)
     r = 4
     for a, u in zip(seen.units, real.units):
@@ -93,10 +95,15 @@ def test_measured_times_split_as_the_flops_do(tiny_profiles):
         fwd = (u.fwd_flops - core) * r + core * r * r
         bwd = (u.bwd_flops - BACKWARD_CORE * core) * r + BACKWARD_CORE * core * r * r
         assert a.fwd_flops == round(fwd) and a.bwd_flops == round(bwd)
-        f_share, b_share = (fwd / u.fwd_flops, bwd / u.bwd_flops) if u.fwd_flops else (r, r)   # the embedding
-        assert a.fwd_time.median_s == pytest.approx(u.fwd_time.median_s * f_share, rel=1e-9)
-        assert a.bwd_time.max_s == pytest.approx(u.bwd_time.max_s * b_share, rel=1e-9)
+        shares = (fwd / u.fwd_flops, bwd / u.bwd_flops) if u.fwd_flops else (r, r)   # no FLOPs: the embedding
+        for (at, one), (at2, one2), share in zip(((u.fwd_time, u.fwd_time_one), (u.bwd_time, u.bwd_time_one)),
+                                                 ((a.fwd_time, a.fwd_time_one), (a.bwd_time, a.bwd_time_one)), shares):
+            fixed, per_sample = _affine(at, one, 2, 1)       # the line through the two timings
+            fixed2, per_sample2 = _affine(at2, one2, 2, 1)
+            assert fixed2 == pytest.approx(fixed, rel=1e-9, abs=1e-12)
+            assert per_sample2 == pytest.approx(per_sample * share, rel=1e-9, abs=1e-12)
     assert any(u.tp.core_flops for u in real.units) and not real.units[0].fwd_flops   # both cases are here
+    assert seen.in_model_factor == real.in_model_factor   # on CPUs a share of the time: it stays
 
 
 def test_what_the_scaling_cannot_model_is_refused_in_one_line(tiny_profiles):
@@ -109,6 +116,11 @@ def test_what_the_scaling_cannot_model_is_refused_in_one_line(tiny_profiles):
         at_seq_len(moe, 64)
     with pytest.raises(ConfigError, match="--seq-len"):
         at_seq_len(tiny_profiles["llama-tiny", True], 0)
+    # attention not kept apart from the rest: a model without a tensor-parallel plan (its TPUnit is not recorded)
+    nano = profile_model(resolve("tests.custom_models:make_nanogpt"), micro_batch_size=1, seq_len=8, meta=True)
+    assert nano.units[1].tp is None and nano.units[1].fwd_work.attention_flops > 0
+    with pytest.raises(ConfigError, match="does not record unit .* attention FLOPs apart"):
+        at_seq_len(nano, 32)
     same = tiny_profiles["llama-tiny", True]
     assert at_seq_len(same, same.seq_len) is same and length_line(same) is None
 
@@ -132,3 +144,9 @@ def test_planner_plan_at_another_length_and_past_the_models_positions(tmp_path):
     r = runner.invoke(app, ["plan", str(prof), "--cluster", "dgx-h100", "-B", "8", "--seq-len", "256", "-o",
                             str(tmp_path / "x.json"), "--no-report"])
     assert r.exit_code == 2 and "takes sequences of up to 128 tokens; --seq-len 256 is longer" in r.output
+    # replan from the 32-token profile plans at the plan's 128 tokens again
+    from planner.plan import Plan
+    from planner.replan import replan
+    again = replan(Plan.load(out), gpus=4, profile_path=str(prof), cluster="dgx-h100")
+    assert again.model.seq_len == 128 and again.prediction.tokens_per_step == 8 * 128
+    assert any("seen at 128" in c for c in again.provenance.profile_conditions)

@@ -9,7 +9,8 @@ the attention core apart (profile.TPUnit.core_flops: SDPA's forward FLOPs; torch
 as 2.5 times the forward: torch.utils.flop_counter.sdpa_backward_flop_count; WorkCounts.attention_flops: what the
 fused kernels execute). So at r = new / old length:
   * FLOPs, attention's: x r^2; the rest: x r. Measured times split in the same proportion (a pass's time over its
-    FLOPs at one rate per part, the assumption behind the FLOP formula's use for MFU in the paper above).
+    FLOPs at one rate per part, the assumption behind the FLOP formula's use for MFU in the paper above), less a
+    call's fixed cost, which stays (the intercept of compute._affine's line; on GPUs the in-model gap per call).
   * Bytes kept for backward, crossing a stage boundary, moved by collectives, read and written by memory-bound
     kernels: x r. The fused attention kernels keep O(s) per head (Dao et al. 2022, "FlashAttention", section 3.1:
     the output and its log-sum-exp, never the s x s scores), as do the causal masks SDPA takes as a flag; a model
@@ -17,7 +18,8 @@ fused kernels execute). So at r = new / old length:
   * Matrix products: the dimension that is the micro-batch's tokens scales (a forward or input-gradient
     product's rows, a weight gradient's depth); products per sequence (batched over sequences), the dimension
     equal to the sequence length.
-Refused (one line, profile at the target length instead): mixture-of-experts profiles (routed products' rows
+Refused (one line, profile at the target length instead): a profile that does not keep attention's FLOPs apart
+(TPUnit, recorded for models with a tensor-parallel plan), mixture-of-experts profiles (routed products' rows
 follow the router, not the tokens), inputs without a sequence axis, and attention computed outside
 scaled_dot_product_attention (batched products over two sequence-long dimensions), whose quadratic part the
 profile cannot tell apart.
@@ -51,6 +53,9 @@ def length_refusal(profile: ModelProfile) -> str | None:
     if any(u.moe is not None for u in profile.units):
         return f"{profile.name} routes tokens to experts, which this scaling does not model; {fix}"
     for u in profile.units:
+        if u.tp is None and (u.fwd_work.attention_flops if u.fwd_work else profile.attention_kernels):
+            return (f"{profile.name}'s profile does not record unit {u.name}'s attention FLOPs apart from the rest "
+                    f"(a model without a tensor-parallel plan); {fix}")
         for work in (u.fwd_work, u.bwd_work):
             if work is not None and any(g.batch > 1 and _sequence_dims(g, profile.seq_len) >= 2
                                         for g in work.gemms):
@@ -68,15 +73,27 @@ def at_seq_len(profile: ModelProfile, seq_len: int) -> ModelProfile:
     if why:
         raise ConfigError(why)
     r = seq_len / profile.seq_len
-    units = tuple(_unit(u, r, tokens=profile.micro_batch_size * profile.seq_len, seq_len=profile.seq_len)
-                  for u in profile.units)
+    units = tuple(_unit(u, r, batch=profile.micro_batch_size, seq_len=profile.seq_len) for u in profile.units)
     outside = profile.model_fwd_flops - sum(u.fwd_flops for u in profile.units)
     shape = list(profile.input.shape)
     shape[1] = seq_len
     return dataclasses.replace(
-        profile, seq_len=seq_len, units=units, profiled_seq_len=profile.profiled_seq_len or profile.seq_len, input=dataclasses.replace(profile.input, shape=tuple(shape)),
+        profile, seq_len=seq_len, units=units, profiled_seq_len=profile.profiled_seq_len or profile.seq_len,
+        input=dataclasses.replace(profile.input, shape=tuple(shape)), in_model_factor=_gap_kept(profile, units),
         model_fwd_flops=sum(u.fwd_flops for u in units) + round(outside * r),
         edges=tuple(UnitEdge(src=e.src, dst=e.dst, bytes=round(e.bytes * r)) for e in profile.edges))
+
+
+def _gap_kept(profile: ModelProfile, units: tuple[UnitProfile, ...]) -> float:
+    """The in-model factor at the new length. On a GPU a factor below 1 is a fixed cost per call
+    (compute._gap_per_call: (1 - f) x the unit's time at the profile), which does not grow with the sequence: f
+    such that (1 - f) x the new times gives the old seconds, over all units. Elsewhere it is a share: unchanged."""
+    f = profile.in_model_factor
+    if profile.device != "gpu" or f >= 1:
+        return f
+    old = sum(u.fwd_time.median_s + u.bwd_time.median_s for u in profile.units if u.fwd_time and u.bwd_time)
+    new = sum(u.fwd_time.median_s + u.bwd_time.median_s for u in units if u.fwd_time and u.bwd_time)
+    return 1 - (1 - f) * old / new if new > 0 else f
 
 
 def length_line(profile: ModelProfile) -> str | None:
@@ -89,7 +106,8 @@ def length_line(profile: ModelProfile) -> str | None:
             f"(cost_models.cost.lengths); profile at {profile.seq_len:,} to measure it")
 
 
-def _unit(u: UnitProfile, r: float, *, tokens: int, seq_len: int) -> UnitProfile:
+def _unit(u: UnitProfile, r: float, *, batch: int, seq_len: int) -> UnitProfile:
+    tokens = batch * seq_len
     core = u.tp.core_flops if u.tp is not None else 0
     fwd = _two_parts(u.fwd_flops, core, r)
     bwd = _two_parts(u.bwd_flops, BACKWARD_CORE * core, r)
@@ -97,10 +115,11 @@ def _unit(u: UnitProfile, r: float, *, tokens: int, seq_len: int) -> UnitProfile
     f_share, b_share = (fwd / u.fwd_flops if u.fwd_flops else r), (bwd / u.bwd_flops if u.bwd_flops else r)
     scaled = {k: round(getattr(u, k) * r) for k in _UNIT_LINEAR}
     suffix = None if u.split_suffix_bytes is None else round(u.split_suffix_bytes * r)
+    fwd_t, fwd_one = _times(u.fwd_time, u.fwd_time_one, f_share, batch)
+    bwd_t, bwd_one = _times(u.bwd_time, u.bwd_time_one, b_share, batch)
     return dataclasses.replace(
         u, fwd_flops=round(fwd), bwd_flops=round(bwd), split_suffix_bytes=suffix, **scaled,
-        fwd_time=_times(u.fwd_time, f_share), bwd_time=_times(u.bwd_time, b_share),
-        fwd_time_one=_times(u.fwd_time_one, f_share), bwd_time_one=_times(u.bwd_time_one, b_share),
+        fwd_time=fwd_t, bwd_time=bwd_t, fwd_time_one=fwd_one, bwd_time_one=bwd_one,
         tp=_tp(u.tp, r), fwd_work=_work(u.fwd_work, r, tokens=tokens, seq_len=seq_len, backward=False),
         bwd_work=_work(u.bwd_work, r, tokens=tokens, seq_len=seq_len, backward=True))
 
@@ -110,10 +129,23 @@ def _two_parts(total: int, quadratic: float, r: float) -> float:
     return (total - quadratic) * r + quadratic * r * r
 
 
-def _times(t: Timing | None, share: float) -> Timing | None:
-    if t is None:
-        return None
-    return dataclasses.replace(t, median_s=t.median_s * share, min_s=t.min_s * share, max_s=t.max_s * share)
+def _times(at: Timing | None, one: Timing | None, share: float, batch: int) -> tuple[Timing | None, Timing | None]:
+    """A unit pass's timings at the profile's micro-batch and on one sample, at the new length: the work grows by
+    `share`, the fixed cost of a call (the intercept of the line through the two timings: compute._affine) does
+    not. Where only one timing was taken, all of it grows."""
+    if at is None:
+        return None, None
+    fixed = 0.0
+    if one is not None and batch > 1:
+        low = min(one.median_s, at.median_s)
+        fixed = max(0.0, low - (at.median_s - low) / (batch - 1))
+
+    def grown(t: Timing | None) -> Timing | None:
+        if t is None:
+            return None
+        return dataclasses.replace(t, **{k: fixed + max(0.0, getattr(t, k) - fixed) * share
+                                         for k in ("median_s", "min_s", "max_s")})
+    return grown(at), grown(one)
 
 
 def _tp(tu: TPUnit | None, r: float) -> TPUnit | None:

@@ -164,7 +164,7 @@ def find_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_name: s
     capture = Capture(watched, model_fc, inputs)
     # with grad, so that the capture sees which inputs training differentiates (Capture._leaf); nothing is kept
     # for a backward that never runs (the hooks drop every saved tensor)
-    dropped = torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda _: None)
+    dropped = torch.autograd.graph.saved_tensors_hooks(_drop, _drop)
     try:
         with torch.enable_grad(), dropped, model_fc:
             refusal = output_refusal(model(*inputs), own=takes_targets(model))
@@ -180,6 +180,11 @@ def find_units(model: nn.Module, inputs: tuple[torch.Tensor, ...], model_name: s
             if m not in capture.inputs:
                 raise ProfileError(f"unit '{name}': module '{m}' never ran in the forward pass")
     return unit_defs, capture, model_fc
+
+
+def _drop(_: Any) -> Any:
+    """What a saved-tensor hook keeps of a tensor no backward will read: nothing."""
+    return None
 
 
 def feeds(capture: Capture, prev: str, name: str) -> bool:
