@@ -30,7 +30,6 @@ from torch import nn
 from cost_models.cost.context_parallel import split_refusal
 from cost_models.models.positions import sequence_positions
 from cost_models.records.errors import ConfigError
-from cost_models.torch_compat.attention import grouped_kv
 from executor.measure import comm_label
 from executor.tensor_parallel import ATTENTION_NAMES
 
@@ -136,11 +135,8 @@ def attention(cp: CPContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
               scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """Causal attention of this rank's queries (b, h, s/cp, d) over the CP group's keys and values (module doc):
     query i of chunk g sees the keys up to g x chunk + i (CPContext.biases; on GPUs torch runs it as the
-    memory-efficient kernel's lower-right causal mask, grouped K/V repeated for it: torch_compat.attention; on
-    CPUs it makes the mask)."""
+    memory-efficient kernel's lower-right causal mask, on CPUs it makes the mask)."""
     k_all, v_all = _GatherSequence.apply(k, cp), _GatherSequence.apply(v, cp)
-    if enable_gqa:   # gathered as the key/value heads; repeated after the gather where the masked kernel needs it
-        k_all, v_all, enable_gqa = grouped_kv(q, k_all, v_all, masked=True)
     c = cp.chunk
     out = []
     for j, (g, bias) in enumerate(zip(cp.chunks, cp.biases)):

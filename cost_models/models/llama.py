@@ -15,7 +15,6 @@ from torch import nn
 
 from cost_models.models.chain import UnitChain
 from cost_models.models.positions import token_positions
-from cost_models.torch_compat.attention import grouped_kv
 from cost_models.records.base import Record, record
 
 
@@ -76,11 +75,10 @@ class Attention(nn.Module):
         cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device, q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        # grouped-query attention: where the kernel reads each key/value head for its group of query heads itself
-        # (torch_compat.attention), K/V are not repeated first as Meta's reference does: the same outputs, without
-        # keeping (and, under context parallelism, gathering) heads/kv_heads copies of the keys and values
-        k, v, gqa = grouped_kv(q, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat K/V as Meta's reference does
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 

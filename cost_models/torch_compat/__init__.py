@@ -1,4 +1,3 @@
 """torch runtime shared by the profilers and the executor: torch's private names in one module (torch_private),
 torchrun's launcher (elastic), a rank's device and process-group backend (devices), the optimizers zeropipe trains
-with (optimizers), the process's memory as the host sees it (host), and which attention kernels take grouped
-keys and values (attention)."""
+with (optimizers), and the process's memory as the host sees it (host)."""
