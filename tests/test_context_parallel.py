@@ -120,8 +120,8 @@ CP_PLANS = {2: ((1, 1, 1, 0),), 4: ((2, 1, 1, 3), (1, 1, 2, 0), (1, 2, 1, 0))}
 def cp_runs(tmp_path_factory):
     """The zoo Llama and the HF Llama under CP_PLANS, one launch per world size (each spawns ranks that import
     torch and transformers): {(name, ranks): (profile, cfg, units, strategies, results)}."""
-    from executor.launch import run_many
     from executor.train import TrainConfig
+    from tests.shared_launch import run_shared
     from tests.test_hf_executor import GLOBAL, SEQ, _saved, _tokens
     root = tmp_path_factory.mktemp("cp")
     setups = {}
@@ -143,11 +143,9 @@ def cp_runs(tmp_path_factory):
             jobs.append((name, prof, cfg, units, [
                 _strategy(units, stages=(units,) if pp == 1 else half, dp=dp, pp=pp, tp=tp, zero=zero, cp=2,
                           micro_batch_size=GLOBAL // dp // 2) for dp, pp, tp, zero in plans]))
-        results = run_many(ranks, [s for job in jobs for s in job[4]], [job[2] for job in jobs for _ in job[4]])
-        at = 0
-        for name, prof, cfg, units, strategies in jobs:
-            out[name, ranks] = (prof, cfg, units, strategies, results[at:at + len(strategies)])
-            at += len(strategies)
+        results = run_shared(ranks, [(name, cfg, strategies, None) for name, _, cfg, _, strategies in jobs])
+        out.update({(name, ranks): (prof, cfg, units, strategies, results[name])
+                    for name, prof, cfg, units, strategies in jobs})
     return out
 
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F  # noqa: E402
 from cost_models.models.source import resolve  # noqa: E402
 from cost_models.profiling.model_profiler import profile_model  # noqa: E402
 from cost_models.records.strategy import Strategy  # noqa: E402
-from executor.launch import run_many  # noqa: E402
 from executor.train import TrainConfig, batch_source, single_process_losses  # noqa: E402
 from tests.hf_families import FAMILIES_TINY as MODELS  # noqa: E402
+from tests.shared_launch import run_shared  # noqa: E402
 
 GLOBAL, SEQ = 8, 16
 
@@ -113,13 +113,8 @@ def two_rank_runs(tmp_path_factory):
         units, cfg = _setup(name, root / f"{name}-plans")
         strategies = _plan_families(units)
         jobs.append(((name, "plans"), units, cfg, strategies, [cfg] * len(strategies), [None] * len(strategies)))
-    results = run_many(2, [s for job in jobs for s in job[3]], [c for job in jobs for c in job[4]],
-                       plans=[p for job in jobs for p in job[5]])
-    out, at = {}, 0
-    for key, units, cfg, strategies, cfgs, _ in jobs:
-        out[key] = (units, cfg, strategies, results[at:at + len(strategies)], cfgs)
-        at += len(strategies)
-    return out
+    results = run_shared(2, [(key, cfgs, strategies, plans) for key, _, _, strategies, cfgs, plans in jobs])
+    return {key: (units, cfg, strategies, results[key], cfgs) for key, units, cfg, strategies, cfgs, _ in jobs}
 
 
 @pytest.mark.slow
@@ -171,12 +166,8 @@ def four_rank_runs(tmp_path_factory):
         zero = [_strategy(units, 4, 1, z) for z in range(4)] if name == "llama" else []
         jobs.append((name, units, cfg, zero + [_strategy(units, 1, 4, m=4), _strategy(units, 2, 2, 1, m=2),
                                                _strategy(units, 2, 2, 2, m=2)]))
-    results = run_many(4, [s for job in jobs for s in job[3]], [job[2] for job in jobs for _ in job[3]])
-    out, at = {}, 0
-    for name, units, cfg, strategies in jobs:
-        out[name] = (units, cfg, strategies, results[at:at + len(strategies)])
-        at += len(strategies)
-    return out
+    results = run_shared(4, [(name, cfg, strategies, None) for name, _, cfg, strategies in jobs])
+    return {name: (units, cfg, strategies, results[name]) for name, units, cfg, strategies in jobs}
 
 
 @pytest.mark.slow

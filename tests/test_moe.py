@@ -227,8 +227,8 @@ def hf_moe_runs(tmp_path_factory):
     """Both transformers MoE models under EP_PLANS, one launch per world size (each spawns ranks that import
     transformers): {(name, ranks): (profile, cfg, strategies, results)}. Saved with save_pretrained (one tensor per
     expert, which --init-from stacks as transformers does), trained on a token file."""
-    from executor.launch import run_many
     from executor.train import TrainConfig
+    from tests.shared_launch import run_shared
     from tests.test_hf_executor import GLOBAL, SEQ, _saved, _tokens
     root = tmp_path_factory.mktemp("hf-moe")
     setups = {}
@@ -250,11 +250,8 @@ def hf_moe_runs(tmp_path_factory):
             jobs.append((name, prof, cfg, [
                 Strategy(dp=dp, pp=pp, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
                          stages=(names,) if pp == 1 else halves, precision="fp32", ep=ep) for dp, pp, ep, z in plans]))
-        results = run_many(ranks, [s for job in jobs for s in job[3]], [job[2] for job in jobs for _ in job[3]])
-        at = 0
-        for name, prof, cfg, strategies in jobs:
-            out[name, ranks] = (prof, cfg, strategies, results[at:at + len(strategies)])
-            at += len(strategies)
+        results = run_shared(ranks, [(name, cfg, strategies, None) for name, _, cfg, strategies in jobs])
+        out.update({(name, ranks): (prof, cfg, strategies, results[name]) for name, prof, cfg, strategies in jobs})
     return out
 
 

@@ -13,10 +13,10 @@ from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.errors import ConfigError, ProfileError
 from cost_models.records.strategy import Strategy
 from cost_models.torch_compat.elastic import elastic_job, init_process_group
-from executor.launch import run_many
 from executor.testing_hooks import INIT_ENV
 from executor.train import TrainConfig, single_process_losses
 from tests.plans import plan_for
+from tests.shared_launch import run_shared
 
 WORK_BETWEEN_UNITS = ("tests.custom_models:make_scaled", "tests.custom_models:make_posnet",
                       "tests.custom_models:make_residual2", "tests.custom_models:make_skipnet",
@@ -59,12 +59,8 @@ def traced_runs():
     _, units, cfg = _traced_setup("tests.custom_models:make_posnet", loss_fn="tests.custom_models:smoothed_loss")
     jobs.append(("loss", units, TrainConfig(**{**cfg.to_dict(), "steps": 3}),
                  [_zero(units, 2, 2), _pipe(units, "1f1b")]))
-    results = run_many(2, [s for job in jobs for s in job[3]], [job[2] for job in jobs for _ in job[3]])
-    out, at = {}, 0
-    for key, units, cfg, strategies in jobs:
-        out[key] = (units, cfg, strategies, results[at:at + len(strategies)])
-        at += len(strategies)
-    return out
+    results = run_shared(2, [(key, cfg, strategies, None) for key, _, cfg, strategies in jobs])
+    return {key: (units, cfg, strategies, results[key]) for key, units, cfg, strategies in jobs}
 
 
 @pytest.mark.slow
