@@ -131,8 +131,8 @@ def test_planner_plan_at_another_length_and_past_the_models_positions(tmp_path):
     from cli import app
     runner = CliRunner()
     prof = tmp_path / "p.json"
-    assert runner.invoke(app, ["profile", "-m", "llama-tiny", "--meta", "-b", "1", "-s", "32", "-o", str(prof)]
-                         ).exit_code == 0
+    assert runner.invoke(app, ["profile", "-m", "llama-tiny", "--meta", "-b", "1", "-s", "32", "--cluster", "dgx-h100",
+                               "-o", str(prof)]).exit_code == 0
     out = tmp_path / "plan.json"
     r = runner.invoke(app, ["plan", str(prof), "--cluster", "dgx-h100", "-B", "8", "--seq-len", "128", "-o", str(out),
                             "--no-report", "--json"])
