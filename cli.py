@@ -722,9 +722,8 @@ def replan(
         meta.plan, gpus=gpus, profile_path=str(profile_path) if profile_path else None, cluster=cluster,
         nodes=nodes, top_k=top_k, time_limit_s=time_limit, command=_command_line(), on_progress=on_progress))
     write_to = outputs[0]
-    for line in result.provenance.profile_conditions:   # a profile at another length, seen at the plan's (lengths)
-        if line.startswith("profiled at "):
-            err.print(f"note: {line}", highlight=False, soft_wrap=True)
+    for line in result.provenance.profile_conditions:   # how the profile it planned from was taken (or scaled)
+        err.print(f"note: {line}", highlight=False, soft_wrap=True)
     if _emit_plan(result, outputs, as_json):
         return
     loss = f", loss {meta.loss:.4f}" if meta.loss is not None else ""

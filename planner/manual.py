@@ -49,23 +49,22 @@ def at_length(pf: ProfileFile, seq_len: int) -> ProfileFile:
     m = pf.model
     if seq_len == m.seq_len:
         return pf
-    limit = _longest_input(m.source)
-    if limit is not None and seq_len > limit:
-        raise ConfigError(f"{m.name} takes sequences of up to {limit:,} tokens; --seq-len {seq_len:,} is longer")
+    _check_model_length(m.source, seq_len)
     return dataclasses.replace(pf, model=at_seq_len(m, seq_len))
 
 
-def _longest_input(source: str) -> int | None:
-    """The longest sequence a zoo or transformers model takes (its ModelSource), or None where that is unknown
-    here: a module:factory model is not imported to plan it (the run checks its input)."""
+def _check_model_length(source: str, seq_len: int) -> None:
+    """ModelSource.check_seq_len for a zoo or transformers model; a module:factory model is not imported to plan
+    it, and a config this machine cannot read is not checked here (the run checks its input)."""
     from cost_models.models.source import resolve
     from cost_models.models.zoo import ZOO
     if source not in ZOO and not source.startswith("hf:"):
-        return None
+        return
     try:
-        return resolve(source).max_seq_len
-    except ModelSourceError:   # a config this machine cannot read: the run checks the length
-        return None
+        ref = resolve(source)
+    except ModelSourceError:
+        return
+    ref.check_seq_len(seq_len)
 
 
 def parse_recompute(text: str, n_stages: int) -> tuple[tuple[bool, ...], bool]:

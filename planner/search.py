@@ -896,7 +896,8 @@ def _branch_and_bound(degrees: list[_Degree], cluster: ClusterProfile, req: Plan
     """Cost points least bound first, over every context-parallel degree's frontier at once, until none left can
     enter the top k (module doc); each degree keeps its feasible and infeasible attempts and its estimate count.
     Returns the feasible step times, sorted; what is left in the frontiers was pruned."""
-    room = cluster.device.memory_bytes - overhead_bytes(cluster)
+    overhead = overhead_bytes(cluster)
+    room = cluster.device.memory_bytes - overhead
     run = _as_run(req, cluster)
     times: list[float] = []
     total, done = sum(len(d.bounds.survivors) for d in degrees), 0
@@ -915,7 +916,7 @@ def _branch_and_bound(degrees: list[_Degree], cluster: ClusterProfile, req: Plan
         if must and not d.bounds.must.get(pt):                 # P8 on P7's stages: no attempt fits
             need = _least_need(pt, d.bounds.ranks[_shape(pt)], d.parts, d.bounds.scales[pt.micro_batch_size], run)
             if need > room:
-                d.bounds.floored(bound, pt, need + cluster.device.memory_bytes - room)
+                d.bounds.floored(bound, pt, need + overhead)
                 continue
         if d.frontier.floor(pt) > bound:                       # P7 raised its bound: back in line
             heapq.heappush(d.frontier.heap, (d.frontier.floor(pt), next(d.frontier.order), pt))
@@ -1147,7 +1148,7 @@ def _provenance(found: SearchResult, winner: _Costed, profile: ModelProfile, clu
                 request: PlanRequest, *, profile_path: str, command: str, t0: float) -> Provenance:
     cp = winner.strategy.cp   # a context-parallel winner's cut was made on its degree's view of the profile
     partitioner, milp_status, milp_b, dp_b = _partition_provenance(
-        winner, cp_view(profile, cp) if cp > 1 else profile, found.unit_costs.get(cp, found.unit_cost),
+        winner, cp_view(profile, cp) if cp > 1 else profile, found.unit_costs[cp],
         request.time_limit_s)
     return Provenance(
         profile_path=profile_path, profile_digest=profile_digest(profile_path) if profile_path else "",

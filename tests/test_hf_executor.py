@@ -94,18 +94,18 @@ def _plan_families(units):
 def two_rank_runs(tmp_path_factory):
     """Every 2-rank run of this module in one launch (each launch spawns ranks that import transformers): per
     decoder family, ZeRO-3 over 2 ranks for four steps on a token file and PP2 1F1B for four steps saving a
-    checkpoint; for Llama and GPT-2, every plan family on synthetic batches. {(name, kind): (units, cfg, results)}"""
-    from executor.train import TrainConfig as Config
+    checkpoint; for Llama and GPT-2, every plan family on synthetic batches.
+    {(name, kind): (units, cfg, strategies, results, each strategy's config)}"""
     from tests.plans import plan_for
     root = tmp_path_factory.mktemp("hf-two-ranks")
-    jobs: list[tuple[tuple[str, str], tuple, Config, list, list, list]] = []
+    jobs: list[tuple[tuple[str, str], tuple, TrainConfig, list, list, list]] = []
     for name in sorted(MODELS):
         (root / name).mkdir()
         units, cfg = _setup(name, root / name, data=True)
-        four = Config(**{**cfg.to_dict(), "steps": 4})
+        four = TrainConfig(**{**cfg.to_dict(), "steps": 4})
         pp = _strategy(units, 1, 2, m=4)
         prof = profile_model(resolve(MODELS[name]), micro_batch_size=1, seq_len=SEQ, meta=True)
-        saving = Config(**{**four.to_dict(), "warmup": 0, "checkpoint_dir": str(root / name / "ck")})
+        saving = TrainConfig(**{**four.to_dict(), "warmup": 0, "checkpoint_dir": str(root / name / "ck")})
         jobs.append(((name, "family"), units, cfg, [_strategy(units, 2, 1, 3), pp], [four, saving],
                      [None, plan_for(pp, prof)]))
     for name in PLAN_FAMILIES:

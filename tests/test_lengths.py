@@ -86,7 +86,7 @@ def test_the_predictions_at_the_long_length_are_the_long_profiles():
 
 
 def test_measured_times_grow_with_the_flops_and_a_calls_fixed_cost_stays(tiny_profiles):
-    from cost_models.cost.compute import _affine
+    from cost_models.cost.compute import affine_parts
     real = tiny_profiles["llama-tiny", False]   # 2 x 16 tokens, timed at 2 sequences and at 1
     seen = at_seq_len(real, 64)
     r = 4
@@ -98,8 +98,8 @@ def test_measured_times_grow_with_the_flops_and_a_calls_fixed_cost_stays(tiny_pr
         shares = (fwd / u.fwd_flops, bwd / u.bwd_flops) if u.fwd_flops else (r, r)   # no FLOPs: the embedding
         for (at, one), (at2, one2), share in zip(((u.fwd_time, u.fwd_time_one), (u.bwd_time, u.bwd_time_one)),
                                                  ((a.fwd_time, a.fwd_time_one), (a.bwd_time, a.bwd_time_one)), shares):
-            fixed, per_sample = _affine(at, one, 2, 1)       # the line through the two timings
-            fixed2, per_sample2 = _affine(at2, one2, 2, 1)
+            fixed, per_sample = affine_parts(at, one, 2, 1)       # the line through the two timings
+            fixed2, per_sample2 = affine_parts(at2, one2, 2, 1)
             assert fixed2 == pytest.approx(fixed, rel=1e-9, abs=1e-12)
             assert per_sample2 == pytest.approx(per_sample * share, rel=1e-9, abs=1e-12)
     assert any(u.tp.core_flops for u in real.units) and not real.units[0].fwd_flops   # both cases are here
@@ -143,7 +143,7 @@ def test_planner_plan_at_another_length_and_past_the_models_positions(tmp_path):
                for c in doc["provenance"]["profile_conditions"])
     r = runner.invoke(app, ["plan", str(prof), "--cluster", "dgx-h100", "-B", "8", "--seq-len", "256", "-o",
                             str(tmp_path / "x.json"), "--no-report"])
-    assert r.exit_code == 2 and "takes sequences of up to 128 tokens; --seq-len 256 is longer" in r.output
+    assert r.exit_code == 2 and "llama-tiny supports --seq-len up to 128, got 256" in r.output
     # replan from the 32-token profile plans at the plan's 128 tokens again
     from planner.plan import Plan
     from planner.replan import replan

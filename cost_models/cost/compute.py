@@ -195,10 +195,10 @@ def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProf
         share = 1 - split + split / tp
         out, b0 = [], profile.micro_batch_size
         for at, one in ((unit.fwd_time, unit.fwd_time_one), (unit.bwd_time, unit.bwd_time_one)):
-            fixed, work = _affine(at, one, b0, micro_batch_size)
+            fixed, work = affine_parts(at, one, b0, micro_batch_size)
             # a synchronize per call does not shrink with tp: the whole unit's gap at the profile's micro-batch
             out.append(_in_model(max(0.0, fixed + work * share), _at_batch(at, one, b0, b0), profile, cluster) * factor)
-        fwd_work = _affine(unit.fwd_time, unit.fwd_time_one, b0, micro_batch_size)[1]
+        fwd_work = affine_parts(unit.fwd_time, unit.fwd_time_one, b0, micro_batch_size)[1]
         # the attention core's work alone, recomputed inside a call: per-sample work, no gap of its own
         core_scale = 1.0 if _gap_per_call(profile, cluster) else profile.in_model_factor
         return out[0], out[1], fwd_work * core / tp * factor * core_scale
@@ -215,7 +215,7 @@ def tp_unit_times(unit: UnitProfile, profile: ModelProfile, cluster: ClusterProf
     return fwd * share, bwd * share, fwd * core / (tp * gemm_width_efficiency(width, tp))
 
 
-def _affine(at_profile, at_one, profile_batch: int, batch: int) -> tuple[float, float]:
+def affine_parts(at_profile, at_one, profile_batch: int, batch: int) -> tuple[float, float]:
     """A measured time at another micro-batch as (fixed part, per-sample work x batch): the line through the
     one-sample and the profile's timings (_one_sample), proportional to the batch where only one was taken."""
     if at_one is None or profile_batch <= 1:
@@ -227,7 +227,7 @@ def _affine(at_profile, at_one, profile_batch: int, batch: int) -> tuple[float, 
 
 def _at_batch(at_profile, at_one, profile_batch: int, batch: int) -> float:
     """A measured time moved to another micro-batch size: affine through the two timings when both exist."""
-    return sum(_affine(at_profile, at_one, profile_batch, batch))
+    return sum(affine_parts(at_profile, at_one, profile_batch, batch))
 
 
 def _one_sample(at_profile, at_one) -> float:

@@ -10,7 +10,7 @@ as 2.5 times the forward: torch.utils.flop_counter.sdpa_backward_flop_count; Wor
 fused kernels execute). So at r = new / old length:
   * FLOPs, attention's: x r^2; the rest: x r. Measured times split in the same proportion (a pass's time over its
     FLOPs at one rate per part, the assumption behind the FLOP formula's use for MFU in the paper above), less a
-    call's fixed cost, which stays (the intercept of compute._affine's line; on GPUs the in-model gap per call).
+    call's fixed cost, which stays (the intercept of compute.affine_parts's line; on GPUs the in-model gap per call).
   * Bytes kept for backward, crossing a stage boundary, moved by collectives, read and written by memory-bound
     kernels: x r. The fused attention kernels keep O(s) per head (Dao et al. 2022, "FlashAttention", section 3.1:
     the output and its log-sum-exp, never the s x s scores), as do the causal masks SDPA takes as a flag; a model
@@ -30,8 +30,8 @@ import dataclasses
 
 from cost_models.records.errors import ConfigError
 from cost_models.records.limits import check_seq_len
-from cost_models.records.profile import (InputSpec, ModelProfile, Timing, TPUnit, UnitEdge, UnitProfile,
-                                         counts_positions)
+from cost_models.cost.compute import affine_parts
+from cost_models.records.profile import ModelProfile, Timing, TPUnit, UnitEdge, UnitProfile, counts_positions
 from cost_models.records.work import Gemm, WorkCounts
 
 # torch's FLOP formula for SDPA's backward: five products of the forward's two's size (the scores recomputed, then
@@ -131,14 +131,11 @@ def _two_parts(total: int, quadratic: float, r: float) -> float:
 
 def _times(at: Timing | None, one: Timing | None, share: float, batch: int) -> tuple[Timing | None, Timing | None]:
     """A unit pass's timings at the profile's micro-batch and on one sample, at the new length: the work grows by
-    `share`, the fixed cost of a call (the intercept of the line through the two timings: compute._affine) does
+    `share`, the fixed cost of a call (the intercept of the line through the two timings: compute.affine_parts) does
     not. Where only one timing was taken, all of it grows."""
     if at is None:
         return None, None
-    fixed = 0.0
-    if one is not None and batch > 1:
-        low = min(one.median_s, at.median_s)
-        fixed = max(0.0, low - (at.median_s - low) / (batch - 1))
+    fixed = max(0.0, affine_parts(at, one, batch, 1)[0])
 
     def grown(t: Timing | None) -> Timing | None:
         if t is None:

@@ -64,10 +64,14 @@ class ModelSource:
             raise ModelSourceError(f"'{self.ref}' returned {type(model).__name__}, not a torch.nn.Module")
         return model.to(dtype=dtype)
 
-    def example_input(self, model: nn.Module, batch_size: int, seq_len: int, device: str | torch.device) -> tuple[torch.Tensor, ...]:
-        """One micro-batch of synthetic input, made on the CPU with a fixed seed and moved to `device`."""
+    def check_seq_len(self, seq_len: int) -> None:
+        """Refuse a sequence longer than the model takes (its positions table, its config's context)."""
         if self.max_seq_len is not None and seq_len > self.max_seq_len:
             raise ModelSourceError(f"{self.name} supports --seq-len up to {self.max_seq_len}, got {seq_len}")
+
+    def example_input(self, model: nn.Module, batch_size: int, seq_len: int, device: str | torch.device) -> tuple[torch.Tensor, ...]:
+        """One micro-batch of synthetic input, made on the CPU with a fixed seed and moved to `device`."""
+        self.check_seq_len(seq_len)
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(1234)
         try:
