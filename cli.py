@@ -53,6 +53,13 @@ class _ErrorBoundary(TyperGroup):
             release_outputs()   # the command's output claims (_prepare_output), however it ended
 
 
+def _start_rank_server(*modules: str) -> None:
+    """Before a command that starts ranks imports torch: the rank server imports what the ranks need meanwhile
+    (cost_models.torch_compat.elastic.start_rank_server)."""
+    from cost_models.torch_compat.elastic import start_rank_server
+    start_rank_server(*modules)
+
+
 def _debug_traceback() -> None:
     """Under ZEROPIPE_DEBUG=1, the traceback: a failed rank's own (RunFailed.rank_traceback), else this process's."""
     if os.environ.get("ZEROPIPE_DEBUG") == "1":
@@ -462,6 +469,8 @@ def plan(
     from planner.search import plan as run_plan
 
     outputs = _plan_outputs(output, force, report)
+    if verify:
+        _start_rank_server("executor.launch")
     verify_cfg = _verify_config(verify, verify_steps, verify_timeout) if verify else None
     pf, target = _with_imbalance(load_profile_for(profile_path, cluster=cluster, nodes=nodes, seq_len=seq_len),
                                  moe_imbalance)
@@ -633,6 +642,7 @@ def run(
     # every node runs this command; only node 0 writes -o (the others would claim it against each other)
     write_to, overwrite = _prepare_output(output, force, claim=node_rank == 0)
     the_plan = Plan.load(plan_path)   # before torch is imported (seconds): a bad plan file fails at once
+    _start_rank_server("executor.launch")
     from executor.launch import RunConfig, launch
 
     config = RunConfig(steps=steps, warmup=warmup, seed=seed, lr=lr, nnodes=nnodes, node_rank=node_rank,

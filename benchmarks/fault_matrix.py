@@ -823,6 +823,9 @@ class Watch(threading.Thread):
             self.halt.wait(0.2)
 
     def orphans(self) -> list[psutil.Process]:
+        # the rank server and multiprocessing's resource tracker end once planner's end closes their pipes: give
+        # processes on their way out a moment
+        psutil.wait_procs(list(self.seen.values()), timeout=2)
         alive = []
         for p in self.seen.values():
             with contextlib.suppress(psutil.Error):

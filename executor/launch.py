@@ -27,10 +27,12 @@ from cost_models.models.pipelining import pipeline_support
 from cost_models.models.source import DTYPES, load_attr, meta_forward_context, resolve
 from cost_models.records.base import Record, record
 from cost_models.records.errors import ConfigError, PlannerError
+from cost_models.records.fileio import write_atomic
 from cost_models.records.formatting import fixed, now_utc
 from cost_models.records.strategy import Strategy
 from cost_models.torch_compat.devices import claim_device, rank_backend
-from cost_models.torch_compat.elastic import elastic_job, init_process_group, is_consequence, root_failure
+from cost_models.torch_compat.elastic import (elastic_job, import_in_ranks, init_process_group, is_consequence,
+                                             root_failure)
 from executor import context_parallel
 from executor import checkpoint_layout as layout
 from executor import trust
@@ -58,10 +60,14 @@ def _note_failure(failure_dir: str, exc: BaseException) -> None:
     import traceback
     rank = int(os.environ.get("RANK", -1))
     line = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-    with open(os.path.join(failure_dir, f"rank{rank}.txt"), "w", encoding="utf-8") as fh:
-        fh.write(f"{time.time()}\n{line}\n{''.join(traceback.format_exception(exc))}")
+    # Atomic: the agent may kill this rank mid-write once a peer has died, and the launcher must never read half a note
+    write_atomic(os.path.join(failure_dir, f"rank{rank}.txt"),
+                 f"{time.time()}\n{line}\n{''.join(traceback.format_exception(exc))}", overwrite=True)
 
 
+import_in_ranks(__name__)   # the ranks' entry points (worker, _many_worker) live here
+
+CONSEQUENCE_GRACE_S = 2.0   # how long a rank that failed because a peer did waits before exiting
 HEARTBEAT_S = 0.5   # how often a rank shows it is alive; a stopped rank's last sign then dates from when it stopped
 
 
@@ -86,6 +92,10 @@ def _guarded(failure_dir: str, fn, *args):
         return fn(*args)
     except BaseException as exc:
         _note_failure(failure_dir, exc)
+        if is_consequence(f"{exc}"):
+            # another rank's end seen first (a closed connection): give the agent, which records only the first
+            # exit it sees, time to see that rank's before this one's (_root_cause names the cause from it)
+            time.sleep(CONSEQUENCE_GRACE_S)
         raise
 
 
@@ -236,16 +246,15 @@ def _start_ranks(plan: Plan, run: RunConfig, cfg: TrainConfig, per_node: int) ->
     """This node's ranks, started and awaited (the checkpoint folder locked and checked right before they start,
     until they end); every rank's result on the node holding global rank 0, None elsewhere."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
 
     folder = _checkpoint_folder(Path(run.checkpoint_dir), cfg.start_step, run.overwrite_checkpoints,
                                 lock=run.node_rank == 0) if run.checkpoint_dir else contextlib.nullcontext()
     local_ranks = range(run.node_rank * per_node, (run.node_rank + 1) * per_node)
     # Ctrl-C / SIGTERM: torch's agent stops every rank, then raises its SignalException (the CLI says "interrupted")
     with folder, elastic_job("run", per_node, nnodes=run.nnodes, node_rank=run.node_rank,
-                             rdzv_endpoint=run.rdzv_endpoint) as (config, failure_dir):
+                             rdzv_endpoint=run.rdzv_endpoint) as (start, failure_dir):
         try:
-            results = elastic_launch(config, worker)(plan.to_dict(), cfg.to_dict(), run.timeout_s, failure_dir)
+            results = start(worker, plan.to_dict(), cfg.to_dict(), run.timeout_s, failure_dir)
         except ChildFailedError as exc:
             rank, line = _root_cause(failure_dir, exc, local_ranks, run.timeout_s)
             raise failed(failure_dir, rank, line) from None
@@ -530,12 +539,10 @@ def run_many(nproc: int, strategies: list, cfg: TrainConfig | list[TrainConfig],
     if not len(cfgs) == len(plan_data) == len(strategies):
         raise ValueError(f"run_many: {len(strategies)} strategies, {len(cfgs)} configs, {len(plan_data)} plans")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-    with elastic_job("many", nproc) as (config, failure_dir):
+    with elastic_job("many", nproc) as (start, failure_dir):
         try:
-            per_rank = elastic_launch(config, _many_worker)([s.to_dict() for s in strategies],
-                                                            [c.to_dict() for c in cfgs], plan_data, timeout_s,
-                                                            failure_dir)[0]
+            per_rank = start(_many_worker, [s.to_dict() for s in strategies],
+                                    [c.to_dict() for c in cfgs], plan_data, timeout_s, failure_dir)[0]
         except ChildFailedError as exc:
             rank, line = _root_cause(failure_dir, exc, range(nproc), timeout_s)
             raise failed(failure_dir, rank, line) from None

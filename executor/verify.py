@@ -23,7 +23,7 @@ from cost_models.records.errors import ConfigError, PlannerError, interrupted
 from cost_models.records.formatting import duration
 from cost_models.records.profile import ModelProfile
 from cost_models.records.strategy import Strategy
-from cost_models.torch_compat.elastic import environ
+from cost_models.torch_compat.elastic import environ, is_rank_process
 from executor.launch import WARMUP_STEPS, RunConfig, check_fits_here, launch
 from executor.testing_hooks import INJECT_FAILURE_ENV, VERIFY_INJECT_ENV, hook
 from planner.plan import VERIFY_TIE_REL, Alternative, Plan, Trial
@@ -152,10 +152,9 @@ def _injected(index: int) -> Iterator[None]:
 
 
 class Watchdog:
-    """While active: after `limit_s`, kill this process's rank processes started since it was entered (children
-    running multiprocessing's spawn_main, as torch elastic starts ranks). The agent then sees its ranks die and
-    launch raises; `fired` says the watchdog did it. A hang that no collective timeout catches (every rank stuck,
-    one rank alone) ends here."""
+    """While active: after `limit_s`, kill this process's rank processes started since it was entered
+    (elastic.is_rank_process). The agent then sees its ranks die and launch raises; `fired` says the watchdog did
+    it. A hang that no collective timeout catches (every rank stuck, one rank alone) ends here."""
 
     def __init__(self, limit_s: float) -> None:
         self.limit_s = limit_s
@@ -187,7 +186,7 @@ class Watchdog:
             self.fired = True
             for child in psutil.Process().children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    if child.pid not in self._before and "spawn_main" in " ".join(child.cmdline()):
+                    if child.pid not in self._before and is_rank_process(child):
                         child.kill()
 
 

@@ -22,6 +22,7 @@ from cost_models.records.fileio import dumps, write_atomic
 from cost_models.records.files import ProfileFile
 from cost_models.records.presets import preset
 from cost_models.records.strategy import Strategy
+from cost_models.torch_compat.elastic import is_rank_process
 from tests.plans import GPT_TINY_UNITS, plan_for
 
 runner = CliRunner()
@@ -201,12 +202,12 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 
 def _wait_for_ranks(proc: subprocess.Popen, n: int, deadline_s: float = 120) -> list[psutil.Process]:
-    """The planner process and its descendants once `n` ranks (processes multiprocessing spawned) are running."""
+    """The planner process and its descendants once `n` ranks are running."""
     t0 = time.time()
     while time.time() - t0 < deadline_s:
         assert proc.poll() is None, proc.communicate()[1][-1500:]
         tree = _tree(proc.pid)
-        ranks = [p for p in tree[1:] if "spawn_main" in " ".join(p.cmdline())]
+        ranks = [p for p in tree[1:] if is_rank_process(p)]
         if len(ranks) >= n:
             return tree
         time.sleep(0.2)

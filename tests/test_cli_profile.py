@@ -1,7 +1,9 @@
 """`planner profile` as a user runs it: exit codes, one-line errors, JSON on stdout, files written safely."""
 import json
+import shlex
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 from typer.testing import CliRunner
@@ -12,7 +14,9 @@ runner = CliRunner()
 
 
 def run(*args):
-    return runner.invoke(app, list(args))
+    # the command line as the installed `planner` script would see it (profiles record it)
+    with mock.patch.object(sys, "argv", ["planner", *map(str, args)]):
+        return runner.invoke(app, list(args))
 
 
 def test_profile_json_and_file(tmp_path):
@@ -24,7 +28,9 @@ def test_profile_json_and_file(tmp_path):
     assert data["model"]["total_params"] == 270_048
     assert data["schema_version"] == 1 and data["kind"] == "zeropipe.profile"
     assert json.loads(out.read_text())["model"]["units"][0]["name"] == "embed"
-    assert data["model"]["command"].startswith("planner ")
+    assert data["model"]["command"] == shlex.join(["planner", "profile", "--model", "mlp-deep", "-b", "2", "-s", "4",
+                                                    "--dtype", "fp32", "--repeats", "1", "--cluster", "none",
+                                                    "-o", str(out), "--json"])
     assert data["model"]["threads"] == 1   # timed as each CPU rank runs, whatever the machine's default
 
 

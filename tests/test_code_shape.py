@@ -97,7 +97,7 @@ def test_no_function_is_longer_than_60_lines():
 
 # environment variables users set (documented in the README and --help) and the launcher's own handshake; every
 # other ZEROPIPE_ variable is a test hook and belongs in executor/testing_hooks.py
-USER_ENV = {"ZEROPIPE_DEBUG", "ZEROPIPE_CHECKPOINT_KEY", "ZEROPIPE_STORE_FILE"}
+USER_ENV = {"ZEROPIPE_DEBUG", "ZEROPIPE_CHECKPOINT_KEY", "ZEROPIPE_STORE_FILE", "ZEROPIPE_START_METHOD"}
 HOOKS_HOME = Path("executor/testing_hooks.py")
 
 

@@ -106,13 +106,11 @@ def test_mixed_precision_computes_in_bf16_and_keeps_fp32_masters_on_two_ranks(ti
     """ZeRO-0 (DDP + autocast + bf16 gradient reduce) and ZeRO-3 (FSDP2 MixedPrecisionPolicy), each against the same
     plan in fp32: bf16 where compute runs, fp32 parameters and gradients, losses within bf16's error of fp32's but
     not equal to them, and the bytes each rank holds equal to the estimate's torch split."""
-    from torch.distributed.launcher.api import elastic_launch
-
     from cost_models.torch_compat.elastic import elastic_job
     plans = [S(zero=0), S(zero=3)]
     items = [(s.to_dict(), mixed) for s in plans for mixed in (False, True)]
-    with elastic_job("mixed-precision", 2) as (config, _):
-        per_rank = elastic_launch(config, _mixed_runs)(items)[0]
+    with elastic_job("mixed-precision", 2) as (start, _):
+        per_rank = start(_mixed_runs, items)[0]
     psi = tiny_profiles["gpt-tiny", True].total_params
     for i, s in enumerate(plans):
         for rank in (0, 1):

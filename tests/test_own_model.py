@@ -123,8 +123,6 @@ def test_every_layout_starts_from_the_models_own_init(factory):
     """factory mode: every layout's step-0 parameters are factory()'s after torch.manual_seed(seed); per-module
     mode (for models too large to build on every rank): drawn by each module's own reset_parameters, identical
     under every layout. PosNet's position table (read outside the units) rides on its traced first stage."""
-    from torch.distributed.launcher.api import elastic_launch
-
     from tests import custom_models
     units = ("emb", "blocks.0", "blocks.1", "head")
     layouts = [_zero(units, 2, 0), _zero(units, 2, 3),
@@ -134,8 +132,8 @@ def test_every_layout_starts_from_the_models_own_init(factory):
     expected = {n: p.detach() for n, p in getattr(custom_models, factory)().named_parameters()}
     by_mode = {}
     for mode in ("factory", "per-module"):
-        with elastic_job("init", 2) as (config, _):
-            per_rank = elastic_launch(config, _initial_state)([s.to_dict() for s in layouts], mode, factory)[0]
+        with elastic_job("init", 2) as (start, _):
+            per_rank = start(_initial_state, [s.to_dict() for s in layouts], mode, factory)[0]
         merged = []
         for i in range(len(layouts)):
             state = {}

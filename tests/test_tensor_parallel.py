@@ -101,11 +101,9 @@ def _jobs(items: list[tuple[str, dict, dict]], timeout_s: float) -> list | None:
 
 def run_items(nproc: int, items: list[tuple[str, Strategy, TrainConfig]], timeout_s: float = 120.0) -> list[list[dict]]:
     """[item][rank] -> what the rank returned (a RankResult's dict for "train", {"kept": bytes} for "kept")."""
-    from torch.distributed.launcher.api import elastic_launch
-
     from cost_models.torch_compat.elastic import elastic_job
-    with elastic_job("tp-tests", nproc) as (config, _):
-        per_rank = elastic_launch(config, _jobs)([(k, s.to_dict(), c.to_dict()) for k, s, c in items], timeout_s)[0]
+    with elastic_job("tp-tests", nproc) as (start, _):
+        per_rank = start(_jobs, [(k, s.to_dict(), c.to_dict()) for k, s, c in items], timeout_s)[0]
     return [[per_rank[r][i] for r in range(nproc)] for i in range(len(items))]
 
 

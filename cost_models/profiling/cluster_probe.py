@@ -39,6 +39,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from cost_models.cost.memory import EXECUTOR_IMPORTS_BYTES
 from cost_models.records.base import Record, record
 from cost_models.records.cluster import (ClusterProfile, CollectiveFit, CollectiveOp, ComputeProbe, DeviceSpec,
                                          LinkSpec, Sample, Topology)
@@ -46,7 +47,7 @@ from cost_models.records.errors import ConfigError, ProfileError
 from cost_models.records.fit import fit_alpha_beta
 from cost_models.records.formatting import fixed
 from cost_models.torch_compat.devices import claim_device, rank_backend
-from cost_models.torch_compat.elastic import elastic_job, init_process_group, root_failure
+from cost_models.torch_compat.elastic import elastic_job, import_in_ranks, init_process_group, root_failure
 from cost_models.torch_compat.host import background_runnable, peak_rss_bytes
 
 KIB, MIB = 2**10, 2**20
@@ -315,6 +316,17 @@ def _intra_fits(raw: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[float,
     return {k: fit_alpha_beta([a for a, _ in v], [b for _, b in v])[:2] for k, v in series.items() if len(v) > 1}
 
 
+import_in_ranks(__name__)   # probe_worker, the ranks' entry point
+
+
+def _probe_rank_rss() -> int:
+    """This rank's peak RSS as a probe rank's (ComputeProbe.rank_rss_bytes, to which memory.overhead_bytes adds the
+    executor's imports). A rank forked from a rank server that also imported the executor (a launcher that runs
+    both, elastic.start_rank_server) holds those imports already: they are taken off, not counted twice."""
+    rss = peak_rss_bytes()[0]
+    return rss - EXECUTOR_IMPORTS_BYTES if "executor.launch" in sys.modules else rss
+
+
 def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
     """Run on every rank (env:// rendezvous). Returns the raw measurements on global rank 0, None elsewhere."""
     from cost_models.profiling.overhead_probe import overhead_probe
@@ -324,7 +336,7 @@ def probe_worker(cfg_data: dict[str, Any]) -> dict[str, Any] | None:
     use_cuda = device.type == "cuda"
     backend = rank_backend()
     init_process_group(backend, cfg.timeout_s)
-    baseline = 0 if use_cuda else peak_rss_bytes()[0]   # before the probe's own buffers
+    baseline = 0 if use_cuda else _probe_rank_rss()   # before the probe's own buffers
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -356,14 +368,13 @@ def _cpu_name() -> str:
 def run_local_probe(ranks: int, cfg: ProbeConfig) -> dict[str, Any]:
     """Start `ranks` local processes with torchrun's elastic launcher and return rank 0's measurements."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
 
     if ranks < 1:
         raise ConfigError(f"--ranks must be >= 1, got {ranks}")
     before = background_runnable()   # before the ranks start and after they end: only other programs' tasks
     try:
-        with elastic_job("probe", ranks) as (config, _):
-            results = elastic_launch(config, probe_worker)(cfg.to_dict())
+        with elastic_job("probe", ranks) as (start, _):
+            results = start(probe_worker, cfg.to_dict())
     except ChildFailedError as exc:
         rank, line = root_failure(exc)
         raise ProfileError(f"the cluster probe failed on rank {rank}: {line}") from None

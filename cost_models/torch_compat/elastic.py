@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import logging
 import os
 import re
 import sys
 import tempfile
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+from cost_models.records.errors import ConfigError
 from cost_models.torch_compat.host import keep_freed_memory
 
 # Set for the ranks of a single-node job: the file their process group's store lives in.
@@ -94,10 +96,88 @@ def environ(updates: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+START_METHOD_ENV = "ZEROPIPE_START_METHOD"
+# Modules every rank imports before its work (its entry point's module and what that imports): the rank server
+# imports them once, then forks each rank from itself (start_rank_server).
+_RANK_MODULES: list[str] = []
+# This process's environment when this module was imported: in the rank server, the one it started with
+_SERVER_ENV = dict(os.environ)
+
+
+def import_in_ranks(*modules: str) -> None:
+    """Name modules that define rank entry points, for the rank server to import once (call at import time)."""
+    _RANK_MODULES.extend(m for m in modules if m not in _RANK_MODULES)
+
+
+def rank_start_method() -> str:
+    """How the agent starts ranks: $ZEROPIPE_START_METHOD (spawn | forkserver) where set, else "forkserver" where the
+    platform has it, else torch's default "spawn". A spawned rank is a fresh interpreter that imports torch and
+    this package again, seconds of every launch, once per rank. multiprocessing's fork server is one such
+    interpreter, started once per launcher process, which imports the rank modules once and forks each rank from
+    itself (benchmarks/rank_start.py compares the two; results/measurements.md, "Process start-up time"): like
+    spawned ranks, forked ones hold only a fresh interpreter's memory (a plain fork would carry the launcher's, and
+    the measured peak RSS with it), and never a launcher's CUDA state (PyTorch's "Multiprocessing best practices":
+    the CUDA runtime does not survive fork; the server never touches CUDA). Python 3.14 made it Linux's default."""
+    import multiprocessing
+    available = [m for m in ("forkserver", "spawn") if m in multiprocessing.get_all_start_methods()]
+    chosen = os.environ.get(START_METHOD_ENV) or available[0]
+    if chosen not in available:
+        raise ConfigError(f"${START_METHOD_ENV}={chosen!r}: use one of {', '.join(available)}")
+    return chosen
+
+
+def start_rank_server(*modules: str) -> None:
+    """Start the rank server now (if this platform has one and it is not running), importing `modules` and those
+    named by import_in_ranks: a launcher that calls this before its own imports has both done at once."""
+    import_in_ranks(*modules)
+    if rank_start_method() != "forkserver":
+        return
+    import multiprocessing
+    from multiprocessing import forkserver
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_RANK_MODULES))
+    # the server lives as long as this process: what it and its ranks print before torch's redirection starts
+    # (warnings at import, a Ctrl-C traceback) goes nowhere rather than into the user's terminal (_children_stderr_to)
+    with _children_stderr_to(os.devnull):
+        forkserver.ensure_running()
+
+
+def launch_ranks(config: Any, entry: Callable[..., Any], *args: Any) -> Any:
+    """elastic_launch(config, entry)(*args), each rank in this process's environment as it is now (elastic_job's
+    `start`). A rank forked by the rank server inherits the server's environment from when it started (elastic_launch
+    alone would leave a stale store file there); the launch's own settings (elastic_job's store file, the user's
+    variables, a test's injected failure) come after that."""
+    from torch.distributed.launcher.api import elastic_launch
+    start_rank_server()
+    return elastic_launch(config, _rank_entry)(entry, dict(os.environ), *args)
+
+
+def is_rank_process(proc: Any) -> bool:
+    """Whether a psutil.Process is a rank some launcher started: spawned (multiprocessing's spawn_main) or forked
+    by the rank server (a process running the fork server's code whose parent runs it too)."""
+    cmdline = " ".join(proc.cmdline())
+    if "spawn_main" in cmdline:
+        return True
+    parent = proc.parent()
+    return "multiprocessing.forkserver" in cmdline and parent is not None and \
+        "multiprocessing.forkserver" in " ".join(parent.cmdline())
+
+
+def _rank_entry(entry: Callable[..., Any], env: dict[str, str], *args: Any) -> Any:
+    """A rank: take the launcher's environment, keeping what the agent set for this rank (RANK, WORLD_SIZE, ...:
+    whatever differs from the environment this process started with), then run `entry`."""
+    from_agent = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(from_agent)
+    return entry(*args)
+
+
 @contextlib.contextmanager
 def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: int = 0,
-                rdzv_endpoint: str | None = None) -> Iterator[tuple[Any, str]]:
-    """(LaunchConfig, private work folder) for torch's elastic_launch, with the agent's multi-line logs silenced.
+                rdzv_endpoint: str | None = None) -> Iterator[tuple[Callable[..., Any], str]]:
+    """(start, private work folder): start(entry, *args) runs `entry(*args)` on every rank through torch's
+    elastic_launch (launch_ranks: in this process's environment) and returns {rank: result}; the agent's
+    multi-line logs are silenced.
 
     One node and no endpoint given: file stores only, nothing listens on a network port (module doc). Otherwise a
     c10d TCP rendezvous at `rdzv_endpoint` (default 127.0.0.1, any free port). max_restarts=0: a rank that fails
@@ -111,7 +191,8 @@ def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: i
         # the failure notes and the agent's error files
         logs = DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), redirects=Std.ALL)
         common: dict[str, Any] = dict(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
-                                      rdzv_backend="c10d", max_restarts=0, monitor_interval=0.1, logs_specs=logs)
+                                      rdzv_backend="c10d", max_restarts=0, monitor_interval=0.1, logs_specs=logs,
+                                      start_method=rank_start_method())
         if local:
             config = LaunchConfig(run_id=f"zeropipe-{name}-{uuid.uuid4().hex[:8]}",
                                   rdzv_endpoint=os.path.join(workdir, "rendezvous"),
@@ -124,7 +205,7 @@ def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: i
                                   rdzv_configs={"rank": node_rank} if nnodes > 1 else {}, **common)
             env = {}
         with environ(env), quiet_elastic_logs(), _children_stderr_to(os.path.join(workdir, "ranks.log")):
-            yield config, workdir
+            yield functools.partial(launch_ranks, config), workdir
 
 
 @contextlib.contextmanager
