@@ -813,8 +813,8 @@ def _say_interrupted() -> None:
 
 def main() -> None:
     import signal
-    signal.signal(signal.SIGTERM, _sigterm)
-    try:
+    try:   # a signal that arrives as the handler goes in is raised on this line: inside the boundary too
+        signal.signal(signal.SIGTERM, _sigterm)
         app()
     except KeyboardInterrupt:   # before the commands' boundary (_ErrorBoundary) is entered: typer building it
         _say_interrupted()

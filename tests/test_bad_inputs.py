@@ -2,6 +2,7 @@
 
 Each test reproduces a defect found by the bad-input and fault matrix and asserts the one-line refusal (or the
 named cause) that replaces the traceback, the silent wrong result or the lost output."""
+import contextlib
 import json
 import os
 import re
@@ -239,6 +240,31 @@ def test_a_local_run_listens_on_no_network_port_and_sigterm_is_interrupted_exit_
     left = [p.pid for p in alive if _alive(p)]
     assert not left, left
     assert not (tmp_path / "run.json").exists()
+
+
+@pytest.mark.slow
+def test_ranks_end_when_their_launcher_is_killed(plan_json, tmp_path):
+    """kill -9 of `planner run` (the OOM killer, a crash): no rank outlives it (the ranks are the rank server's
+    children, and the server lives while they do: elastic._end_with_launcher)."""
+    path = _write(tmp_path, plan_json)
+    proc = subprocess.Popen([sys.executable, "-c", "import cli; cli.main()", "run", path, "--steps", "100000",
+                             "-o", "run.json"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tree: list[psutil.Process] = []
+    try:
+        tree = _wait_for_ranks(proc, 2)
+        ranks = [p for p in tree[1:] if is_rank_process(p)]
+        time.sleep(2)   # the ranks train
+        proc.kill()
+        proc.wait(timeout=60)
+        _, alive = psutil.wait_procs(tree[1:], timeout=20)
+        left = [f"{p.pid} rank={p in ranks}" for p in alive if _alive(p)]
+    finally:
+        proc.kill()
+        for p in tree[1:]:   # whatever outlived it, so a failure here leaves nothing training
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert len(ranks) == 2 and not left, left
 
 
 def test_sigterm_before_ranks_start_is_interrupted_exit_130(tmp_path):

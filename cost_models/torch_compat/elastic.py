@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 import uuid
@@ -109,7 +110,13 @@ def import_in_ranks(*modules: str) -> None:
     _RANK_MODULES.extend(m for m in modules if m not in _RANK_MODULES)
 
 
-def rank_start_method() -> str:
+# multiprocessing's fork server passes a new process fewer than 252 file descriptors (forkserver.MAXFDS_TO_SEND,
+# 256, less 4 of its own) and torch hands each rank two per local rank (a result queue each: torch.multiprocessing
+# api.MultiprocessContext): more local ranks than this are spawned
+FORKSERVER_MAX_RANKS = 120
+
+
+def rank_start_method(nproc_per_node: int = 1) -> str:
     """How the agent starts ranks: $ZEROPIPE_START_METHOD (spawn | forkserver) where set, else "forkserver" where the
     platform has it, else torch's default "spawn". A spawned rank is a fresh interpreter that imports torch and
     this package again, seconds of every launch, once per rank. multiprocessing's fork server is one such
@@ -120,7 +127,7 @@ def rank_start_method() -> str:
     the CUDA runtime does not survive fork; the server never touches CUDA). Python 3.14 made it Linux's default."""
     import multiprocessing
     available = [m for m in ("forkserver", "spawn") if m in multiprocessing.get_all_start_methods()]
-    chosen = os.environ.get(START_METHOD_ENV) or available[0]
+    chosen = os.environ.get(START_METHOD_ENV) or (available[0] if nproc_per_node <= FORKSERVER_MAX_RANKS else "spawn")
     if chosen not in available:
         raise ConfigError(f"${START_METHOD_ENV}={chosen!r}: use one of {', '.join(available)}")
     return chosen
@@ -137,7 +144,12 @@ def start_rank_server(*modules: str) -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(_RANK_MODULES))
     # the server lives as long as this process: what it and its ranks print before torch's redirection starts
     # (warnings at import, a Ctrl-C traceback) goes nowhere rather than into the user's terminal (_children_stderr_to)
-    with _children_stderr_to(os.devnull):
+    with _children_stderr_to(os.devnull), environ({
+            # it imports from this process's sys.path (Python 3.11's forkserver.main takes sys_path and ignores it)
+            "PYTHONPATH": os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path),
+            # nor may anything it imports initialise CUDA, which its forked ranks could not use: torch counts
+            # devices through NVML instead (torch.cuda.is_available's docs, "fork-safe")
+            "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}):
         forkserver.ensure_running()
 
 
@@ -147,7 +159,8 @@ def launch_ranks(config: Any, entry: Callable[..., Any], *args: Any) -> Any:
     alone would leave a stale store file there); the launch's own settings (elastic_job's store file, the user's
     variables, a test's injected failure) come after that."""
     from torch.distributed.launcher.api import elastic_launch
-    start_rank_server()
+    if config.start_method == "forkserver":
+        start_rank_server()
     return elastic_launch(config, _rank_entry)(entry, dict(os.environ), *args)
 
 
@@ -169,7 +182,27 @@ def _rank_entry(entry: Callable[..., Any], env: dict[str, str], *args: Any) -> A
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(from_agent)
+    _end_with_launcher()
     return entry(*args)
+
+
+def _end_with_launcher() -> None:
+    """Exit when the launcher does (killed, crashed): a spawned rank got SIGINT then (torch's _wrap sets it as the
+    parent-death signal), but a forked rank's parent is the rank server, which outlives the launcher while ranks
+    hold its pipe. multiprocessing keeps the launcher's end of each rank's data pipe open for exactly this
+    (popen_forkserver: "a sentinel of the parent process used by the child process"; parent_process().sentinel)."""
+    import multiprocessing
+    import multiprocessing.connection
+    import threading
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        # nobody will read this rank's result, and a collective it blocks in would not return
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="zeropipe-launcher-watch", daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -192,7 +225,7 @@ def elastic_job(name: str, nproc_per_node: int, *, nnodes: int = 1, node_rank: i
         logs = DefaultLogsSpecs(log_dir=os.path.join(workdir, "logs"), redirects=Std.ALL)
         common: dict[str, Any] = dict(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
                                       rdzv_backend="c10d", max_restarts=0, monitor_interval=0.1, logs_specs=logs,
-                                      start_method=rank_start_method())
+                                      start_method=rank_start_method(nproc_per_node))
         if local:
             config = LaunchConfig(run_id=f"zeropipe-{name}-{uuid.uuid4().hex[:8]}",
                                   rdzv_endpoint=os.path.join(workdir, "rendezvous"),
