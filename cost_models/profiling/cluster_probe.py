@@ -322,7 +322,14 @@ import_in_ranks(__name__)   # probe_worker, the ranks' entry point
 def _probe_rank_rss() -> int:
     """This rank's peak RSS as a probe rank's (ComputeProbe.rank_rss_bytes, to which memory.overhead_bytes adds the
     executor's imports). A rank forked from a rank server that also imported the executor (a launcher that runs
-    both, elastic.start_rank_server) holds those imports already: they are taken off, not counted twice."""
+    both, elastic.start_rank_server) holds those imports already: they are taken off, not counted twice. A forked
+    rank's RSS holds only the library pages it has run (fork copies no page table entries of file mappings: Linux
+    mm/memory.c, copy_page_range), so the rank first runs what every training rank runs on a tiny layer (a forward,
+    a backward and an AdamW step), as a spawned one had them mapped by its own imports."""
+    layer = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    layer(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
     rss = peak_rss_bytes()[0]
     return rss - EXECUTOR_IMPORTS_BYTES if "executor.launch" in sys.modules else rss
 
