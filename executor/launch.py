@@ -541,8 +541,8 @@ def run_many(nproc: int, strategies: list, cfg: TrainConfig | list[TrainConfig],
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     with elastic_job("many", nproc) as (start, failure_dir):
         try:
-            per_rank = start(_many_worker, [s.to_dict() for s in strategies],
-                                    [c.to_dict() for c in cfgs], plan_data, timeout_s, failure_dir)[0]
+            per_rank = start(_many_worker, [s.to_dict() for s in strategies], [c.to_dict() for c in cfgs],
+                             plan_data, timeout_s, failure_dir)[0]
         except ChildFailedError as exc:
             rank, line = _root_cause(failure_dir, exc, range(nproc), timeout_s)
             raise failed(failure_dir, rank, line) from None

@@ -206,7 +206,7 @@ def _wait_for_ranks(proc: subprocess.Popen, n: int, deadline_s: float = 120) -> 
     """The planner process and its descendants once `n` ranks are running."""
     t0 = time.time()
     while time.time() - t0 < deadline_s:
-        assert proc.poll() is None, proc.communicate()[1][-1500:]
+        assert proc.poll() is None, (proc.communicate()[1] or "")[-1500:]   # stderr may go to /dev/null
         tree = _tree(proc.pid)
         ranks = [p for p in tree[1:] if is_rank_process(p)]
         if len(ranks) >= n:
