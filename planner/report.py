@@ -21,7 +21,7 @@ from cost_models.records.schedule import SCHEDULES, parse_order
 from planner.plan import VERIFY_TIE_REL, Plan
 from planner.rationale import tp_traffic
 from planner.run_record import RunFile
-from planner.summaries import rank_groups
+from planner.summaries import cluster_conditions, rank_groups
 
 KIND_COLOR = {"F": "#4e79a7", "B": "#59a14f", "I": "#f28e2b", "W": "#b07aa1"}
 MEMORY_COLOR = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_states": "#e15759",
@@ -79,6 +79,7 @@ def _summary(plan: Plan) -> Section:
         *(f"Warning: {w}." for w in [implausible_mfu(est.mfu, plan.cluster.device.name, plan.strategy.precision)]
           if w),
         *(f"Profile: {line}." for line in plan.provenance.profile_conditions),
+        *(f"Cluster: {line}." for line in cluster_conditions(plan.cluster)),
     ])
 
 

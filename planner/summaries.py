@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from cost_models.cost.comm import dp_wire_bytes
 from cost_models.cost.memory import MemoryBreakdown
 from cost_models.cost.lengths import length_line
+from cost_models.cost.sharing import effective_cores
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.formatting import duration, fixed, flop_rate, rate, size
 from cost_models.records.published import implausible_mfu
@@ -56,9 +57,22 @@ def profile_conditions(profile: ModelProfile) -> tuple[str, ...]:
     return tuple(line for line in lines if line)
 
 
+def cluster_conditions(cluster: ClusterProfile) -> tuple[str, ...]:
+    """What a probe of CPU ranks saw beside it: other programs' runnable tasks (ComputeProbe.background_runnable),
+    and the share of its speed alone each rank keeps with every rank computing, as the estimate prices it
+    (cost.sharing.effective_cores: processor sharing). () on GPUs, without a probe, or with nothing beside it."""
+    c = cluster.compute
+    cores = effective_cores(cluster, c.ranks) if c is not None else None
+    if c is None or cores is None or c.background_runnable <= 0:
+        return ()
+    return (f"{c.background_runnable:g} runnable task(s) of other programs beside the cluster probe, priced as "
+            f"sharing the cores with the ranks: with all {c.ranks} ranks computing, each at "
+            f"{min(1.0, cores / c.ranks):.0%} of its speed alone",)
+
+
 def profile_load_line(profile: ModelProfile) -> str | None:
-    """How loaded the machine was while a real profile timed its units (ModelProfile.load_1min), or None where it
-    was not recorded."""
+    """How loaded the machine was while a real profile timed its units (ModelProfile.load_1min and
+    runnable_beside), or None where it was not recorded."""
     if not profile.load_1min or not profile.cpus:
         return None
     lo, hi = min(profile.load_1min), max(profile.load_1min)
@@ -71,13 +85,22 @@ def profile_load_line(profile: ModelProfile) -> str | None:
     else:
         verdict = ("more runnable work than CPUs: the unit times include waiting for a core, and every step "
                    "predicted from them with it; re-profile on a quieter machine or `planner calibrate` from a run")
-    return (f"machine load while timing the units (1-minute average): {lo:.1f} to {hi:.1f} on {profile.cpus} CPUs; "
-            f"{verdict}")
+    beside = ""
+    if len(profile.runnable_beside) == 2:
+        before, after = profile.runnable_beside
+        beside = f", other programs' runnable tasks {before:g} before and {after:g} after"
+    return (f"machine load while timing the units (1-minute average): {lo:.1f} to {hi:.1f} on {profile.cpus} CPUs"
+            f"{beside}; {verdict}")
 
 
 def profile_loaded(profile: ModelProfile) -> bool:
-    """Whether a real profile's units were timed with more runnable work than CPUs."""
-    return bool(profile.load_1min) and profile.cpus > 0 and max(profile.load_1min) > profile.cpus
+    """Whether a real profile's units were timed with more runnable work than CPUs: by the 1-minute load average,
+    or by other programs' runnable tasks that lasted through the timing beside the profiler's own thread (the
+    average lags a load that just started)."""
+    if profile.cpus <= 0:
+        return False
+    averaged = bool(profile.load_1min) and max(profile.load_1min) > profile.cpus
+    return averaged or (bool(profile.runnable_beside) and min(profile.runnable_beside) + 1 > profile.cpus)
 
 
 def cluster_lines(c) -> list[str]:

@@ -118,7 +118,9 @@ def test_a_profile_timed_on_an_overloaded_machine_is_named_where_its_times_price
     from tests.clusters import cpu_cluster
     real = tiny_profiles["gpt-tiny", False]
     assert len(real.load_1min) == 2 and min(real.load_1min) >= 0 and real.cpus == os.cpu_count()
-    assert tiny_profiles["gpt-tiny", True].load_1min == () and tiny_profiles["gpt-tiny", True].cpus == 0
+    assert len(real.runnable_beside) == 2 and min(real.runnable_beside) >= 0
+    meta = tiny_profiles["gpt-tiny", True]
+    assert meta.load_1min == () and meta.runnable_beside == () and meta.cpus == 0
     # one torch thread on CPU: timed by the thread's CPU time (host.work_clock), which leaves out waiting for a core
     assert real.threads == 1 and real.clock == "thread-cpu" and tiny_profiles["gpt-tiny", True].clock == ""
     cpu = cpu_cluster(ranks=2, threads=real.threads, cores=2)
@@ -128,12 +130,19 @@ def test_a_profile_timed_on_an_overloaded_machine_is_named_where_its_times_price
             "thread-cpu": head + "than CPUs: the units were timed by their thread's CPU time, which leaves out waiting "
                                  "for a core (the cores' sharing with other programs is priced from the cluster "
                                  "probe); to check the prediction, `planner calibrate` from a run"}
-    cases = {"loaded": ((3.8, 5.0), cpu, "wall"), "loaded-cpu-clock": ((3.8, 5.0), cpu, "thread-cpu"),
-             "quiet": ((0.5, 0.7), cpu, None), "preset": ((3.8, 5.0), preset("dgx-a100"), None)}
-    for name, (load, cluster, warned) in cases.items():
+    # a load that started just before the profile: the 1-minute average still low, the runnable count not
+    just = ("warning: machine load while timing the units (1-minute average): 0.5 to 0.7 on 2 CPUs, other programs' "
+            "runnable tasks 2 before and 3 after; more runnable work "
+            + said["thread-cpu"].split("more runnable work ")[1])
+    cases = {"loaded": ((3.8, 5.0), (), cpu, "wall"), "loaded-cpu-clock": ((3.8, 5.0), (), cpu, "thread-cpu"),
+             "quiet": ((0.5, 0.7), (0.0, 1.0), cpu, None), "just-started": ((0.5, 0.7), (2.0, 3.0), cpu, "just"),
+             "preset": ((3.8, 5.0), (), preset("dgx-a100"), None)}
+    said["just"] = just
+    for name, (load, beside, cluster, warned) in cases.items():
         (tmp_path / name).mkdir()
-        clock = warned or "wall"
-        path = _profile_file(tmp_path / name, dataclasses.replace(real, load_1min=load, cpus=2, clock=clock), cluster)
+        clock = "wall" if warned in (None, "wall") else "thread-cpu"
+        loaded = dataclasses.replace(real, load_1min=load, runnable_beside=beside, cpus=2, clock=clock)
+        path = _profile_file(tmp_path / name, loaded, cluster)
         runs = (["estimate", path, "--dp", "2", "--precision", "fp32"],
                 ["plan", path, "-B", "4", "--precision", "fp32", "--no-report", "-o", str(tmp_path / name / "p.json")])
         for args in runs:

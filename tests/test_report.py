@@ -200,3 +200,21 @@ def test_the_report_says_under_what_load_the_profile_was_timed_and_the_run_measu
     md = render_markdown(noted, run)
     assert f"- Profile: {conditions[0]}." in md and "- Profile: 4 identical units (...) pooled." in md
     assert "machine load during the run (1-minute average): 4.3 to 4.4 on 2 CPUs with 4 ranks" in md
+
+
+def test_the_report_names_other_programs_beside_the_cluster_probe_and_how_they_are_priced(pipeline_plan):
+    """A probe of CPU ranks that saw other programs' runnable tasks prices them as sharing the cores
+    (cost.sharing.effective_cores); the report's summary says how many and each rank's share with all computing.
+    4 ranks that get 2 cores' worth alone, beside 2 other tasks on a 2-core host: 4 / (4 + 2) x 2 cores = 1.33 cores
+    for 4 ranks, 33% each. Nothing is said without them."""
+    import dataclasses
+
+    from tests.clusters import cpu_cluster
+    plan, _ = pipeline_plan
+    quiet = cpu_cluster(ranks=4, cores=2)
+    compute = dataclasses.replace(quiet.compute, background_runnable=2.0, host_cores=2)
+    busy = dataclasses.replace(quiet, compute=compute)
+    line = ("- Cluster: 2 runnable task(s) of other programs beside the cluster probe, priced as sharing the cores "
+            "with the ranks: with all 4 ranks computing, each at 33% of its speed alone.")
+    assert line in render_markdown(dataclasses.replace(plan, cluster=busy))
+    assert "- Cluster:" not in render_markdown(dataclasses.replace(plan, cluster=quiet))

@@ -58,7 +58,7 @@ from cost_models.records.limits import check_seq_len
 from cost_models.records.profile import ModelProfile, MoEUnit, SharedParam, TPUnit, UnitEdge, UnitProfile
 from cost_models.records.tensor_parallel import TPRule
 from cost_models.records.work import WorkCounts
-from cost_models.torch_compat.host import keep_freed_memory, profile_clock
+from cost_models.torch_compat.host import background_runnable, keep_freed_memory, profile_clock
 from cost_models.torch_compat.optimizers import time_optimizers
 from cost_models.torch_compat.torch_private import storage_id
 
@@ -221,6 +221,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         if meta:
             stack.enter_context(FusedAttentionOnMeta())
         rules, load_before = model_tp_rules(model), os.getloadavg()[0]
+        beside_before = 0.0 if meta else background_runnable(PROFILE_RUNNABLE_SAMPLES)
         unit_results, model_fwd_flops, attention, edges, in_model, notes = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
             repeats=repeats, rules=rules, seq_len=seq_len, on_progress=on_progress, on_estimate=on_estimate)
@@ -246,17 +247,24 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         tensor_parallel=tp_shape(model), in_model_factor=in_model, mixed_factor=mixed, optimizer_timings=optimizers,
         largest_unit=largest.name, device="gpu" if device == "cuda" else device,
         device_name=torch.cuda.get_device_name() if device == "cuda" else "", threads=torch.get_num_threads(),
-        torch_version=torch.__version__, command=command, created_at=now_utc(), **_load_record(load_before, meta),
-        timing_notes=notes)
+        torch_version=torch.__version__, command=command, created_at=now_utc(),
+        **_load_record(load_before, beside_before, meta), timing_notes=notes)
 
 
-def _load_record(load_before: float, meta: bool) -> dict:
-    """ModelProfile.load_1min, cpus and clock: the load before and after the timed runs and the clock that timed
-    them (timing._time_module's; none in meta mode)."""
+# Readings of the runnable count around the timed runs (host.background_runnable takes their median, 20 ms apart):
+# fewer than the probe's, as every real profile pays them; a median of 7 still leaves out a task that ran for one
+# reading.
+PROFILE_RUNNABLE_SAMPLES = 7
+
+
+def _load_record(load_before: float, beside_before: float, meta: bool) -> dict:
+    """ModelProfile.load_1min, runnable_beside, cpus and clock: the load and other programs' runnable tasks before
+    and after the timed runs, and the clock that timed them (timing._time_module's; none in meta mode)."""
     if meta:
         return {"load_1min": (), "cpus": 0}
-    return {"load_1min": (round(load_before, 2), round(os.getloadavg()[0], 2)), "cpus": os.cpu_count() or 0,
-            "clock": profile_clock()[1]}
+    return {"load_1min": (round(load_before, 2), round(os.getloadavg()[0], 2)),
+            "runnable_beside": (beside_before, background_runnable(PROFILE_RUNNABLE_SAMPLES)),
+            "cpus": os.cpu_count() or 0, "clock": profile_clock()[1]}
 
 
 def _tp_unit(numels: list[int], splits: list[int], norms: list[bool], results: list[ModuleResult]) -> TPUnit:

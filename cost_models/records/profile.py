@@ -290,6 +290,11 @@ class ModelProfile(Record):
     # timing thread's CPU time, which leaves out waiting for a core: one thread on CPU) or "wall"; "" in meta
     # profiles and files written before it was recorded (wall)
     clock: str = ""
+    # real mode on Linux: other programs' tasks runnable beside the profiler (torch_compat.host.background_runnable)
+    # before and after the timed runs. The 1-minute load average lags a load that just started by a minute; this
+    # count does not (proc(5), /proc/loadavg). () in meta profiles, off Linux and in files written before it was
+    # recorded.
+    runnable_beside: tuple[float, ...] = ()
     # real mode: what the profiler did about noise it saw (timing.pool_identical: identical units timed far apart,
     # timed again interleaved and pooled), one line each; () when nothing was needed, in meta mode and older files
     timing_notes: tuple[str, ...] = ()
