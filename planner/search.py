@@ -34,6 +34,7 @@ FLOP (the estimate's narrow-GEMM curve) and per sample at smaller micro-batches 
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import functools
 import gc
@@ -42,7 +43,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence, cast
+from typing import Callable, NamedTuple, Sequence, cast
 
 from cost_models.cost.comm import collective_time, group_ranks_per_node
 from cost_models.cost.compute import executed_precision
@@ -508,12 +509,13 @@ class _UnitTimes:
         return self.stage_cache[key]
 
 
-@dataclass(frozen=True)
-class _RankBound:
+class _RankBound(NamedTuple):
     """A pipeline rank's share of P2: `start_busy` = when micro-batch 0's forward can first reach it + its work
     for all micro-batches; `tail` = the backward the stages ahead still run after its last action; `params` = the
     parameters its stages hold, divided by tp (at best); `held` its stages; `alive` the least activation bytes it
-    keeps with selective recompute (P6), at the profile's micro-batch, before tp divides them."""
+    keeps with selective recompute (P6), at the profile's micro-batch, before tp divides them. A named tuple, not a
+    frozen dataclass: the search builds one per pipeline rank of every shape (hundreds of thousands for a 405B
+    model's space), and a tuple's construction costs a fraction of a dataclass's."""
 
     start_busy: float
     tail: float
@@ -551,15 +553,19 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
     # P6's activations: the forwards each rank runs before its first backward, all alive at once (1F1B's rank j
     # holds p - j micro-batches then), and at least one micro-batch of its largest stage
     before = parts.alive_kept(pt)
+    m, split = pt.microbatches, spec.split_backward
     for j, held in enumerate(placement(pt.schedule, pt.pp, pt.v)):
-        first = min(held)
-        busy = pt.microbatches * sum(fb[st][0] + fb[st][1] for st in held)
-        alive = max(max(kept[st] for st in held), before[j])
-        out.append(_RankBound(start_busy=(f_before[first] + busy) * scale,
-                              tail=0.0 if spec.split_backward else b_before[first] * scale,
-                              params=sum(params[st] for st in held) / pt.tp,
-                              forward=pt.microbatches * sum(fb[st][0] for st in held) * scale,
-                              held=held, alive=alive, experts=sum(experts[st] for st in held)))
+        first = held[0]   # placement's stages are ascending
+        if len(held) == 1:   # one stage per rank (v = 1): the sums below without their loops
+            f, b = fb[first]
+            busy, fwd, held_params, alive, held_experts = m * (f + b), m * f, params[first], kept[first], experts[first]
+        else:
+            busy = m * sum(fb[st][0] + fb[st][1] for st in held)
+            fwd = m * sum(fb[st][0] for st in held)
+            held_params, held_experts = sum(params[st] for st in held), sum(experts[st] for st in held)
+            alive = max(kept[st] for st in held)
+        out.append(_RankBound((f_before[first] + busy) * scale, 0.0 if split else b_before[first] * scale,
+                              held_params / pt.tp, fwd * scale, held, max(alive, before[j]), held_experts))
     return tuple(out)
 
 
@@ -652,16 +658,16 @@ class _Bounds:
             self.memory_limited = (bound, pt)
 
 
-def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], act_scale: float, room: float,
-                    req: PlanRequest) -> frozenset[int]:
+def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], states: Sequence[float], act_scale: float,
+                    room: float) -> frozenset[int]:
     """P6: the stages of pipeline ranks that cannot hold their model states (as the executor keeps them, tp
     dividing every parameter at best) plus their least activations with the attention core dropped (selective
     recompute; _RankBound.alive) and everything divided by tp, in `room` (the device less the per-process
-    overhead): on the balanced cut they fit, if at all, only with full recompute."""
+    overhead): on the balanced cut they fit, if at all, only with full recompute. `states`: _rank_states."""
     per_byte = act_scale / pt.tp
     out: set[int] = set()
-    for r, states in zip(ranks, _rank_states(pt, ranks, req)):
-        if states + r.alive * per_byte > room:
+    for r, held in zip(ranks, states):
+        if held + r.alive * per_byte > room:
             out.update(r.held)
     return frozenset(out)
 
@@ -673,29 +679,31 @@ def _rank_states(pt: Point, ranks: tuple["_RankBound", ...], req: PlanRequest) -
     return [dense * (r.params - r.experts) + expert * r.experts for r in ranks]
 
 
-def _least_need(pt: Point, ranks: tuple["_RankBound", ...], parts: "_Partitions", act_scale: float,
-                req: PlanRequest) -> float:
+def _least_need(pt: Point, states: Sequence[float], parts: "_Partitions", act_scale: float) -> float:
     """P8: the most bytes any pipeline rank needs under every attempt on this cut: its model states (tp dividing
     every parameter at best) and, per forward it runs before its first backward (one for a single stage), the least
     its stage keeps. Full recompute keeps a stage's unit inputs (estimate._stage), except under a split backward
     past the first stage, where a recomputed stage keeps what it saves (estimate._stage's bound); anything else
-    keeps at least the selective floor divided by tp (P6's). More than the room: no attempt fits."""
-    return max(a + b for a, b in zip(_rank_states(pt, ranks, req), parts.act_floors(pt, act_scale)))
+    keeps at least the selective floor divided by tp (P6's). More than the room: no attempt fits. `states`:
+    _rank_states."""
+    return max(a + b for a, b in zip(states, parts.act_floors(pt, act_scale)))
 
 
 def _over_alive(pt: Point, per_stage: Sequence[float]) -> tuple[float, ...]:
     """Per pipeline rank, `per_stage` summed over the forwards it runs before its first backward (one stage: one)."""
     if pt.pp * pt.v == 1:
         return (per_stage[0],)
-    return tuple(sum(per_stage[st] for st in stages)
-                 for stages in _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v))
+    return tuple(sum(n * per_stage[st] for st, n in counts)
+                 for counts in _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v))
 
 
 @functools.lru_cache(maxsize=4096)
-def _alive_before_backward(schedule: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
-    """Per pipeline rank, schedule.forwards_before_backward (P6 and P8 ask it of thousands of points of few
-    shapes)."""
-    return tuple(forwards_before_backward(schedule, j, p, m, v) for j in range(p))
+def _alive_before_backward(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per pipeline rank, how many of schedule.forwards_before_backward run each of its stages, as (stage, count)
+    pairs: a rank holds v stages, where its forwards before the first backward number up to about (v - 1) x p + p,
+    and P6 and P8 ask this of thousands of points of few shapes."""
+    return tuple(tuple(sorted(collections.Counter(forwards_before_backward(schedule, j, p, m, v)).items()))
+                 for j in range(p))
 
 
 def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile, parts: "_Partitions",
@@ -741,8 +749,9 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
         if state > cap:
             out.pruned += 1
             continue
-        must = _must_recompute(pt, group_bound[g], scales[pt.micro_batch_size], cap - overhead, req)
-        need = (_least_need(pt, group_bound[g], parts, scales[pt.micro_batch_size], req)
+        states = _rank_states(pt, group_bound[g], req)   # P6's and P8's, once
+        must = _must_recompute(pt, group_bound[g], states, scales[pt.micro_batch_size], cap - overhead)
+        need = (_least_need(pt, states, parts, scales[pt.micro_batch_size])
                 if req.prune and (must or pt.pp * pt.v == 1) else 0.0)
         if need > cap - overhead:                              # P8
             out.floored(memory_free, pt, need + overhead)
@@ -750,7 +759,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
         if must and pt.pp * pt.v > 1:   # P6: those ranks run their forward twice
             out.must[pt] = must
             if (g, must) not in group_bound:
-                group_bound[g, must] = tuple(replace(r, start_busy=r.start_busy + r.forward)
+                group_bound[g, must] = tuple(r._replace(start_busy=r.start_busy + r.forward)
                                              if must.intersection(r.held) else r for r in group_bound[g])
             ranks = group_bound[g, must]
             bound = max(bound, _point_bound(pt, ranks, profile, cluster, req, memo))
@@ -914,7 +923,8 @@ def _branch_and_bound(degrees: list[_Degree], cluster: ClusterProfile, req: Plan
             pt, d.frontier.plain.get(_group(pt)), d.parts, d.profile, room, run)) if req.prune else frozenset()
         d.frontier.must[pt] = must
         if must and not d.bounds.must.get(pt):                 # P8 on P7's stages: no attempt fits
-            need = _least_need(pt, d.bounds.ranks[_shape(pt)], d.parts, d.bounds.scales[pt.micro_batch_size], run)
+            states = _rank_states(pt, d.bounds.ranks[_shape(pt)], run)
+            need = _least_need(pt, states, d.parts, d.bounds.scales[pt.micro_batch_size])
             if need > room:
                 d.bounds.floored(bound, pt, need + overhead)
                 continue
