@@ -200,7 +200,7 @@ def profile(
     if cluster != "local":  # presets and files before the model (torch's import alone takes seconds)
         cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
     from cost_models.models.source import resolve
-    from cost_models.profiling.model_profiler import profile_model
+    from cost_models.profiling.model_profiler import SETTLE_S, profile_model
     source = resolve(model, input_ref=input_fn)
     with _progress(counts=False) as bar, custom_tp_plan(tp_plan):   # --tp-plan: imported here, recorded in prof
         task = bar.add_task(f"profiling {source.name}: forward pass of the whole model", total=None)
@@ -213,7 +213,7 @@ def profile(
                           highlight=False)
         prof = profile_model(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
                              device=device, units=units, warmup=warmup, repeats=repeats, threads=threads, command=_command_line(),
-                             on_progress=on_progress, on_estimate=on_estimate)
+                             on_progress=on_progress, on_estimate=on_estimate, settle_s=SETTLE_S)
     if cluster == "local":
         cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=prof.dtype, sizes=sizes, repeats=repeats)
     if _emit(ProfileFile(model=prof, cluster=cluster_prof), write_to, overwrite, as_json):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cost_models.models.source import resolve
 from cost_models.profiling.cluster_source import StatusFn, probe_local
-from cost_models.profiling.model_profiler import ProgressFn, profile_model
+from cost_models.profiling.model_profiler import SETTLE_S, ProgressFn, profile_model
 from cost_models.records.fileio import write_atomic
 from cost_models.records.files import ProfileFile
 from executor.launch import WARMUP_STEPS, RunConfig, launch
@@ -64,7 +64,7 @@ def run_demo(out_dir: Path, *, command: str = "", on_progress: ProgressFn | None
                   f"planner profile / plan / run use them")
     # executor ranks run one thread each: measure the units the way they will run
     prof = profile_model(resolve(DEMO_MODEL), micro_batch_size=DEMO_MICRO_BATCH, seq_len=DEMO_SEQ_LEN, dtype="fp32",
-                         device="cpu", threads=1, command=command, on_progress=on_progress)
+                         device="cpu", threads=1, command=command, on_progress=on_progress, settle_s=SETTLE_S)
     cluster = probe_local(ranks=DEMO_RANKS, dtype="fp32", sizes=None, on_status=on_status, gpus=False)
     profile_path = out_dir / "profile.json"
     ProfileFile(model=prof, cluster=cluster).save(profile_path, overwrite=True)

@@ -281,3 +281,27 @@ def test_identical_units_timed_far_apart_are_timed_again_interleaved_and_pooled(
     assert len(pooled) == 4 * 3 and all(b[0].fwd_times == pooled for b in blocks)
     assert all(len(b[0].fwd_times_one) == 12 and b[0].bwd_times == blocks[0][0].bwd_times for b in blocks)
     assert head[0].fwd_times == head_times
+
+
+def test_a_busy_machine_is_waited_for_then_timed_beside_and_the_profile_says_so():
+    """settle (what `planner profile` and the demo run before timing) waits up to its bound for other programs'
+    runnable tasks to leave a CPU free; with as many busy loops as CPUs running throughout, none is, and it returns
+    after the bound with a note that says it timed beside them."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from cost_models.profiling.model_profiler import settle
+    cpus = os.cpu_count() or 1
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus)]
+    try:
+        time.sleep(0.5)   # until they run
+        left, note = settle(1.0, poll_s=0.2)
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+    assert left >= cpus and note is not None
+    assert f"other programs' runnable task(s) on {cpus} CPUs before timing, " in note
+    assert note.endswith("timed beside them")

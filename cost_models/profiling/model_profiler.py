@@ -134,7 +134,7 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
                   meta: bool = False, device: str = "auto", units: str | list[str] | None = None, warmup: int = 2,
                   repeats: int = 5, threads: int | None = None, command: str = "",
                   on_progress: ProgressFn | None = None,
-                  on_estimate: Callable[[float], None] | None = None) -> ModelProfile:
+                  on_estimate: Callable[[float], None] | None = None, settle_s: float = 0.0) -> ModelProfile:
     """Measure `source` at one micro-batch of (micro_batch_size, seq_len) and return its ModelProfile.
 
     `dtype` auto: fp32 on CPU (CPU ranks run every plan in fp32), bf16 on a GPU and in meta mode.
@@ -144,7 +144,9 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
     with a run whose ranks use as many (executor CPU ranks use one). `on_progress(done, total, what)` reports the
     share of the expected time done (see progress.Progress: a constant total, done == total at the end);
     `on_estimate(seconds)`, in real mode, how long the timed runs will take, once the counting pass has measured
-    one forward and backward of every unit (about 1 / (1 + 1.5 x (warmup + repeats)) of the work)."""
+    one forward and backward of every unit (about 1 / (1 + 1.5 x (warmup + repeats)) of the work). `settle_s`
+    (real mode on CPU): how long to wait for other programs' runnable tasks to leave a core free before timing
+    (settle); the profile's timing notes say what was found and done."""
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     check_seq_len(seq_len)   # before a micro-batch of it is allocated
@@ -154,7 +156,7 @@ def profile_model(source: ModelSource, *, micro_batch_size: int, seq_len: int, d
     try:
         return _profile(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
                         device=device, units=units, warmup=warmup, repeats=repeats, command=command,
-                        on_progress=on_progress, on_estimate=on_estimate)
+                        on_progress=on_progress, on_estimate=on_estimate, settle_s=settle_s)
     except torch.cuda.OutOfMemoryError:
         raise ProfileError(f"the GPU ran out of memory profiling {source.name} at micro-batch {micro_batch_size} x "
                            f"{seq_len}; use a smaller --micro-batch-size or --seq-len, --device cpu, or --meta to "
@@ -191,7 +193,7 @@ def _as_trained(model: nn.Module, inputs: tuple[torch.Tensor, ...], vocab: int |
 
 def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype: str, meta: bool, device: str, units,
              warmup: int, repeats: int, command: str, on_progress: ProgressFn | None,
-             on_estimate: Callable[[float], None] | None) -> ModelProfile:
+             on_estimate: Callable[[float], None] | None, settle_s: float = 0.0) -> ModelProfile:
     if micro_batch_size <= 0:
         raise ConfigError(f"--micro-batch-size must be positive, got {micro_batch_size}")
     if seq_len <= 0:
@@ -221,7 +223,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         if meta:
             stack.enter_context(FusedAttentionOnMeta())
         rules, load_before = model_tp_rules(model), os.getloadavg()[0]
-        beside_before = 0.0 if meta else background_runnable(PROFILE_RUNNABLE_SAMPLES)
+        beside_before, settled = (0.0, None) if meta else settle(settle_s if device == "cpu" else 0.0)
         unit_results, model_fwd_flops, attention, edges, in_model, notes = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
             repeats=repeats, rules=rules, seq_len=seq_len, on_progress=on_progress, on_estimate=on_estimate)
@@ -248,13 +250,40 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         largest_unit=largest.name, device="gpu" if device == "cuda" else device,
         device_name=torch.cuda.get_device_name() if device == "cuda" else "", threads=torch.get_num_threads(),
         torch_version=torch.__version__, command=command, created_at=now_utc(),
-        **_load_record(load_before, beside_before, meta), timing_notes=notes)
+        **_load_record(load_before, beside_before, meta), timing_notes=(settled, *notes) if settled else notes)
 
 
 # Readings of the runnable count around the timed runs (host.background_runnable takes their median, 20 ms apart):
 # fewer than the probe's, as every real profile pays them; a median of 7 still leaves out a task that ran for one
 # reading.
 PROFILE_RUNNABLE_SAMPLES = 7
+
+
+# How long `planner profile` and `planner demo` wait for a busy machine to leave a core free before timing: long
+# enough for a job that just ended to exit (the cluster probe counts other programs' tasks before and after its
+# ranks for the same reason), short beside a profile's own minute or more.
+SETTLE_S = 5.0
+
+
+def settle(bound_s: float, poll_s: float = 0.5) -> tuple[float, str | None]:
+    """Wait up to `bound_s` until other programs' runnable tasks (host.background_runnable) leave this process a
+    CPU of os.cpu_count(). Returns the count it ended at, and a timing note where the machine was busy: how long it
+    waited and whether the load passed. Thread CPU time leaves the waits for a core out of the unit times
+    (host.work_clock), but the machine's speed under load drifts (benchmarks/results/measurements.md, "Profiles
+    under load")."""
+    cpus, t0 = os.cpu_count() or 1, time.monotonic()
+    first = n = background_runnable(PROFILE_RUNNABLE_SAMPLES)
+    if n + 1 <= cpus:
+        return n, None
+    while time.monotonic() - t0 < bound_s and n + 1 > cpus:
+        time.sleep(poll_s)
+        n = background_runnable(PROFILE_RUNNABLE_SAMPLES)
+    waited = time.monotonic() - t0
+    if n + 1 <= cpus:
+        return n, (f"{first:g} other programs' runnable task(s) on {cpus} CPUs before timing: waited {waited:.1f} s "
+                   f"until {n:g} were left")
+    return n, (f"{first:g} other programs' runnable task(s) on {cpus} CPUs before timing, {n:g} still after "
+               f"waiting {waited:.1f} s: timed beside them")
 
 
 def _load_record(load_before: float, beside_before: float, meta: bool) -> dict:
