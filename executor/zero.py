@@ -125,7 +125,40 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
     wrapped.experts, wrapped.ep = experts.params, experts.ep
     if experts.mesh is not None and not by_fsdp:   # averaged by hand over it
         wrapped.expert_group = experts.mesh.get_group()  # type: ignore[attr-defined]
+    if zero == 1:   # _wrap sharded the dense parameters' states over dp; the experts' over their own group
+        group = wrapped.expert_group
+        own = (_zero_sharded(experts.params, optimizer_fn, group, tp) if group is not None
+               else optimizer_fn(experts.params))
+        wrapped.optimizer = OptimizerPair(wrapped.optimizer, own)  # type: ignore[assignment]
     return wrapped
+
+
+class OptimizerPair:
+    """Two optimizers stepped as one: ZeRO-1 under expert parallelism, the dense parameters' states sharded over
+    dp and the routed experts' over the ranks holding the same experts (dp / ep), as the estimate prices them
+    (cost_models.cost.estimate._optimizer_pass). ZeroRedundancyOptimizer takes one process group, and its owner
+    of an expert tensor would broadcast its own experts over every data-parallel rank's. What the executor asks of
+    an optimizer: step, zero_grad, param_groups and state (local_bytes)."""
+
+    def __init__(self, *parts: torch.optim.Optimizer) -> None:
+        self.parts = parts
+
+    def step(self, closure=None) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for part in self.parts for g in part.param_groups]
+
+    @property
+    def state(self) -> dict:
+        """Every part's per-parameter state (a ZeroRedundancyOptimizer's: its shard's, in .optim)."""
+        return {k: v for part in self.parts for k, v in getattr(part, "optim", part).state.items()}
 
 
 def _wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn,
@@ -175,17 +208,23 @@ def _wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn
         manual = False
     else:
         wrapped, manual = list(modules), True
-    if zero == 1:
-        template = optimizer_fn([nn.Parameter(torch.zeros(1))])
-        accepted = inspect.signature(type(template).__init__).parameters
-        # an optimizer's defaults can hold derived entries its constructor does not take (AdamW's
-        # decoupled_weight_decay): pass on only what the constructor accepts
-        kwargs = {k: v for k, v in template.defaults.items() if k in accepted}
-        optimizer = _zero_optimizer(tp)(params, optimizer_class=type(template), process_group=group, **kwargs)
+    if zero == 1:   # the experts' states, where ignored, are wrap's to shard over their own group
+        skip = {id(p) for p in ignored or ()}
+        optimizer = _zero_sharded([p for p in params if id(p) not in skip], optimizer_fn, group, tp)
     else:
         optimizer = optimizer_fn(params)
     return Wrapped(modules=wrapped, optimizer=optimizer, manual_grad_sync=manual, ddp=not manual, params=params,
                    autocast=compute, reduce_dtype=compute)
+
+
+def _zero_sharded(params: list[nn.Parameter], optimizer_fn: OptimizerFn, group, tp: int) -> torch.optim.Optimizer:
+    """ZeroRedundancyOptimizer over `group` (ZeRO-1) of optimizer_fn's optimizer class and settings."""
+    template = optimizer_fn([nn.Parameter(torch.zeros(1))])
+    accepted = inspect.signature(type(template).__init__).parameters
+    # an optimizer's defaults can hold derived entries its constructor does not take (AdamW's decoupled_weight_decay):
+    # pass on only what the constructor accepts
+    kwargs = {k: v for k, v in template.defaults.items() if k in accepted}
+    return _zero_optimizer(tp)(params, optimizer_class=type(template), process_group=group, **kwargs)
 
 
 def _zero_optimizer(tp: int) -> type:

@@ -107,7 +107,9 @@ def test_bad_expert_parallel_degrees_are_one_line_errors(moe_profiles, tiny_prof
     assert executor_refuses(_strategy(prof, dp=2, ep=2, pp=2, microbatches=2, stages=halves), prof) is None
     nested = _strategy(prof, dp=4, ep=2, pp=2, zero=2, microbatches=2, stages=halves)
     assert "pipeline stages sharding experts" in executor_refuses(nested, prof)
-    assert "ZeRO-1" in executor_refuses(_strategy(prof, dp=2, ep=2, zero=1), prof)
+    assert executor_refuses(_strategy(prof, dp=2, ep=2, zero=1), prof) is None
+    dist_opt = _strategy(prof, dp=2, ep=2, zero=1, distributed_optimizer=True)
+    assert "the distributed optimizer" in executor_refuses(dist_opt, prof)
 
 
 def test_expert_parallelism_moves_the_dispatched_tokens_and_splits_the_experts(moe_profiles):
@@ -219,7 +221,9 @@ HF_RUN = {"mixtral": f"hf:mixtral?{HF_MOE['mixtral'][0].replace('vocab_size=256'
 
 
 # the issue's layouts (dp, pp, ep, ZeRO): EP2 on 2 ranks; on 4, EP2 x DP2 under ZeRO-2 and ZeRO-3 and EP2 x PP2 1F1B
-EP_PLANS = {2: ((2, 1, 2, 0),), 4: ((4, 1, 2, 2), (4, 1, 2, 3), (2, 2, 2, 0))}
+# per world size, (dp, pp, ep, ZeRO stage) of each run
+EP_PLANS = {2: ((2, 1, 2, 0), (2, 1, 2, 1)),
+            4: ((4, 1, 2, 1), (4, 1, 2, 2), (4, 1, 2, 3), (2, 2, 2, 0), (2, 2, 2, 1))}
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +282,9 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
         est = estimate(s, dataclasses.replace(prof, micro_batch_size=1), preset("dgx-h100"))
         measured = sum(r.comm_bytes.get("all_to_all", 0) for r in rank_results) / ranks
         assert measured == pytest.approx(est.comm.ep_bytes_per_rank, rel=1e-9), s.name
+        if s.zero == 1:   # ZeRO-1's states: the dense parameters' split over dp, the experts' over dp / ep
+            held = sum(r.optimizer_state_bytes for r in rank_results)
+            assert held == pytest.approx(sum(m.optimizer_states for m in est.memory_per_rank), rel=1e-9), s.name
 
 
 def test_planner_run_refuses_what_expert_parallelism_does_not_run_before_any_rank_starts(moe_profiles, tmp_path):
