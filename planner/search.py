@@ -749,8 +749,8 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
         if state > cap:
             out.pruned += 1
             continue
-        states = _rank_states(pt, group_bound[g], req)   # P6's and P8's, once
-        must = _must_recompute(pt, group_bound[g], states, scales[pt.micro_batch_size], cap - overhead)
+        must = _must_recompute(pt, group_bound[g], states := _rank_states(pt, group_bound[g], req),   # P6's, P8's
+                               scales[pt.micro_batch_size], cap - overhead)
         need = (_least_need(pt, states, parts, scales[pt.micro_batch_size])
                 if req.prune and (must or pt.pp * pt.v == 1) else 0.0)
         if need > cap - overhead:                              # P8
@@ -759,10 +759,9 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
         if must and pt.pp * pt.v > 1:   # P6: those ranks run their forward twice
             out.must[pt] = must
             if (g, must) not in group_bound:
-                group_bound[g, must] = tuple(r._replace(start_busy=r.start_busy + r.forward)
+                group_bound[g, must] = tuple(_RankBound(r.start_busy + r.forward, *r[1:])
                                              if must.intersection(r.held) else r for r in group_bound[g])
-            ranks = group_bound[g, must]
-            bound = max(bound, _point_bound(pt, ranks, profile, cluster, req, memo))
+            bound = max(bound, _point_bound(pt, group_bound[g, must], profile, cluster, req, memo))
         out.survivors.append((bound, pt))
     out.survivors.sort(key=lambda x: x[0])
     out.ranks, out.scales = group_bound, scales
