@@ -498,10 +498,10 @@ def plan(
 
 def _warn_loaded_profile(profile, cluster, precision: str) -> None:
     """One line on stderr where the predictions use unit times (compute.uses_measured_times) that were taken on an
-    overloaded machine (summaries.profile_loaded): they inherit the wait for a core; a note where the cluster probe
-    saw other programs' tasks (summaries.cluster_conditions). Another where the cluster's
-    calibration was fitted on runs of other models (calibration_mismatch), and a note where the profile was
-    measured at another sequence length (--seq-len: cost.lengths.length_line)."""
+    overloaded machine (summaries.profile_loaded): they inherit the wait for a core. A note where the cluster probe
+    saw other programs' tasks (summaries.cluster_conditions), a warning where the cluster's calibration was fitted
+    on runs of other models (calibration_mismatch), and a note where the profile was measured at another sequence
+    length (--seq-len: cost.lengths.length_line)."""
     from cost_models.cost.compute import uses_measured_times
     from cost_models.cost.lengths import length_line
     from planner.summaries import calibration_mismatch, cluster_conditions, profile_load_line, profile_loaded

@@ -16,7 +16,9 @@ is wrapped (its own forward and parameter names); with pp > 1 each rank builds i
 (executor.stages). The loss is taken on the model's output, or on its `.logits` (HF models). The runtime exposes
 what a custom loop needs: `rt.model` (your model object), `rt.wrapped.modules` (the wrapped model or stage
 modules), `rt.optimizer`, `rt.schedule` (torch.distributed.pipelining's, when pp > 1), `rt.pp_rank`, `rt.dp_rank`,
-`rt.is_first`, `rt.is_last`.
+`rt.is_first`, `rt.is_last`. Under expert parallelism with ZeRO-1, `rt.optimizer` is an executor.zero.OptimizerPair
+(step and zero_grad of two optimizers: the dense parameters' and the experts'); give an LR scheduler each of its
+`.parts`.
 """
 from __future__ import annotations
 

@@ -125,7 +125,8 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
     wrapped.experts, wrapped.ep = experts.params, experts.ep
     if experts.mesh is not None and not by_fsdp:   # averaged by hand over it
         wrapped.expert_group = experts.mesh.get_group()  # type: ignore[attr-defined]
-    if zero == 1:   # _wrap sharded the dense parameters' states over dp; the experts' over their own group
+    if zero == 1 and experts.params:   # _wrap sharded the dense parameters' states over dp; the experts' over
+        # their own group (a stage of dense layers only has none)
         group = wrapped.expert_group
         own = (_zero_sharded(experts.params, optimizer_fn, group, tp) if group is not None
                else optimizer_fn(experts.params))
@@ -138,12 +139,15 @@ class OptimizerPair:
     dp and the routed experts' over the ranks holding the same experts (dp / ep), as the estimate prices them
     (cost_models.cost.estimate._optimizer_pass). ZeroRedundancyOptimizer takes one process group, and its owner
     of an expert tensor would broadcast its own experts over every data-parallel rank's. What the executor asks of
-    an optimizer: step, zero_grad, param_groups and state (local_bytes)."""
+    an optimizer: step, zero_grad, param_groups and state (local_bytes). Not a torch.optim.Optimizer: an LR
+    scheduler takes each of `parts` (executor.api's module doc)."""
 
     def __init__(self, *parts: torch.optim.Optimizer) -> None:
         self.parts = parts
 
     def step(self, closure=None) -> None:
+        if closure is not None:
+            raise TypeError("OptimizerPair.step takes no closure: step each of .parts with it")
         for part in self.parts:
             part.step()
 

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from cost_models.cost.compute import executed_dtype
+from cost_models.cost.estimate import StageEstimate
 from cost_models.cost.sharing import send_delay
 from cost_models.cost.simulator import simulate
 from cost_models.records.formatting import GIB, duration, fixed, load_line, measured, size
@@ -149,7 +150,9 @@ def _timeline(plan: Plan) -> Section:
         f"Ranks (rows) against time: forward (F), backward (B), input-gradient (I) and weight-gradient (W) blocks, "
         f"numbered by micro-batch; gaps are bubbles. {s.schedule}, {s.microbatches} micro-batches"
         + (f", {s.v} chunks per rank" if s.v > 1 else "") + "."
-        + (f" {s.schedule}: {spec.summary}." if s.n_stages > 1 else "")], svg=timeline_svg(plan))
+        + (f" {s.schedule}: {spec.summary}." if s.n_stages > 1 else "")
+        + (" The darker end of a block is its expert-parallel all-to-alls." if s.ep > 1 else "")],
+        svg=timeline_svg(plan))
     stage_rows = [[str(st.stage), f"{st.units[0]} .. {st.units[-1]} ({len(st.units)})", f"{st.params:,}",
                    duration(st.fwd_s), duration(st.bwd_s), str(st.peak_in_flight),
                    fixed(st.activation_bytes, "MiB", show_unit=False)] for st in plan.prediction.stages]
@@ -297,6 +300,12 @@ def timeline_svg(plan: Plan, width: int = 960) -> str:
         if w > 14:
             parts.append(f'<text x="{x + w / 2:.2f}" y="{y + row / 2 + 1}" font-size="10" fill="#fff" '
                          f'text-anchor="middle">{a.mb}</text>')
+        a2a = _a2a_share(est.stages[a.stage], a.kind)
+        if a2a is not None:   # its expert-parallel all-to-alls, at the block's end (they are in its time)
+            share, seconds = a2a
+            parts.append(f'<rect class="a2a" x="{x + w * (1 - share):.2f}" y="{y}" width="{w * share:.2f}" '
+                         f'height="{row - 6}" fill="#000" fill-opacity="0.35"><title>expert-parallel all-to-alls of '
+                         f'{a}: {duration(seconds)}</title></rect>')
     parts.append(f'<text x="{left}" y="{height - 8}" font-size="11">0</text>'
                  f'<text x="{width - 10}" y="{height - 8}" font-size="11" text-anchor="end">{duration(span)}</text>')
     legend_x = left + 60
@@ -309,6 +318,17 @@ def timeline_svg(plan: Plan, width: int = 960) -> str:
                      f'{len(events):,} actions drawn</text>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _a2a_share(st: StageEstimate, kind: str) -> tuple[float, float] | None:
+    """(share of the action's time, seconds) of a stage's expert-parallel all-to-alls in one action: the forward's
+    in F, the rest (a recomputed forward's too) in B or a split backward's I, none in W (StageEstimate.ep_fwd_s);
+    None without them."""
+    seconds = st.ep_fwd_s if kind == "F" else st.ep_comm_s - st.ep_fwd_s if kind in ("B", "I") else 0.0
+    whole = {"F": st.fwd_s, "B": st.bwd_s, "I": st.bwd_s * st.bwd_input_fraction}.get(kind, 0.0)
+    if seconds <= 0 or whole <= 0:
+        return None
+    return min(1.0, seconds / whole), seconds
 
 
 def memory_svg(plan: Plan, width: int = 960) -> str:

@@ -34,7 +34,6 @@ FLOP (the estimate's narrow-GEMM curve) and per sample at smaller micro-batches 
 from __future__ import annotations
 
 import bisect
-import collections
 import contextlib
 import functools
 import gc
@@ -514,8 +513,8 @@ class _RankBound(NamedTuple):
     for all micro-batches; `tail` = the backward the stages ahead still run after its last action; `params` = the
     parameters its stages hold, divided by tp (at best); `held` its stages; `alive` the least activation bytes it
     keeps with selective recompute (P6), at the profile's micro-batch, before tp divides them. A named tuple, not a
-    frozen dataclass: the search builds one per pipeline rank of every shape (hundreds of thousands for a 405B
-    model's space), and a tuple's construction costs a fraction of a dataclass's."""
+    frozen dataclass: the search builds one per pipeline rank of every shape (benchmarks/long_context.py's 405B
+    row: 8,355 shapes of up to 128 ranks), and a tuple is built without a dataclass's per-field setattr."""
 
     start_busy: float
     tail: float
@@ -693,17 +692,15 @@ def _over_alive(pt: Point, per_stage: Sequence[float]) -> tuple[float, ...]:
     """Per pipeline rank, `per_stage` summed over the forwards it runs before its first backward (one stage: one)."""
     if pt.pp * pt.v == 1:
         return (per_stage[0],)
-    return tuple(sum(n * per_stage[st] for st, n in counts)
-                 for counts in _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v))
+    return tuple(sum(per_stage[st] for st in stages)
+                 for stages in _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v))
 
 
 @functools.lru_cache(maxsize=4096)
-def _alive_before_backward(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per pipeline rank, how many of schedule.forwards_before_backward run each of its stages, as (stage, count)
-    pairs: a rank holds v stages, where its forwards before the first backward number up to about (v - 1) x p + p,
-    and P6 and P8 ask this of thousands of points of few shapes."""
-    return tuple(tuple(sorted(collections.Counter(forwards_before_backward(schedule, j, p, m, v)).items()))
-                 for j in range(p))
+def _alive_before_backward(schedule: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """Per pipeline rank, schedule.forwards_before_backward (P6 and P8 ask it of thousands of points of few
+    shapes)."""
+    return tuple(forwards_before_backward(schedule, j, p, m, v) for j in range(p))
 
 
 def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile, parts: "_Partitions",

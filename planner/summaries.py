@@ -95,12 +95,13 @@ def profile_load_line(profile: ModelProfile) -> str | None:
 
 def profile_loaded(profile: ModelProfile) -> bool:
     """Whether a real profile's units were timed with more runnable work than CPUs: by the 1-minute load average,
-    or by other programs' runnable tasks that lasted through the timing beside the profiler's own thread (the
+    or by other programs' runnable tasks that lasted through the timing beside the profiler's own threads (the
     average lags a load that just started)."""
     if profile.cpus <= 0:
         return False
     averaged = bool(profile.load_1min) and max(profile.load_1min) > profile.cpus
-    return averaged or (bool(profile.runnable_beside) and min(profile.runnable_beside) + 1 > profile.cpus)
+    beside = min(profile.runnable_beside, default=0.0) + max(1, profile.threads)   # the profiler's threads too
+    return averaged or (bool(profile.runnable_beside) and beside > profile.cpus)
 
 
 def cluster_lines(c) -> list[str]:

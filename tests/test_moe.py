@@ -133,6 +133,32 @@ def test_expert_parallelism_moves_the_dispatched_tokens_and_splits_the_experts(m
     assert two.comm.dp_bytes_per_rank < one.comm.dp_bytes_per_rank
 
 
+def test_the_report_timeline_marks_each_blocks_all_to_alls(moe_profiles):
+    """A stage's all-to-alls split into the forward's (dispatch and combine, after the counts) and the rest: the
+    backward's, and under full recompute the forward's once more, so recomputing adds exactly the forward's. The
+    report's timeline marks each F and B block's share at its end, titled with its seconds, and says so."""
+    from cost_models.records.formatting import duration
+    from planner.report import render_html
+    from tests.plans import plan_for
+    prof, cluster = moe_profiles[True], preset("dgx-h100")
+    halves = (("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head"))
+    s = _strategy(prof, dp=2, ep=2, pp=2, microbatches=2, stages=halves)
+    plain, again = (estimate(dataclasses.replace(s, recompute=r), prof, cluster)
+                    for r in ((False, False), (True, True)))
+    for st, re_st in zip(plain.stages, again.stages):
+        # the forward's: the counts' all-to-all, then dispatch and combine; the backward's: dispatch and combine
+        assert st.ep_comm_s - st.ep_fwd_s < st.ep_fwd_s < st.ep_comm_s
+        assert re_st.ep_fwd_s == pytest.approx(st.ep_fwd_s, rel=1e-12)
+        assert re_st.ep_comm_s - st.ep_comm_s == pytest.approx(st.ep_fwd_s, rel=1e-9)
+    page = render_html(plan_for(s, prof, cluster=cluster))
+    marks = page.count('class="a2a"')
+    assert marks == 2 * 2 * 2   # an F and a B per micro-batch on each of the 2 stages
+    assert f"expert-parallel all-to-alls of 0F0: {duration(plain.stages[0].ep_fwd_s)}" in page
+    assert "The darker end of a block is its expert-parallel all-to-alls." in page
+    dense = render_html(plan_for(dataclasses.replace(s, ep=1), prof, cluster=cluster))
+    assert 'class="a2a"' not in dense and "darker end" not in dense
+
+
 def test_imbalance_comes_from_the_measured_load_or_the_stated_default(moe_profiles):
     real, meta = moe_profiles[False], moe_profiles[True]
     u = real.unit("blocks.1").moe
@@ -221,7 +247,8 @@ HF_RUN = {"mixtral": f"hf:mixtral?{HF_MOE['mixtral'][0].replace('vocab_size=256'
 
 
 # the issue's layouts (dp, pp, ep, ZeRO): EP2 on 2 ranks; on 4, EP2 x DP2 under ZeRO-2 and ZeRO-3 and EP2 x PP2 1F1B
-# per world size, (dp, pp, ep, ZeRO stage) of each run
+# per world size, (dp, pp, ep, ZeRO stage) of each run; pp 2 cuts the units in halves, under ZeRO-1 after the
+# embedding (a stage without experts)
 EP_PLANS = {2: ((2, 1, 2, 0), (2, 1, 2, 1)),
             4: ((4, 1, 2, 1), (4, 1, 2, 2), (4, 1, 2, 3), (2, 2, 2, 0), (2, 2, 2, 1))}
 
@@ -253,7 +280,8 @@ def hf_moe_runs(tmp_path_factory):
             halves = (names[:len(names) // 2], names[len(names) // 2:])
             jobs.append((name, prof, cfg, [
                 Strategy(dp=dp, pp=pp, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
-                         stages=(names,) if pp == 1 else halves, precision="fp32", ep=ep) for dp, pp, ep, z in plans]))
+                         stages=(names,) if pp == 1 else (names[:1], names[1:]) if z == 1 else halves,
+                         precision="fp32", ep=ep) for dp, pp, ep, z in plans]))
         results = run_shared(ranks, [(name, cfg, strategies, None) for name, _, cfg, strategies in jobs])
         out.update({(name, ranks): (prof, cfg, strategies, results[name]) for name, prof, cfg, strategies in jobs})
     return out
@@ -263,8 +291,9 @@ def hf_moe_runs(tmp_path_factory):
 @pytest.mark.parametrize("ranks", sorted(EP_PLANS))
 @pytest.mark.parametrize("name", sorted(HF_RUN))
 def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ranks, hf_moe_runs):
-    """Step 0's loss is the saved model's own, and five AdamW steps under EP (EP_PLANS; pp 2: 1F1B, EP inside each
-    stage) are one process's; all-to-all bytes as predicted."""
+    """Step 0's loss is the saved model's own, and five AdamW steps under EP (EP_PLANS: ZeRO 0-3, and pp 2 under
+    1F1B with EP inside each stage) are one process's; all-to-all bytes as predicted, and under ZeRO-1 the optimizer
+    states all ranks hold together."""
     from executor.train import single_process_losses
     from tests.test_hf_executor import GLOBAL, _own_step0_loss
     prof, cfg, strategies, results = hf_moe_runs[name, ranks]

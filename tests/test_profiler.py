@@ -292,8 +292,10 @@ def test_a_busy_machine_is_waited_for_then_timed_beside_and_the_profile_says_so(
     import sys
     import time
 
-    from cost_models.profiling.model_profiler import settle
+    from cost_models.profiling.model_profiler import LOADAVG, settle
     cpus = os.cpu_count() or 1
+    if not os.path.exists(LOADAVG) or cpus > 8:
+        pytest.skip("needs Linux's runnable count and few enough CPUs to load them all for a second")
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus)]
     try:
         time.sleep(0.5)   # until they run

@@ -114,6 +114,8 @@ class StageEstimate(Record):
     expert_params: int = 0         # of params, the routed experts' on this rank under expert parallelism (ep > 1;
                                    # their ZeRO group is dp / ep: cost.moe); 0 without
     ep_comm_s: float = 0.0         # per micro-batch: its expert-parallel all-to-alls (in fwd_s / bwd_s)
+    ep_fwd_s: float = 0.0          # of ep_comm_s, the forward's (in fwd_s); the rest in bwd_s (a recomputed
+                                   # forward's among them); 0 in plans written before it was recorded
     ep_bytes: float = 0.0          # per micro-batch: their full-buffer bytes (forward, recomputed forward, backward)
     cp_comm_s: float = 0.0         # per micro-batch: its context-parallel collectives (in fwd_s / bwd_s)
     cp_bytes: float = 0.0          # per micro-batch: their full-buffer bytes (cost.context_parallel.cp_unit)
@@ -375,9 +377,10 @@ def action_cost(s: Strategy, cluster: ClusterProfile) -> float:
 
 
 def _unit_cost(c: _Context, name: str,
-               recompute: bool) -> tuple[float, float, float, float, float, tuple[float, ...]]:
-    """(forward, backward, saved bytes at the profile's scale, EP all-to-all seconds and bytes, TP bytes per op +
-    TP seconds or ()) of one micro-batch through unit `name` (_tp_unit with tensor parallelism or selective
+               recompute: bool) -> tuple[float, float, float, float, float, float, tuple[float, ...]]:
+    """(forward, backward, saved bytes at the profile's scale, EP all-to-all seconds and bytes and the forward's
+    seconds of them, TP bytes per op + TP seconds or ()) of one micro-batch through unit `name` (_tp_unit with
+    tensor parallelism or selective
     recompute, else unit_times; _ep_unit under expert parallelism)."""
     s = c.s
     entry = _unit_entry(c)
@@ -425,17 +428,17 @@ def _cp_cost(c: _Context, name: str, recompute: bool) -> CPUnitCost:
 
 
 def _ep_unit(c: _Context, u: UnitProfile, f: float, b: float, kept: float,
-             recompute: bool) -> tuple[float, float, float, float, float]:
-    """(forward, backward, saved bytes at the profile's scale, all-to-all seconds, all-to-all bytes) of one
-    micro-batch through `u` under expert parallelism (cost.moe's module doc): its routed experts' share of the
-    compute, and of what they save, at the busiest EP rank's load; dispatch and combine all-to-alls in forward and
-    again in backward, exposed (each sits between the router and the experts, or the experts and what follows:
-    nothing computes beside it in one micro-batch's stream). The all-to-all seconds and bytes count the forward's
-    twice under full recompute (the stage adds the forward's seconds to the backward). As given without EP or MoE
-    blocks."""
+             recompute: bool) -> tuple[float, float, float, float, float, float]:
+    """(forward, backward, saved bytes at the profile's scale, all-to-all seconds, all-to-all bytes, the forward's
+    all-to-all seconds) of one micro-batch through `u` under expert parallelism (cost.moe's module doc): its routed
+    experts' share of the compute, and of what they save, at the busiest EP rank's load; dispatch and combine
+    all-to-alls in forward and again in backward, exposed (each sits between the router and the experts, or the
+    experts and what follows: nothing computes beside it in one micro-batch's stream). The all-to-all seconds and
+    bytes count the forward's twice under full recompute (the stage adds the forward's seconds to the backward). As
+    given without EP or MoE blocks."""
     m, s = u.moe, c.s
     if m is None or s.ep == 1:
-        return f, b, kept, 0.0, 0.0
+        return f, b, kept, 0.0, 0.0, 0.0
     load = imbalance(c.profile, m, s.ep)
     extra = load - 1.0
     shaped = [ep_work(w, m, ep=s.ep, load=load) for w in (u.fwd_work, u.bwd_work) if w is not None]
@@ -460,7 +463,7 @@ def _ep_unit(c: _Context, u: UnitProfile, f: float, b: float, kept: float,
     bwd = 2 * all_to_all_time(c.cluster, size, s.ep, ranks_per_node=rpn)
     passes = 2 if recompute else 1
     return (f + fwd, b + bwd, kept + m.routed_saved_bytes * extra, passes * fwd + bwd,
-            passes * (counts + 2 * size) + 2 * size)
+            passes * (counts + 2 * size) + 2 * size, fwd)
 
 
 def _twins(profile: ModelProfile) -> dict[str, str]:
@@ -573,10 +576,10 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
     fwd = bwd = 0.0
     saved: list[float] = []
     acc = [0.0] * (len(TP_OPS) + 1)   # TP bytes per op, TP seconds
-    ep_s = ep_bytes = cp_s = cp_bytes = 0.0
+    ep_s = ep_fwd = ep_bytes = cp_s = cp_bytes = 0.0
     for name in units:
-        f, b, kept, a2a_s, a2a_bytes, tp_acc = _unit_cost(c, name, recompute)
-        ep_s, ep_bytes = ep_s + a2a_s, ep_bytes + a2a_bytes
+        f, b, kept, a2a_s, a2a_bytes, a2a_fwd, tp_acc = _unit_cost(c, name, recompute)
+        ep_s, ep_fwd, ep_bytes = ep_s + a2a_s, ep_fwd + a2a_fwd, ep_bytes + a2a_bytes
         ctx = _cp_cost(c, name, recompute)
         f, b, kept = f + ctx.fwd_s, b + ctx.bwd_s, kept + ctx.kept
         cp_s, cp_bytes = cp_s + ctx.fwd_s * (2 if recompute else 1) + ctx.bwd_s, cp_bytes + ctx.bytes
@@ -621,7 +624,7 @@ def _stage(c: _Context, sid: int, unit_fb: list[tuple[float, float]]) -> StageEs
                          else 0.0, tp_comm_s=acc[-1], kept_bytes=_kept(c, sid, units, recompute and not bounded),
                          tp_bytes=dict(zip(TP_OPS, acc)) if s.tp > 1 else {}, gather_s=gather,
                          gather_every_forward=gather > 0 and s.zero == 3, expert_params=expert, ep_comm_s=ep_s,
-                         ep_bytes=ep_bytes, cp_comm_s=cp_s, cp_bytes=cp_bytes)
+                         ep_fwd_s=ep_fwd, ep_bytes=ep_bytes, cp_comm_s=cp_s, cp_bytes=cp_bytes)
 
 
 def _stage_gather(c: _Context, params: int, experts: int = 0) -> float:

@@ -211,7 +211,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
     torch_dtype = DTYPES[dtype]
     if not meta:
         _check_fits_in_memory(source, torch_dtype, device)
-    model = source.build(device=device, dtype=torch_dtype).train()
+    model, threads = source.build(device=device, dtype=torch_dtype).train(), torch.get_num_threads()
     check_meta_routing(model)   # transformers' MoE experts route by data: not countable on meta
     inputs = source.example_input(model, micro_batch_size, seq_len, device)
     in_kind, vocab = source_input_kind(source, model, inputs, seq_len)
@@ -223,7 +223,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         if meta:
             stack.enter_context(FusedAttentionOnMeta())
         rules, load_before = model_tp_rules(model), os.getloadavg()[0]
-        beside_before, settled = (0.0, None) if meta else settle(settle_s if device == "cpu" else 0.0)
+        beside_before, settled = (0.0, None) if meta else settle(settle_s * (device == "cpu"), threads=threads)
         unit_results, model_fwd_flops, attention, edges, in_model, notes = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
             repeats=repeats, rules=rules, seq_len=seq_len, on_progress=on_progress, on_estimate=on_estimate)
@@ -259,27 +259,31 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
 PROFILE_RUNNABLE_SAMPLES = 7
 
 
+LOADAVG = "/proc/loadavg"   # proc(5): its fourth field counts the runnable tasks (host.background_runnable)
+
 # How long `planner profile` and `planner demo` wait for a busy machine to leave a core free before timing: long
 # enough for a job that just ended to exit (the cluster probe counts other programs' tasks before and after its
 # ranks for the same reason), short beside a profile's own minute or more.
 SETTLE_S = 5.0
 
 
-def settle(bound_s: float, poll_s: float = 0.5) -> tuple[float, str | None]:
-    """Wait up to `bound_s` until other programs' runnable tasks (host.background_runnable) leave this process a
-    CPU of os.cpu_count(). Returns the count it ended at, and a timing note where the machine was busy: how long it
-    waited and whether the load passed. Thread CPU time leaves the waits for a core out of the unit times
-    (host.work_clock), but the machine's speed under load drifts (benchmarks/results/measurements.md, "Profiles
-    under load")."""
+def settle(bound_s: float, poll_s: float = 0.5, threads: int = 1) -> tuple[float, str | None]:
+    """Wait up to `bound_s` until other programs' runnable tasks (host.background_runnable) leave this process's
+    `threads` CPUs of os.cpu_count(). Returns the count it ended at, and, where it was asked to wait and the machine
+    was busy, a timing note: how long it waited and whether the load passed. Thread CPU time leaves the waits for a
+    core out of the unit times (host.work_clock), but the machine's speed under load drifts
+    (benchmarks/results/measurements.md, "Profiles under load"). Off Linux (no /proc/loadavg): (0.0, None)."""
+    if not os.path.exists(LOADAVG):
+        return 0.0, None
     cpus, t0 = os.cpu_count() or 1, time.monotonic()
     first = n = background_runnable(PROFILE_RUNNABLE_SAMPLES)
-    if n + 1 <= cpus:
+    if n + threads <= cpus or bound_s <= 0:
         return n, None
-    while time.monotonic() - t0 < bound_s and n + 1 > cpus:
+    while time.monotonic() - t0 < bound_s and n + threads > cpus:
         time.sleep(poll_s)
         n = background_runnable(PROFILE_RUNNABLE_SAMPLES)
     waited = time.monotonic() - t0
-    if n + 1 <= cpus:
+    if n + threads <= cpus:
         return n, (f"{first:g} other programs' runnable task(s) on {cpus} CPUs before timing: waited {waited:.1f} s "
                    f"until {n:g} were left")
     return n, (f"{first:g} other programs' runnable task(s) on {cpus} CPUs before timing, {n:g} still after "
@@ -292,7 +296,8 @@ def _load_record(load_before: float, beside_before: float, meta: bool) -> dict:
     if meta:
         return {"load_1min": (), "cpus": 0}
     return {"load_1min": (round(load_before, 2), round(os.getloadavg()[0], 2)),
-            "runnable_beside": (beside_before, background_runnable(PROFILE_RUNNABLE_SAMPLES)),
+            "runnable_beside": ((beside_before, background_runnable(PROFILE_RUNNABLE_SAMPLES))
+                                if os.path.exists(LOADAVG) else ()),
             "cpus": os.cpu_count() or 0, "clock": profile_clock()[1]}
 
 
