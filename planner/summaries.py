@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from cost_models.cost.comm import dp_wire_bytes
 from cost_models.cost.memory import MemoryBreakdown
 from cost_models.cost.lengths import length_line
-from cost_models.cost.sharing import effective_cores
+from cost_models.cost.sharing import contention
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.formatting import duration, fixed, flop_rate, rate, size
 from cost_models.records.published import implausible_mfu
@@ -60,14 +60,13 @@ def profile_conditions(profile: ModelProfile) -> tuple[str, ...]:
 def cluster_conditions(cluster: ClusterProfile) -> tuple[str, ...]:
     """What a probe of CPU ranks saw beside it: other programs' runnable tasks (ComputeProbe.background_runnable),
     and the share of its speed alone each rank keeps with every rank computing, as the estimate prices it
-    (cost.sharing.effective_cores: processor sharing). () on GPUs, without a probe, or with nothing beside it."""
+    (cost.sharing.contention: processor sharing). () on GPUs, without a probe, or with nothing beside it."""
     c = cluster.compute
-    cores = effective_cores(cluster, c.ranks) if c is not None else None
-    if c is None or cores is None or c.background_runnable <= 0:
+    if cluster.device.kind != "cpu" or c is None or c.background_runnable <= 0:
         return ()
     return (f"{c.background_runnable:g} runnable task(s) of other programs beside the cluster probe, priced as "
             f"sharing the cores with the ranks: with all {c.ranks} ranks computing, each at "
-            f"{min(1.0, cores / c.ranks):.0%} of its speed alone",)
+            f"{1 / contention(cluster, c.ranks):.0%} of its speed alone",)
 
 
 def profile_load_line(profile: ModelProfile) -> str | None:
@@ -121,7 +120,7 @@ def cluster_lines(c) -> list[str]:
         kinds = sorted({p.kind for p in c.topology.pairs})
         lines.append(f"topology: {len(c.topology.gpus)} GPUs, pairs over {', '.join(kinds)}"
                      + (", NVSwitch" if c.topology.nvswitch else ""))
-    lines += [f"note: {n}" for n in c.notes]
+    lines += [f"note: {n}" for n in (*c.notes, *cluster_conditions(c))]
     return lines
 
 

@@ -246,9 +246,9 @@ HF_RUN = {"mixtral": f"hf:mixtral?{HF_MOE['mixtral'][0].replace('vocab_size=256'
           "qwen3_moe": f"hf:qwen3_moe?{HF_MOE['qwen3_moe'][0].replace('vocab_size=256', 'vocab_size=128')}"}
 
 
-# the issue's layouts (dp, pp, ep, ZeRO): EP2 on 2 ranks; on 4, EP2 x DP2 under ZeRO-2 and ZeRO-3 and EP2 x PP2 1F1B
-# per world size, (dp, pp, ep, ZeRO stage) of each run; pp 2 cuts the units in halves, under ZeRO-1 after the
-# embedding (a stage without experts)
+# per world size, (dp, pp, ep, ZeRO stage) of each run: the issue's layouts (EP2; EP2 x DP2 under ZeRO-2 and 3;
+# EP2 x PP2 1F1B) and each under ZeRO-1; pp 2 cuts the units in halves, under ZeRO-1 after the embedding (a stage
+# without experts)
 EP_PLANS = {2: ((2, 1, 2, 0), (2, 1, 2, 1)),
             4: ((4, 1, 2, 1), (4, 1, 2, 2), (4, 1, 2, 3), (2, 2, 2, 0), (2, 2, 2, 1))}
 

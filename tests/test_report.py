@@ -209,6 +209,7 @@ def test_the_report_names_other_programs_beside_the_cluster_probe_and_how_they_a
     for 4 ranks, 33% each. Nothing is said without them."""
     import dataclasses
 
+    from planner.summaries import cluster_lines
     from tests.clusters import cpu_cluster
     plan, _ = pipeline_plan
     quiet = cpu_cluster(ranks=4, cores=2)
@@ -218,3 +219,6 @@ def test_the_report_names_other_programs_beside_the_cluster_probe_and_how_they_a
             "with the ranks: with all 4 ranks computing, each at 33% of its speed alone.")
     assert line in render_markdown(dataclasses.replace(plan, cluster=busy))
     assert "- Cluster:" not in render_markdown(dataclasses.replace(plan, cluster=quiet))
+    # and `planner profile` prints it among the cluster's notes
+    assert cluster_lines(busy)[-1] == "note: " + line.removeprefix("- Cluster: ").removesuffix(".")
+    assert not any("other programs" in x for x in cluster_lines(quiet))

@@ -467,15 +467,13 @@ def build_cluster_profile(raw: dict[str, Any], *, topology: Topology | None, not
 
 
 def _cpu_notes(compute: ComputeProbe, local_world: int, mem: int, *, seen: tuple[float, ...] = ()) -> list[str]:
-    """What CPU ranks share: the host's cores and memory, and other programs' runnable tasks (`seen`: counted
-    before and after the probe; the lesser is priced)."""
+    """What CPU ranks share: the host's cores and memory, and where other programs' runnable tasks changed during
+    the probe (`seen`: counted before and after; the lesser is priced, and planner.summaries.cluster_conditions
+    says how)."""
     notes = [f"CPU ranks: {local_world} ranks share {os.cpu_count()} cores and "
              f"{fixed(psutil.virtual_memory().total, 'GiB', 1)}; each rank gets "
              f"{fixed(compute.flops_per_rank, 'GFLOP/s', 1)} ({compute.dtype} matmul, all ranks busy; "
              f"{fixed(compute.flops_alone, 'GFLOP/s', 1, show_unit=False)} alone) and {fixed(mem, 'GiB', 1)}"]
-    if compute.background_runnable > 0:
-        notes.append(f"other programs: {compute.background_runnable:g} runnable task(s) beside the probe, priced as "
-                     f"sharing the cores with the ranks (a plan's step time includes them)")
     if len(seen) == 2 and seen[0] != seen[1]:
         notes.append(f"other programs' runnable tasks changed during the probe ({seen[0]:g} before, {seen[1]:g} "
                      f"after): the {min(seen):g} that lasted are priced")

@@ -211,7 +211,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
     torch_dtype = DTYPES[dtype]
     if not meta:
         _check_fits_in_memory(source, torch_dtype, device)
-    model, threads = source.build(device=device, dtype=torch_dtype).train(), torch.get_num_threads()
+    model = source.build(device=device, dtype=torch_dtype).train()
     check_meta_routing(model)   # transformers' MoE experts route by data: not countable on meta
     inputs = source.example_input(model, micro_batch_size, seq_len, device)
     in_kind, vocab = source_input_kind(source, model, inputs, seq_len)
@@ -223,7 +223,7 @@ def _profile(source: ModelSource, *, micro_batch_size: int, seq_len: int, dtype:
         if meta:
             stack.enter_context(FusedAttentionOnMeta())
         rules, load_before = model_tp_rules(model), os.getloadavg()[0]
-        beside_before, settled = (0.0, None) if meta else settle(settle_s * (device == "cpu"), threads=threads)
+        beside_before, settled = (0.0, None) if meta else settle(settle_s if device == "cpu" else 0.0)
         unit_results, model_fwd_flops, attention, edges, in_model, notes = _measure_units(
             model, inputs, source.name, units, excluded=excluded, loss=loss, timed=not meta, warmup=warmup,
             repeats=repeats, rules=rules, seq_len=seq_len, on_progress=on_progress, on_estimate=on_estimate)
@@ -267,15 +267,15 @@ LOADAVG = "/proc/loadavg"   # proc(5): its fourth field counts the runnable task
 SETTLE_S = 5.0
 
 
-def settle(bound_s: float, poll_s: float = 0.5, threads: int = 1) -> tuple[float, str | None]:
+def settle(bound_s: float, poll_s: float = 0.5, threads: int | None = None) -> tuple[float, str | None]:
     """Wait up to `bound_s` until other programs' runnable tasks (host.background_runnable) leave this process's
-    `threads` CPUs of os.cpu_count(). Returns the count it ended at, and, where it was asked to wait and the machine
+    `threads` CPUs (default: torch's thread count) of os.cpu_count(). Returns the count it ended at, and, where it was asked to wait and the machine
     was busy, a timing note: how long it waited and whether the load passed. Thread CPU time leaves the waits for a
     core out of the unit times (host.work_clock), but the machine's speed under load drifts
     (benchmarks/results/measurements.md, "Profiles under load"). Off Linux (no /proc/loadavg): (0.0, None)."""
     if not os.path.exists(LOADAVG):
         return 0.0, None
-    cpus, t0 = os.cpu_count() or 1, time.monotonic()
+    cpus, t0, threads = os.cpu_count() or 1, time.monotonic(), threads or torch.get_num_threads()
     first = n = background_runnable(PROFILE_RUNNABLE_SAMPLES)
     if n + threads <= cpus or bound_s <= 0:
         return n, None
