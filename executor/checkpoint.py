@@ -27,7 +27,7 @@ import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -48,10 +48,13 @@ def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def state_dict(params: dict[str, nn.Parameter], buffers: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-               *, rng_rank: int | None) -> dict[str, Any]:
+               *, rng_rank: int | None, place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+               ) -> dict[str, Any]:
     """This rank's share of the training state under canonical keys (tensors alias the live ones: DCP loads in
-    place)."""
-    sd: dict[str, Any] = {f"model.{n}": p.detach() for n, p in params.items()}
+    place). `place(tensor, parameter)`: a parameter or one of its states as a slice of the whole model's tensor,
+    where this rank's parameter is not already one (expert parallelism: expert_parallel.whole_expert)."""
+    place = place or (lambda t, _p: t)
+    sd: dict[str, Any] = {f"model.{n}": place(p.detach(), p) for n, p in params.items()}
     sd.update({f"model.{n}": b for n, b in buffers.items()})
     name_of = {id(p): n for n, p in params.items()}
     # ZeRO-1 under tensor parallelism steps plain stand-ins of the DTensor parameters (executor.zero.LocalShardZeRO)
@@ -59,7 +62,8 @@ def state_dict(params: dict[str, nn.Parameter], buffers: dict[str, torch.Tensor]
     for p, state in inner_optimizer(optimizer).state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                sd[f"optim.{name_of[id(param_of[id(p)])]}.{key}"] = _placed_like(value, param_of[id(p)])
+                param = param_of[id(p)]
+                sd[f"optim.{name_of[id(param)]}.{key}"] = place(_placed_like(value, param), param)
     if rng_rank is not None:
         sd.update({f"rng.rank{rng_rank}.{k}": v for k, v in rng_state().items()})
     return _whole_if_strided(sd)

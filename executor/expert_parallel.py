@@ -14,6 +14,10 @@ Gradients: a local expert's gradient sums what every rank of its EP group sent i
 global loss is the mean over dp ranks of their losses, so its gradient is that sum over the dp / ep ranks holding
 the same experts, divided by dp: averaged over that group (by hand, or by FSDP2 sharding them over it) and scaled
 by 1 / ep (sync_expert_grads).
+
+Checkpoints hold the whole model's expert tensors (all E experts; whole_expert places this rank's rows in them),
+so a checkpoint written under one ep resumes under any other, or without expert parallelism, and `planner export`
+reads whole tensors as for a dense model.
 """
 from __future__ import annotations
 
@@ -100,6 +104,21 @@ def shard_experts(model: nn.Module, *, ep: int, ep_rank: int, group) -> list[nn.
         setattr(b.experts, "num_experts", local)   # its own forward routes over the local experts
         b.experts.forward = Dispatch(b.experts, b.n_experts, ep, group)
     return out
+
+
+def whole_expert(t: torch.Tensor, param: torch.Tensor, *, mesh, ep: int) -> torch.Tensor:
+    """An expert parameter of this rank, or an optimizer state of its shape, as a DTensor of the whole model's
+    tensor, aliasing `t`'s storage (executor.checkpoint loads in place): Shard(0) over the EP group (`mesh` (ep,)),
+    and where FSDP2 shards the experts over the dp / ep ranks holding the same ones, Shard(0) again over those
+    (`mesh` (ep, edp): DTensor splits over the mesh's dimensions left to right, the EP rank's rows first). Other
+    states (a step count) are returned as they are."""
+    from torch.distributed.tensor import DTensor, Shard
+    if t.dim() == 0 or t.shape != param.shape:
+        return t
+    local = t.to_local() if isinstance(t, DTensor) else t
+    shape = torch.Size((param.shape[0] * ep, *param.shape[1:]))
+    return DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def sync_expert_grads(params: list[nn.Parameter], group, ep: int, dtype: torch.dtype | None = None) -> None:

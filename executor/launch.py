@@ -198,7 +198,7 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None, on_warning=None) -> Ru
     resuming runs code stored in it). `on_warning(line)` gets what the checks before the ranks let through."""
     run.check(plan.strategy.world_size)
     check_plan(plan)
-    _check_expert_parallel(plan, run)
+    _check_expert_parallel(plan)
     model = _check_model(plan, run.loss)
     if run.data:
         _check_data(plan, run.data, model)
@@ -300,17 +300,12 @@ def _checkpoint_folder(root: Path, start: int, overwrite: bool, *, lock: bool) -
         yield
 
 
-def _check_expert_parallel(plan: Plan, run: RunConfig) -> None:
-    """One line, before any rank starts, for what expert parallelism does not run with yet: the strategy's
-    (planner.manual.expert_parallel_refusal), and checkpoints (a rank holds E / ep of each block's experts: saving
-    and resuming them needs the experts' layout in the checkpoint, not built)."""
-    s = plan.strategy
-    why = expert_parallel_refusal(s)
+def _check_expert_parallel(plan: Plan) -> None:
+    """One line, before any rank starts, for the expert parallelism planner run does not run yet
+    (planner.manual.expert_parallel_refusal)."""
+    why = expert_parallel_refusal(plan.strategy)
     if why:
         raise ConfigError(why)
-    if s.ep > 1 and (run.checkpoint_dir or run.resume):
-        raise ConfigError(f"expert parallelism (ep={s.ep}) does not save or resume checkpoints yet (a rank holds "
-                          f"1/{s.ep} of each block's experts); drop --checkpoint-dir/--resume, or run with ep = 1")
 
 
 def _check_model(plan: Plan, loss: str | None = None):

@@ -30,7 +30,7 @@ from executor.stage_builders import build_stages
 from executor.stages import (UnitMap, canonical_names, check_covers_model, recompute_units, state_maps, tied_params,
                              tied_units)
 from executor.traced_stages import as_tuple
-from executor.expert_parallel import shard_experts, sync_expert_grads
+from executor.expert_parallel import shard_experts, sync_expert_grads, whole_expert
 from executor.zero import Experts, Wrapped, all_reduce_grads, local_bytes, wrap
 from planner.manual import expert_parallel_refusal
 
@@ -193,8 +193,11 @@ class Runtime:
 
     def state_dict(self, *, with_rng: bool = True) -> dict:
         """This rank's share of the training state under canonical names (executor.checkpoint's layout)."""
+        w = self.wrapped
+        experts = {id(p) for p in w.experts}
+        place = (lambda t, p: whole_expert(t, p, mesh=w.expert_mesh, ep=w.ep) if id(p) in experts else t)
         return checkpoint.state_dict(self.params_by_name, self.buffers_by_name, self.optimizer,
-                          rng_rank=dist.get_rank() if with_rng else None)
+                                     rng_rank=dist.get_rank() if with_rng else None, place=place)
 
     def local_bytes(self) -> tuple[int, int, int]:
         return local_bytes(self.wrapped.params, self.wrapped.optimizer)
@@ -333,7 +336,18 @@ def _expert_parallel(s: Strategy, model: nn.Module, held: list[nn.Module], mode:
     params = shard_experts(model, ep=s.ep, ep_rank=dp_rank % s.ep, group=mesh["ep"].get_group())
     mine = {id(p) for p in params}   # those this rank's modules hold (a pipeline's other stages are on meta)
     modules = [m for h in held for m in h.modules() if any(id(p) in mine for p in m.parameters(recurse=False))]
-    return Experts(modules=modules, mesh=mesh["edp"] if s.dp // s.ep > 1 else None, ep=s.ep)
+    return Experts(modules=modules, mesh=mesh["edp"] if s.dp // s.ep > 1 else None, ep=s.ep,
+                   whole=_whole_experts_mesh(s, device) if s.zero >= 2 and s.dp // s.ep > 1 else mesh["ep"])
+
+
+def _whole_experts_mesh(s: Strategy, device: torch.device):
+    """The (ep, edp) mesh of the experts' checkpoint placement under FSDP2 (expert_parallel.whole_expert): the
+    ranks of the (pp, edp, ep, tp) mesh with its middle dimensions swapped, so the EP rank's rows come first."""
+    from torch.distributed.device_mesh import DeviceMesh
+    ranks = torch.arange(s.world_size).reshape(s.pp, s.dp // s.ep, s.ep, s.tp).transpose(1, 2)
+    mesh = _cached_group(("ep-whole", device.type, s.pp, s.dp, s.ep, s.tp), lambda: DeviceMesh(
+        device.type, ranks, mesh_dim_names=("pp", "ep", "edp", "tp")))
+    return mesh["ep", "edp"]
 
 
 def _check_world(s: Strategy) -> None:

@@ -80,6 +80,7 @@ class Wrapped:
                                                                  # gradients finished by hand after backward)
     expert_group: object | None = None       # their data-parallel group (dp / ep ranks) where averaged by hand
     ep: int = 1
+    expert_mesh: object | None = None        # where they sit in the whole model's tensors (Experts.whole)
 
     @property
     def dense_params(self) -> list[nn.Parameter]:
@@ -93,11 +94,13 @@ class Wrapped:
 @dataclass(frozen=True, kw_only=True)
 class Experts:
     """Expert parallelism's part of wrapping (executor.expert_parallel): the blocks' `experts` modules on this rank,
-    the mesh of the dp / ep ranks holding the same experts (None where that is one rank) and ep."""
+    the mesh of the dp / ep ranks holding the same experts (None where that is one rank), ep, and the mesh their
+    tensors are placed on in the whole model's (expert_parallel.whole_expert)."""
 
     modules: list[nn.Module]
     mesh: object | None
     ep: int
+    whole: object
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -122,7 +125,7 @@ def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn:
             fully_shard(m, mesh=experts.mesh, reshard_after_forward=zero == 3, mp_policy=mp)  # type: ignore[arg-type]
     wrapped = _wrap(modules, zero=zero, pp=pp, dp_mesh=dp_mesh, optimizer_fn=optimizer_fn, unit_groups=unit_groups,
                     tp=tp, compute=compute, ignored=None if by_fsdp else set(experts.params), no_ddp=True)
-    wrapped.experts, wrapped.ep = experts.params, experts.ep
+    wrapped.experts, wrapped.ep, wrapped.expert_mesh = experts.params, experts.ep, experts.whole
     if experts.mesh is not None and not by_fsdp:   # averaged by hand over it
         wrapped.expert_group = experts.mesh.get_group()  # type: ignore[attr-defined]
     if zero == 1 and experts.params:   # _wrap sharded the dense parameters' states over dp; the experts' over

@@ -46,7 +46,7 @@ def replan(old: Plan, *, gpus: int, profile_path: str | None = None, cluster: st
     else:
         check_cluster_args("the plan's", nodes=nodes, ranks=None)   # --nodes 0 is an error, not "default"
         target = old.cluster.with_nodes(nodes) if nodes is not None else old.cluster
-    # ep = 1: a checkpointed job resumes, and expert parallelism does not save or resume checkpoints yet
+    # any ep: a checkpoint holds whole expert tensors (executor.expert_parallel.whole_expert)
     request = PlanRequest(gpus=gpus, global_batch_size=old.global_batch_size, top_k=top_k, time_limit_s=time_limit_s,
-                          precision=old.strategy.precision, optimizer=old.strategy.optimizer, ep_degrees=(1,))
+                          precision=old.strategy.precision, optimizer=old.strategy.optimizer)
     return plan(pf.model, target, request, profile_path=str(path), command=command, on_progress=on_progress)

@@ -1,6 +1,7 @@
 """Mixture-of-experts models: the zoo's sizes against the published ones, the dropless expert block, the profile's
 record of the routed experts, expert parallelism's costs and its place in the search."""
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -316,16 +317,94 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
             assert held == pytest.approx(sum(m.optimizer_states for m in est.memory_per_rank), rel=1e-9), s.name
 
 
-def test_planner_run_refuses_what_expert_parallelism_does_not_run_before_any_rank_starts(moe_profiles, tmp_path):
-    from typer.testing import CliRunner
-
-    from cli import app
-    from tests.plans import plan_file
+def test_a_plan_of_expert_parallelism_that_planner_run_does_not_run_is_refused_in_one_line(moe_profiles):
+    from tests.plans import plan_for
     prof = moe_profiles[True]
-    path = plan_file(tmp_path, _strategy(prof, dp=2, ep=2, microbatches=2, micro_batch_size=1), prof)
-    res = CliRunner().invoke(app, ["run", str(path), "--checkpoint-dir", str(tmp_path / "ck"), "-o", "-"])
-    assert res.exit_code == 2 and "does not save or resume checkpoints yet" in res.output
-    assert not (tmp_path / "ck").exists()
+    with pytest.raises(ConfigError) as info:
+        plan_for(_strategy(prof, dp=2, ep=2, zero=1, distributed_optimizer=True, microbatches=2, micro_batch_size=1),
+                 prof)
+    assert str(info.value) == (
+        "planner run would refuse this strategy: expert parallelism (ep=2) with the distributed optimizer (ZeRO-1 "
+        "on FSDP2) is priced and planned, but planner run does not run it yet; run it without, or with ep = 1 "
+        "(planner plan --ep 1)")
+
+
+@pytest.fixture(scope="module")
+def ep_checkpoint(tmp_path_factory):
+    """HF Mixtral (tiny, saved with save_pretrained) on a token file under EP2 x DP2 ZeRO-3, each expert sharded
+    by FSDP2 over the two ranks holding it; 3 steps, a checkpoint after step 3 with its full state dumped."""
+    from executor.launch import RunConfig, launch
+    from executor.testing_hooks import DUMP_STATE_ENV
+    from tests.plans import plan_for
+    from tests.test_hf_executor import GLOBAL, SEQ, _saved, _tokens
+    root = tmp_path_factory.mktemp("ep-ck")
+    ref = HF_RUN["mixtral"]
+    prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=SEQ, meta=False, dtype="fp32", warmup=0,
+                         repeats=1)
+    common = dict(init_from=_saved(ref, root / "saved"), data=_tokens(root / "tokens.bin"), seed=3, lr=3e-3)
+    plan = plan_for(_ep_strategy(prof, zero=3), prof)
+    os.environ[DUMP_STATE_ENV] = str(root)
+    try:
+        run = launch(plan, RunConfig(steps=3, warmup=0, checkpoint_dir=str(root / "ck"), **common))
+    finally:
+        del os.environ[DUMP_STATE_ENV]
+    assert GLOBAL == 8
+    return root, prof, common, run
+
+
+def _ep_strategy(prof, *, zero: int, ep: int = 2) -> Strategy:
+    return Strategy(dp=4, pp=1, zero=zero, schedule="1f1b", microbatches=1, micro_batch_size=2,
+                    stages=(tuple(u.name for u in prof.units),), precision="fp32", ep=ep)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_resumes_under_another_layout_and_exports_the_models_own(
+        ep_checkpoint, tmp_path, monkeypatch):
+    """The checkpoint holds every expert once, whole (E rows), whatever ranks held them: it resumes under ZeRO-1
+    (each EP rank's experts plain, their states on one owner of the two ranks holding them) and in one process
+    without expert parallelism, both continuing the run's losses, and `planner export --hf` writes transformers'
+    own layout, which from_pretrained loads with the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    from executor import export as exporting
+    from executor.launch import RunConfig, launch
+    from executor.testing_hooks import DUMP_STATE_ENV
+    from executor.train import TrainConfig, single_process_losses
+    from tests.plans import plan_for
+    from tests.test_checkpoint import _merged
+    from tests.test_hf_executor import SEQ
+    root, prof, common, run_a = ep_checkpoint
+    ck = root / "ck" / "step-00000003"
+    assert run_a.checkpoints == (str(ck),)
+    monkeypatch.setenv(DUMP_STATE_ENV, str(tmp_path))
+    run_b = launch(plan_for(_ep_strategy(prof, zero=1), prof), RunConfig(
+        steps=5, warmup=0, resume=str(root / "ck"), data=common["data"]))
+    assert run_b.start_step == 3
+
+    at_save, loaded = _merged(root, "saved-step3"), _merged(tmp_path, "loaded")
+    assert set(at_save) == set(loaded)
+    for key in at_save:
+        assert torch.equal(at_save[key], loaded[key]), key
+    experts = [k for k in at_save if k.startswith("model.") and ".experts." in k]
+    assert experts and all(at_save[k].shape[0] == 4 for k in experts)   # the config's 4 experts, whole
+    assert {k for k in at_save if k.startswith("optim.") and k.endswith(".exp_avg")} == {
+        f"optim.{k.removeprefix('model.')}.exp_avg" for k in at_save if k.startswith("model.")}
+
+    one = Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=8,
+                   stages=(tuple(u.name for u in prof.units),), precision="fp32")
+    cfg = TrainConfig(model_source=HF_RUN["mixtral"], seq_len=SEQ, input_kind="tokens", steps=5, warmup=0,
+                      seed=3, lr=3e-3, unit_modules=tuple(u.modules for u in prof.units), data=common["data"])
+    fresh = single_process_losses(one, dataclasses.replace(cfg, init_from=common["init_from"]))
+    resumed = single_process_losses(one, dataclasses.replace(cfg, start_step=3, resume_from=str(ck)))
+    assert list(run_a.losses) == pytest.approx(fresh[:3], rel=1e-4)
+    assert list(run_b.losses) == pytest.approx(resumed, rel=1e-4)
+    assert resumed == pytest.approx(fresh[3:], rel=1e-4)
+
+    result = exporting.export(ck, hf_dir=tmp_path / "hf", output=None, overwrite=False)
+    assert result.format == "hf" and result.step == 3
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    for key, value in exported.items():
+        assert torch.equal(value, at_save[f"model.{key}"]), key
 
 
 def test_pruned_search_keeps_the_optimum_of_an_moe_model_on_a_probed_gpu_cluster():
