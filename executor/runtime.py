@@ -337,7 +337,7 @@ def _expert_parallel(s: Strategy, model: nn.Module, held: list[nn.Module], mode:
     mine = {id(p) for p in params}   # those this rank's modules hold (a pipeline's other stages are on meta)
     modules = [m for h in held for m in h.modules() if any(id(p) in mine for p in m.parameters(recurse=False))]
     return Experts(modules=modules, mesh=mesh["edp"] if s.dp // s.ep > 1 else None, ep=s.ep,
-                   whole=_whole_experts_mesh(s, device) if s.zero >= 2 and s.dp // s.ep > 1 else mesh["ep"])
+                   whole=_whole_experts_mesh(s, device) if s.gathers_per_unit and s.dp // s.ep > 1 else mesh["ep"])
 
 
 def _whole_experts_mesh(s: Strategy, device: torch.device):

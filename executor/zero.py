@@ -110,26 +110,29 @@ class Experts:
 def wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn,
          unit_groups: list[list[nn.Module]] | None = None, tp: int = 1, compute: torch.dtype | None = None,
          distributed_optimizer: bool = False, experts: Experts | None = None) -> Wrapped:
-    """_wrap, and with expert parallelism the experts' part: FSDP2 shards them over their group (ZeRO-2/3 with a
-    group of two or more), else their gradients are averaged over it by hand; either way then scaled by 1 / ep, to
-    the global loss's gradient (executor.expert_parallel). FSDP2's own divide factor would do the scaling in its
-    reduce-scatter, but it reduces with PREMUL_SUM, which gloo does not have."""
+    """_wrap, and with expert parallelism the experts' part: FSDP2 shards them over their group (ZeRO-2/3 or the
+    distributed optimizer, with a group of two or more), else their gradients are averaged over it by hand; either
+    way then scaled by 1 / ep, to the global loss's gradient (executor.expert_parallel). FSDP2's own divide factor
+    would do the scaling in its reduce-scatter, but it reduces with PREMUL_SUM, which gloo does not have."""
     if experts is None:
         return _wrap(modules, zero=zero, pp=pp, dp_mesh=dp_mesh, optimizer_fn=optimizer_fn, unit_groups=unit_groups,
                      tp=tp, compute=compute, distributed_optimizer=distributed_optimizer)
-    by_fsdp = zero >= 2 and experts.mesh is not None
+    by_fsdp = (zero >= 2 or distributed_optimizer) and experts.mesh is not None
     if by_fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute) if compute else MixedPrecisionPolicy()
+        reduce = torch.float32 if distributed_optimizer else compute   # as _wrap reduces the dense ones
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce) if compute else MixedPrecisionPolicy()
         for m in experts.modules:
             fully_shard(m, mesh=experts.mesh, reshard_after_forward=zero == 3, mp_policy=mp)  # type: ignore[arg-type]
     wrapped = _wrap(modules, zero=zero, pp=pp, dp_mesh=dp_mesh, optimizer_fn=optimizer_fn, unit_groups=unit_groups,
-                    tp=tp, compute=compute, ignored=None if by_fsdp else set(experts.params), no_ddp=True)
+                    tp=tp, compute=compute, distributed_optimizer=distributed_optimizer,
+                    ignored=None if by_fsdp else set(experts.params), no_ddp=True)
     wrapped.experts, wrapped.ep, wrapped.expert_mesh = experts.params, experts.ep, experts.whole
     if experts.mesh is not None and not by_fsdp:   # averaged by hand over it
         wrapped.expert_group = experts.mesh.get_group()  # type: ignore[attr-defined]
-    if zero == 1 and experts.params:   # _wrap sharded the dense parameters' states over dp; the experts' over
-        # their own group (a stage of dense layers only has none)
+    if zero == 1 and not distributed_optimizer and experts.params:   # _wrap sharded the dense parameters' states
+        # over dp; the experts' over their own group (a stage of dense layers only has none). The distributed
+        # optimizer's one optimizer steps the experts too: FSDP2 shards them over that group, as ZeRO-2/3 does.
         group = wrapped.expert_group
         own = (_zero_sharded(experts.params, optimizer_fn, group, tp) if group is not None
                else optimizer_fn(experts.params))

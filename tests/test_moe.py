@@ -109,8 +109,7 @@ def test_bad_expert_parallel_degrees_are_one_line_errors(moe_profiles, tiny_prof
     nested = _strategy(prof, dp=4, ep=2, pp=2, zero=2, microbatches=2, stages=halves)
     assert "pipeline stages sharding experts" in executor_refuses(nested, prof)
     assert executor_refuses(_strategy(prof, dp=2, ep=2, zero=1), prof) is None
-    dist_opt = _strategy(prof, dp=2, ep=2, zero=1, distributed_optimizer=True)
-    assert "the distributed optimizer" in executor_refuses(dist_opt, prof)
+    assert executor_refuses(_strategy(prof, dp=2, ep=2, zero=1, distributed_optimizer=True), prof) is None
 
 
 def test_expert_parallelism_moves_the_dispatched_tokens_and_splits_the_experts(moe_profiles):
@@ -247,11 +246,12 @@ HF_RUN = {"mixtral": f"hf:mixtral?{HF_MOE['mixtral'][0].replace('vocab_size=256'
           "qwen3_moe": f"hf:qwen3_moe?{HF_MOE['qwen3_moe'][0].replace('vocab_size=256', 'vocab_size=128')}"}
 
 
-# per world size, (dp, pp, ep, ZeRO stage) of each run: the issue's layouts (EP2; EP2 x DP2 under ZeRO-2 and 3;
-# EP2 x PP2 1F1B) and each under ZeRO-1; pp 2 cuts the units in halves, under ZeRO-1 after the embedding (a stage
-# without experts)
-EP_PLANS = {2: ((2, 1, 2, 0), (2, 1, 2, 1)),
-            4: ((4, 1, 2, 1), (4, 1, 2, 2), (4, 1, 2, 3), (2, 2, 2, 0), (2, 2, 2, 1))}
+# per world size, (dp, pp, ep, ZeRO stage, distributed optimizer) of each run: the issue's layouts (EP2; EP2 x DP2
+# under ZeRO-2 and 3; EP2 x PP2 1F1B) and each under ZeRO-1, EP2 x DP2 also under the distributed optimizer; pp 2
+# cuts the units in halves, under ZeRO-1 after the embedding (a stage without experts)
+EP_PLANS = {2: ((2, 1, 2, 0, False), (2, 1, 2, 1, False)),
+            4: ((4, 1, 2, 1, False), (4, 1, 2, 1, True), (4, 1, 2, 2, False), (4, 1, 2, 3, False),
+                (2, 2, 2, 0, False), (2, 2, 2, 1, False))}
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +282,7 @@ def hf_moe_runs(tmp_path_factory):
             jobs.append((name, prof, cfg, [
                 Strategy(dp=dp, pp=pp, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
                          stages=(names,) if pp == 1 else (names[:1], names[1:]) if z == 1 else halves,
-                         precision="fp32", ep=ep) for dp, pp, ep, z in plans]))
+                         precision="fp32", ep=ep, distributed_optimizer=d) for dp, pp, ep, z, d in plans]))
         results = run_shared(ranks, [(name, cfg, strategies, None) for name, _, cfg, strategies in jobs])
         out.update({(name, ranks): (prof, cfg, strategies, results[name]) for name, prof, cfg, strategies in jobs})
     return out
@@ -312,7 +312,8 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
         est = estimate(s, dataclasses.replace(prof, micro_batch_size=1), preset("dgx-h100"))
         measured = sum(r.comm_bytes.get("all_to_all", 0) for r in rank_results) / ranks
         assert measured == pytest.approx(est.comm.ep_bytes_per_rank, rel=1e-9), s.name
-        if s.zero == 1:   # ZeRO-1's states: the dense parameters' split over dp, the experts' over dp / ep
+        if s.zero == 1:   # ZeRO-1's states (either kind): the dense parameters' split over dp, the experts' over
+            # dp / ep
             held = sum(r.optimizer_state_bytes for r in rank_results)
             assert held == pytest.approx(sum(m.optimizer_states for m in est.memory_per_rank), rel=1e-9), s.name
 
@@ -320,13 +321,13 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
 def test_a_plan_of_expert_parallelism_that_planner_run_does_not_run_is_refused_in_one_line(moe_profiles):
     from tests.plans import plan_for
     prof = moe_profiles[True]
+    halves = (("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head"))
     with pytest.raises(ConfigError) as info:
-        plan_for(_strategy(prof, dp=2, ep=2, zero=1, distributed_optimizer=True, microbatches=2, micro_batch_size=1),
-                 prof)
+        plan_for(_strategy(prof, dp=4, ep=2, pp=2, zero=2, microbatches=2, micro_batch_size=1, stages=halves), prof)
     assert str(info.value) == (
-        "planner run would refuse this strategy: expert parallelism (ep=2) with the distributed optimizer (ZeRO-1 "
-        "on FSDP2) is priced and planned, but planner run does not run it yet; run it without, or with ep = 1 "
-        "(planner plan --ep 1)")
+        "planner run would refuse this strategy: expert parallelism (ep=2) with pipeline stages sharding experts "
+        "over dp / ep ranks (ZeRO-2/3 with dp > ep) is priced and planned, but planner run does not run it yet; run "
+        "it without, or with ep = 1 (planner plan --ep 1)")
 
 
 @pytest.fixture(scope="module")
