@@ -168,15 +168,11 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
 
 def expert_parallel_refusal(s: Strategy) -> str | None:
     """Why `planner run` cannot run this strategy's expert parallelism, or None: executor.expert_parallel runs it
-    without tensor parallelism, with ZeRO 0-3 (ZeRO-1 on ZeroRedundancyOptimizer or the distributed optimizer); in
-    pipelines with ZeRO-0/1, or ZeRO-2/3 where each EP group holds every expert once (dp = ep: no FSDP group of
-    experts nested in a stage's), under schedules without a split backward. The planner plans the others too: they
-    are priced."""
+    without tensor parallelism, with ZeRO 0-3 (ZeRO-1 on ZeroRedundancyOptimizer or the distributed optimizer), and
+    in pipelines under schedules without a split backward. The planner plans the others too: they are priced."""
     if s.ep == 1:
         return None
     why = ("tensor parallelism" if s.tp > 1
-           else "pipeline stages sharding experts over dp / ep ranks (ZeRO-2/3 with dp > ep)"
-           if s.pp > 1 and s.zero >= 2 and s.dp > s.ep
            else f"the {s.schedule} schedule's split backward" if s.n_stages > 1 and s.spec.split_backward else None)
     if why is None:
         return None
