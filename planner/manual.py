@@ -168,16 +168,12 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
 
 def expert_parallel_refusal(s: Strategy) -> str | None:
     """Why `planner run` cannot run this strategy's expert parallelism, or None: executor.expert_parallel runs it
-    without tensor parallelism, with ZeRO 0-3 (ZeRO-1 on ZeroRedundancyOptimizer or the distributed optimizer), and
-    in pipelines under schedules without a split backward. The planner plans the others too: they are priced."""
-    if s.ep == 1:
+    without tensor parallelism, with ZeRO 0-3 (ZeRO-1 on ZeroRedundancyOptimizer or the distributed optimizer), in
+    pipelines under every schedule. The planner plans it with tensor parallelism too: it is priced."""
+    if s.ep == 1 or s.tp == 1:
         return None
-    why = ("tensor parallelism" if s.tp > 1
-           else f"the {s.schedule} schedule's split backward" if s.n_stages > 1 and s.spec.split_backward else None)
-    if why is None:
-        return None
-    return (f"expert parallelism (ep={s.ep}) with {why} is priced and planned, but planner run does not run it yet; "
-            f"run it without, or with ep = 1 (planner plan --ep 1)")
+    return (f"expert parallelism (ep={s.ep}) with tensor parallelism is priced and planned, but planner run does not "
+            f"run it yet; run it without, or with ep = 1 (planner plan --ep 1)")
 
 
 def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:

@@ -108,6 +108,8 @@ def test_bad_expert_parallel_degrees_are_one_line_errors(moe_profiles, tiny_prof
     assert executor_refuses(_strategy(prof, dp=2, ep=2, pp=2, microbatches=2, stages=halves), prof) is None
     nested = _strategy(prof, dp=4, ep=2, pp=2, zero=2, microbatches=2, stages=halves)
     assert executor_refuses(nested, prof) is None
+    zero_bubble = _strategy(prof, dp=2, ep=2, pp=2, microbatches=2, stages=halves, schedule="zb-interleaved")
+    assert executor_refuses(zero_bubble, prof) is None
     assert executor_refuses(_strategy(prof, dp=2, ep=2, zero=1), prof) is None
     assert executor_refuses(_strategy(prof, dp=2, ep=2, zero=1, distributed_optimizer=True), prof) is None
 
@@ -321,37 +323,51 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
 def test_a_plan_of_expert_parallelism_that_planner_run_does_not_run_is_refused_in_one_line(moe_profiles):
     from tests.plans import plan_for
     prof = moe_profiles[True]
-    halves = (("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head"))
+    tp = dataclasses.replace(prof, tensor_parallel=dataclasses.replace(prof.tensor_parallel, plan="yes"))
     with pytest.raises(ConfigError) as info:
-        plan_for(_strategy(prof, dp=2, ep=2, pp=2, schedule="zb-interleaved", microbatches=2, micro_batch_size=1,
-                           stages=halves), prof)
+        plan_for(_strategy(tp, dp=2, ep=2, tp=2), tp)
     assert str(info.value) == (
-        "planner run would refuse this strategy: expert parallelism (ep=2) with the zb-interleaved schedule's split "
-        "backward is priced and planned, but planner run does not run it yet; run it without, or with ep = 1 "
-        "(planner plan --ep 1)")
+        "planner run would refuse this strategy: expert parallelism (ep=2) with tensor parallelism is priced and "
+        "planned, but planner run does not run it yet; run it without, or with ep = 1 (planner plan --ep 1)")
+
+
+def _moe_tiny_like_one_process(ranks: int, strategies: list[Strategy], prof) -> None:
+    """moe-tiny under `strategies` on `ranks` ranks (one launch): five steps are one process's, all-to-all bytes as
+    predicted."""
+    from executor.launch import run_many
+    from executor.train import TrainConfig, single_process_losses
+    cfg = TrainConfig(model_source="moe-tiny", seq_len=16, input_kind="tokens", steps=5, warmup=0, seed=3, lr=3e-3,
+                      unit_modules=tuple(u.modules for u in prof.units))
+    reference = single_process_losses(_strategy(prof, micro_batch_size=8), cfg)
+    assert len({round(x, 6) for x in reference}) == 5
+    for s, results in zip(strategies, run_many(ranks, strategies, cfg)):
+        losses = [list(r.losses) for r in results if r.losses][0]
+        assert losses == pytest.approx(reference, rel=1e-4), s.name
+        measured = sum(r.comm_bytes.get("all_to_all", 0) for r in results) / len(results)
+        est = estimate(s, prof, preset("dgx-h100"))   # its micro-batch from the profile's
+        assert measured == pytest.approx(est.comm.ep_bytes_per_rank, rel=1e-9), s.name
 
 
 @pytest.mark.slow
 def test_pipeline_stages_shard_experts_over_the_ranks_holding_them_like_one_process(moe_profiles):
     """EP2 x DP4 x PP2 (8 ranks, the smallest world where dp > ep in a pipeline) under ZeRO-2 and ZeRO-3: each
-    stage's experts an FSDP2 group of the two ranks holding them, nested in the stage's over dp. Five steps are one
-    process's; all-to-all bytes as predicted."""
-    from executor.launch import run_many
-    from executor.train import TrainConfig, single_process_losses
+    stage's experts an FSDP2 group of the two ranks holding them, nested in the stage's over dp."""
     prof = moe_profiles[True]
-    cfg = TrainConfig(model_source="moe-tiny", seq_len=16, input_kind="tokens", steps=5, warmup=0, seed=3, lr=3e-3,
-                      unit_modules=tuple(u.modules for u in prof.units))
     halves = (("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head"))
-    strategies = [_strategy(prof, dp=4, ep=2, pp=2, zero=z, microbatches=2, micro_batch_size=1, stages=halves)
-                  for z in (2, 3)]
-    reference = single_process_losses(_strategy(prof, micro_batch_size=8), cfg)
-    assert len({round(x, 6) for x in reference}) == 5
-    for s, ranks in zip(strategies, run_many(8, strategies, cfg)):
-        losses = [list(r.losses) for r in ranks if r.losses][0]
-        assert losses == pytest.approx(reference, rel=1e-4), s.name
-        measured = sum(r.comm_bytes.get("all_to_all", 0) for r in ranks) / len(ranks)
-        est = estimate(s, prof, preset("dgx-h100"))   # its micro-batch of 1 from the profile's of 2
-        assert measured == pytest.approx(est.comm.ep_bytes_per_rank, rel=1e-9), s.name
+    _moe_tiny_like_one_process(8, [_strategy(prof, dp=4, ep=2, pp=2, zero=z, microbatches=2, micro_batch_size=1,
+                                             stages=halves) for z in (2, 3)], prof)
+
+
+@pytest.mark.slow
+def test_zero_bubble_schedules_split_the_backward_of_expert_parallel_stages_like_one_process(moe_profiles):
+    """EP2 x DP2 x PP2 under the split-backward schedules: zb-interleaved (ZeRO-1) and ZBV (two chunks per rank,
+    ZeRO-2). The all-to-alls' gradients run in the input-gradient pass, the experts' weight gradients later."""
+    prof = moe_profiles[True]
+    halves = (("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head"))
+    quarters = (("embed", "blocks.0"), ("blocks.1",), ("blocks.2",), ("blocks.3", "head"))
+    common = dict(dp=2, ep=2, pp=2, microbatches=4, micro_batch_size=1)
+    _moe_tiny_like_one_process(4, [_strategy(prof, zero=1, schedule="zb-interleaved", stages=halves, **common),
+                                   _strategy(prof, zero=2, schedule="zbv", v=2, stages=quarters, **common)], prof)
 
 
 @pytest.fixture(scope="module")
