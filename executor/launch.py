@@ -41,7 +41,6 @@ from executor.runtime import example_logits
 from executor.stages import UnitMap, check_covers_model
 from executor.train import TrainConfig, fail_at_start_up, run_on_rank, summarize_times
 from executor.weights import check_weights
-from planner.manual import expert_parallel_refusal
 from planner.plan import Plan, check_plan
 from planner.run_record import Measure, RankResult, RunFile
 
@@ -198,7 +197,6 @@ def launch(plan: Plan, run: RunConfig, *, on_resume=None, on_warning=None) -> Ru
     resuming runs code stored in it). `on_warning(line)` gets what the checks before the ranks let through."""
     run.check(plan.strategy.world_size)
     check_plan(plan)
-    _check_expert_parallel(plan)
     model = _check_model(plan, run.loss)
     if run.data:
         _check_data(plan, run.data, model)
@@ -298,14 +296,6 @@ def _checkpoint_folder(root: Path, start: int, overwrite: bool, *, lock: bool) -
             trust.load_or_create_key(trust.key_path())   # a key that cannot be made fails here, not after training
         _check_checkpoint_dir(root, start, overwrite)
         yield
-
-
-def _check_expert_parallel(plan: Plan) -> None:
-    """One line, before any rank starts, for the expert parallelism planner run does not run yet
-    (planner.manual.expert_parallel_refusal)."""
-    why = expert_parallel_refusal(plan.strategy)
-    if why:
-        raise ConfigError(why)
 
 
 def _check_model(plan: Plan, loss: str | None = None):

@@ -32,7 +32,6 @@ from executor.stages import (UnitMap, canonical_names, check_covers_model, recom
 from executor.traced_stages import as_tuple
 from executor.expert_parallel import shard_experts, sync_expert_grads, whole_expert
 from executor.zero import Experts, Wrapped, all_reduce_grads, local_bytes, wrap
-from planner.manual import expert_parallel_refusal
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # FSDP2 warns whenever a wrapped module returns a view (an in-place op on it would skip its pre-backward hook).
@@ -322,10 +321,9 @@ def _expert_parallel(s: Strategy, model: nn.Module, held: list[nn.Module], mode:
     from torch.distributed.device_mesh import init_device_mesh
     if s.ep == 1:
         return None
-    why = expert_parallel_refusal(s)
-    if why or mode != "factory":
-        raise ConfigError(why or f"expert parallelism needs the whole model built on every rank first (init "
-                          f"{mode}: it does not fit the host {dist.get_world_size()} times); use ep = 1")
+    if mode != "factory":
+        raise ConfigError(f"expert parallelism needs the whole model built on every rank first (init {mode}: it "
+                          f"does not fit the host {dist.get_world_size()} times); use ep = 1")
     mesh = _cached_group(("ep-mesh", device.type, s.pp, s.dp, s.ep, s.tp), lambda: init_device_mesh(
         device.type, (s.pp, s.dp // s.ep, s.ep, s.tp), mesh_dim_names=("pp", "edp", "ep", "tp")))
     timeout = default_group_timeout(device)

@@ -166,23 +166,11 @@ def build_strategy(profile: ModelProfile, cluster: ClusterProfile, request: Stra
                     sp_save_shard=r.sp_save_shard, ep=r.ep, cp=cp)
 
 
-def expert_parallel_refusal(s: Strategy) -> str | None:
-    """Why `planner run` cannot run this strategy's expert parallelism, or None: executor.expert_parallel runs it
-    without tensor parallelism, with ZeRO 0-3 (ZeRO-1 on ZeroRedundancyOptimizer or the distributed optimizer), in
-    pipelines under every schedule. The planner plans it with tensor parallelism too: it is priced."""
-    if s.ep == 1 or s.tp == 1:
-        return None
-    return (f"expert parallelism (ep={s.ep}) with tensor parallelism is priced and planned, but planner run does not "
-            f"run it yet; run it without, or with ep = 1 (planner plan --ep 1)")
-
-
 def executor_refuses(strategy: Strategy, profile: ModelProfile) -> str | None:
     """Why `planner run` would refuse the strategy on this model (a model it cannot cut into stages, the schedule
     registry's guards), or None."""
     if strategy.pp > 1 and profile.pipeline_refusal:
         return f"{profile.name} cannot be pipelined: {profile.pipeline_refusal}"
-    if why := expert_parallel_refusal(strategy):
-        return why
     if strategy.tp > 1:
         shape = profile.tensor_parallel
         why = ("the profile predates tensor-parallel plans" if shape is None

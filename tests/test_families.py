@@ -19,7 +19,11 @@ def test_a_model_type_belongs_to_one_tp_family():
 
 @pytest.mark.parametrize("ref,family", [("gpt-tiny", "zoo-gpt"), ("llama-tiny", "zoo-llama"), ("mlp-deep", None),
                                         ("hf:qwen2?num_hidden_layers=1&hidden_size=64&num_attention_heads=4"
-                                         "&num_key_value_heads=2&intermediate_size=128&vocab_size=128", "hf-llama")])
+                                         "&num_key_value_heads=2&intermediate_size=128&vocab_size=128", "hf-llama"),
+                                        ("moe-tiny", "zoo-moe"),
+                                        ("hf:mixtral?num_hidden_layers=1&hidden_size=64&num_attention_heads=4"
+                                         "&num_key_value_heads=2&intermediate_size=128&vocab_size=128"
+                                         "&num_local_experts=4", "hf-moe")])
 def test_a_model_is_recognised_by_its_family(ref, family):
     model = resolve(ref).build(device="meta", dtype=torch.float32)
     found = family_of(model)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cost_models.cost.estimate import estimate
+from cost_models.cost.estimate import estimate, tp_bytes_per_step
 from cost_models.cost.moe import DEFAULT_IMBALANCE, all_to_all_time, ep_work, imbalance
 from cost_models.models.moe import active_params, total_params
 from cost_models.models.source import resolve
@@ -248,12 +248,13 @@ HF_RUN = {"mixtral": f"hf:mixtral?{HF_MOE['mixtral'][0].replace('vocab_size=256'
           "qwen3_moe": f"hf:qwen3_moe?{HF_MOE['qwen3_moe'][0].replace('vocab_size=256', 'vocab_size=128')}"}
 
 
-# per world size, (dp, pp, ep, ZeRO stage, distributed optimizer) of each run: the issue's layouts (EP2; EP2 x DP2
-# under ZeRO-2 and 3; EP2 x PP2 1F1B) and each under ZeRO-1, EP2 x DP2 also under the distributed optimizer; pp 2
-# cuts the units in halves, under ZeRO-1 after the embedding (a stage without experts)
-EP_PLANS = {2: ((2, 1, 2, 0, False), (2, 1, 2, 1, False)),
-            4: ((4, 1, 2, 1, False), (4, 1, 2, 1, True), (4, 1, 2, 2, False), (4, 1, 2, 3, False),
-                (2, 2, 2, 0, False), (2, 2, 2, 1, False))}
+# per world size, (dp, pp, ep, ZeRO stage, distributed optimizer, tp) of each run: the issue's layouts (EP2; EP2 x
+# DP2 under ZeRO-2 and 3; EP2 x PP2 1F1B) and each under ZeRO-1, EP2 x DP2 also under the distributed optimizer,
+# and EP2 x TP2 (attention split, MoE blocks whole); pp 2 cuts the units in halves, under ZeRO-1 after the
+# embedding (a stage without experts)
+EP_PLANS = {2: ((2, 1, 2, 0, False, 1), (2, 1, 2, 1, False, 1)),
+            4: ((4, 1, 2, 1, False, 1), (4, 1, 2, 1, True, 1), (4, 1, 2, 2, False, 1), (4, 1, 2, 3, False, 1),
+                (2, 2, 2, 0, False, 1), (2, 2, 2, 1, False, 1), (2, 1, 2, 3, False, 2))}
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +285,8 @@ def hf_moe_runs(tmp_path_factory):
             jobs.append((name, prof, cfg, [
                 Strategy(dp=dp, pp=pp, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
                          stages=(names,) if pp == 1 else (names[:1], names[1:]) if z == 1 else halves,
-                         precision="fp32", ep=ep, distributed_optimizer=d) for dp, pp, ep, z, d in plans]))
+                         precision="fp32", ep=ep, distributed_optimizer=d, tp=tp)
+                for dp, pp, ep, z, d, tp in plans]))
         results = run_shared(ranks, [(name, cfg, strategies, None) for name, _, cfg, strategies in jobs])
         out.update({(name, ranks): (prof, cfg, strategies, results[name]) for name, prof, cfg, strategies in jobs})
     return out
@@ -314,21 +316,30 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
         est = estimate(s, dataclasses.replace(prof, micro_batch_size=1), preset("dgx-h100"))
         measured = sum(r.comm_bytes.get("all_to_all", 0) for r in rank_results) / ranks
         assert measured == pytest.approx(est.comm.ep_bytes_per_rank, rel=1e-9), s.name
+        if s.tp > 1:   # and the attention's tensor-parallel collectives (the MoE blocks run whole: none there)
+            measured_tp = {k: v for k, v in rank_results[0].comm_bytes.items() if k.startswith("tp_")}
+            predicted_tp = tp_bytes_per_step(s, prof)
+            assert set(measured_tp) == {k for k, v in predicted_tp.items() if v}, s.name
+            assert measured_tp == pytest.approx({k: predicted_tp[k] for k in measured_tp}, rel=0.05), s.name
         if s.zero == 1:   # ZeRO-1's states (either kind): the dense parameters' split over dp, the experts' over
             # dp / ep
             held = sum(r.optimizer_state_bytes for r in rank_results)
             assert held == pytest.approx(sum(m.optimizer_states for m in est.memory_per_rank), rel=1e-9), s.name
 
 
-def test_a_plan_of_expert_parallelism_that_planner_run_does_not_run_is_refused_in_one_line(moe_profiles):
+def test_moe_models_split_their_attention_over_tp_and_refuse_sequence_parallelism_in_one_line(moe_profiles):
+    """The MoE families' tensor-parallel plans split attention (and dense MLPs) only: the MoE blocks are priced and
+    run whole on every tp rank, so sequence parallelism (their input would arrive split) is refused."""
     from tests.plans import plan_for
     prof = moe_profiles[True]
-    tp = dataclasses.replace(prof, tensor_parallel=dataclasses.replace(prof.tensor_parallel, plan="yes"))
+    assert prof.tensor_parallel.plan == "zoo-moe" and prof.tensor_parallel.ffn == ZOO["moe-tiny"].config.ffn_dim
+    assert prof.unit("blocks.0").tp.split_flops > prof.unit("blocks.1").tp.split_flops > 0
+    assert plan_for(_strategy(prof, dp=2, ep=2, tp=2), prof).strategy.tp == 2
     with pytest.raises(ConfigError) as info:
-        plan_for(_strategy(tp, dp=2, ep=2, tp=2), tp)
-    assert str(info.value) == (
-        "planner run would refuse this strategy: expert parallelism (ep=2) with tensor parallelism is priced and "
-        "planned, but planner run does not run it yet; run it without, or with ep = 1 (planner plan --ep 1)")
+        plan_for(_strategy(prof, dp=2, ep=2, tp=2, sp=True), prof)
+    assert str(info.value).endswith(
+        "sequence parallelism is not offered for mixture-of-experts models: their MoE blocks run whole on each "
+        "tensor-parallel rank")
 
 
 def _moe_tiny_like_one_process(ranks: int, strategies: list[Strategy], prof) -> None:
@@ -351,11 +362,13 @@ def _moe_tiny_like_one_process(ranks: int, strategies: list[Strategy], prof) -> 
 @pytest.mark.slow
 def test_pipeline_stages_shard_experts_over_the_ranks_holding_them_like_one_process(moe_profiles):
     """EP2 x DP4 x PP2 (8 ranks, the smallest world where dp > ep in a pipeline) under ZeRO-2 and ZeRO-3: each
-    stage's experts an FSDP2 group of the two ranks holding them, nested in the stage's over dp."""
+    stage's experts an FSDP2 group of the two ranks holding them, nested in the stage's over dp. In the same launch
+    EP2 x TP2 x PP2 under ZeRO-1: EP groups at each tensor-parallel rank, the MoE blocks whole on both."""
     prof = moe_profiles[True]
     halves = (("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head"))
-    _moe_tiny_like_one_process(8, [_strategy(prof, dp=4, ep=2, pp=2, zero=z, microbatches=2, micro_batch_size=1,
-                                             stages=halves) for z in (2, 3)], prof)
+    common = dict(ep=2, pp=2, microbatches=2, stages=halves)
+    _moe_tiny_like_one_process(8, [*(_strategy(prof, dp=4, zero=z, micro_batch_size=1, **common) for z in (2, 3)),
+                                   _strategy(prof, dp=2, tp=2, zero=1, micro_batch_size=2, **common)], prof)
 
 
 @pytest.mark.slow

@@ -69,9 +69,9 @@ def test_dimensions_decide_the_tp_a_model_admits():
 
 def test_models_without_a_plan_say_why():
     shape = tp_shape(_meta("mlp-deep"))
-    assert shape.refusal == ("no tensor-parallel plan for DeepMLP (the zoo's Llama and GPT and transformers' llama, "
-                             "mistral, qwen2 and gpt2 models have one; planner profile --tp-plan module:function gives "
-                             "one)")
+    assert shape.refusal == ("no tensor-parallel plan for DeepMLP (the zoo's Llama, GPT and MoETransformer and "
+                             "transformers' llama, mistral, qwen2, mixtral, qwen3_moe and gpt2 models have one; planner "
+                             "profile --tp-plan module:function gives one)")
     assert shape.tp_refusal(2) == shape.refusal and shape.tp_refusal(1) is None
 
 

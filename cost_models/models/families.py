@@ -15,6 +15,7 @@ from torch import nn
 
 from cost_models.models.gpt import GPT
 from cost_models.models.llama import Llama
+from cost_models.models.moe import MoETransformer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,10 +60,26 @@ def _hf_gpt2(model: Any) -> dict[str, Any]:
                 hidden=config.n_embd, vocab=config.vocab_size)
 
 
+def _zoo_moe(model: Any) -> dict[str, Any]:
+    # the dense MLP splits (its width must divide) where the model has one; the MoE blocks run whole
+    c = model.cfg
+    return dict(heads=c.n_heads, kv_heads=c.n_heads if c.mla is not None else c.n_kv_heads,
+                ffn=c.ffn_dim if c.first_dense else 0, hidden=c.dim, vocab=c.vocab_size, vocab_split=True)
+
+
+def _hf_moe(model: Any) -> dict[str, Any]:
+    # the width of the dense MLPs a model has between its MoE blocks (Qwen3-MoE's mlp_only_layers), else none
+    dense = next((m.gate_proj.out_features for n, m in model.named_modules()
+                  if n.endswith(".mlp") and isinstance(getattr(m, "gate_proj", None), nn.Linear)), 0)
+    return {**_hf_llama(model), "ffn": dense}
+
+
 FAMILIES: tuple[Family, ...] = (
     Family(name="zoo-llama", zoo_class=Llama, dims=_zoo_llama),
     Family(name="zoo-gpt", zoo_class=GPT, dims=_zoo_gpt),
+    Family(name="zoo-moe", zoo_class=MoETransformer, dims=_zoo_moe),
     Family(name="hf-llama", model_types=("llama", "mistral", "qwen2"), dims=_hf_llama),
+    Family(name="hf-moe", model_types=("mixtral", "qwen3_moe"), dims=_hf_moe),
     Family(name="hf-gpt2", model_types=("gpt2",), dims=_hf_gpt2),
 )
 HF_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)

@@ -139,6 +139,10 @@ _HF_GPT2_NO_SP = ("sequence parallelism is not offered for transformers' GPT-2: 
 _HF_NO_SP_PIPELINES = ("sequence parallelism is not offered for transformers' Llama-family models with pipeline "
                        "stages (pp > 1): each stage computes its rotary tables and causal mask from its input, the "
                        "rank's sequence shard")
+# a MoE block runs whole on the tp ranks, on their replicated input: under SP it would need its input gathered and
+# its output sliced back, not built
+_MOE_NO_SP = ("sequence parallelism is not offered for mixture-of-experts models: their MoE blocks run whole on each "
+              "tensor-parallel rank")
 PLANS: dict[str, TPPlan] = {p.name: p for p in [
     TPPlan(name="zoo-llama", source=_TORCHTITAN, rules=(
         TPRule(pattern="embed.tok_embeddings", style="embedding"),
@@ -171,6 +175,28 @@ PLANS: dict[str, TPPlan] = {p.name: p for p in [
         TPRule(pattern="model.norm", style="norm"),
         TPRule(pattern="lm_head", style="head"),
     ), sp_pipelines=_HF_NO_SP_PIPELINES),
+    # Mixture-of-experts decoders: attention (and any dense MLP) split as Megatron-LM splits them; the MoE blocks
+    # (router, routed and shared experts) run whole on every tp rank, as cost_models.cost.moe prices them, their
+    # experts split over the EP group instead. MLA (the zoo's DeepSeek-V3) splits its per-head up-projections by
+    # columns and o_proj by rows; its low-rank down-projections stay whole.
+    TPPlan(name="zoo-moe", source=f"{_TORCHTITAN}, attention and dense MLP only", sp=_MOE_NO_SP, rules=(
+        TPRule(pattern="embed.tok_embeddings", style="embedding"),
+        *_block_rules("blocks.*", "attention", "feed_forward", ("attention_norm", "ffn_norm"),
+                      ("attention.wq", "attention.wk", "attention.wv", "attention.q_b_proj", "attention.kv_b_proj",
+                       "feed_forward.w1", "feed_forward.w3"),
+                      ("attention.wo", "attention.o_proj", "feed_forward.w2")),
+        TPRule(pattern="head.norm", style="norm"),
+        TPRule(pattern="head.output", style="head"),
+    )),
+    TPPlan(name="hf-moe", source="transformers LlamaConfig.base_model_tp_plan, attention and dense MLP only",
+           sp=_MOE_NO_SP, rules=(
+        TPRule(pattern="model.embed_tokens", style="embedding"),
+        *_block_rules("model.layers.*", "self_attn", "mlp", ("input_layernorm", "post_attention_layernorm"),
+                      ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+                      ("self_attn.o_proj", "mlp.down_proj")),
+        TPRule(pattern="model.norm", style="norm"),
+        TPRule(pattern="lm_head", style="head"),
+    )),
     # transformers' GPT-2: Megatron's GPT split on its Conv1D projections (weights stored (in, out)); the head is
     # tied to the token embedding, so both stay whole as in zoo-gpt. Its attention views q, k and v with -1 heads
     # (the local count follows the projection) but cuts c_attn's output at split_size, the full width.
