@@ -183,37 +183,31 @@ def profile(
     threads: int = typer.Option(1, "--threads", help="torch threads while timing units (real mode); 1 = as each CPU rank runs"),
     repeats: int = typer.Option(5, "--repeats", help="timed repeats per unit (real mode) and per probe size"),
     warmup: int = typer.Option(2, "--warmup", help="untimed warm-up runs per unit (real mode)"),
+    init_from: Optional[Path] = typer.Option(None, "--init-from", help="MoE models, with --data: trained weights (an HF folder or a checkpoint) the router's load per expert is measured through"),
+    data: Optional[Path] = typer.Option(None, "--data", help="MoE models, with --init-from: a token file (.bin uint16 or .npy) whose windows are routed to measure the load per expert (the imbalance expert parallelism is priced at)"),
+    routing_windows: int = typer.Option(64, "--routing-windows", help="with --data: sequences routed (the file's first windows, in planner run's order)"),
     output: Output = Path("profile.json"),
     force: Force = False,
     as_json: AsJson = False,
 ) -> None:
     """Measure a model unit by unit (parameters, FLOPs, activation bytes, times) and write profile.json."""
-    from cost_models.models.tp_shape import custom_tp_plan
     from cost_models.profiling.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
     from cost_models.records.files import ProfileFile
-    from cost_models.records.formatting import about
+    from executor.routing import check_routing_args
     from planner.summaries import UNIT_COLUMNS, unit_rows
 
     write_to, overwrite = _prepare_output(output, force)
     sizes = parse_sizes(probe_sizes) if probe_sizes else None
     check_cluster_args(cluster, nodes=nodes, ranks=ranks)
+    check_routing_args(init_from, data, routing_windows)
     if cluster != "local":  # presets and files before the model (torch's import alone takes seconds)
         cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
     from cost_models.models.source import resolve
-    from cost_models.profiling.model_profiler import SETTLE_S, profile_model
     source = resolve(model, input_ref=input_fn)
-    with _progress(counts=False) as bar, custom_tp_plan(tp_plan):   # --tp-plan: imported here, recorded in prof
-        task = bar.add_task(f"profiling {source.name}: forward pass of the whole model", total=None)
-        def on_progress(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, description=f"profiling {source.name}: {name}")
-        def on_estimate(seconds: float) -> None:
-            if seconds >= LONG_PROFILE_S:
-                err.print(f"profiling {source.name} in real mode: timing the units takes {about(seconds)} more (from "
-                          f"one forward and backward of each, just run); --meta counts without timing in seconds",
-                          highlight=False)
-        prof = profile_model(source, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
-                             device=device, units=units, warmup=warmup, repeats=repeats, threads=threads, command=_command_line(),
-                             on_progress=on_progress, on_estimate=on_estimate, settle_s=SETTLE_S)
+    prof = _profiled(source, tp_plan, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
+                     device=device, units=units, warmup=warmup, repeats=repeats, threads=threads)
+    if init_from is not None and data is not None:
+        prof = _routed(prof, init_from, data, routing_windows)
     if cluster == "local":
         cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=prof.dtype, sizes=sizes, repeats=repeats)
     if _emit(ProfileFile(model=prof, cluster=cluster_prof), write_to, overwrite, as_json):
@@ -227,6 +221,35 @@ def profile(
         err.print(f"wrote {write_to}", highlight=False)
 
 
+def _profiled(source, tp_plan: str | None, **options):
+    """profile_model of `source` under a progress bar (and the custom --tp-plan, imported here and recorded)."""
+    from cost_models.models.tp_shape import custom_tp_plan
+    from cost_models.profiling.model_profiler import SETTLE_S, profile_model
+    from cost_models.records.formatting import about
+    with _progress(counts=False) as bar, custom_tp_plan(tp_plan):
+        task = bar.add_task(f"profiling {source.name}: forward pass of the whole model", total=None)
+        def on_progress(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"profiling {source.name}: {name}")
+        def on_estimate(seconds: float) -> None:
+            if seconds >= LONG_PROFILE_S:
+                err.print(f"profiling {source.name} in real mode: timing the units takes {about(seconds)} more (from "
+                          f"one forward and backward of each, just run); --meta counts without timing in seconds",
+                          highlight=False)
+        return profile_model(source, command=_command_line(), on_progress=on_progress, on_estimate=on_estimate,
+                             settle_s=SETTLE_S, **options)
+
+
+def _routed(prof, init_from: Path, data: Path, windows: int):
+    """`prof` with its load per expert measured on `data` through `init_from` (executor.routing)."""
+    import torch
+
+    from executor.routing import measure_routing
+    device = "cuda" if prof.device == "gpu" or (prof.device == "meta" and torch.cuda.is_available()) else "cpu"
+    with err.status(f"routing {windows} windows of {data} through {init_from}"):
+        return measure_routing(prof, init_from=init_from, data=data, windows=windows, device=device,
+                               on_warning=lambda line: err.print(f"warning: {line}", highlight=False))
+
+
 def _print_params(prof) -> None:
     from cost_models.records.formatting import size
     tied = "; ".join(f"{s.name} = {', '.join(s.aliases)}" for s in prof.shared)
@@ -234,9 +257,10 @@ def _print_params(prof) -> None:
               + (f"; tied: {tied}" if tied else ""), highlight=False)
     if prof.unassigned_params:
         out.print(f"note: {prof.unassigned_params:,} parameters belong to no unit (counted in the total)", highlight=False)
-    from planner.summaries import profile_load_line
-    if load := profile_load_line(prof):
-        out.print(load, highlight=False)
+    from planner.summaries import profile_load_line, routing_line
+    for line in (profile_load_line(prof), routing_line(prof)):
+        if line:
+            out.print(line, highlight=False)
     for note in prof.timing_notes:   # what the profiler did about noise it saw (timing.pool_identical)
         out.print(f"note: {note}", highlight=False, soft_wrap=True)
 

@@ -253,10 +253,11 @@ def _other_degrees(key: str, what: str, degrees, ws: Strategy, west: Estimate, f
 
 
 def ep_lines(ws: Strategy, west: Estimate, feasible, *, experts: int, degrees: tuple[int, ...],
-             at_ep1: Estimate | None = None, pruned: Mapping[int, float] | None = None) -> list[str]:
-    """Why this expert-parallel degree (MoE models): what its all-to-alls move and cost, what it saves against
-    ep = 1 (at_ep1: the winner's strategy with ep = 1, all else equal), and the best strategy of every other
-    degree searched, from their estimates. [] for a dense model."""
+             at_ep1: Estimate | None = None, pruned: Mapping[int, float] | None = None, load: str = "") -> list[str]:
+    """Why this expert-parallel degree (MoE models): what its all-to-alls move and cost, the routing load it is
+    priced at (`load`: cost.moe.imbalance_source), what it saves against ep = 1 (at_ep1: the winner's strategy
+    with ep = 1, all else equal), and the best strategy of every other degree searched, from their estimates. []
+    for a dense model."""
     if not experts:
         return []
     line = None
@@ -264,7 +265,7 @@ def ep_lines(ws: Strategy, west: Estimate, feasible, *, experts: int, degrees: t
         b = west.breakdown
         line = (f"expert parallelism: each block's {experts} routed experts split {ws.ep} ways "
                 f"({experts // ws.ep} per rank), all-to-alls {size(west.comm.ep_bytes_per_rank)} per rank per step "
-                f"over {west.comm.ep_link} links, {duration(b.ep_comm_s)} exposed")
+                f"over {west.comm.ep_link} links, {duration(b.ep_comm_s)} exposed" + (f"; {load}" if load else ""))
         if at_ep1 is not None:   # ZeRO-2/3 shard the experts' states as much without EP; the gathered ones and
             # the data-parallel traffic are what shrink
             states, _ = _states(west)

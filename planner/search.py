@@ -50,7 +50,7 @@ from cost_models.cost.context_parallel import cp_view
 from cost_models.cost.estimate import (Estimate, activation_scale, dtype_ratio, estimate,
                                        held_params, optimizer_seconds, saved_bytes, unit_costs, unit_seconds)
 from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_parts, zero_model_state_bytes
-from cost_models.cost.moe import check_ep
+from cost_models.cost.moe import check_ep, imbalance_source
 from cost_models.cost.sharing import busy_ranks
 from cost_models.records.cluster import Calibration, ClusterProfile
 from cost_models.records.errors import ConfigError, InfeasibleError
@@ -1107,6 +1107,7 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *
         at_tp1=_at_tp1(winner.strategy, profile, cluster))) + tuple(ep_lines(
         winner.strategy, winner.estimate, feasible, experts=profile.experts,
         degrees=ep_degrees(profile.experts, degrees=request.ep_degrees), pruned=found.pruned_ep_bounds,
+        load=imbalance_source(profile, winner.strategy.ep),
         at_ep1=estimate(replace(winner.strategy, ep=1), profile, cluster, compact=True)
         if winner.strategy.ep > 1 else None)) + tuple(cp_lines(
         winner.strategy, winner.estimate, feasible, seq_len=profile.seq_len, degrees=found.cp_degrees,

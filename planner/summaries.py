@@ -69,6 +69,17 @@ def cluster_conditions(cluster: ClusterProfile) -> tuple[str, ...]:
             f"{1 / contention(cluster, c.ranks):.0%} of its speed alone",)
 
 
+def routing_line(profile: ModelProfile) -> str | None:
+    """The MoE units' measured load per expert, where `planner profile --init-from --data` measured it: the
+    busiest expert's share over the mean, per unit."""
+    if not profile.routing:
+        return None
+    loads = [u.moe.expert_load for u in profile.moe_units if u.moe is not None]
+    shares = [max(load) * len(load) / total for load in loads if (total := sum(load)) > 0]
+    return (f"routing: load per expert measured on {profile.routing}; the busiest expert takes "
+            f"x{min(shares):.2f}-x{max(shares):.2f} the mean across {len(shares)} MoE unit(s)" if shares else None)
+
+
 def profile_load_line(profile: ModelProfile) -> str | None:
     """How loaded the machine was while a real profile timed its units (ModelProfile.load_1min and
     runnable_beside), or None where it was not recorded."""

@@ -14,6 +14,7 @@ from cost_models.models.source import resolve
 from cost_models.models.zoo import ZOO, build_zoo_model
 from cost_models.profiling.model_profiler import profile_model
 from cost_models.records.errors import ConfigError
+from cost_models.records.files import ProfileFile
 from cost_models.records.presets import preset
 from cost_models.records.strategy import Strategy
 from planner.manual import executor_refuses
@@ -340,6 +341,52 @@ def test_moe_models_split_their_attention_over_tp_and_refuse_sequence_parallelis
     assert str(info.value).endswith(
         "sequence parallelism is not offered for mixture-of-experts models: their MoE blocks run whole on each "
         "tensor-parallel rank")
+
+
+def test_profile_measures_the_routers_load_on_the_users_tokens_through_the_users_weights(tmp_path):
+    """`planner profile --init-from DIR --data FILE` records each MoE unit's load per expert from the file's first
+    windows through the saved weights: the counts transformers' own router logits give for the same tokens (top-2
+    of each layer's logits), and the plan's rationale prices expert parallelism at that load and says so."""
+    import json
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from cli import app
+    from tests.test_hf_executor import _saved, _tokens
+    ref = HF_RUN["mixtral"]
+    saved, data = _saved(ref, tmp_path / "w"), _tokens(tmp_path / "t.bin")
+    args = ["profile", "-m", ref, "-b", "2", "-s", "16", "--cluster", "none", "--warmup", "0", "--repeats", "1"]
+    res = CliRunner().invoke(app, [*args, "--init-from", saved, "--data", data, "--routing-windows", "24",
+                                   "-o", str(tmp_path / "p.json")])
+    assert res.exit_code == 0, res.output
+    assert "routing: load per expert measured on 24 windows of" in res.output
+    prof = ProfileFile.load(tmp_path / "p.json").model
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    tokens = torch.from_numpy(np.fromfile(data, dtype=np.uint16).astype(np.int64))
+    windows = torch.stack([tokens[i * 17:i * 17 + 16] for i in range(24)])
+    with torch.no_grad():
+        logits = model(windows, output_router_logits=True).router_logits
+    want = [tuple(torch.bincount(layer.topk(2, dim=-1).indices.reshape(-1), minlength=4).tolist()) for layer in logits]
+    assert [u.moe.expert_load for u in prof.moe_units] == want
+    assert prof.routing == f"24 windows of {data} through the weights in {saved}"
+    plan = CliRunner().invoke(app, ["plan", str(tmp_path / "p.json"), "--cluster", "dgx-h100", "--nodes", "1",
+                                    "-B", "16", "--ep", "2", "--json", "-o", "-"])
+    assert plan.exit_code == 0, plan.output
+    load = max(imbalance(prof, u.moe, 2) for u in prof.moe_units)
+    assert f"the busiest EP rank routes x{load:.2f} the mean, measured on 24 windows of" in \
+        json.dumps(json.loads(plan.output)["rationale"])
+    # the two options go together, and only with MoE blocks: one line each, exit 2
+    alone = CliRunner().invoke(app, [*args, "--data", data, "-o", "-"])
+    assert alone.exit_code == 2 and alone.output.strip().splitlines() == [
+        "error: --init-from and --data go together in planner profile: the router's load per expert means something "
+        "only with trained weights on real tokens; give both, or neither"]
+    dense = CliRunner().invoke(app, ["profile", "-m", "llama-tiny", "-b", "2", "-s", "16", "--cluster", "none",
+                                     "--meta", "--init-from", saved, "--data", data, "-o", "-"])
+    assert dense.exit_code == 2 and dense.output.strip().splitlines()[-1] == (
+        "error: --data measures the router's load per expert, and llama-tiny has no mixture-of-experts blocks; "
+        "drop --init-from and --data")
 
 
 def _moe_tiny_like_one_process(ranks: int, strategies: list[Strategy], prof) -> None:

@@ -54,6 +54,18 @@ def imbalance(profile: ModelProfile, u: MoEUnit, ep: int) -> float:
     return max(ranks) / (sum(ranks) / ep)
 
 
+def imbalance_source(profile: ModelProfile, ep: int) -> str:
+    """The load the estimate prices EP at (the largest over MoE units) and where it comes from, for explanations."""
+    load = max((imbalance(profile, u.moe, ep) for u in profile.units if u.moe is not None), default=1.0)
+    if profile.moe_imbalance > 0:
+        why = "set by --moe-imbalance"
+    elif not any(u.moe is not None and u.moe.expert_load for u in profile.units):
+        why = "the stated default, no routing measured (planner profile --init-from --data measures it)"
+    else:
+        why = "measured on " + (profile.routing or "the profile's synthetic tokens through untrained weights")
+    return f"the busiest EP rank routes x{load:.2f} the mean, {why}"
+
+
 def ep_work(work: WorkCounts, u: MoEUnit, *, ep: int, load: float) -> WorkCounts | None:
     """One pass's work on the busiest EP rank (module doc, shapes): each routed-expert product (a shape whose rows
     or depth are the profile's r = tokens x top_k / E and that runs a multiple of E times, as E products or one

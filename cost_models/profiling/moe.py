@@ -14,17 +14,22 @@ The routed experts' FLOPs are counted by formula: an expert is linear maps, each
 "Scaling Laws for Neural Language Models", section 2.1: C_forward ~ 2N, backward twice that), so a block's routed
 forward is 2 x tokens x top_k x (its expert parameters / E), whatever the routing (dropless: every pair runs).
 What they save for backward is counted in one forward: the storages packed while an `experts` call runs.
+
+The load per expert a real profile records comes from its own synthetic tokens through freshly drawn weights;
+`planner profile --init-from DIR --data FILE` measures it again on the user's tokens through the user's weights
+(routed_load, with_routed_load), as the router will spread them in training.
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from cost_models.models.moe import ROUTERS, Block, moe_blocks
 from cost_models.records.errors import ConfigError
-from cost_models.records.profile import MoEUnit
+from cost_models.records.profile import ModelProfile, MoEUnit
 from cost_models.torch_compat.torch_private import storage_id
 
 class _Watch:
@@ -119,3 +124,27 @@ def _unit(unit: str, blocks: list[Block], watch: _Watch) -> MoEUnit:
                    expert_tensors=expert_tensors, router_params=router, shared_expert_params=shared, tokens=tokens,
                    routed_fwd_flops=flops, routed_bwd_flops=2 * flops, routed_saved_bytes=saved,
                    expert_load=tuple(load) if any(load) else ())
+
+
+def routed_load(model: nn.Module, batches: Iterable[tuple[torch.Tensor, ...]]) -> dict[str, tuple[int, ...]]:
+    """Block name -> token-expert pairs the router sent each expert over forwards of `batches` (no gradients)."""
+    blocks = moe_blocks(model)
+    watch = _Watch(blocks, set())
+    try:
+        with torch.no_grad():
+            for inputs in batches:
+                model(*inputs)
+    finally:
+        watch.remove()
+    return {b.name: tuple(watch.load.get(b.name, [0] * b.n_experts)) for b in blocks}
+
+
+def with_routed_load(profile: ModelProfile, loads: dict[str, tuple[int, ...]], routing: str) -> ModelProfile:
+    """`profile` with each MoE unit's expert_load the sum of its blocks' `loads`, and where they came from."""
+    units = []
+    for u in profile.units:
+        mine = [load for name, load in loads.items() if any(name == m or name.startswith(m + ".") for m in u.modules)]
+        if u.moe is not None and mine:
+            u = dataclasses.replace(u, moe=dataclasses.replace(u.moe, expert_load=tuple(map(sum, zip(*mine)))))
+        units.append(u)
+    return dataclasses.replace(profile, units=tuple(units), routing=routing)

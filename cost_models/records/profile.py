@@ -313,6 +313,9 @@ class ModelProfile(Record):
     # over the mean, cost_models.cost.moe.imbalance); 0: from the units' measured expert_load, or the stated
     # default where none was measured. `--moe-imbalance` sets it.
     moe_imbalance: float = 0.0
+    # where the MoE units' expert_load was measured: "" for the profile's own synthetic tokens (or none, in meta
+    # mode); `planner profile --init-from --data` routes the user's tokens through the user's weights and says so
+    routing: str = ""
 
     @property
     def moe_units(self) -> tuple[UnitProfile, ...]:
