@@ -362,6 +362,11 @@ def cases_d() -> list[Case]:
         ("estimate:cp=3", ("estimate", "profile.json", "--dp", "1", "--cp", "3"), (2,), r"power of two"),
         ("estimate:cp=1024", ("estimate", "profile.json", "--cp", "1024"), (2,), r"not a multiple|cp|ranks"),
         ("plan:cp=3", (*plan, "-B", "64", "--cp", "3"), (2,), r"powers of two"),
+        # routing measured on the user's data (issue 36, item 1): both options or neither, and an MoE model only
+        ("profile:data-without-init-from", (*PROFILE_META, "--cluster", "none", "--data", "x.bin", "-o", "out.json"),
+         (2,), r"--init-from and --data go together"),
+        ("profile:routing,dense", (*PROFILE_META, "--cluster", "none", "--data", "x.bin", "--init-from", "w", "-o",
+                                   "out.json"), (2,), r"no mixture-of-experts blocks"),
         ("profile:undeclared-moe-block", ("profile", "--model", f"{TESTS_MODELS}:undeclared_moe", "-b", "2", "-s",
                                           "8", "--meta", "--cluster", "none", "-o", "out.json"), (2,),
          r"num_experts.*top_k"),
