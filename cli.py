@@ -185,7 +185,7 @@ def profile(
     warmup: int = typer.Option(2, "--warmup", help="untimed warm-up runs per unit (real mode)"),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="MoE models, with --data: trained weights (an HF folder or a checkpoint) the router's load per expert is measured through"),
     data: Optional[Path] = typer.Option(None, "--data", help="MoE models, with --init-from: a token file (.bin uint16 or .npy) whose windows are routed to measure the load per expert (the imbalance expert parallelism is priced at)"),
-    routing_windows: int = typer.Option(64, "--routing-windows", help="with --data: sequences routed (the file's first windows, in planner run's order)"),
+    routing_windows: Optional[int] = typer.Option(None, "--routing-windows", help="with --data: sequences routed (the file's first windows, in planner run's order; default 64)"),
     output: Output = Path("profile.json"),
     force: Force = False,
     as_json: AsJson = False,
@@ -193,7 +193,7 @@ def profile(
     """Measure a model unit by unit (parameters, FLOPs, activation bytes, times) and write profile.json."""
     from cost_models.profiling.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
     from cost_models.records.files import ProfileFile
-    from executor.routing import check_routing_args
+    from executor.routing import DEFAULT_WINDOWS, check_routing_args
     from planner.summaries import UNIT_COLUMNS, unit_rows
 
     write_to, overwrite = _prepare_output(output, force)
@@ -204,10 +204,11 @@ def profile(
         cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
     from cost_models.models.source import resolve
     source = resolve(model, input_ref=input_fn)
+    check_routing_args(init_from, data, routing_windows, source)
     prof = _profiled(source, tp_plan, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
                      device=device, units=units, warmup=warmup, repeats=repeats, threads=threads)
     if init_from is not None and data is not None:
-        prof = _routed(prof, init_from, data, routing_windows)
+        prof = _routed(prof, init_from, data, routing_windows or DEFAULT_WINDOWS)
     if cluster == "local":
         cluster_prof = _probe(nodes=nodes, ranks=ranks, dtype=prof.dtype, sizes=sizes, repeats=repeats)
     if _emit(ProfileFile(model=prof, cluster=cluster_prof), write_to, overwrite, as_json):

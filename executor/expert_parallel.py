@@ -54,6 +54,7 @@ class Dispatch:
     def __init__(self, experts: nn.Module, n_experts: int, ep: int, group) -> None:
         self.experts, self.forward = experts, experts.forward
         self.n_experts, self.ep, self.group = n_experts, ep, group
+        self.received = 0   # token-expert rows this rank's experts were sent (routed_rows)
 
     def dtype(self) -> torch.dtype:
         return next(self.experts.parameters()).dtype
@@ -68,6 +69,7 @@ class Dispatch:
         dist.all_to_all_single(incoming, counts, group=self.group)
         incoming = incoming.view(self.ep, local)
         send, recv = counts.view(self.ep, local).sum(1).tolist(), incoming.sum(1).tolist()
+        self.received += sum(recv)
         got = _AllToAll.apply(hidden[order // k], recv, send, self.group)
         # received rows come source by source, each source's by expert: regroup them by local expert
         expert = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(self.ep), incoming.reshape(-1))
@@ -110,15 +112,34 @@ def whole_expert(t: torch.Tensor, param: torch.Tensor, *, mesh, ep: int) -> torc
     """An expert parameter of this rank, or an optimizer state of its shape, as a DTensor of the whole model's
     tensor, aliasing `t`'s storage (executor.checkpoint loads in place): Shard(0) over the EP group (`mesh` (ep,)),
     and where FSDP2 shards the experts over the dp / ep ranks holding the same ones, Shard(0) again over those
-    (`mesh` (ep, edp): DTensor splits over the mesh's dimensions left to right, the EP rank's rows first). Other
-    states (a step count) are returned as they are."""
+    (`mesh` (ep, edp): DTensor splits over the mesh's dimensions left to right, the EP rank's rows first). A step
+    count (a scalar) is returned as it is; a state of another shape (a factored optimizer's) would be saved under
+    one key with each EP rank's different data, so it is refused in one line."""
     from torch.distributed.tensor import DTensor, Shard
-    if t.dim() == 0 or t.shape != param.shape:
+    if t.dim() == 0:
         return t
+    if t.shape != param.shape:
+        raise ConfigError(f"an optimizer state of shape {list(t.shape)} for expert parameters of shape "
+                          f"{list(param.shape)}: expert-parallel checkpoints place states shaped as their parameter "
+                          f"only; use an optimizer whose states are (Adam, AdamW, SGD), or ep = 1")
     local = t.to_local() if isinstance(t, DTensor) else t
     shape = torch.Size((param.shape[0] * ep, *param.shape[1:]))
     return DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
+
+
+def routed_rows(model: nn.Module | None, held: list[nn.Module], *, reset: bool = False) -> dict[str, int]:
+    """Block name in `model` -> token-expert rows this rank's experts were sent since the last reset (forwards
+    only; a recomputed forward counts again), for the blocks the `held` modules run; `reset` zeroes the tallies."""
+    mine = {id(m) for h in held for m in h.modules()}
+    out = {}
+    for name, m in model.named_modules() if model is not None else ():
+        dispatch = getattr(m, "forward", None)
+        if isinstance(dispatch, Dispatch) and id(m) in mine:
+            out[name.removesuffix(".experts")] = dispatch.received
+            if reset:
+                dispatch.received = 0
+    return out
 
 
 def sync_expert_grads(params: list[nn.Parameter], group, ep: int, dtype: torch.dtype | None = None) -> None:

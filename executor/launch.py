@@ -472,6 +472,8 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
         rows.append(Measure(quantity="expert-parallel all-to-all bytes per step (mean over ranks)", unit="B",
                             predicted=est.comm.ep_bytes_per_rank,
                             measured=sum(r.comm_bytes.get("all_to_all", 0) for r in ranks) / len(ranks)))
+        rows.append(Measure(quantity="busiest expert-parallel rank's routed tokens over the mean (worst block)",
+                            unit="x", predicted=est.ep_load, measured=routed_load(ranks)))
     if plan.strategy.cp > 1:   # the gathers of keys and values and their gradients' reduce-scatters
         rows.append(Measure(quantity="context-parallel bytes per step (mean over ranks)", unit="B",
                             predicted=est.comm.cp_bytes_per_rank,
@@ -486,6 +488,17 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
                    tokens_per_s=est.tokens_per_step / slowest["median_s"], throughput_unit=est.throughput_unit,
                    predicted_step_time_s=est.step_time_s, ranks=tuple(ranks), measures=tuple(rows),
                    created_at=now_utc())
+
+
+def routed_load(ranks: list[RankResult]) -> float:
+    """The measured counterpart of Estimate.ep_load: per MoE block, the most rows any rank's experts were sent
+    over the mean of the ranks holding that block (every EP group routes the same number of rows, so that mean is
+    each group's), the largest over blocks; 1 where nothing was counted."""
+    per_block: dict[str, list[int]] = {}
+    for r in ranks:
+        for block, n in r.expert_rows.items():
+            per_block.setdefault(block, []).append(n)
+    return max((max(ns) * len(ns) / sum(ns) for ns in per_block.values() if sum(ns)), default=1.0)
 
 
 def _many_worker(strategy_dicts: list[dict], cfg_data: list[dict], plan_data: list[dict | None], timeout_s: float,

@@ -27,13 +27,22 @@ from executor.weights import check_weights, load_weights
 DEFAULT_WINDOWS = 64   # sequences routed: at seq_len 4,096, 262,144 tokens x top_k pairs spread over the experts
 
 
-def check_routing_args(init_from: Path | None, data: Path | None, windows: int) -> None:
-    """One line for options that cannot go together (before any profiling)."""
+def check_routing_args(init_from: Path | None, data: Path | None, windows: int | None, source=None) -> None:
+    """One line for options that cannot go together, and (given the model's `source`) for routing a model without
+    MoE blocks: before any profiling."""
     if (init_from is None) != (data is None):
         raise ConfigError("--init-from and --data go together in planner profile: the router's load per expert "
                           "means something only with trained weights on real tokens; give both, or neither")
-    if windows < 1:
+    if windows is not None and data is None:
+        raise ConfigError("--routing-windows counts the windows of --data routed; give --init-from and --data")
+    if windows is not None and windows < 1:
         raise ConfigError(f"--routing-windows must be >= 1, got {windows}")
+    if data is not None and source is not None and not moe_blocks(source.build(device="meta", dtype=torch.float32)):
+        raise ConfigError(_NO_MOE.format(name=source.name))
+
+
+_NO_MOE = ("--data measures the router's load per expert, and {name} has no mixture-of-experts blocks; drop "
+           "--init-from and --data")
 
 
 def measure_routing(profile: ModelProfile, *, init_from: Path, data: Path, windows: int = DEFAULT_WINDOWS,
@@ -41,8 +50,7 @@ def measure_routing(profile: ModelProfile, *, init_from: Path, data: Path, windo
     """`profile` with its MoE units' expert_load measured on `windows` windows of `data` through the weights in
     `init_from` (module doc); one-line ConfigError for a model without MoE blocks or inputs that are not tokens."""
     if not profile.moe_units:
-        raise ConfigError(f"--data measures the router's load per expert, and {profile.name} has no "
-                          f"mixture-of-experts blocks; drop --init-from and --data")
+        raise ConfigError(_NO_MOE.format(name=profile.name))
     if profile.input.kind != "tokens":
         raise ConfigError(f"--data feeds token ids; {profile.name} takes {profile.input.kind} inputs")
     tokens = TokenFile(data, profile.seq_len)
@@ -61,6 +69,9 @@ def measure_routing(profile: ModelProfile, *, init_from: Path, data: Path, windo
     model.eval()
     assert moe_blocks(model)   # the profile found them in the same model
     count = min(windows, tokens.windows)
+    if count < windows and on_warning:
+        on_warning(f"--data {data} holds {tokens.windows:,} window(s) of {profile.seq_len + 1} tokens, fewer than "
+                   f"the {windows:,} --routing-windows asked for: routing all of them")
     b = profile.micro_batch_size
     batches = ((tokens.batch(step, b)[0][:count - step * b].to(device),) for step in range(-(-count // b)))
     loads = routed_load(model, batches)

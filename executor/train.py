@@ -27,6 +27,7 @@ from cost_models.torch_compat.devices import rank_device
 from executor import checkpoint, checkpoint_layout
 from executor.activations import ActivationMeter
 from executor.data import TokenFile, data_identity
+from executor.expert_parallel import routed_rows
 from executor.measure import CommCounter, peak_memory_bytes
 from executor.runtime import ModelSpec, build_runtime, example_logits, logits_of
 from executor.stages import UnitMap, canonical_names, state_maps
@@ -156,7 +157,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
         load(rt.params_by_name, rt.buffers_by_name, rt.model)
     restore_s = _resume(rt, cfg) if cfg.resume_from else 0.0
     fail_rank, fail_step, how = _injected_failure()
-    progress, counter, meter = _Progress(), None, None
+    progress, counter, meter, rows = _Progress(), None, None, {}
     batches = batch_source(cfg, example, out_shape, strategy.global_batch_size, loss)
     for step in range(cfg.start_step, cfg.steps + (1 if cfg.count_comm else 0)):
         counting = cfg.count_comm and step == cfg.steps
@@ -168,11 +169,13 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
             _fail_now(step, how)
         counter = CommCounter() if counting else None
         meter = ActivationMeter(rt.wrapped.modules, batch=(x, y)) if counting else None
+        routed_rows(rt.model, rt.wrapped.modules, reset=True)
         with meter or contextlib.nullcontext():
             replica_loss, elapsed = _timed_step(rt, x, y, device, counter, progress, poison=injected and how == "nan")
         if counting:
             assert counter is not None   # made above for the counting step
             _count_ddp_buckets(rt, counter)
+            rows = routed_rows(rt.model, rt.wrapped.modules)
             break
         _finish_step(rt, cfg, plan, step, device, progress, elapsed, replica_loss)
     peak, source_name = peak_memory_bytes()
@@ -184,7 +187,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
                       comm_calls=dict(counter.calls) if counter else {}, compute_s=tuple(progress.parts["compute"]),
                       sync_s=tuple(progress.parts["sync"]), optimizer_s=tuple(progress.parts["optimizer"]),
                       restore_s=restore_s, checkpoint_steps=tuple(progress.saved), checkpoint_s=tuple(progress.save_s),
-                      activation_bytes=meter.peak if meter else -1)
+                      activation_bytes=meter.peak if meter else -1, expert_rows=rows)
 
 
 def fail_at_start_up() -> None:

@@ -170,6 +170,12 @@ class OptimizerPair:
         """Every part's per-parameter state (a ZeroRedundancyOptimizer's: its shard's, in .optim)."""
         return {k: v for part in self.parts for k, v in getattr(part, "optim", part).state.items()}
 
+    @property
+    def stands_for(self) -> dict:
+        """Every part's stand-ins for tensor-parallel parameters (LocalShardZeRO.stands_for; checkpoints name the
+        states by the model's parameters)."""
+        return {k: v for part in self.parts for k, v in getattr(part, "stands_for", {}).items()}
+
 
 def _wrap(modules: list[nn.Module], *, zero: int, pp: int, dp_mesh, optimizer_fn: OptimizerFn,
           unit_groups: list[list[nn.Module]] | None = None, tp: int = 1, compute: torch.dtype | None = None,

@@ -6,6 +6,7 @@ one line saying to re-run.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from cost_models.records.base import Record, record
@@ -43,14 +44,16 @@ class RankResult(Record):
     checkpoint_s: tuple[float, ...] = ()   # seconds each save took (not in any step time)
     activation_bytes: int = -1             # peak bytes held for backward in the counted step (executor.activations);
                                            # -1: not measured (no counted step, or a run.json from before)
+    expert_rows: dict[str, int] = dataclasses.field(default_factory=dict)   # expert parallelism, the counted step:
+                                           # block -> token-expert rows this rank's experts were sent
 
 
 @record
 class Measure(Record):
-    """One quantity the plan predicted and the run measured, in `unit` (seconds or bytes)."""
+    """One quantity the plan predicted and the run measured, in `unit` (seconds, bytes, or a ratio)."""
 
     quantity: str                          # "step time", "rank 1 parameters", "p2p bytes per step (one pipeline)"
-    unit: Literal["s", "B"]
+    unit: Literal["s", "B", "x"]
     predicted: float
     measured: float
 

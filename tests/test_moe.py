@@ -259,10 +259,11 @@ EP_PLANS = {2: ((2, 1, 2, 0, False, 1), (2, 1, 2, 1, False, 1)),
 
 
 @pytest.fixture(scope="module")
-def hf_moe_runs(tmp_path_factory):
+def hf_moe_runs(tmp_path_factory, moe_profiles):
     """Both transformers MoE models under EP_PLANS, one launch per world size (each spawns ranks that import
     transformers): {(name, ranks): (profile, cfg, strategies, results)}. Saved with save_pretrained (one tensor per
-    expert, which --init-from stacks as transformers does), trained on a token file."""
+    expert, which --init-from stacks as transformers does), trained on a token file. The 4-rank launch also runs
+    moe-tiny under the zero-bubble schedules (_zero_bubble), keyed ("moe-tiny", 4)."""
     from executor.train import TrainConfig
     from tests.shared_launch import run_shared
     from tests.test_hf_executor import GLOBAL, SEQ, _saved, _tokens
@@ -287,7 +288,10 @@ def hf_moe_runs(tmp_path_factory):
                 Strategy(dp=dp, pp=pp, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
                          stages=(names,) if pp == 1 else (names[:1], names[1:]) if z == 1 else halves,
                          precision="fp32", ep=ep, distributed_optimizer=d, tp=tp)
-                for dp, pp, ep, z, d, tp in plans]))
+                for dp, pp, ep, z, d, tp in plans if tp == 1 or name == "mixtral"]))   # Qwen3's q/k norms: no TP
+        if ranks == 4:
+            tiny = moe_profiles[True]
+            jobs.append(("moe-tiny", tiny, _moe_tiny_cfg(tiny), _zero_bubble(tiny)))
         results = run_shared(ranks, [(name, cfg, strategies, None) for name, _, cfg, strategies in jobs])
         out.update({(name, ranks): (prof, cfg, strategies, results[name]) for name, prof, cfg, strategies in jobs})
     return out
@@ -301,7 +305,7 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
     1F1B with EP inside each stage) are one process's; all-to-all bytes as predicted, and under ZeRO-1 the optimizer
     states all ranks hold together."""
     from executor.train import single_process_losses
-    from tests.test_hf_executor import GLOBAL, _own_step0_loss
+    from tests.test_hf_executor import GLOBAL, SEQ, _own_step0_loss
     prof, cfg, strategies, results = hf_moe_runs[name, ranks]
     one = Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=GLOBAL,
                    stages=(tuple(u.name for u in prof.units),), precision="fp32")
@@ -317,6 +321,14 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
         est = estimate(s, dataclasses.replace(prof, micro_batch_size=1), preset("dgx-h100"))
         measured = sum(r.comm_bytes.get("all_to_all", 0) for r in rank_results) / ranks
         assert measured == pytest.approx(est.comm.ep_bytes_per_rank, rel=1e-9), s.name
+        # the routed rows each rank's experts were sent: every token x top-2 once per block (each tp rank of a
+        # replica routes the same tokens), spread over the ranks holding that block's experts
+        rows: dict[str, int] = {}
+        for r in rank_results:
+            for block, n in r.expert_rows.items():
+                rows[block] = rows.get(block, 0) + n
+        assert len(rows) == len(prof.moe_units) and set(rows.values()) == {GLOBAL * SEQ * 2 * s.tp}, s.name
+        assert est.ep_load == max(imbalance(prof, u.moe, s.ep) for u in prof.moe_units) >= 1.0
         if s.tp > 1:   # and the attention's tensor-parallel collectives (the MoE blocks run whole: none there)
             measured_tp = {k: v for k, v in rank_results[0].comm_bytes.items() if k.startswith("tp_")}
             predicted_tp = tp_bytes_per_step(s, prof)
@@ -389,16 +401,30 @@ def test_profile_measures_the_routers_load_on_the_users_tokens_through_the_users
         "drop --init-from and --data")
 
 
-def _moe_tiny_like_one_process(ranks: int, strategies: list[Strategy], prof) -> None:
-    """moe-tiny under `strategies` on `ranks` ranks (one launch): five steps are one process's, all-to-all bytes as
+def test_attention_whose_replicated_parameters_see_only_the_ranks_heads_has_no_tp_plan():
+    """MLA (the zoo's DeepSeek-V3) and per-head q/k norms (Qwen3-MoE, zoo and transformers') would need gradients
+    summed over the tp ranks: their TP shape is a one-line refusal, so the planner keeps them at tp = 1."""
+    from cost_models.models.tp_shape import tp_shape
+    for ref, why in (("deepseek-v3", "multi-head latent attention"), ("qwen3-30b-a3b", "per-head query/key norms"),
+                     (f"hf:qwen3_moe?{HF_MOE['qwen3_moe'][0]}", "per-head query/key norms")):
+        shape = tp_shape(resolve(ref).build(device="meta", dtype=torch.float32))
+        assert shape.refusal.startswith(why) and shape.tp_refusal(2) == shape.refusal, ref
+    assert tp_shape(resolve("mixtral-8x7b").build(device="meta", dtype=torch.float32)).plan == "zoo-moe"
+
+
+def _moe_tiny_cfg(prof):
+    from executor.train import TrainConfig
+    return TrainConfig(model_source="moe-tiny", seq_len=16, input_kind="tokens", steps=5, warmup=0, seed=3, lr=3e-3,
+                       unit_modules=tuple(u.modules for u in prof.units))
+
+
+def _moe_tiny_like_one_process(strategies: list[Strategy], prof, runs: list) -> None:
+    """moe-tiny's `runs` of `strategies` (one launch): five steps are one process's, all-to-all bytes as
     predicted."""
-    from executor.launch import run_many
-    from executor.train import TrainConfig, single_process_losses
-    cfg = TrainConfig(model_source="moe-tiny", seq_len=16, input_kind="tokens", steps=5, warmup=0, seed=3, lr=3e-3,
-                      unit_modules=tuple(u.modules for u in prof.units))
-    reference = single_process_losses(_strategy(prof, micro_batch_size=8), cfg)
+    from executor.train import single_process_losses
+    reference = single_process_losses(_strategy(prof, micro_batch_size=8), _moe_tiny_cfg(prof))
     assert len({round(x, 6) for x in reference}) == 5
-    for s, results in zip(strategies, run_many(ranks, strategies, cfg)):
+    for s, results in zip(strategies, runs, strict=True):
         losses = [list(r.losses) for r in results if r.losses][0]
         assert losses == pytest.approx(reference, rel=1e-4), s.name
         measured = sum(r.comm_bytes.get("all_to_all", 0) for r in results) / len(results)
@@ -411,23 +437,30 @@ def test_pipeline_stages_shard_experts_over_the_ranks_holding_them_like_one_proc
     """EP2 x DP4 x PP2 (8 ranks, the smallest world where dp > ep in a pipeline) under ZeRO-2 and ZeRO-3: each
     stage's experts an FSDP2 group of the two ranks holding them, nested in the stage's over dp. In the same launch
     EP2 x TP2 x PP2 under ZeRO-1: EP groups at each tensor-parallel rank, the MoE blocks whole on both."""
+    from executor.launch import run_many
     prof = moe_profiles[True]
     halves = (("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head"))
     common = dict(ep=2, pp=2, microbatches=2, stages=halves)
-    _moe_tiny_like_one_process(8, [*(_strategy(prof, dp=4, zero=z, micro_batch_size=1, **common) for z in (2, 3)),
-                                   _strategy(prof, dp=2, tp=2, zero=1, micro_batch_size=2, **common)], prof)
+    strategies = [*(_strategy(prof, dp=4, zero=z, micro_batch_size=1, **common) for z in (2, 3)),
+                  _strategy(prof, dp=2, tp=2, zero=1, micro_batch_size=2, **common)]
+    _moe_tiny_like_one_process(strategies, prof, run_many(8, strategies, _moe_tiny_cfg(prof)))
 
 
 @pytest.mark.slow
-def test_zero_bubble_schedules_split_the_backward_of_expert_parallel_stages_like_one_process(moe_profiles):
-    """EP2 x DP2 x PP2 under the split-backward schedules: zb-interleaved (ZeRO-1) and ZBV (two chunks per rank,
-    ZeRO-2). The all-to-alls' gradients run in the input-gradient pass, the experts' weight gradients later."""
-    prof = moe_profiles[True]
+def test_zero_bubble_schedules_split_the_backward_of_expert_parallel_stages_like_one_process(hf_moe_runs):
+    """EP2 x DP2 x PP2 under the split-backward schedules (_zero_bubble; run in hf_moe_runs' 4-rank launch). The
+    all-to-alls' gradients run in the input-gradient pass, the experts' weight gradients later."""
+    prof, _, strategies, results = hf_moe_runs["moe-tiny", 4]
+    _moe_tiny_like_one_process(strategies, prof, results)
+
+
+def _zero_bubble(prof) -> list[Strategy]:
+    """zb-interleaved under ZeRO-1 and ZBV (two chunks per rank) under ZeRO-2, EP2 x DP2 x PP2."""
     halves = (("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head"))
     quarters = (("embed", "blocks.0"), ("blocks.1",), ("blocks.2",), ("blocks.3", "head"))
     common = dict(dp=2, ep=2, pp=2, microbatches=4, micro_batch_size=1)
-    _moe_tiny_like_one_process(4, [_strategy(prof, zero=1, schedule="zb-interleaved", stages=halves, **common),
-                                   _strategy(prof, zero=2, schedule="zbv", v=2, stages=quarters, **common)], prof)
+    return [_strategy(prof, zero=1, schedule="zb-interleaved", stages=halves, **common),
+            _strategy(prof, zero=2, schedule="zbv", v=2, stages=quarters, **common)]
 
 
 @pytest.fixture(scope="module")
@@ -461,10 +494,9 @@ def _ep_strategy(prof, *, zero: int, ep: int = 2) -> Strategy:
 @pytest.mark.slow
 def test_an_expert_parallel_checkpoint_resumes_under_another_layout_and_exports_the_models_own(
         ep_checkpoint, tmp_path, monkeypatch):
-    """The checkpoint holds every expert once, whole (E rows), whatever ranks held them: it resumes under ZeRO-1
-    (each EP rank's experts plain, their states on one owner of the two ranks holding them) and in one process
-    without expert parallelism, both continuing the run's losses, and `planner export --hf` writes transformers'
-    own layout, which from_pretrained loads with the trained weights."""
+    """The checkpoint holds every expert once, whole (E rows), whatever ranks held them: it resumes under EP2 x TP2
+    ZeRO-1 and in one process without expert parallelism, both continuing the run's losses, and `planner export
+    --hf` writes transformers' own layout, which from_pretrained loads with the trained weights."""
     from transformers import AutoModelForCausalLM
 
     from executor import export as exporting
@@ -474,13 +506,21 @@ def test_an_expert_parallel_checkpoint_resumes_under_another_layout_and_exports_
     from tests.plans import plan_for
     from tests.test_checkpoint import _merged
     from tests.test_hf_executor import SEQ
+    from executor.launch import routed_load
     root, prof, common, run_a = ep_checkpoint
     ck = root / "ck" / "step-00000003"
     assert run_a.checkpoints == (str(ck),)
+    # run.json sets the measured routing load beside the one the plan priced
+    load = next(m for m in run_a.measures if m.unit == "x")
+    assert load.predicted == max(imbalance(prof, u.moe, 2) for u in prof.moe_units)
+    assert load.measured == routed_load(list(run_a.ranks)) >= 1.0
     monkeypatch.setenv(DUMP_STATE_ENV, str(tmp_path))
-    run_b = launch(plan_for(_ep_strategy(prof, zero=1), prof), RunConfig(
-        steps=5, warmup=0, resume=str(root / "ck"), data=common["data"]))
-    assert run_b.start_step == 3
+    # EP2 x TP2 under ZeRO-1: the experts plain on each rank of a tp pair, their states in a ZeroRedundancyOptimizer
+    # pair over tensor-parallel stand-ins; it saves again at its last step
+    two = dataclasses.replace(_ep_strategy(prof, zero=1), dp=2, tp=2, micro_batch_size=4)
+    run_b = launch(plan_for(two, prof), RunConfig(steps=5, warmup=0, resume=str(root / "ck"), data=common["data"],
+                                                  checkpoint_dir=str(tmp_path / "ck2")))
+    assert run_b.start_step == 3 and run_b.checkpoints == (str(tmp_path / "ck2" / "step-00000005"),)
 
     at_save, loaded = _merged(root, "saved-step3"), _merged(tmp_path, "loaded")
     assert set(at_save) == set(loaded)

@@ -175,6 +175,8 @@ class Estimate(Record):
     hfu: float | None = None # hardware FLOPs (with recompute, torch's attention backward) / the same; see _throughput
     calibrated_by: str = ""  # "" as probed; else Calibration.describe() of the cluster's calibration (which runs)
     priced: str = ""         # records.strategy.priced_digest of the strategy and model priced; "" in older files
+    ep_load: float = 1.0     # under EP: the busiest EP rank's routed tokens over the mean, as priced (cost.moe.
+                             # imbalance, the largest over MoE units); 1 without EP and in older files
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -961,7 +963,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         comm=dataclasses.replace(_comm_volume(c, stages, dp_bytes), tied_bytes_per_rank=tied_bytes),
         compute_source=compute_source(profile, cluster, s.precision),
         pipeline_order=format_order(s.action_order()) if per_rank else {},
-        calibrated_by=cluster.calibration.describe() if cluster.calibration else "", priced=priced)
+        calibrated_by=cluster.calibration.describe() if cluster.calibration else "", priced=priced,
+        ep_load=max((imbalance(profile, u.moe, s.ep) for u in profile.moe_units if u.moe), default=1.0))
 
 
 def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int = 0) -> dict[str, float]:

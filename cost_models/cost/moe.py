@@ -59,8 +59,8 @@ def imbalance_source(profile: ModelProfile, ep: int) -> str:
     load = max((imbalance(profile, u.moe, ep) for u in profile.units if u.moe is not None), default=1.0)
     if profile.moe_imbalance > 0:
         why = "set by --moe-imbalance"
-    elif not any(u.moe is not None and u.moe.expert_load for u in profile.units):
-        why = "the stated default, no routing measured (planner profile --init-from --data measures it)"
+    elif not all(u.moe.expert_load for u in profile.units if u.moe is not None):
+        why = "the stated default where no routing was measured (planner profile --init-from --data measures it)"
     else:
         why = "measured on " + (profile.routing or "the profile's synthetic tokens through untrained weights")
     return f"the busiest EP rank routes x{load:.2f} the mean, {why}"

@@ -24,6 +24,7 @@ class Family:
     dims: Callable[[Any], dict[str, Any]]         # model -> TPShape's dimension fields
     zoo_class: type[nn.Module] | None = None      # a zoo family: its model class
     model_types: tuple[str, ...] = ()             # a transformers family: the config.model_type values it covers
+    refusal: Callable[[Any], str | None] = lambda model: None   # why a member has no TP plan after all, or None
 
     def matches(self, model: nn.Module) -> bool:
         if self.zoo_class is not None:
@@ -60,6 +61,23 @@ def _hf_gpt2(model: Any) -> dict[str, Any]:
                 hidden=config.n_embd, vocab=config.vocab_size)
 
 
+# Two attention variants whose replicated parameters see only the rank's heads under the plans below, so their
+# gradients would need summing over the tp ranks (transformers marks Qwen3's q/k norms replicated_with_grad_allreduce;
+# torchtitan's DeepSeek plan keeps MLA's low-rank projections replicated the same way): not built, refused.
+_HEAD_NORMS = ("per-head query/key norms (Qwen3's) see only the rank's heads, so their weight gradients would need "
+               "summing over the tensor-parallel ranks: not built")
+_MLA = ("multi-head latent attention (DeepSeek-V3's) has no tensor-parallel plan yet: its replicated low-rank "
+        "projections feed every head, so their gradients would need summing over the tensor-parallel ranks")
+
+
+def _zoo_moe_refusal(model: Any) -> str | None:
+    return _MLA if model.cfg.mla is not None else _HEAD_NORMS if model.cfg.qk_norm else None
+
+
+def _hf_moe_refusal(model: Any) -> str | None:
+    return _HEAD_NORMS if any(n.endswith("self_attn.q_norm") for n, _ in model.named_modules()) else None
+
+
 def _zoo_moe(model: Any) -> dict[str, Any]:
     # the dense MLP splits (its width must divide) where the model has one; the MoE blocks run whole
     c = model.cfg
@@ -77,9 +95,9 @@ def _hf_moe(model: Any) -> dict[str, Any]:
 FAMILIES: tuple[Family, ...] = (
     Family(name="zoo-llama", zoo_class=Llama, dims=_zoo_llama),
     Family(name="zoo-gpt", zoo_class=GPT, dims=_zoo_gpt),
-    Family(name="zoo-moe", zoo_class=MoETransformer, dims=_zoo_moe),
+    Family(name="zoo-moe", zoo_class=MoETransformer, dims=_zoo_moe, refusal=_zoo_moe_refusal),
     Family(name="hf-llama", model_types=("llama", "mistral", "qwen2"), dims=_hf_llama),
-    Family(name="hf-moe", model_types=("mixtral", "qwen3_moe"), dims=_hf_moe),
+    Family(name="hf-moe", model_types=("mixtral", "qwen3_moe"), dims=_hf_moe, refusal=_hf_moe_refusal),
     Family(name="hf-gpt2", model_types=("gpt2",), dims=_hf_gpt2),
 )
 HF_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)

@@ -26,7 +26,8 @@ def tp_shape(model) -> TPShape:
         return custom_shape(model, _plan_rules(_called(custom[1], model, custom[0]), custom[0]), f"{CUSTOM}{custom[0]}")
     family = family_of(model)
     if family is not None:
-        return TPShape(plan=family.name, **family.dims(model))
+        why = family.refusal(model)
+        return TPShape(plan=f"no: {why}") if why else TPShape(plan=family.name, **family.dims(model))
     kind = getattr(getattr(model, "config", None), "model_type", None)
     own = "planner profile --tp-plan module:function gives one"
     if kind is not None:

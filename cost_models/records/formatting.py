@@ -90,11 +90,13 @@ def fixed(value: float, unit: str, decimals: int = 2, *, show_unit: bool = True)
 
 def measured(value: float, unit: str) -> str:
     """A predicted or measured quantity of a run, by its unit: seconds adaptive, bytes in MiB to three decimals
-    (the rows of one run set predictions beside measurements, so they share a unit)."""
+    (the rows of one run set predictions beside measurements, so they share a unit), ratios as x1.234."""
     if unit == "s":
         return duration(value)
     if unit == "B":
         return fixed(value, "MiB", 3)
+    if unit == "x":   # a ratio (a load over its mean)
+        return f"x{value:.3f}"
     raise ValueError(f"no format for unit {unit!r}")
 
 

@@ -177,14 +177,12 @@ PLANS: dict[str, TPPlan] = {p.name: p for p in [
     ), sp_pipelines=_HF_NO_SP_PIPELINES),
     # Mixture-of-experts decoders: attention (and any dense MLP) split as Megatron-LM splits them; the MoE blocks
     # (router, routed and shared experts) run whole on every tp rank, as cost_models.cost.moe prices them, their
-    # experts split over the EP group instead. MLA (the zoo's DeepSeek-V3) splits its per-head up-projections by
-    # columns and o_proj by rows; its low-rank down-projections stay whole.
+    # experts split over the EP group instead. Models with MLA or per-head q/k norms are refused (models.families).
     TPPlan(name="zoo-moe", source=f"{_TORCHTITAN}, attention and dense MLP only", sp=_MOE_NO_SP, rules=(
         TPRule(pattern="embed.tok_embeddings", style="embedding"),
         *_block_rules("blocks.*", "attention", "feed_forward", ("attention_norm", "ffn_norm"),
-                      ("attention.wq", "attention.wk", "attention.wv", "attention.q_b_proj", "attention.kv_b_proj",
-                       "feed_forward.w1", "feed_forward.w3"),
-                      ("attention.wo", "attention.o_proj", "feed_forward.w2")),
+                      ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"),
+                      ("attention.wo", "feed_forward.w2")),
         TPRule(pattern="head.norm", style="norm"),
         TPRule(pattern="head.output", style="head"),
     )),
