@@ -139,19 +139,31 @@ _HF_GPT2_NO_SP = ("sequence parallelism is not offered for transformers' GPT-2: 
 _HF_NO_SP_PIPELINES = ("sequence parallelism is not offered for transformers' Llama-family models with pipeline "
                        "stages (pp > 1): each stage computes its rotary tables and causal mask from its input, the "
                        "rank's sequence shard")
+_ZOO_LLAMA = (
+    TPRule(pattern="embed.tok_embeddings", style="embedding"),
+    *_block_rules("blocks.*", "attention", "feed_forward", ("attention_norm", "ffn_norm"),
+                  ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"),
+                  ("attention.wo", "feed_forward.w2")),
+    TPRule(pattern="head.norm", style="norm"),
+    TPRule(pattern="head.output", style="head"),
+)
+# the sequence split starts at the first decoder layer's input (sp_input), after LlamaModel.forward has made the
+# rotary tables and the mask for the whole sequence (transformers 5: the layers take them as keywords)
+_HF_LLAMA = (
+    TPRule(pattern="model.embed_tokens", style="embedding"),
+    TPRule(pattern="model.layers.0", style="sp_input"),
+    *_block_rules("model.layers.*", "self_attn", "mlp", ("input_layernorm", "post_attention_layernorm"),
+                  ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+                  ("self_attn.o_proj", "mlp.down_proj")),
+    TPRule(pattern="model.norm", style="norm"),
+    TPRule(pattern="lm_head", style="head"),
+)
 # a MoE block runs whole on the tp ranks, on their replicated input: under SP it would need its input gathered and
 # its output sliced back, not built
 _MOE_NO_SP = ("sequence parallelism is not offered for mixture-of-experts models: their MoE blocks run whole on each "
               "tensor-parallel rank")
 PLANS: dict[str, TPPlan] = {p.name: p for p in [
-    TPPlan(name="zoo-llama", source=_TORCHTITAN, rules=(
-        TPRule(pattern="embed.tok_embeddings", style="embedding"),
-        *_block_rules("blocks.*", "attention", "feed_forward", ("attention_norm", "ffn_norm"),
-                      ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"),
-                      ("attention.wo", "feed_forward.w2")),
-        TPRule(pattern="head.norm", style="norm"),
-        TPRule(pattern="head.output", style="head"),
-    )),
+    TPPlan(name="zoo-llama", source=_TORCHTITAN, rules=_ZOO_LLAMA),
     # The zoo GPT splits its token embedding and head on the vocabulary (Megatron's VocabParallelEmbedding and
     # the column-split output layer), tied or not: both split the (vocab, dim) weight on dim 0; the token
     # embedding's output is all-reduced before the position embedding is added, so the sequence split starts at
@@ -164,37 +176,16 @@ PLANS: dict[str, TPPlan] = {p.name: p for p in [
         TPRule(pattern="head.ln_f", style="norm"),
         TPRule(pattern="head.lm_head", style="head"),
     )),
-    # the sequence split starts at the first decoder layer's input (sp_input), after LlamaModel.forward has made
-    # the rotary tables and the mask for the whole sequence (transformers 5: the layers take them as keywords)
-    TPPlan(name="hf-llama", source="transformers LlamaConfig.base_model_tp_plan", rules=(
-        TPRule(pattern="model.embed_tokens", style="embedding"),
-        TPRule(pattern="model.layers.0", style="sp_input"),
-        *_block_rules("model.layers.*", "self_attn", "mlp", ("input_layernorm", "post_attention_layernorm"),
-                      ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
-                      ("self_attn.o_proj", "mlp.down_proj")),
-        TPRule(pattern="model.norm", style="norm"),
-        TPRule(pattern="lm_head", style="head"),
-    ), sp_pipelines=_HF_NO_SP_PIPELINES),
+    TPPlan(name="hf-llama", source="transformers LlamaConfig.base_model_tp_plan", rules=_HF_LLAMA,
+           sp_pipelines=_HF_NO_SP_PIPELINES),
     # Mixture-of-experts decoders: attention (and any dense MLP) split as Megatron-LM splits them; the MoE blocks
     # (router, routed and shared experts) run whole on every tp rank, as cost_models.cost.moe prices them, their
-    # experts split over the EP group instead. Models with MLA or per-head q/k norms are refused (models.families).
-    TPPlan(name="zoo-moe", source=f"{_TORCHTITAN}, attention and dense MLP only", sp=_MOE_NO_SP, rules=(
-        TPRule(pattern="embed.tok_embeddings", style="embedding"),
-        *_block_rules("blocks.*", "attention", "feed_forward", ("attention_norm", "ffn_norm"),
-                      ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"),
-                      ("attention.wo", "feed_forward.w2")),
-        TPRule(pattern="head.norm", style="norm"),
-        TPRule(pattern="head.output", style="head"),
-    )),
+    # experts split over the EP group instead. The Llama plans' rules: an MoE block has none of the dense MLP's
+    # linears, so no rule splits it (its region rule applies only around split linears, or under SP, refused here).
+    # Models with MLA or per-head q/k norms are refused (models.families).
+    TPPlan(name="zoo-moe", source=f"{_TORCHTITAN}, attention and dense MLP only", sp=_MOE_NO_SP, rules=_ZOO_LLAMA),
     TPPlan(name="hf-moe", source="transformers LlamaConfig.base_model_tp_plan, attention and dense MLP only",
-           sp=_MOE_NO_SP, rules=(
-        TPRule(pattern="model.embed_tokens", style="embedding"),
-        *_block_rules("model.layers.*", "self_attn", "mlp", ("input_layernorm", "post_attention_layernorm"),
-                      ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
-                      ("self_attn.o_proj", "mlp.down_proj")),
-        TPRule(pattern="model.norm", style="norm"),
-        TPRule(pattern="lm_head", style="head"),
-    )),
+           sp=_MOE_NO_SP, rules=_HF_LLAMA),
     # transformers' GPT-2: Megatron's GPT split on its Conv1D projections (weights stored (in, out)); the head is
     # tied to the token embedding, so both stay whole as in zoo-gpt. Its attention views q, k and v with -1 heads
     # (the local count follows the projection) but cuts c_attn's output at split_size, the full width.
