@@ -120,8 +120,8 @@ def whole_expert(t: torch.Tensor, param: torch.Tensor, *, mesh, ep: int) -> torc
         return t
     if t.shape != param.shape:
         raise ConfigError(f"an optimizer state of shape {list(t.shape)} for expert parameters of shape "
-                          f"{list(param.shape)}: expert-parallel checkpoints place states shaped as their parameter "
-                          f"only; use an optimizer whose states are (Adam, AdamW, SGD), or ep = 1")
+                          f"{list(param.shape)}: expert-parallel checkpoints place only states shaped as their "
+                          f"parameter (Adam's, AdamW's, SGD's); use such an optimizer, or ep = 1")
     local = t.to_local() if isinstance(t, DTensor) else t
     shape = torch.Size((param.shape[0] * ep, *param.shape[1:]))
     return DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=shape,
