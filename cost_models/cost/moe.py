@@ -54,9 +54,14 @@ def imbalance(profile: ModelProfile, u: MoEUnit, ep: int) -> float:
     return max(ranks) / (sum(ranks) / ep)
 
 
+def busiest_load(profile: ModelProfile, ep: int) -> float:
+    """The largest imbalance over the MoE units at `ep` (1 without EP or MoE units): Estimate.ep_load."""
+    return max((imbalance(profile, u.moe, ep) for u in profile.units if u.moe is not None), default=1.0)
+
+
 def imbalance_source(profile: ModelProfile, ep: int) -> str:
-    """The load the estimate prices EP at (the largest over MoE units) and where it comes from, for explanations."""
-    load = max((imbalance(profile, u.moe, ep) for u in profile.units if u.moe is not None), default=1.0)
+    """The load the estimate prices EP at (busiest_load) and where it comes from, for explanations."""
+    load = busiest_load(profile, ep)
     if profile.moe_imbalance > 0:
         why = "set by --moe-imbalance"
     elif not all(u.moe.expert_load for u in profile.units if u.moe is not None):

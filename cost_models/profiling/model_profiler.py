@@ -269,8 +269,8 @@ SETTLE_S = 5.0
 
 def settle(bound_s: float, poll_s: float = 0.5, threads: int | None = None) -> tuple[float, str | None]:
     """Wait up to `bound_s` until other programs' runnable tasks (host.background_runnable) leave this process's
-    `threads` CPUs (default: torch's thread count) of os.cpu_count(). Returns the count it ended at, and, where it was asked to wait and the machine
-    was busy, a timing note: how long it waited and whether the load passed. Thread CPU time leaves the waits for a
+    `threads` CPUs (default: torch's thread count) of os.cpu_count(). Returns the count it ended at, and, where it
+    was asked to wait and the machine was busy, a timing note: how long it waited and whether the load passed. Thread CPU time leaves the waits for a
     core out of the unit times (host.work_clock), but the machine's speed under load drifts
     (benchmarks/results/measurements.md, "Profiles under load"). Off Linux (no /proc/loadavg): (0.0, None)."""
     if not os.path.exists(LOADAVG):
