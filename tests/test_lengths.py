@@ -85,23 +85,42 @@ def test_the_predictions_at_the_long_length_are_the_long_profiles():
         assert estimate(s, short, cluster).memory_per_rank[0].activations < 0.3 * b.memory_per_rank[0].activations
 
 
+def _timed(seconds: float):
+    from cost_models.records.profile import Timing
+    return Timing(median_s=seconds, min_s=seconds, max_s=seconds, repeats=3)
+
+
 def test_measured_times_grow_with_the_flops_and_a_calls_fixed_cost_stays(tiny_profiles):
+    """The timings are set, not measured, so that noise cannot move the line: per unit a fixed part of 1 ms and
+    2 ms per sample in forward (at 2 sequences, 5 ms; on one, 3 ms), 2 and 4 ms in backward, and on the last unit's
+    forward a one-sample timing under half the profile's: the line through them starts below zero, which is noise,
+    not a cost, so it is taken as no fixed part and the whole line grows."""
     from cost_models.cost.compute import affine_parts
     real = tiny_profiles["llama-tiny", False]   # 2 x 16 tokens, timed at 2 sequences and at 1
+    noisy = len(real.units) - 1
+    units = tuple(dataclasses.replace(u, fwd_time=_timed(5e-3), bwd_time=_timed(10e-3),
+                                      fwd_time_one=_timed(2e-3 if i == noisy else 3e-3), bwd_time_one=_timed(6e-3))
+                  for i, u in enumerate(real.units))
+    real = dataclasses.replace(real, units=units)
     seen = at_seq_len(real, 64)
     r = 4
-    for a, u in zip(seen.units, real.units):
+    for i, (a, u) in enumerate(zip(seen.units, real.units)):
         core = u.tp.core_flops
         fwd = (u.fwd_flops - core) * r + core * r * r
         bwd = (u.bwd_flops - BACKWARD_CORE * core) * r + BACKWARD_CORE * core * r * r
         assert a.fwd_flops == round(fwd) and a.bwd_flops == round(bwd)
         shares = (fwd / u.fwd_flops, bwd / u.bwd_flops) if u.fwd_flops else (r, r)   # no FLOPs: the embedding
-        for (at, one), (at2, one2), share in zip(((u.fwd_time, u.fwd_time_one), (u.bwd_time, u.bwd_time_one)),
-                                                 ((a.fwd_time, a.fwd_time_one), (a.bwd_time, a.bwd_time_one)), shares):
-            fixed, per_sample = affine_parts(at, one, 2, 1)       # the line through the two timings
+        for (at, one), (at2, one2), share, set_fixed in zip(
+                ((u.fwd_time, u.fwd_time_one), (u.bwd_time, u.bwd_time_one)),
+                ((a.fwd_time, a.fwd_time_one), (a.bwd_time, a.bwd_time_one)), shares, (1e-3, 2e-3)):
+            noise = i == noisy and at is u.fwd_time
+            fixed, per_sample = affine_parts(at, one, 2, 1)
+            assert fixed == pytest.approx(-1e-3 if noise else set_fixed)   # the line through the timings as set
+            grows = share if noise else 1.0
             fixed2, per_sample2 = affine_parts(at2, one2, 2, 1)
-            assert fixed2 == pytest.approx(fixed, rel=1e-9, abs=1e-12)
-            assert per_sample2 == pytest.approx(per_sample * share, rel=1e-9, abs=1e-12)
+            assert fixed2 == pytest.approx(fixed * grows, rel=1e-9, abs=1e-12), (u.name, at is u.fwd_time)
+            assert per_sample2 == pytest.approx(per_sample * share, rel=1e-9, abs=1e-12), u.name
+            assert at2.min_s == at2.median_s == at2.max_s
     assert any(u.tp.core_flops for u in real.units) and not real.units[0].fwd_flops   # both cases are here
     assert seen.in_model_factor == real.in_model_factor   # on CPUs a share of the time: it stays
 
