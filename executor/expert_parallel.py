@@ -54,7 +54,7 @@ class Dispatch:
     def __init__(self, experts: nn.Module, n_experts: int, ep: int, group) -> None:
         self.experts, self.forward = experts, experts.forward
         self.n_experts, self.ep, self.group = n_experts, ep, group
-        self.received = 0   # token-expert rows this rank's experts were sent (routed_rows)
+        self.received: list[int] = []   # token-expert rows this rank's experts were sent, per call (routed_rows)
 
     def dtype(self) -> torch.dtype:
         return next(self.experts.parameters()).dtype
@@ -69,7 +69,7 @@ class Dispatch:
         dist.all_to_all_single(incoming, counts, group=self.group)
         incoming = incoming.view(self.ep, local)
         send, recv = counts.view(self.ep, local).sum(1).tolist(), incoming.sum(1).tolist()
-        self.received += sum(recv)
+        self.received.append(sum(recv))
         got = _AllToAll.apply(hidden[order // k], recv, send, self.group)
         # received rows come source by source, each source's by expert: regroup them by local expert
         expert = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(self.ep), incoming.reshape(-1))
@@ -128,17 +128,18 @@ def whole_expert(t: torch.Tensor, param: torch.Tensor, *, mesh, ep: int) -> torc
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def routed_rows(model: nn.Module | None, held: list[nn.Module], *, reset: bool = False) -> dict[str, int]:
-    """Block name in `model` -> token-expert rows this rank's experts were sent since the last reset (forwards
-    only; a recomputed forward counts again), for the blocks the `held` modules run; `reset` zeroes the tallies."""
+def routed_rows(model: nn.Module | None, held: list[nn.Module], *, reset: bool = False) -> dict[str, tuple[int, ...]]:
+    """Block name in `model` -> token-expert rows this rank's experts were sent per call since the last reset (a
+    micro-batch's forward; a recomputed forward is another call), for the blocks the `held` modules run; `reset`
+    empties the tallies."""
     mine = {id(m) for h in held for m in h.modules()}
     out = {}
     for name, m in model.named_modules() if model is not None else ():
         dispatch = getattr(m, "forward", None)
         if isinstance(dispatch, Dispatch) and id(m) in mine:
-            out[name.removesuffix(".experts")] = dispatch.received
+            out[name.removesuffix(".experts")] = tuple(dispatch.received)
             if reset:
-                dispatch.received = 0
+                dispatch.received = []
     return out
 
 

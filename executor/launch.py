@@ -474,6 +474,8 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
                             measured=sum(r.comm_bytes.get("all_to_all", 0) for r in ranks) / len(ranks)))
         rows.append(Measure(quantity="busiest expert-parallel rank's routed tokens over the mean (worst block)",
                             unit="x", predicted=est.ep_load, measured=routed_load(ranks)))
+        rows.append(Measure(quantity="the same in the worst micro-batch (activations are priced there)",
+                            unit="x", predicted=est.ep_peak_load, measured=peak_routed_load(ranks)))
     if plan.strategy.cp > 1:   # the gathers of keys and values and their gradients' reduce-scatters
         rows.append(Measure(quantity="context-parallel bytes per step (mean over ranks)", unit="B",
                             predicted=est.comm.cp_bytes_per_rank,
@@ -499,6 +501,17 @@ def routed_load(ranks: list[RankResult]) -> float:
         for block, n in r.expert_rows.items():
             per_block.setdefault(block, []).append(n)
     return max((max(ns) * len(ns) / sum(ns) for ns in per_block.values() if sum(ns)), default=1.0)
+
+
+def peak_routed_load(ranks: list[RankResult]) -> float:
+    """The measured counterpart of Estimate.ep_peak_load: routed_load call by call (each rank calls a block's
+    experts once per micro-batch forward, in the same order), the largest over calls and blocks."""
+    per_block: dict[str, list[tuple[int, ...]]] = {}
+    for r in ranks:
+        for block, calls in r.expert_calls.items():
+            per_block.setdefault(block, []).append(calls)
+    return max((max(ns) * len(ns) / sum(ns) for by_rank in per_block.values() for ns in zip(*by_rank) if sum(ns)),
+               default=1.0)
 
 
 def _many_worker(strategy_dicts: list[dict], cfg_data: list[dict], plan_data: list[dict | None], timeout_s: float,

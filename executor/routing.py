@@ -6,7 +6,9 @@ not, and the busiest expert-parallel rank's load over the mean is what the estim
 
 The model is built once more, for real, on the profile's device in its dtype, loaded as `planner run --init-from`
 loads it (executor.weights, after its checks), and run forward without gradients over the first `windows` windows
-of the token file in the order `planner run --data` reads them (executor.data), a micro-batch at a time.
+of the token file in the order `planner run --data` reads them (executor.data), a window at a time: the load per
+window, which the estimate deals into the plan's micro-batches as the run will (cost_models.cost.moe.peak_imbalance:
+memory waits for no average, the worst micro-batch's routing sets the peak).
 """
 from __future__ import annotations
 
@@ -72,7 +74,6 @@ def measure_routing(profile: ModelProfile, *, init_from: Path, data: Path, windo
     if count < windows and on_warning:
         on_warning(f"--data {data} holds {tokens.windows:,} window(s) of {profile.seq_len + 1} tokens, fewer than "
                    f"the {windows:,} --routing-windows asked for: routing all of them")
-    b = profile.micro_batch_size
-    batches = ((tokens.batch(step, b)[0][:count - step * b].to(device),) for step in range(-(-count // b)))
-    loads = routed_load(model, batches)
+    # one window per forward: the load per window, which cost.moe deals into the plan's micro-batches
+    loads = routed_load(model, ((tokens.batch(i, 1)[0].to(device),) for i in range(count)))
     return with_routed_load(profile, loads, f"{count} windows of {data} through the weights in {init_from}")

@@ -187,7 +187,8 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
                       comm_calls=dict(counter.calls) if counter else {}, compute_s=tuple(progress.parts["compute"]),
                       sync_s=tuple(progress.parts["sync"]), optimizer_s=tuple(progress.parts["optimizer"]),
                       restore_s=restore_s, checkpoint_steps=tuple(progress.saved), checkpoint_s=tuple(progress.save_s),
-                      activation_bytes=meter.peak if meter else -1, expert_rows=rows)
+                      activation_bytes=meter.peak if meter else -1,
+                      expert_rows={block: sum(calls) for block, calls in rows.items()}, expert_calls=rows)
 
 
 def fail_at_start_up() -> None:

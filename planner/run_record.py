@@ -46,6 +46,8 @@ class RankResult(Record):
                                            # -1: not measured (no counted step, or a run.json from before)
     expert_rows: dict[str, int] = dataclasses.field(default_factory=dict)   # expert parallelism, the counted step:
                                            # block -> token-expert rows this rank's experts were sent
+    expert_calls: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)   # and per call, in order
+                                           # (a micro-batch's forward; a recomputed one again)
 
 
 @record

@@ -234,9 +234,12 @@ def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterPr
 def _least_saved(u: UnitProfile, dtype_ratio: float) -> float:
     """The least a unit saves per micro-batch at the profile's scale with selective recompute (the attention core
     dropped), at any micro-batch (memory.saved_at: the fixed part left out, the growing part not in the profile's
-    dtype counted at its own size): the pruning bounds' activation term."""
+    dtype counted at its own size): the pruning bounds' activation term. Under expert parallelism the experts keep
+    less at an even load, called with weights that need no gradient (cost.moe.ep_saved_bytes, whose dispatch adds
+    more): left out, at any ep."""
     grow, grow_other, _, _ = saved_parts(u)
-    return max(0.0, grow + grow_other / dtype_ratio - (u.tp.saved_core if u.tp else 0))
+    unweighted = max(0, u.moe.routed_saved_bytes - u.moe.routed_unweighted_bytes) if u.moe else 0
+    return max(0.0, grow + grow_other / dtype_ratio - (u.tp.saved_core if u.tp else 0) - unweighted)
 
 
 def _core_bytes(profile: ModelProfile, *, micro_batch_size: int, precision: str,
@@ -1107,7 +1110,7 @@ def plan(profile: ModelProfile, cluster: ClusterProfile, request: PlanRequest, *
         at_tp1=_at_tp1(winner.strategy, profile, cluster))) + tuple(ep_lines(
         winner.strategy, winner.estimate, feasible, experts=profile.experts,
         degrees=ep_degrees(profile.experts, degrees=request.ep_degrees), pruned=found.pruned_ep_bounds,
-        load=imbalance_source(profile, winner.strategy.ep),
+        load=imbalance_source(profile, winner.strategy.ep, peak=winner.estimate.ep_peak_load),
         at_ep1=estimate(replace(winner.strategy, ep=1), profile, cluster, compact=True)
         if winner.strategy.ep > 1 else None)) + tuple(cp_lines(
         winner.strategy, winner.estimate, feasible, seq_len=profile.seq_len, degrees=found.cp_degrees,

@@ -38,9 +38,9 @@ def _strategy(units, dp, pp, zero=0, schedule="1f1b", v=1, m=None) -> Strategy:
                     v=v, stages=stages, precision="fp32", optimizer="adamw")
 
 
-def _tokens(path) -> str:
-    """A token file (nanoGPT's .bin, uint16) of 2,000 random ids below the tiny configs' 128-token vocabulary."""
-    np.random.default_rng(5).integers(0, 128, 2000).astype(np.uint16).tofile(path)
+def _tokens(path, count: int = 2000) -> str:
+    """A token file (nanoGPT's .bin, uint16) of `count` random ids below the tiny configs' 128-token vocabulary."""
+    np.random.default_rng(5).integers(0, 128, count).astype(np.uint16).tofile(path)
     return str(path)
 
 

@@ -2,13 +2,15 @@
 record of the routed experts, expert parallelism's costs and its place in the search."""
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cost_models.cost.estimate import estimate, tp_bytes_per_step
-from cost_models.cost.moe import DEFAULT_IMBALANCE, all_to_all_time, ep_work, imbalance
+from cost_models.cost.moe import (DEFAULT_IMBALANCE, all_to_all_time, deal_windows, ep_work, imbalance,
+                                  peak_imbalance)
 from cost_models.models.moe import active_params, total_params
 from cost_models.models.source import resolve
 from cost_models.models.zoo import ZOO, build_zoo_model
@@ -17,6 +19,7 @@ from cost_models.records.errors import ConfigError
 from cost_models.records.files import ProfileFile
 from cost_models.records.presets import preset
 from cost_models.records.strategy import Strategy
+from executor.routing import measure_routing
 from planner.manual import executor_refuses
 from planner.request import PlanRequest
 from planner.search import plan, search
@@ -76,6 +79,9 @@ def test_the_profile_records_each_units_routed_experts(moe_profiles):
         # the counted forward holds the routed experts' products as executed: every token-expert pair once
         assert m.routed_fwd_flops < prof.unit("blocks.2").fwd_flops
         assert 0 < m.routed_saved_bytes < prof.unit("blocks.2").saved_bytes
+        # with weights that need no gradient (as expert parallelism calls the experts), the weighted product keeps
+        # its weight alone, not the expert_dim-wide activation it scales, nor the index that gathered the weights
+        assert m.routed_saved_bytes - m.routed_unweighted_bytes == tokens * 2 * (cfg.expert_dim * 4 + 8)
         if meta:
             assert m.expert_load == ()
         else:   # every token-expert pair of the profile's forward, counted once
@@ -173,6 +179,49 @@ def test_imbalance_comes_from_the_measured_load_or_the_stated_default(moe_profil
     assert imbalance(dataclasses.replace(real, moe_imbalance=1.7), u, 8) == 1.7
 
 
+def test_activations_are_priced_at_the_worst_micro_batchs_load_dealt_as_the_run_deals_windows(moe_profiles):
+    """With a load per window (--data), the windows are dealt into replicas and micro-batches in the run's order
+    (executor.runtime.rank_batch), an EP group's micro-batch is what its ep replicas route together, and the
+    activations' load is the busiest rank's in the worst of them; time stays at the whole's."""
+    real = moe_profiles[False]
+    # 8 windows, 2 experts: rank 0 holds expert 0. dp 4 x 2 micro-batches of 1: a step's 8 windows go 2 per replica
+    assert deal_windows(8, ep=2, dp=4, micro_batch_size=1, microbatches=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert deal_windows(16, ep=2, dp=2, micro_batch_size=2, microbatches=1) == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                                                 [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert deal_windows(6, ep=2, dp=4, micro_batch_size=1, microbatches=2) == [[0, 1], [2, 3], [4, 5]]   # < a step
+    assert deal_windows(1, ep=2, dp=2, micro_batch_size=1, microbatches=1) == [[0]]
+    windows = ((3, 1), (1, 3), (2, 2), (2, 2), (4, 0), (0, 4), (2, 2), (2, 2))
+    u = dataclasses.replace(real.unit("blocks.1").moe, experts=2, window_load=windows,
+                            expert_load=tuple(map(sum, zip(*windows))))
+    assert imbalance(real, u, 2) == 1.0   # 16 and 16 over the whole
+    # micro-batches [0, 2]: (5, 3) -> 5 / 4; [1, 3]: (3, 5); [4, 6]: (6, 2) -> 1.5; [5, 7]: (2, 6)
+    assert peak_imbalance(real, u, ep=2, dp=4, micro_batch_size=1, microbatches=2) == 1.5
+    # dp 2 x one micro-batch of 2: [0, 1, 2, 3] routes (8, 8), [4, 5, 6, 7] too
+    assert peak_imbalance(real, u, ep=2, dp=2, micro_batch_size=2, microbatches=1) == 1.0
+    assert peak_imbalance(real, u, ep=1, dp=4, micro_batch_size=1, microbatches=2) == 1.0
+    assert peak_imbalance(dataclasses.replace(real, moe_imbalance=1.7), u, ep=2, dp=4, micro_batch_size=1,
+                          microbatches=2) == 1.7
+    # the estimate keeps the routed experts' saved bytes at that load, and its time at the whole's
+    profile = dataclasses.replace(real, units=tuple(dataclasses.replace(x, moe=u) if x.name == "blocks.1" else x
+                                                    for x in real.units))
+    s = Strategy(dp=4, pp=1, zero=0, schedule="1f1b", microbatches=2, micro_batch_size=1, precision="fp32",
+                 stages=(tuple(x.name for x in real.units),),
+                 ep=2)
+    est = estimate(s, profile, preset("dgx-h100"))
+    whole = dataclasses.replace(u, window_load=())   # the load over the whole: even
+    flat = estimate(s, dataclasses.replace(profile, units=tuple(dataclasses.replace(x, moe=whole) if x.moe == u else x
+                                                                 for x in profile.units)), preset("dgx-h100"))
+    # the other blocks' measured loads are below 1.5 (one profile's tokens, no windows): at their whole load
+    assert (est.ep_load, est.ep_peak_load, flat.ep_peak_load) == (flat.ep_load, 1.5, flat.ep_load) < (1.5,)
+    assert est.step_time_s == flat.step_time_s
+    extra = est.memory_per_rank[0].activations - flat.memory_per_rank[0].activations
+    # 0.5 over the even load of what grows with the rows received (the experts' bytes, called as EP calls them,
+    # and two int64 indices per row), at one of the profile's two sequences per micro-batch
+    received = u.blocks * u.tokens * u.top_k
+    assert extra == pytest.approx(0.5 * (u.routed_unweighted_bytes + 2 * 8 * received) / real.micro_batch_size,
+                                  rel=1e-9)
+
+
 def test_routed_products_run_ep_times_taller_on_the_busiest_rank(moe_profiles):
     """A meta profile's routed experts run as one batch of E products per matrix (an even routing); under EP4 at
     load 1.5 the busiest rank runs E/4 of them on 4 x 1.5 times the rows: 1.5 times the FLOPs."""
@@ -242,6 +291,8 @@ def test_transformers_moe_blocks_are_recognised_by_their_shape(family):
     assert moe and all(m.experts == experts and m.top_k == 2 and m.hidden == 64 for m in moe)
     assert all(m.shared_expert_params == shared and sum(m.expert_load) == 2 * 8 * 2 for m in moe)
     assert all(m.routed_fwd_flops == 2 * 16 * 2 * m.expert_params // experts for m in moe)
+    # transformers' experts weight their hidden-wide output: without the weights' gradient, that row is not kept
+    assert [m.routed_saved_bytes - m.routed_unweighted_bytes for m in moe] == [16 * 2 * 64 * 4] * len(moe)
 
 
 # transformers' MoE decoders run under expert parallelism: vocabulary 128 (the token file's ids), several experts
@@ -257,14 +308,19 @@ EP_PLANS = {2: ((2, 1, 2, 0, False, 1), (2, 1, 2, 1, False, 1)),
             4: ((4, 1, 2, 1, False, 1), (4, 1, 2, 1, True, 1), (4, 1, 2, 2, False, 1), (4, 1, 2, 3, False, 1),
                 (2, 2, 2, 0, False, 1), (2, 2, 2, 1, False, 1), (2, 1, 2, 3, False, 2))}
 ISSUE_LAYOUTS = {(2, 1, 2, 0, False), (4, 1, 2, 2, False), (4, 1, 2, 3, False), (2, 2, 2, 0, False)}   # every model
+# and counted at step 0 (no training step has moved the routing from the weights a profile's --data routes): EP2,
+# ZeRO-3's nested expert group, 1F1B's micro-batches in flight, and (Mixtral) TP
+AT_STEP_0 = {(2, 1, 2, 0, False, 1), (4, 1, 2, 3, False, 1), (2, 2, 2, 0, False, 1), (2, 1, 2, 3, False, 2)}
 
 
 @pytest.fixture(scope="module")
 def hf_moe_runs(tmp_path_factory, moe_profiles):
     """Both transformers MoE models under EP_PLANS, one launch per world size (each spawns ranks that import
     transformers): {(name, ranks): (profile, cfg, strategies, results)}. Saved with save_pretrained (one tensor per
-    expert, which --init-from stacks as transformers does), trained on a token file. The 4-rank launch also runs
-    moe-tiny under the zero-bubble schedules (_zero_bubble), keyed ("moe-tiny", 4)."""
+    expert, which --init-from stacks as transformers does), trained on a token file of one global batch (every
+    step routes the windows a profile's --data routes). The AT_STEP_0 layouts also run their counted step first,
+    keyed ("step 0", name, ranks). The 4-rank launch also runs moe-tiny under the zero-bubble schedules
+    (_zero_bubble), keyed ("moe-tiny", 4)."""
     from executor.train import TrainConfig
     from tests.shared_launch import run_shared
     from tests.test_hf_executor import GLOBAL, SEQ, _saved, _tokens
@@ -277,7 +333,7 @@ def hf_moe_runs(tmp_path_factory, moe_profiles):
         # token to another expert, a discrete change no tolerance covers
         setups[name] = prof, TrainConfig(
             model_source=ref, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=3e-3,
-            unit_modules=tuple(u.modules for u in prof.units), data=_tokens(root / f"{name}.bin"),
+            unit_modules=tuple(u.modules for u in prof.units), data=_tokens(root / f"{name}.bin", GLOBAL * (SEQ + 1)),
             init_from=_saved(ref, root / name))
     out = {}
     for ranks, plans in sorted(EP_PLANS.items()):
@@ -285,16 +341,20 @@ def hf_moe_runs(tmp_path_factory, moe_profiles):
         for name, (prof, cfg) in setups.items():
             names = tuple(u.name for u in prof.units)
             halves = (names[:len(names) // 2], names[len(names) // 2:])
+            layouts = [p for p in plans if name == "mixtral" or p[:5] in ISSUE_LAYOUTS]
             jobs.append((name, prof, cfg, [
                 Strategy(dp=dp, pp=pp, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
                          stages=(names,) if pp == 1 else (names[:1], names[1:]) if z == 1 else halves,
                          precision="fp32", ep=ep, distributed_optimizer=d, tp=tp)
-                for dp, pp, ep, z, d, tp in plans if name == "mixtral" or (dp, pp, ep, z, d) in ISSUE_LAYOUTS]))
+                for dp, pp, ep, z, d, tp in layouts]))
+            jobs.append((("step 0", name, ranks), prof, dataclasses.replace(cfg, steps=0, warmup=0),
+                         [st for st, layout in zip(jobs[-1][3], layouts) if layout in AT_STEP_0]))
         if ranks == 4:
             tiny = moe_profiles[True]
             jobs.append(("moe-tiny", tiny, _moe_tiny_cfg(tiny), _zero_bubble(tiny)))
         results = run_shared(ranks, [(name, cfg, strategies, None) for name, _, cfg, strategies in jobs])
-        out.update({(name, ranks): (prof, cfg, strategies, results[name]) for name, prof, cfg, strategies in jobs})
+        out.update({name if isinstance(name, tuple) else (name, ranks): (prof, cfg, strategies, results[name])
+                    for name, prof, cfg, strategies in jobs})
     return out
 
 
@@ -306,6 +366,7 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
     1F1B with EP inside each stage) are one process's; all-to-all bytes as predicted, and under ZeRO-1 the optimizer
     states all ranks hold together."""
     from executor.train import single_process_losses
+    from executor.launch import peak_routed_load, routed_load
     from tests.test_hf_executor import GLOBAL, SEQ, _own_step0_loss
     prof, cfg, strategies, results = hf_moe_runs[name, ranks]
     one = Strategy(dp=1, pp=1, zero=0, schedule="1f1b", microbatches=1, micro_batch_size=GLOBAL,
@@ -339,6 +400,24 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
             # dp / ep
             held = sum(r.optimizer_state_bytes for r in rank_results)
             assert held == pytest.approx(sum(m.optimizer_states for m in est.memory_per_rank), rel=1e-9), s.name
+    # counted at step 0: the busiest EP rank's load in its worst micro-batch is the estimate's at the routing of the
+    # same windows through the same weights (planner profile --init-from --data), dealt into this plan's
+    # micro-batches, and each stage's busiest rank holds the activations priced at it (the experts' and the
+    # dispatch's, each block at its own worst micro-batch: measured 0.6-2.9% under)
+    routed = measure_routing(prof, init_from=Path(cfg.init_from), data=Path(cfg.data), windows=GLOBAL)
+    _, _, strategies, results = hf_moe_runs["step 0", name, ranks]
+    assert len(strategies) == {("mixtral", 2): 1, ("mixtral", 4): 3, ("qwen3_moe", 2): 1, ("qwen3_moe", 4): 2}[
+        name, ranks]
+    for s, rank_results in zip(strategies, results):
+        est = estimate(s, routed, preset("dgx-h100"))
+        assert est.ep_peak_load == pytest.approx(peak_routed_load(rank_results), rel=1e-9) and \
+            est.ep_peak_load > routed_load(rank_results), s.name
+        for pp_rank in range(s.pp):
+            stage = [r for r in rank_results if r.pp_rank == pp_rank]
+            held = max(r.activation_bytes for r in stage)
+            predicted = {est.memory_per_rank[r.rank].activations for r in stage}
+            assert len(predicted) == 1 and held == pytest.approx(*predicted, rel=0.05), (
+                s.name, pp_rank, [(r.rank, r.activation_bytes) for r in stage], predicted)
 
 
 def test_moe_models_split_their_attention_over_tp_and_refuse_sequence_parallelism_in_one_line(moe_profiles):
@@ -388,8 +467,15 @@ def test_profile_measures_the_routers_load_on_the_users_tokens_through_the_users
                                     "-B", "16", "--ep", "2", "--json", "-o", "-"])
     assert plan.exit_code == 0, plan.output
     load = max(imbalance(prof, u.moe, 2) for u in prof.moe_units)
-    assert f"the busiest EP rank routes x{load:.2f} the mean, measured on 24 windows of" in \
-        json.dumps(json.loads(plan.output)["rationale"])
+    planned = json.loads(plan.output)
+    winner = Strategy.from_dict(planned["strategy"])
+    peak = estimate(winner, prof, preset("dgx-h100")).ep_peak_load
+    assert f"the busiest EP rank routes x{load:.2f} the mean, x{peak:.2f} in its worst micro-batch (its activations " \
+        f"are priced there), measured on 24 windows of" in json.dumps(planned["rationale"])
+    # the load per window: transformers' counts window by window, which sum to the whole's
+    assert [u.moe.window_load for u in prof.moe_units] == [
+        tuple(tuple(torch.bincount(layer.topk(2, dim=-1).indices[w * 16:(w + 1) * 16].reshape(-1),
+                                   minlength=4).tolist()) for w in range(24)) for layer in logits]
     # the two options go together, and only with MoE blocks: one line each, exit 2
     alone = CliRunner().invoke(app, [*args, "--data", data, "-o", "-"])
     assert alone.exit_code == 2 and alone.output.strip().splitlines() == [
@@ -507,14 +593,16 @@ def test_an_expert_parallel_checkpoint_resumes_under_another_layout_and_exports_
     from tests.plans import plan_for
     from tests.test_checkpoint import _merged
     from tests.test_hf_executor import SEQ
-    from executor.launch import routed_load
+    from executor.launch import peak_routed_load, routed_load
     root, prof, common, run_a = ep_checkpoint
     ck = root / "ck" / "step-00000003"
     assert run_a.checkpoints == (str(ck),)
-    # run.json sets the measured routing load beside the one the plan priced
-    load = next(m for m in run_a.measures if m.unit == "x")
+    # run.json sets the measured routing load beside the one the plan priced, over the step and in its worst
+    # micro-batch
+    load, peak = (m for m in run_a.measures if m.unit == "x")
     assert load.predicted == max(imbalance(prof, u.moe, 2) for u in prof.moe_units)
     assert load.measured == routed_load(list(run_a.ranks)) >= 1.0
+    assert peak.measured == peak_routed_load(list(run_a.ranks)) >= load.measured
     monkeypatch.setenv(DUMP_STATE_ENV, str(tmp_path))
     # EP2 x TP2 under ZeRO-1: the experts plain on each rank of a tp pair, their states in a ZeroRedundancyOptimizer
     # pair over tensor-parallel stand-ins; it saves again at its last step

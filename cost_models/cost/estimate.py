@@ -46,7 +46,8 @@ from cost_models.cost.compute import (compute_dtype, compute_source, executed_dt
                                       optimizer_step_time, priced_by_kind, tp_unit_times, unit_times)
 from cost_models.cost.context_parallel import CPUnitCost, cp_origin, cp_refusal, cp_unit, cp_view
 from cost_models.cost.kernels import work_seconds
-from cost_models.cost.moe import all_to_all_time, busiest_load, check_ep, dispatch_bytes, ep_work, imbalance
+from cost_models.cost.moe import (all_to_all_time, busiest_load, check_ep, dispatch_bytes, ep_saved_bytes, ep_work,
+                                  imbalance, peak_imbalance)
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
                                      held_bytes_per_param, overhead_bytes, saved_at, torch_mixed, tp_param_share,
                                      tp_saved_bytes, zero1_partition)
@@ -177,6 +178,8 @@ class Estimate(Record):
     priced: str = ""         # records.strategy.priced_digest of the strategy and model priced; "" in older files
     ep_load: float = 1.0     # under EP: the busiest EP rank's routed tokens over the mean, as priced (cost.moe.
                              # imbalance, the largest over MoE units); 1 without EP and in older files
+    ep_peak_load: float = 1.0   # and in its worst micro-batch, which its activations are priced at (cost.moe.
+                                # peak_imbalance, the largest over MoE units); 1 without EP and in older files
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -388,7 +391,8 @@ def _unit_cost(c: _Context, name: str,
     entry = _unit_entry(c)
     name = entry[3].get(name, name)
     key = (name, s.micro_batch_size, s.precision, c.sharing.busy, s.tp, s.sp, s.selective, recompute, c.tp_on,
-           c.tp_vocab, s.optimizer, c.autocast, s.async_tp, s.sp_save_shard, s.ep)
+           c.tp_vocab, s.optimizer, c.autocast, s.async_tp, s.sp_save_shard, s.ep,
+           _dealt(c, name))
     hit = entry[2].get(key)
     if hit is None:
         u = c.profile.unit(name)
@@ -403,6 +407,13 @@ def _unit_cost(c: _Context, name: str,
         hit = (*_ep_unit(c, u, f, b, kept, recompute), tp_acc)
         entry[2][key] = hit
     return hit
+
+
+def _dealt(c: _Context, name: str) -> tuple[int, ...]:
+    """What else the unit's costs depend on where its routing was measured per window (cost.moe.peak_imbalance
+    deals the windows over the replicas and micro-batches): part of the unit-cost cache's key."""
+    moe = c.profile.unit(name).moe
+    return (c.s.dp, c.s.microbatches) if c.s.ep > 1 and moe is not None and moe.window_load else ()
 
 
 def _unit_entry(c: _Context) -> tuple[ModelProfile, ClusterProfile, dict, dict[str, str]]:
@@ -433,11 +444,13 @@ def _ep_unit(c: _Context, u: UnitProfile, f: float, b: float, kept: float,
              recompute: bool) -> tuple[float, float, float, float, float, float]:
     """(forward, backward, saved bytes at the profile's scale, all-to-all seconds, all-to-all bytes, the forward's
     all-to-all seconds) of one micro-batch through `u` under expert parallelism (cost.moe's module doc): its routed
-    experts' share of the compute, and of what they save, at the busiest EP rank's load; dispatch and combine
-    all-to-alls in forward and again in backward, exposed (each sits between the router and the experts, or the
-    experts and what follows: nothing computes beside it in one micro-batch's stream). The all-to-all seconds and
-    bytes count the forward's twice under full recompute (the stage adds the forward's seconds to the backward). As
-    given without EP or MoE blocks."""
+    experts' share of the compute at the busiest EP rank's load, and what they and the dispatch keep
+    (cost.moe.ep_saved_bytes) at its load in the worst micro-batch (cost.moe.peak_imbalance: every micro-batch in
+    flight priced at it, an upper bound); dispatch and
+    combine all-to-alls in forward and again in backward, exposed (each sits between the router and the experts, or
+    the experts and what follows: nothing computes beside it in one micro-batch's stream). The all-to-all seconds
+    and bytes count the forward's twice under full recompute (the stage adds the forward's seconds to the
+    backward). As given without EP or MoE blocks."""
     m, s = u.moe, c.s
     if m is None or s.ep == 1:
         return f, b, kept, 0.0, 0.0, 0.0
@@ -464,7 +477,11 @@ def _ep_unit(c: _Context, u: UnitProfile, f: float, b: float, kept: float,
         c.cluster, size, s.ep, ranks_per_node=rpn)
     bwd = 2 * all_to_all_time(c.cluster, size, s.ep, ranks_per_node=rpn)
     passes = 2 if recompute else 1
-    return (f + fwd, b + bwd, kept + m.routed_saved_bytes * extra, passes * fwd + bwd,
+    peak = peak_imbalance(c.profile, m, ep=s.ep, dp=s.dp, micro_batch_size=s.micro_batch_size,
+                          microbatches=s.microbatches)
+    kept += ep_saved_bytes(m, load=peak, elem_bytes=DTYPE_BYTES[c.profile.dtype],
+                           dtype_ratio=dtype_ratio(c.profile, s.precision)) - m.routed_saved_bytes
+    return (f + fwd, b + bwd, kept, passes * fwd + bwd,
             passes * (counts + 2 * size) + 2 * size, fwd)
 
 
@@ -964,7 +981,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         compute_source=compute_source(profile, cluster, s.precision),
         pipeline_order=format_order(s.action_order()) if per_rank else {},
         calibrated_by=cluster.calibration.describe() if cluster.calibration else "", priced=priced,
-        ep_load=busiest_load(profile, s.ep))
+        ep_load=busiest_load(profile, s.ep), ep_peak_load=busiest_load(profile, s.ep, strategy=s))
 
 
 def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int = 0) -> dict[str, float]:

@@ -17,7 +17,10 @@ the rank, spread evenly over the group (the busbw factor nccl-tests doc/PERFORMA
 Load: with expert parallelism the step waits for the busiest rank, whose routed work is the mean's times the
 imbalance: from the profile's measured load per expert where it has one (real mode: max over the EP ranks of
 their experts' load, over the mean), else `DEFAULT_IMBALANCE`, unless the profile's moe_imbalance sets it.
-Without expert parallelism each rank runs every expert for its own tokens: no imbalance.
+Without expert parallelism each rank runs every expert for its own tokens: no imbalance. Memory does not wait
+for an average: where the load was measured window by window (--data), a micro-batch's routed activations are
+priced at the busiest rank's load in the worst micro-batch the windows make when dealt as the run deals them
+(peak_imbalance), and what the experts and the dispatch keep at it (ep_saved_bytes).
 
 Shapes (GPU pricing by kind of work, cost.kernels): without EP each of the E experts multiplies r = tokens x top_k /
 E rows (a meta profile's even routing: cost_models.models.moe.expert_order, run as one batch of E products per
@@ -31,6 +34,7 @@ import dataclasses
 
 from cost_models.records.cluster import ClusterProfile
 from cost_models.records.profile import ModelProfile, MoEUnit
+from cost_models.records.strategy import Strategy
 from cost_models.records.work import WorkCounts
 
 # The headroom expert capacity is commonly provisioned at over an even load: Switch Transformer trains with a
@@ -54,13 +58,51 @@ def imbalance(profile: ModelProfile, u: MoEUnit, ep: int) -> float:
     return max(ranks) / (sum(ranks) / ep)
 
 
-def busiest_load(profile: ModelProfile, ep: int) -> float:
-    """The largest imbalance over the MoE units at `ep` (1 without EP or MoE units): Estimate.ep_load."""
-    return max((imbalance(profile, u.moe, ep) for u in profile.units if u.moe is not None), default=1.0)
+def peak_imbalance(profile: ModelProfile, u: MoEUnit, *, ep: int, dp: int, micro_batch_size: int,
+                   microbatches: int) -> float:
+    """The busiest EP rank's routed rows over the mean in the worst micro-batch, which sets the activations' peak
+    (an average load does not: OOM waits for no mean). From the unit's load per window (window_load, measured
+    with --data) dealt as the run deals them (deal_windows); else as `imbalance`."""
+    if ep <= 1 or profile.moe_imbalance > 0 or not u.window_load:
+        return imbalance(profile, u, ep)
+    per = u.experts // ep
+    worst = 0.0
+    for group in deal_windows(len(u.window_load), ep=ep, dp=dp, micro_batch_size=micro_batch_size,
+                              microbatches=microbatches):
+        load = [sum(counts) for counts in zip(*(u.window_load[w] for w in group))]
+        ranks = [sum(load[i * per:(i + 1) * per]) for i in range(ep)]
+        worst = max(worst, max(ranks) / (sum(ranks) / ep) if sum(ranks) else 1.0)
+    return worst
 
 
-def imbalance_source(profile: ModelProfile, ep: int) -> str:
-    """The load the estimate prices EP at (busiest_load) and where it comes from, for explanations."""
+def deal_windows(n: int, *, ep: int, dp: int, micro_batch_size: int, microbatches: int) -> list[list[int]]:
+    """The windows (indices into n routed in file order) one EP group routes together in one micro-batch, for every
+    such micro-batch in the n windows, as the run deals them: a step's global batch of dp x microbatches x b
+    windows is split into dp replicas in order (executor.runtime.rank_batch), each into its micro-batches in
+    order, and an EP group is ep consecutive replicas (module doc). With fewer windows than a step's, groups of
+    ep x b consecutive windows; with fewer than that, all n as one."""
+    b, per_replica = micro_batch_size, micro_batch_size * microbatches
+    step = dp * per_replica
+    if n >= step:
+        return [[t * step + d * per_replica + j * b + i for d in range(e * ep, (e + 1) * ep) for i in range(b)]
+                for t in range(n // step) for e in range(dp // ep) for j in range(microbatches)]
+    size = ep * b
+    return [list(range(g * size, (g + 1) * size)) for g in range(n // size)] or [list(range(n))]
+
+
+def busiest_load(profile: ModelProfile, ep: int, *, strategy: Strategy | None = None) -> float:
+    """The largest imbalance over the MoE units at `ep` (1 without EP or MoE units): Estimate.ep_load; given the
+    `strategy`, the largest peak_imbalance (Estimate.ep_peak_load)."""
+    if strategy is None:
+        return max((imbalance(profile, u.moe, ep) for u in profile.units if u.moe is not None), default=1.0)
+    s = strategy
+    return max((peak_imbalance(profile, u.moe, ep=s.ep, dp=s.dp, micro_batch_size=s.micro_batch_size,
+                               microbatches=s.microbatches) for u in profile.units if u.moe is not None), default=1.0)
+
+
+def imbalance_source(profile: ModelProfile, ep: int, *, peak: float | None = None) -> str:
+    """The load the estimate prices EP at (busiest_load) and where it comes from, for explanations; `peak`: the
+    load its activations are priced at (Estimate.ep_peak_load), said where it differs."""
     load = busiest_load(profile, ep)
     if profile.moe_imbalance > 0:
         why = "set by --moe-imbalance"
@@ -68,7 +110,9 @@ def imbalance_source(profile: ModelProfile, ep: int) -> str:
         why = "the stated default where no routing was measured (planner profile --init-from --data measures it)"
     else:
         why = "measured on " + (profile.routing or "the profile's synthetic tokens through untrained weights")
-    return f"the busiest EP rank routes x{load:.2f} the mean, {why}"
+    worst = f", x{peak:.2f} in its worst micro-batch (its activations are priced there)" if peak and \
+        round(peak, 2) != round(load, 2) else ""
+    return f"the busiest EP rank routes x{load:.2f} the mean{worst}, {why}"
 
 
 def ep_work(work: WorkCounts, u: MoEUnit, *, ep: int, load: float) -> WorkCounts | None:
@@ -98,6 +142,22 @@ def ep_work(work: WorkCounts, u: MoEUnit, *, ep: int, load: float) -> WorkCounts
     if not any(abs(found - want) <= 0.01 * want for want in (u.routed_fwd_flops, u.routed_bwd_flops)):
         return None
     return dataclasses.replace(work, gemms=tuple(gemms))
+
+
+def ep_saved_bytes(u: MoEUnit, *, load: float, elem_bytes: int, dtype_ratio: float) -> float:
+    """What one micro-batch through the unit's MoE blocks keeps for backward under expert parallelism on a rank
+    whose experts receive `load` x the mean rows, at the profile's scale (as estimate's kept bytes: elem_bytes is
+    the profile's element size, dtype_ratio the compute dtype's over it), in place of routed_saved_bytes:
+      * the experts' own, called with weights of one that need no gradient (MoEUnit.routed_unweighted_bytes;
+        a profile without it: routed_saved_bytes), per row they receive;
+      * what executor.expert_parallel.Dispatch keeps around them, counted from its code: per row the rank sends,
+        the combined row and its weighted copy (the weights' gradient needs the first, index_add keeps the
+        second) and the weight, in the activations' dtype, and three int64 indices (the gather of rows to send,
+        of their weights, and the combine's scatter); per row it receives, two int64 indices (the regrouping by
+        local expert and back)."""
+    rows = u.blocks * u.tokens * u.top_k   # routed rows a rank sends at the mean: tokens x top_k per block
+    experts = u.routed_unweighted_bytes if u.routed_unweighted_bytes >= 0 else u.routed_saved_bytes
+    return experts * load + rows * (2 * u.hidden + 1) * elem_bytes + rows * 8 * (3 + 2 * load) / dtype_ratio
 
 
 def dispatch_bytes(u: MoEUnit, *, scale: float, elem_bytes: int) -> float:

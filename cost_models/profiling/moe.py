@@ -34,13 +34,16 @@ from cost_models.torch_compat.torch_private import storage_id
 
 class _Watch:
     """Hooks on every block's `experts` for one forward: tokens and hidden width dispatched, the routing's load
-    per expert (not on meta), and the bytes packed for backward while the experts run."""
+    per expert (not on meta), and the bytes packed for backward while the experts run; `unweighted`: only those
+    bytes, with routing weights of one that need no gradient (as expert parallelism calls the experts:
+    executor.expert_parallel.Dispatch), which keep less (a product keeps the factor whose gradient it needs)."""
 
-    def __init__(self, blocks: list[Block], excluded: set[int]) -> None:
+    def __init__(self, blocks: list[Block], excluded: set[int], *, unweighted: bool = False) -> None:
         self.inside: str | None = None
-        self.excluded = excluded
+        self.excluded, self.unweighted = excluded, unweighted
         self.tokens: dict[str, tuple[int, int]] = {}
         self.load: dict[str, list[int]] = {}
+        self.calls: dict[str, list[tuple[int, ...]]] = {}   # the load of each call, in order
         self.saved: dict[str, dict[int, int]] = {b.name: {} for b in blocks}
         self.handles = []
         for b in blocks:
@@ -49,13 +52,17 @@ class _Watch:
 
     def _pre(self, name: str, n_experts: int):
         def hook(module, args, kwargs):
+            self.inside = name
+            if self.unweighted:
+                return _unit_weights(args, kwargs)
             hidden = args[0] if args else kwargs["hidden_states"]
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
             self.tokens[name] = (hidden.shape[0], hidden.shape[-1])
             if not index.is_meta:
                 counts = torch.bincount(index.reshape(-1).long(), minlength=n_experts)[:n_experts].tolist()
                 self.load[name] = [a + b for a, b in zip(self.load.get(name, [0] * n_experts), counts)]
-            self.inside = name
+                self.calls.setdefault(name, []).append(tuple(counts))
+            return None
         return hook
 
     def _post(self, module, args, output):
@@ -73,24 +80,35 @@ class _Watch:
             h.remove()
 
 
+def _unit_weights(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """An experts call's arguments with its routing weights replaced by ones that need no gradient."""
+    if len(args) > 2:
+        return (*args[:2], torch.ones_like(args[2]).detach(), *args[3:]), kwargs
+    return args, {**kwargs, "top_k_weights": torch.ones_like(kwargs["top_k_weights"]).detach()}
+
+
 def measure_moe(model: nn.Module, inputs: tuple[torch.Tensor, ...], units: list[tuple[str, tuple[str, ...]]], *,
                 excluded: set[int]) -> dict[str, MoEUnit]:
-    """Unit name -> its MoEUnit, for the units holding mixture-of-experts blocks (none: {}), from one forward of
-    the whole model on the profile's inputs (run inside the profiler's contexts)."""
+    """Unit name -> its MoEUnit, for the units holding mixture-of-experts blocks (none: {}), from two forwards of
+    the whole model on the profile's inputs (run inside the profiler's contexts): as it runs, and with the experts'
+    routing weights as expert parallelism gives them (_Watch)."""
     blocks = moe_blocks(model)
     if not blocks:
         return {}
-    watch = _Watch(blocks, excluded)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(watch.pack, lambda t: t):
-            model(*inputs)
-    finally:
-        watch.remove()
+    watches = []
+    for flag in (False, True):   # one at a time: each watch hooks the experts from its making until remove()
+        w = _Watch(blocks, excluded, unweighted=flag)
+        watches.append(w)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(w.pack, lambda t: t):
+                model(*inputs)
+        finally:
+            w.remove()
     out: dict[str, MoEUnit] = {}
     for unit, mods in units:
         mine = [b for b in blocks if any(b.name == m or b.name.startswith(m + ".") for m in mods)]
         if mine:
-            out[unit] = _unit(unit, mine, watch)
+            out[unit] = _unit(unit, mine, watches[0], sum(sum(watches[1].saved[b.name].values()) for b in mine))
     return out
 
 
@@ -101,7 +119,7 @@ def _params(m: Any) -> tuple[int, int]:
     return sum(p.numel() for p in ps), len(ps)
 
 
-def _unit(unit: str, blocks: list[Block], watch: _Watch) -> MoEUnit:
+def _unit(unit: str, blocks: list[Block], watch: _Watch, unweighted: int) -> MoEUnit:
     shapes = {(b.n_experts, b.top_k) for b in blocks}
     if len(shapes) > 1:
         raise ConfigError(f"unit {unit} holds mixture-of-experts blocks of different shapes {sorted(shapes)}; give "
@@ -123,28 +141,36 @@ def _unit(unit: str, blocks: list[Block], watch: _Watch) -> MoEUnit:
     return MoEUnit(blocks=len(blocks), experts=n_experts, top_k=top_k, hidden=hidden, expert_params=expert_params,
                    expert_tensors=expert_tensors, router_params=router, shared_expert_params=shared, tokens=tokens,
                    routed_fwd_flops=flops, routed_bwd_flops=2 * flops, routed_saved_bytes=saved,
+                   routed_unweighted_bytes=unweighted,
                    expert_load=tuple(load) if any(load) else ())
 
 
-def routed_load(model: nn.Module, batches: Iterable[tuple[torch.Tensor, ...]]) -> dict[str, tuple[int, ...]]:
-    """Block name -> token-expert pairs the router sent each expert over forwards of `batches` (no gradients)."""
+def routed_load(model: nn.Module, windows: Iterable[tuple[torch.Tensor, ...]]) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Block name -> per forward of `windows` (one sequence each), the token-expert pairs the router sent each
+    expert (no gradients)."""
     blocks = moe_blocks(model)
     watch = _Watch(blocks, set())
+    count = 0
     try:
         with torch.no_grad():
-            for inputs in batches:
+            for inputs in windows:
                 model(*inputs)
+                count += 1
     finally:
         watch.remove()
-    return {b.name: tuple(watch.load.get(b.name, [0] * b.n_experts)) for b in blocks}
+    return {b.name: tuple(watch.calls.get(b.name, [(0,) * b.n_experts] * count)) for b in blocks}
 
 
-def with_routed_load(profile: ModelProfile, loads: dict[str, tuple[int, ...]], routing: str) -> ModelProfile:
-    """`profile` with each MoE unit's expert_load the sum of its blocks' `loads`, and where they came from."""
+def with_routed_load(profile: ModelProfile, loads: dict[str, tuple[tuple[int, ...], ...]],
+                     routing: str) -> ModelProfile:
+    """`profile` with each MoE unit's load per window (window_load) the sum of its blocks' `loads` (routed_load),
+    expert_load their sum over the windows, and where they came from."""
     units = []
     for u in profile.units:
         mine = [load for name, load in loads.items() if any(name == m or name.startswith(m + ".") for m in u.modules)]
         if u.moe is not None and mine:
-            u = dataclasses.replace(u, moe=dataclasses.replace(u.moe, expert_load=tuple(map(sum, zip(*mine)))))
+            windows = tuple(tuple(map(sum, zip(*per_block))) for per_block in zip(*mine))
+            u = dataclasses.replace(u, moe=dataclasses.replace(u.moe, window_load=windows,
+                                                               expert_load=tuple(map(sum, zip(*windows)))))
         units.append(u)
     return dataclasses.replace(profile, units=tuple(units), routing=routing)

@@ -169,11 +169,15 @@ class MoEUnit(Record):
     routed_fwd_flops: int                # the routed experts' forward FLOPs, every block, tokens x top_k pairs
     routed_bwd_flops: int                # and their backward (input and weight gradients)
     routed_saved_bytes: int = 0          # what the routed experts save for backward (of saved_bytes)
+    routed_unweighted_bytes: int = -1    # and called as expert parallelism calls them, with routing weights of one
+                                         # that need no gradient (profiling.moe._Watch); -1 in older profiles
     expert_load: tuple[int, ...] = ()    # real mode: token-expert pairs routed to each expert on the profile's
                                          # tokens, summed over the unit's blocks (one in every family here: a
                                          # unit of several would smooth it); () in meta mode (not measured). A
                                          # router as initialised spreads random tokens evenly: optimistic for a
-                                         # trained one (the profile takes no --data yet)
+                                         # trained one (planner profile --init-from --data measures a trained one's)
+    window_load: tuple[tuple[int, ...], ...] = ()   # with --init-from --data: expert_load per routed window (one
+                                         # sequence), in the file's order, which cost.moe deals into micro-batches
 
 
 @record
