@@ -79,7 +79,11 @@ class Dispatch:
         y = self.forward(rows, expert[by_expert].unsqueeze(-1), ones)[torch.argsort(by_expert)].to(hidden.dtype)
         back = _AllToAll.apply(y, send, recv, self.group)
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
-        return torch.zeros_like(hidden).index_add(0, order // k, back * weights)
+        # each token's k weighted rows back in token order (a gather by the inverse permutation), summed: backward
+        # keeps the index alone, where index_add would keep the weighted rows too (its source's gradient is
+        # expanded to the source)
+        weighted = (back * weights)[torch.argsort(order)]
+        return weighted.view(-1, k, hidden.shape[-1]).sum(1)
 
 
 def shard_experts(model: nn.Module, *, ep: int, ep_rank: int, group) -> list[nn.Parameter]:

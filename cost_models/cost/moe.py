@@ -151,13 +151,13 @@ def ep_saved_bytes(u: MoEUnit, *, load: float, elem_bytes: int, dtype_ratio: flo
       * the experts' own, called with weights of one that need no gradient (MoEUnit.routed_unweighted_bytes;
         a profile without it: routed_saved_bytes), per row they receive;
       * what executor.expert_parallel.Dispatch keeps around them, counted from its code: per row the rank sends,
-        the combined row and its weighted copy (the weights' gradient needs the first, index_add keeps the
-        second) and the weight, in the activations' dtype, and three int64 indices (the gather of rows to send,
-        of their weights, and the combine's scatter); per row it receives, two int64 indices (the regrouping by
-        local expert and back)."""
+        the combined row and its weight (the factors of the weighting, each the other's gradient), in the
+        activations' dtype, and three int64 indices (the gathers of rows to send and of their weights, and the
+        gather back to token order); per row it receives, two int64 indices (the regrouping by local expert and
+        back)."""
     rows = u.blocks * u.tokens * u.top_k   # routed rows a rank sends at the mean: tokens x top_k per block
     experts = u.routed_unweighted_bytes if u.routed_unweighted_bytes >= 0 else u.routed_saved_bytes
-    return experts * load + rows * (2 * u.hidden + 1) * elem_bytes + rows * 8 * (3 + 2 * load) / dtype_ratio
+    return experts * load + rows * (u.hidden + 1) * elem_bytes + rows * 8 * (3 + 2 * load) / dtype_ratio
 
 
 def dispatch_bytes(u: MoEUnit, *, scale: float, elem_bytes: int) -> float:
