@@ -13,6 +13,7 @@ parallelism, Shard(1) activations between the split regions (Korthikanti et al. 
     head       ColwiseParallel, output Replicate (gathered)   input Shard(1)
                (loss parallel: output Shard(-1), a DTensor; the cross-entropy under loss_context)
     norm       replicated (plain parameters)                  SequenceParallel
+    head_norm  SequenceParallel over the heads (dim 2)           the same
     region     its input one Replicate DTensor                its input Shard(1) -> Replicate (all-gather)
     sp_entry   nothing                                        PrepareModuleOutput Replicate -> Shard(1) (a slice)
     sp_input   nothing                                        PrepareModuleInput Replicate -> Shard(1) (a slice)
@@ -172,6 +173,10 @@ def torch_style(rule: TPRule, *, sp: bool, holds_split: bool, loss_parallel: boo
         return ColwiseParallel(input_layouts=head_in, output_layouts=Replicate())
     if rule.style == "region" and (sp or holds_split):
         return _region_input(sp=sp, local=not holds_split)
+    if rule.style == "head_norm":
+        # its input (batch, seq, heads, head_dim) holds the rank's heads, the column-split projection's local
+        # output: taken as Shard(2) of the whole, its replicated weight's gradient is a partial sum, all-reduced
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     if not sp:
         return None
     if rule.style == "norm":

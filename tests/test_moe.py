@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cost_models.cost.estimate import estimate, tp_bytes_per_step
+from cost_models.cost.estimate import estimate, tp_traffic_per_step
 from cost_models.cost.moe import (DEFAULT_IMBALANCE, all_to_all_time, deal_windows, ep_work, imbalance,
                                   peak_imbalance)
 from cost_models.models.moe import active_params, total_params
@@ -301,9 +301,10 @@ HF_RUN = {"mixtral": f"hf:mixtral?{HF_MOE['mixtral'][0].replace('vocab_size=256'
 
 
 # per world size, (dp, pp, ep, ZeRO stage, distributed optimizer, tp) of each run: the issue's layouts (EP2; EP2 x
-# DP2 under ZeRO-2 and 3; EP2 x PP2 1F1B) for both models; Mixtral also each under ZeRO-1, EP2 x DP2 under the
-# distributed optimizer, and EP2 x TP2 (attention split, MoE blocks whole; Qwen3's per-head q/k norms have no TP
-# plan). pp 2 cuts the units in halves, under ZeRO-1 after the embedding (a stage without experts)
+# DP2 under ZeRO-2 and 3; EP2 x PP2 1F1B) and EP2 x TP2 (attention split, Qwen3's per-head q/k norms replicated with
+# their gradients all-reduced, MoE blocks whole) for both models; Mixtral also each under ZeRO-1 and EP2 x DP2 under
+# the distributed optimizer. pp 2 cuts the units in halves, under ZeRO-1 after the embedding (a stage without
+# experts)
 EP_PLANS = {2: ((2, 1, 2, 0, False, 1), (2, 1, 2, 1, False, 1)),
             4: ((4, 1, 2, 1, False, 1), (4, 1, 2, 1, True, 1), (4, 1, 2, 2, False, 1), (4, 1, 2, 3, False, 1),
                 (2, 2, 2, 0, False, 1), (2, 2, 2, 1, False, 1), (2, 1, 2, 3, False, 2))}
@@ -341,7 +342,7 @@ def hf_moe_runs(tmp_path_factory, moe_profiles):
         for name, (prof, cfg) in setups.items():
             names = tuple(u.name for u in prof.units)
             halves = (names[:len(names) // 2], names[len(names) // 2:])
-            layouts = [p for p in plans if name == "mixtral" or p[:5] in ISSUE_LAYOUTS]
+            layouts = [p for p in plans if name == "mixtral" or p[:5] in ISSUE_LAYOUTS or p[5] > 1]
             jobs.append((name, prof, cfg, [
                 Strategy(dp=dp, pp=pp, zero=z, schedule="1f1b", microbatches=2, micro_batch_size=GLOBAL // dp // 2,
                          stages=(names,) if pp == 1 else (names[:1], names[1:]) if z == 1 else halves,
@@ -391,11 +392,14 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
                 rows[block] = rows.get(block, 0) + n
         assert len(rows) == len(prof.moe_units) and set(rows.values()) == {GLOBAL * SEQ * 2 * s.tp}, s.name
         assert est.ep_load == max(imbalance(prof, u.moe, s.ep) for u in prof.moe_units) >= 1.0
-        if s.tp > 1:   # and the attention's tensor-parallel collectives (the MoE blocks run whole: none there)
+        if s.tp > 1:   # and the attention's tensor-parallel collectives (the MoE blocks run whole: none there),
+            # Qwen3's q/k norms' gradient all-reduces among them: as many calls as predicted
             measured_tp = {k: v for k, v in rank_results[0].comm_bytes.items() if k.startswith("tp_")}
-            predicted_tp = tp_bytes_per_step(s, prof)
-            assert set(measured_tp) == {k for k, v in predicted_tp.items() if v}, s.name
-            assert measured_tp == pytest.approx({k: predicted_tp[k] for k in measured_tp}, rel=0.05), s.name
+            predicted_tp = tp_traffic_per_step(s, prof)
+            assert set(measured_tp) == {k for k, (_, v) in predicted_tp.items() if v}, s.name
+            assert measured_tp == pytest.approx({k: predicted_tp[k][1] for k in measured_tp}, rel=0.05), s.name
+            assert {k: rank_results[0].comm_calls[k] for k in measured_tp} == {
+                k: predicted_tp[k][0] for k in measured_tp}, s.name
         if s.zero == 1:   # ZeRO-1's states (either kind): the dense parameters' split over dp, the experts' over
             # dp / ep
             held = sum(r.optimizer_state_bytes for r in rank_results)
@@ -407,7 +411,7 @@ def test_hf_moe_models_train_under_expert_parallelism_like_one_process(name, ran
     # under)
     routed = measure_routing(prof, init_from=Path(cfg.init_from), data=Path(cfg.data), windows=GLOBAL)
     _, _, strategies, results = hf_moe_runs["step 0", name, ranks]
-    assert len(strategies) == {("mixtral", 2): 1, ("mixtral", 4): 3, ("qwen3_moe", 2): 1, ("qwen3_moe", 4): 2}[
+    assert len(strategies) == {("mixtral", 2): 1, ("mixtral", 4): 3, ("qwen3_moe", 2): 1, ("qwen3_moe", 4): 3}[
         name, ranks]
     for s, rank_results in zip(strategies, results):
         est = estimate(s, routed, preset("dgx-h100"))
@@ -489,17 +493,25 @@ def test_profile_measures_the_routers_load_on_the_users_tokens_through_the_users
         "drop --init-from and --data")
 
 
-def test_attention_whose_replicated_parameters_see_only_the_ranks_heads_has_no_tp_plan():
-    """MLA (the zoo's DeepSeek-V3) and per-head q/k norms (Qwen3-MoE, zoo and transformers') would need gradients
-    summed over the tp ranks: their TP shape is a one-line refusal, so the planner keeps them at tp = 1."""
+def test_per_head_norms_are_planned_with_their_gradient_all_reduce_and_mla_is_refused():
+    """MLA (the zoo's DeepSeek-V3) would need its low-rank projections' gradients summed over the tp ranks: its TP
+    shape is a one-line refusal, so the planner keeps it at tp = 1. Per-head q/k norms (Qwen3-MoE, zoo and
+    transformers') are planned: replicated, run on the rank's heads, their gradients all-reduced over tp in every
+    micro-batch's backward (measured against this in test_hf_moe_models_train_under_expert_parallelism_...)."""
+    from cost_models.cost.comm import norm_grad_traffic
     from cost_models.models.tp_shape import tp_shape
-    for ref, why in (("deepseek-v3", "multi-head latent attention"), ("qwen3-30b-a3b", "per-head query/key norms"),
-                     (f"hf:qwen3_moe?{HF_MOE['qwen3_moe'][0]}", "per-head query/key norms")):
-        shape = tp_shape(resolve(ref).build(device="meta", dtype=torch.float32))
-        assert shape.refusal.startswith(why) and shape.tp_refusal(2) == shape.refusal, ref
+    shape = tp_shape(resolve("deepseek-v3").build(device="meta", dtype=torch.float32))
+    assert shape.refusal.startswith("multi-head latent attention") and shape.tp_refusal(2) == shape.refusal
     assert tp_shape(resolve("mixtral-8x7b").build(device="meta", dtype=torch.float32)).plan == "zoo-moe"
-
-
+    for ref, plan in (("qwen3-30b-a3b", "zoo-moe"), (f"hf:qwen3_moe?{HF_MOE['qwen3_moe'][0]}", "hf-moe")):
+        prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=16, meta=ref.startswith("qwen3"),
+                             dtype="fp32", warmup=0, repeats=1)
+        assert prof.tensor_parallel.plan == plan and prof.tensor_parallel.tp_refusal(2) is None, ref
+        layer = next(u for u in prof.units if u.moe is not None)
+        head_dim = 128 if ref == "qwen3-30b-a3b" else 16
+        assert (layer.tp.head_norm_tensors, layer.tp.head_norm_params) == (2, 2 * head_dim), ref
+        # one all-reduce per norm weight, SP or not (the block's other norms only under SP)
+        assert norm_grad_traffic(layer.tp, 4, sp=False) == (2, 2 * head_dim * 4, 0, 0, 0, 0)
 def _moe_tiny_cfg(prof):
     from executor.train import TrainConfig
     return TrainConfig(model_source="moe-tiny", seq_len=16, input_kind="tokens", steps=5, warmup=0, seed=3, lr=3e-3,

@@ -165,8 +165,8 @@ def test_the_recorded_rules_split_the_model_as_the_plan_function_said():
 
 @pytest.mark.parametrize("fn, message", [
     ("plan_unknown_style", "--tp-plan tests.test_tp_custom:plan_unknown_style: unknown style 'columnwise' for "
-                           "'blocks.*.up'; use one of colwise, rowwise, embedding, head, norm, region, sp_entry, "
-                           "local_width"),
+                           "'blocks.*.up'; use one of colwise, rowwise, embedding, head, norm, head_norm, region, "
+                           "sp_entry, local_width"),
     ("plan_matching_nothing", "--tp-plan tests.test_tp_custom:plan_matching_nothing: 'layers.*.mlp.up' matches "
                               "no module of TinyTP; patterns are module names (model.named_modules()) with * "
                               "wildcards"),

@@ -278,12 +278,16 @@ def tp_unit_traffic(tu: TPUnit, *, sp: bool, vocab: int, save_shard: bool = Fals
             _traffic(all_gather=_plus(row, entry, embed, again), reduce_scatter=region))
 
 
-def sp_norm_grad_traffic(tu: TPUnit, grad_bytes: int) -> Traffic:
-    """Under SP, each micro-batch's backward all-reduces the norms' weight gradients over tp: each rank's are
-    partial sums over its sequence shard (Korthikanti et al. 2022, section 4.2.2; counted with torch 2.13: torch's
-    SequenceParallel issues one all-reduce per norm parameter tensor). Parameter-sized: it does not scale with
-    the micro-batch."""
-    return _traffic(all_reduce=(tu.norm_tensors, tu.norm_params * grad_bytes))
+def norm_grad_traffic(tu: TPUnit, grad_bytes: int, *, sp: bool) -> Traffic:
+    """Each micro-batch's backward all-reduces over tp the weight gradients of norms that run on part of the
+    activations: under SP every norm's (each rank's is a partial sum over its sequence shard: Korthikanti et al.
+    2022, section 4.2.2), and always the per-head q/k norms' (head_norm: over the rank's heads). torch's
+    SequenceParallel, which runs both, issues one all-reduce per parameter tensor (counted with torch 2.13).
+    Parameter-sized: it does not scale with the micro-batch."""
+    tensors, params = tu.head_norm_tensors, tu.head_norm_params
+    if sp:
+        tensors, params = tensors + tu.norm_tensors, params + tu.norm_params
+    return _traffic(all_reduce=(tensors, params * grad_bytes))
 
 
 def linearized(cluster: ClusterProfile, op: str, n: int, ref_bytes: float) -> tuple[float, float]:

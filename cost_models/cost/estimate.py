@@ -41,7 +41,7 @@ import math
 from typing import Protocol, Sequence
 
 from cost_models.cost.comm import (TP_OPS, Traffic, collective_time, group_link, group_ranks_per_node, linearized,
-                                   overlapped_exposure, p2p_time, sp_norm_grad_traffic, tp_unit_traffic)
+                                   overlapped_exposure, p2p_time, norm_grad_traffic, tp_unit_traffic)
 from cost_models.cost.compute import (compute_dtype, compute_source, executed_dtype, executed_precision,
                                       optimizer_step_time, priced_by_kind, tp_unit_times, unit_times)
 from cost_models.cost.context_parallel import CPUnitCost, cp_origin, cp_refusal, cp_unit, cp_view
@@ -339,18 +339,18 @@ def _tp_unit(c: _Context, u: UnitProfile, recompute: bool, acc: list[float]) -> 
         shape = c.profile.tensor_parallel   # never None where tp_vocab is set (_Context.of)
         vocab = shape.vocab if c.tp_vocab and shape else 0
         fwd_t, bwd_t = tp_unit_traffic(u.tp, sp=s.sp, vocab=vocab, save_shard=shard)
-        norms = sp_norm_grad_traffic(u.tp, c.grad_bytes) if s.sp else None
+        norms = norm_grad_traffic(u.tp, c.grad_bytes, sp=s.sp)
         tf, tb = _tp_seconds(c, fwd_t), _tp_seconds(c, bwd_t)
         if s.async_tp:   # each collective cut into tp steps behind partial matmuls: the first step's transfer
             # shows, and what the pass's compute cannot cover (Strategy.tp_label); a saved shard's gather runs
             # when backward unpacks it, before any matmul: exposed
             again = tb - _tp_seconds(c, tp_unit_traffic(u.tp, sp=s.sp, vocab=vocab)[1]) if shard else 0.0
             tf, tb = max(tf / s.tp, tf - f), max((tb - again) / s.tp, tb - again - b) + again
-        tb += _tp_seconds(c, norms) if norms else 0.0   # the norms' gradient all-reduce stays whole
+        tb += _tp_seconds(c, norms)   # the norms' gradient all-reduce stays whole
         f, b = f + tf, b + tb
         passes = 2 if recompute else 1
         for i in range(len(TP_OPS)):
-            acc[i] += (passes * fwd_t[2 * i + 1] + bwd_t[2 * i + 1]) * c.act_scale + (norms[2 * i + 1] if norms else 0.0)
+            acc[i] += (passes * fwd_t[2 * i + 1] + bwd_t[2 * i + 1]) * c.act_scale + norms[2 * i + 1]
         acc[-1] += passes * tf + tb
     return f, b, saved
 
@@ -990,6 +990,12 @@ def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int
     the full-buffer convention of CommVolume.dp_bytes_per_rank: an all-reduce's tensor, an all-gather's output, a
     reduce-scatter's input. Forward collectives run again in a fully recomputed stage's backward; selective
     recompute repeats none (the executor saves the collectives' outputs). {} without tensor parallelism."""
+    return {op: size for op, (_, size) in tp_traffic_per_step(strategy, profile, pp_rank=pp_rank).items()}
+
+
+def tp_traffic_per_step(strategy: Strategy, profile: ModelProfile, *,
+                        pp_rank: int = 0) -> dict[str, tuple[float, float]]:
+    """tp_bytes_per_step's collectives as (calls, bytes) per kind."""
     s = strategy
     if s.tp == 1:
         return {}
@@ -997,7 +1003,7 @@ def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int
     vocab = shape.vocab if shape and vocab_divides(shape, s.tp) else 0
     scale = activation_scale(profile, micro_batch_size=s.micro_batch_size, precision=s.precision)
     grad_bytes = BYTES_PER_PARAM[(s.precision, s.optimizer)][1]
-    out = dict.fromkeys(TP_OPS, 0.0)
+    out = {op: [0.0, 0.0] for op in TP_OPS}
     for sid in s.rank_stages(pp_rank):
         passes = 2 if s.stage_recompute(sid) else 1
         for name in s.stages[sid]:
@@ -1005,11 +1011,11 @@ def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int
             if tu is None:
                 continue
             fwd, bwd = tp_unit_traffic(tu, sp=s.sp, vocab=vocab, save_shard=s.sp_save_shard and passes == 1)
-            norms = sp_norm_grad_traffic(tu, grad_bytes) if s.sp else None
+            norms = norm_grad_traffic(tu, grad_bytes, sp=s.sp)
             for i, op in enumerate(TP_OPS):
-                out[op] += ((passes * fwd[2 * i + 1] + bwd[2 * i + 1]) * scale
-                            + (norms[2 * i + 1] if norms else 0.0)) * s.microbatches
-    return {f"tp_{op}": v for op, v in out.items()}
+                out[op][0] += (passes * fwd[2 * i] + bwd[2 * i] + norms[2 * i]) * s.microbatches
+                out[op][1] += ((passes * fwd[2 * i + 1] + bwd[2 * i + 1]) * scale + norms[2 * i + 1]) * s.microbatches
+    return {f"tp_{op}": (calls, size) for op, (calls, size) in out.items()}
 
 
 DDP_BUCKET_BYTES = 25 * 2**20   # DistributedDataParallel's default bucket_cap_mb

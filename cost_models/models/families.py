@@ -61,21 +61,15 @@ def _hf_gpt2(model: Any) -> dict[str, Any]:
                 hidden=config.n_embd, vocab=config.vocab_size)
 
 
-# Two attention variants whose replicated parameters see only the rank's heads under the plans below, so their
-# gradients would need summing over the tp ranks (transformers marks Qwen3's q/k norms replicated_with_grad_allreduce;
-# torchtitan's DeepSeek plan keeps MLA's low-rank projections replicated the same way): not built, refused.
-_HEAD_NORMS = ("per-head query/key norms (Qwen3's) see only the rank's heads, so their weight gradients would need "
-               "summing over the tensor-parallel ranks: not built")
+# Multi-head latent attention's replicated low-rank projections feed every head, so under a head split their
+# gradients would need summing over the tp ranks (torchtitan's DeepSeek plan keeps them replicated so): not built,
+# refused. (Qwen3's per-head q/k norms are the same case, planned: records.tensor_parallel's head_norm style.)
 _MLA = ("multi-head latent attention (DeepSeek-V3's) has no tensor-parallel plan yet: its replicated low-rank "
         "projections feed every head, so their gradients would need summing over the tensor-parallel ranks")
 
 
 def _zoo_moe_refusal(model: Any) -> str | None:
-    return _MLA if model.cfg.mla is not None else _HEAD_NORMS if model.cfg.qk_norm else None
-
-
-def _hf_moe_refusal(model: Any) -> str | None:
-    return _HEAD_NORMS if any(n.endswith("self_attn.q_norm") for n, _ in model.named_modules()) else None
+    return _MLA if model.cfg.mla is not None else None
 
 
 def _zoo_moe(model: Any) -> dict[str, Any]:
@@ -97,7 +91,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(name="zoo-gpt", zoo_class=GPT, dims=_zoo_gpt),
     Family(name="zoo-moe", zoo_class=MoETransformer, dims=_zoo_moe, refusal=_zoo_moe_refusal),
     Family(name="hf-llama", model_types=("llama", "mistral", "qwen2"), dims=_hf_llama),
-    Family(name="hf-moe", model_types=("mixtral", "qwen3_moe"), dims=_hf_moe, refusal=_hf_moe_refusal),
+    Family(name="hf-moe", model_types=("mixtral", "qwen3_moe"), dims=_hf_moe),
     Family(name="hf-gpt2", model_types=("gpt2",), dims=_hf_gpt2),
 )
 HF_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)

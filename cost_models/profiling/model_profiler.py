@@ -301,11 +301,14 @@ def _load_record(load_before: float, beside_before: float, meta: bool) -> dict:
             "cpus": os.cpu_count() or 0, "clock": profile_clock()[1]}
 
 
-def _tp_unit(numels: list[int], splits: list[int], norms: list[bool], results: list[ModuleResult]) -> TPUnit:
+def _tp_unit(numels: list[int], splits: list[int], norms: list[str], results: list[ModuleResult]) -> TPUnit:
+    """`norms`: per parameter tensor, the norm style of its module ("norm", "head_norm") or ""."""
     counts = {k: sum(r.tp.get(k, 0) for r in results) for k in results[0].tp} if results[0].tp else {}
     return TPUnit(param_split=tuple(splits), split_params=sum(n for n, f in zip(numels, splits) if f == 1),
                   vocab_params=sum(n for n, f in zip(numels, splits) if f == 2),
-                  norm_params=sum(n for n, f in zip(numels, norms) if f), norm_tensors=sum(norms), **counts)
+                  norm_params=sum(n for n, f in zip(numels, norms) if f == "norm"), norm_tensors=norms.count("norm"),
+                  head_norm_params=sum(n for n, f in zip(numels, norms) if f == "head_norm"),
+                  head_norm_tensors=norms.count("head_norm"), **counts)
 
 
 def _account_params(model: nn.Module, unit_results, rules: tuple[TPRule, ...] | None = None,
@@ -319,7 +322,7 @@ def _account_params(model: nn.Module, unit_results, rules: tuple[TPRule, ...] | 
         params = pbytes = tensors = 0
         numels: list[int] = []
         splits: list[int] = []
-        norms: list[bool] = []
+        norms: list[str] = []
         shared_here: list[str] = []
         for m in mods:
             for pname, p in model.get_submodule(m).named_parameters(prefix=m, remove_duplicate=False):
@@ -330,7 +333,8 @@ def _account_params(model: nn.Module, unit_results, rules: tuple[TPRule, ...] | 
                     tensors += 1
                     numels.append(p.numel())
                     splits.append(param_split(pname, rules) if rules is not None else 0)
-                    norms.append(rules is not None and in_norm(pname, rules))
+                    norms.append(next((st for st in ("norm", "head_norm")
+                                       if rules is not None and in_norm(pname, rules, st)), ""))
                 elif owner[id(p)][0] != pname:
                     shared_here.append(pname)
                     aliases.setdefault(id(p), []).append((pname, name))

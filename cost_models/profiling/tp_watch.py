@@ -16,7 +16,8 @@ from cost_models.torch_compat.torch_private import storage_id, tree_leaves
 
 _SPLIT_LINEAR = ("colwise", "rowwise")
 # role of a tensor saved inside a module of each style (TPUnit's doc); region: see TPWatch.role
-_ROLE_OF_STYLE = {"colwise": "col_input", "head": "col_input", "rowwise": "split", "norm": "seq"}
+_ROLE_OF_STYLE = {"colwise": "col_input", "head": "col_input", "rowwise": "split", "norm": "seq",
+                  "head_norm": "split"}
 _TP_COUNTS = ("split_flops", "vocab_flops", "core_flops", "core_kv_bytes", "row_bytes", "row_calls",
               "region_bytes", "region_calls", "repl_region_bytes", "repl_region_calls", "entry_bytes", "entry_calls",
               "embed_bytes", "embed_calls", "whole_embed_bytes", "whole_embed_calls", "input_bytes", "input_calls",
@@ -183,10 +184,11 @@ def param_split(pname: str, rules: tuple[TPRule, ...]) -> int:
     return 0 if rule.style == "rowwise" and leaf != "weight" else 1
 
 
-def in_norm(pname: str, rules: tuple[TPRule, ...]) -> bool:
-    """A parameter of a norm-style module: replicated, its gradient all-reduced over tp under SP."""
+def in_norm(pname: str, rules: tuple[TPRule, ...], style: str = "norm") -> bool:
+    """A parameter of a norm-style module: replicated, its gradient all-reduced over tp under SP (a head_norm's:
+    always)."""
     rule = style_of(pname.rpartition(".")[0], rules)
-    return rule is not None and rule.style == "norm"
+    return rule is not None and rule.style == style
 
 
 def model_tp_rules(model: nn.Module) -> tuple[TPRule, ...] | None:

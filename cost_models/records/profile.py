@@ -120,6 +120,8 @@ class TPUnit(Record):
     norm_params: int = 0                 # parameters of norm-style modules: replicated, and under SP their
     norm_tensors: int = 0                # gradients are all-reduced over tp every backward (partial sums over
                                          # the sequence shards; Korthikanti et al. 2022, section 4.2.2)
+    head_norm_params: int = 0            # parameters of head_norm modules (per-head q/k norms): replicated, their
+    head_norm_tensors: int = 0           # gradients all-reduced over tp every backward, SP or not
     split_flops: int = 0                 # forward FLOPs inside split linears and regions that hold them
     vocab_flops: int = 0                 # forward FLOPs inside a vocabulary-split head
     core_flops: int = 0                  # forward FLOPs of the attention core (SDPA)

@@ -19,6 +19,9 @@ Styles:
     embedding nn.Embedding split on the vocabulary; its output all-reduced (reduce-scattered under SP)
     head      the LM head: nn.Linear split on the vocabulary, its logits all-gathered
     norm      replicated; under SP it runs on the rank's sequence shard (torch's SequenceParallel)
+    head_norm replicated, run on a (batch, seq, heads, head_dim) tensor split over heads (Qwen3's per-head q/k
+              norms after the column-split q and k projections): its weight's gradient is a partial sum over the
+              rank's heads, all-reduced over tp every backward (transformers' replicated_with_grad_allreduce)
     region    a module that runs the split linears (attention, MLP, a replicated tied head): under SP its input
               is all-gathered along the sequence first
     sp_entry  a module whose output enters the sequence-split region under SP (a local slice, no traffic): used
@@ -39,7 +42,8 @@ from typing import Literal, cast, get_args
 
 from cost_models.records.base import Record, record
 
-Style = Literal["colwise", "rowwise", "embedding", "head", "norm", "region", "sp_entry", "sp_input", "local_width"]
+Style = Literal["colwise", "rowwise", "embedding", "head", "norm", "head_norm", "region", "sp_entry", "sp_input",
+                "local_width"]
 SPLIT_STYLES = ("colwise", "rowwise", "embedding", "head")   # styles whose parameters are divided by tp
 
 
@@ -128,6 +132,10 @@ def _block_rules(prefix: str, attn: str, mlp: str, norms: tuple[str, ...], col: 
     return tuple(rules)
 
 
+def _head_norms(attention: str) -> tuple[TPRule, ...]:
+    return tuple(TPRule(pattern=f"{attention}.{n}", style="head_norm") for n in ("q_norm", "k_norm"))
+
+
 _TORCHTITAN = "torchtitan models/llama3/infra/parallelize.py apply_tp"
 # transformers computes rotary tables (Llama) and the causal mask from the embedding's output before the decoder
 # layers: with the sequence split there, they would cover only the rank's shard. The Llama family enters the split at
@@ -182,10 +190,12 @@ PLANS: dict[str, TPPlan] = {p.name: p for p in [
     # (router, routed and shared experts) run whole on every tp rank, as cost_models.cost.moe prices them, their
     # experts split over the EP group instead. The Llama plans' rules: an MoE block has none of the dense MLP's
     # linears, so no rule splits it (its region rule applies only around split linears, or under SP, refused here).
-    # Models with MLA or per-head q/k norms are refused (models.families).
-    TPPlan(name="zoo-moe", source=f"{_TORCHTITAN}, attention and dense MLP only", sp=_MOE_NO_SP, rules=_ZOO_LLAMA),
+    # Per-head q/k norms (Qwen3's) as transformers' Qwen3MoeConfig.base_model_tp_plan has them. Models with MLA
+    # are refused (models.families).
+    TPPlan(name="zoo-moe", source=f"{_TORCHTITAN}, attention and dense MLP only", sp=_MOE_NO_SP, rules=(
+        *_head_norms("blocks.*.attention"), *_ZOO_LLAMA)),
     TPPlan(name="hf-moe", source="transformers LlamaConfig.base_model_tp_plan, attention and dense MLP only",
-           sp=_MOE_NO_SP, rules=_HF_LLAMA),
+           sp=_MOE_NO_SP, rules=(*_head_norms("model.layers.*.self_attn"), *_HF_LLAMA)),
     # transformers' GPT-2: Megatron's GPT split on its Conv1D projections (weights stored (in, out)); the head is
     # tied to the token embedding, so both stay whole as in zoo-gpt. Its attention views q, k and v with -1 heads
     # (the local count follows the projection) but cuts c_attn's output at split_size, the full width.
@@ -237,7 +247,7 @@ _CUSTOM_NO_SP = ("sequence parallelism is not offered for custom plans (--tp-pla
 # the module type each style splits (a custom rule naming another kind is refused); None: any module
 STYLE_KINDS: dict[str, tuple[str, ...] | None] = {
     "colwise": LINEAR_KINDS, "rowwise": LINEAR_KINDS, "head": LINEAR_KINDS, "embedding": ("Embedding",),
-    "norm": None, "region": None, "sp_entry": None, "sp_input": None, "local_width": None}
+    "norm": None, "head_norm": None, "region": None, "sp_entry": None, "sp_input": None, "local_width": None}
 # what a custom plan may name: sp_input serves the built-in plans' sequence parallelism, which custom plans lack
 CUSTOM_STYLES = tuple(s for s in get_args(Style) if s != "sp_input")
 
