@@ -54,7 +54,9 @@ class Dispatch:
     def __init__(self, experts: nn.Module, n_experts: int, ep: int, group) -> None:
         self.experts, self.forward = experts, experts.forward
         self.n_experts, self.ep, self.group = n_experts, ep, group
-        self.received: list[int] = []   # token-expert rows this rank's experts were sent, per call (routed_rows)
+        # token-expert rows this rank's experts were sent, per call, while counting (routed_rows): a run counts
+        # one step, and a loop that never asks (executor.api) keeps nothing
+        self.received: list[int] | None = None
 
     def dtype(self) -> torch.dtype:
         return next(self.experts.parameters()).dtype
@@ -69,7 +71,8 @@ class Dispatch:
         dist.all_to_all_single(incoming, counts, group=self.group)
         incoming = incoming.view(self.ep, local)
         send, recv = counts.view(self.ep, local).sum(1).tolist(), incoming.sum(1).tolist()
-        self.received.append(sum(recv))
+        if self.received is not None:
+            self.received.append(sum(recv))
         got = _AllToAll.apply(hidden[order // k], recv, send, self.group)
         # received rows come source by source, each source's by expert: regroup them by local expert
         expert = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(self.ep), incoming.reshape(-1))
@@ -132,18 +135,19 @@ def whole_expert(t: torch.Tensor, param: torch.Tensor, *, mesh, ep: int) -> torc
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def routed_rows(model: nn.Module | None, held: list[nn.Module], *, reset: bool = False) -> dict[str, tuple[int, ...]]:
-    """Block name in `model` -> token-expert rows this rank's experts were sent per call since the last reset (a
-    micro-batch's forward; a recomputed forward is another call), for the blocks the `held` modules run; `reset`
-    empties the tallies."""
+def routed_rows(model: nn.Module | None, held: list[nn.Module], *,
+                count: bool | None = None) -> dict[str, tuple[int, ...]]:
+    """Block name in `model` -> token-expert rows this rank's experts were sent per call while counting (a
+    micro-batch's forward; a recomputed forward is another call), for the blocks the `held` modules run; `count`
+    True starts counting afresh, False stops (None: as it was)."""
     mine = {id(m) for h in held for m in h.modules()}
     out = {}
     for name, m in model.named_modules() if model is not None else ():
         dispatch = getattr(m, "forward", None)
         if isinstance(dispatch, Dispatch) and id(m) in mine:
-            out[name.removesuffix(".experts")] = tuple(dispatch.received)
-            if reset:
-                dispatch.received = []
+            out[name.removesuffix(".experts")] = tuple(dispatch.received or ())
+            if count is not None:
+                dispatch.received = [] if count else None
     return out
 
 

@@ -49,8 +49,9 @@ _NO_MOE = ("--data measures the router's load per expert, and {name} has no mixt
 
 def measure_routing(profile: ModelProfile, *, init_from: Path, data: Path, windows: int = DEFAULT_WINDOWS,
                     device: str = "cpu", on_warning: Callable[[str], None] | None = None) -> ModelProfile:
-    """`profile` with its MoE units' expert_load measured on `windows` windows of `data` through the weights in
-    `init_from` (module doc); one-line ConfigError for a model without MoE blocks or inputs that are not tokens."""
+    """`profile` with its MoE units' expert_load and window_load measured on `windows` windows of `data` through the
+    weights in `init_from` (module doc); one-line ConfigError for a model without MoE blocks or inputs that are not
+    tokens."""
     if not profile.moe_units:
         raise ConfigError(_NO_MOE.format(name=profile.name))
     if profile.input.kind != "tokens":

@@ -169,7 +169,7 @@ def run_on_rank(strategy: Strategy, cfg: TrainConfig, plan: Plan | None = None) 
             _fail_now(step, how)
         counter = CommCounter() if counting else None
         meter = ActivationMeter(rt.wrapped.modules, batch=(x, y)) if counting else None
-        routed_rows(rt.model, rt.wrapped.modules, reset=True)
+        routed_rows(rt.model, rt.wrapped.modules, count=counting)
         with meter or contextlib.nullcontext():
             replica_loss, elapsed = _timed_step(rt, x, y, device, counter, progress, poison=injected and how == "nan")
         if counting:

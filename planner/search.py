@@ -238,7 +238,8 @@ def _least_saved(u: UnitProfile, dtype_ratio: float) -> float:
     less at an even load, called with weights that need no gradient (cost.moe.ep_saved_bytes, whose dispatch adds
     more): left out, at any ep."""
     grow, grow_other, _, _ = saved_parts(u)
-    unweighted = max(0, u.moe.routed_saved_bytes - u.moe.routed_unweighted_bytes) if u.moe else 0
+    unweighted = (max(0, u.moe.routed_saved_bytes - u.moe.routed_unweighted_bytes)
+                  if u.moe and u.moe.routed_unweighted_bytes >= 0 else 0)   # -1: an older profile, as measured
     return max(0.0, grow + grow_other / dtype_ratio - (u.tp.saved_core if u.tp else 0) - unweighted)
 
 

@@ -310,7 +310,7 @@ EP_PLANS = {2: ((2, 1, 2, 0, False, 1), (2, 1, 2, 1, False, 1)),
                 (2, 2, 2, 0, False, 1), (2, 2, 2, 1, False, 1), (2, 1, 2, 3, False, 2))}
 ISSUE_LAYOUTS = {(2, 1, 2, 0, False), (4, 1, 2, 2, False), (4, 1, 2, 3, False), (2, 2, 2, 0, False)}   # every model
 # and counted at step 0 (no training step has moved the routing from the weights a profile's --data routes): EP2,
-# ZeRO-3's nested expert group, 1F1B's micro-batches in flight, and (Mixtral) TP
+# ZeRO-3's nested expert group, 1F1B's micro-batches in flight, and TP
 AT_STEP_0 = {(2, 1, 2, 0, False, 1), (4, 1, 2, 3, False, 1), (2, 2, 2, 0, False, 1), (2, 1, 2, 3, False, 2)}
 
 
@@ -499,7 +499,8 @@ def test_per_head_norms_are_planned_with_their_gradient_all_reduce_and_mla_is_re
     transformers') are planned: replicated, run on the rank's heads, their gradients all-reduced over tp in every
     micro-batch's backward (measured against this in test_hf_moe_models_train_under_expert_parallelism_...)."""
     from cost_models.cost.comm import norm_grad_traffic
-    from cost_models.models.tp_shape import tp_shape
+    from cost_models.models.tp_shape import custom_shape, tp_shape
+    from cost_models.records.tensor_parallel import PLANS
     shape = tp_shape(resolve("deepseek-v3").build(device="meta", dtype=torch.float32))
     assert shape.refusal.startswith("multi-head latent attention") and shape.tp_refusal(2) == shape.refusal
     assert tp_shape(resolve("mixtral-8x7b").build(device="meta", dtype=torch.float32)).plan == "zoo-moe"
@@ -512,6 +513,14 @@ def test_per_head_norms_are_planned_with_their_gradient_all_reduce_and_mla_is_re
         assert (layer.tp.head_norm_tensors, layer.tp.head_norm_params) == (2, 2 * head_dim), ref
         # one all-reduce per norm weight, SP or not (the block's other norms only under SP)
         assert norm_grad_traffic(layer.tp, 4, sp=False) == (2, 2 * head_dim * 4, 0, 0, 0, 0)
+    # the same rules in a custom --tp-plan pass its checks: a head norm may sit in a region (attention)
+    qwen = resolve("qwen3-30b-a3b").build(device="meta", dtype=torch.float32)
+    attention = tuple(r for r in PLANS["zoo-moe"].rules if r.pattern.split(".")[2:3] == ["attention"])
+    assert [r.style for r in attention] == ["head_norm", "head_norm", "region", "colwise", "colwise", "colwise",
+                                            "rowwise"]
+    assert custom_shape(qwen, attention, "custom: tests").hidden == 2048
+
+
 def _moe_tiny_cfg(prof):
     from executor.train import TrainConfig
     return TrainConfig(model_source="moe-tiny", seq_len=16, input_kind="tokens", steps=5, warmup=0, seed=3, lr=3e-3,

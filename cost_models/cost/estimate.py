@@ -46,8 +46,8 @@ from cost_models.cost.compute import (compute_dtype, compute_source, executed_dt
                                       optimizer_step_time, priced_by_kind, tp_unit_times, unit_times)
 from cost_models.cost.context_parallel import CPUnitCost, cp_origin, cp_refusal, cp_unit, cp_view
 from cost_models.cost.kernels import work_seconds
-from cost_models.cost.moe import (all_to_all_time, busiest_load, check_ep, dispatch_bytes, ep_saved_bytes, ep_work,
-                                  imbalance, peak_imbalance)
+from cost_models.cost.moe import (all_to_all_time, busiest_load, busiest_peak_load, check_ep, dispatch_bytes,
+                                  ep_saved_bytes, ep_work, imbalance, peak_imbalance)
 from cost_models.cost.memory import (MemoryBreakdown, autocast_copy_bytes, comm_buffer_bytes, executor_state_bytes,
                                      held_bytes_per_param, overhead_bytes, saved_at, torch_mixed, tp_param_share,
                                      tp_saved_bytes, zero1_partition)
@@ -981,7 +981,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, cluster: ClusterProfile,
         compute_source=compute_source(profile, cluster, s.precision),
         pipeline_order=format_order(s.action_order()) if per_rank else {},
         calibrated_by=cluster.calibration.describe() if cluster.calibration else "", priced=priced,
-        ep_load=busiest_load(profile, s.ep), ep_peak_load=busiest_load(profile, s.ep, strategy=s))
+        ep_load=busiest_load(profile, s.ep), ep_peak_load=busiest_peak_load(profile, s))
 
 
 def tp_bytes_per_step(strategy: Strategy, profile: ModelProfile, *, pp_rank: int = 0) -> dict[str, float]:

@@ -37,6 +37,8 @@ from cost_models.records.profile import ModelProfile, MoEUnit
 from cost_models.records.strategy import Strategy
 from cost_models.records.work import WorkCounts
 
+_PEAKS: dict[tuple, tuple[MoEUnit, float]] = {}   # peak_imbalance's answers; the unit is held, so its id stays its own
+
 # The headroom expert capacity is commonly provisioned at over an even load: Switch Transformer trains with a
 # capacity factor of 1.0-1.25 (Fedus et al. 2022, "Switch Transformers", section 2.2 and table 1), i.e. the
 # busiest expert taking up to 1.25x the mean. Stated, not measured: `--moe-imbalance` sets it, and a real-mode
@@ -65,6 +67,17 @@ def peak_imbalance(profile: ModelProfile, u: MoEUnit, *, ep: int, dp: int, micro
     with --data) dealt as the run deals them (deal_windows); else as `imbalance`."""
     if ep <= 1 or profile.moe_imbalance > 0 or not u.window_load:
         return imbalance(profile, u, ep)
+    key = (id(u), ep, dp, micro_batch_size, microbatches)
+    hit = _PEAKS.get(key)
+    if hit is None or hit[0] is not u:   # the search asks it of every strategy, over the same units
+        if len(_PEAKS) >= 4096:
+            _PEAKS.clear()
+        hit = _PEAKS[key] = (u, _worst_group(u, ep=ep, dp=dp, micro_batch_size=micro_batch_size,
+                                             microbatches=microbatches))
+    return hit[1]
+
+
+def _worst_group(u: MoEUnit, *, ep: int, dp: int, micro_batch_size: int, microbatches: int) -> float:
     per = u.experts // ep
     worst = 0.0
     for group in deal_windows(len(u.window_load), ep=ep, dp=dp, micro_batch_size=micro_batch_size,
@@ -90,12 +103,14 @@ def deal_windows(n: int, *, ep: int, dp: int, micro_batch_size: int, microbatche
     return [list(range(g * size, (g + 1) * size)) for g in range(n // size)] or [list(range(n))]
 
 
-def busiest_load(profile: ModelProfile, ep: int, *, strategy: Strategy | None = None) -> float:
-    """The largest imbalance over the MoE units at `ep` (1 without EP or MoE units): Estimate.ep_load; given the
-    `strategy`, the largest peak_imbalance (Estimate.ep_peak_load)."""
-    if strategy is None:
-        return max((imbalance(profile, u.moe, ep) for u in profile.units if u.moe is not None), default=1.0)
-    s = strategy
+def busiest_load(profile: ModelProfile, ep: int) -> float:
+    """The largest imbalance over the MoE units at `ep` (1 without EP or MoE units): Estimate.ep_load."""
+    return max((imbalance(profile, u.moe, ep) for u in profile.units if u.moe is not None), default=1.0)
+
+
+def busiest_peak_load(profile: ModelProfile, s: Strategy) -> float:
+    """The largest peak_imbalance over the MoE units under strategy `s` (1 without EP or MoE units):
+    Estimate.ep_peak_load."""
     return max((peak_imbalance(profile, u.moe, ep=s.ep, dp=s.dp, micro_batch_size=s.micro_batch_size,
                                microbatches=s.microbatches) for u in profile.units if u.moe is not None), default=1.0)
 

@@ -134,14 +134,15 @@ def local_widths(model, rule: TPRule, ref: str) -> list[int]:
 
 def _check_regions(model, rules: tuple[TPRule, ...], ref: str) -> None:
     """A region holding split linears makes its input one DTensor (executor: _replicated_region): a module with
-    whole parameters inside it (a norm) would mix DTensors and tensors."""
+    whole parameters inside it (a norm) would mix DTensors and tensors. A head_norm's parameters become replicated
+    DTensors (torch's SequenceParallel), so it may sit there, as Qwen3's q/k norms sit in attention."""
     styles = {n: r.style for n, _ in model.named_modules() if n and (r := style_of(n, rules))}
     for name, module in model.named_modules():
         if styles.get(name) != "region" or not any(s in SPLIT_STYLES for n, s in styles.items()
                                                     if n.startswith(name + ".")):
             continue
         for sub_name, sub in module.named_modules(prefix=name):
-            split_above = any(styles.get(a) in SPLIT_STYLES for a in _ancestors(sub_name, name))
+            split_above = any(styles.get(a) in (*SPLIT_STYLES, "head_norm") for a in _ancestors(sub_name, name))
             if not split_above and any(True for _ in sub.parameters(recurse=False)):
                 raise ConfigError(f"--tp-plan {ref}: region {name} holds {sub_name}, whose parameters are not split; "
                                   "a region holds only its split linears (as an attention or MLP module does)")

@@ -145,7 +145,8 @@ def _unit(unit: str, blocks: list[Block], watch: _Watch, unweighted: int) -> MoE
                    expert_load=tuple(load) if any(load) else ())
 
 
-def routed_load(model: nn.Module, windows: Iterable[tuple[torch.Tensor, ...]]) -> dict[str, tuple[tuple[int, ...], ...]]:
+def routed_load(model: nn.Module,
+                windows: Iterable[tuple[torch.Tensor, ...]]) -> dict[str, tuple[tuple[int, ...], ...]]:
     """Block name -> per forward of `windows` (one sequence each), the token-expert pairs the router sent each
     expert (no gradients)."""
     blocks = moe_blocks(model)
