@@ -493,25 +493,29 @@ def summarize(plan: Plan, ranks: list[RankResult], *, steps: int, warmup: int, b
 
 
 def routed_load(ranks: list[RankResult]) -> float:
-    """The measured counterpart of Estimate.ep_load: per MoE block, the most rows any rank's experts were sent
-    over the mean of the ranks holding that block (every EP group routes the same number of rows, so that mean is
-    each group's), the largest over blocks; 1 where nothing was counted."""
-    per_block: dict[str, list[int]] = {}
-    for r in ranks:
-        for block, n in r.expert_rows.items():
-            per_block.setdefault(block, []).append(n)
-    return max((max(ns) * len(ns) / sum(ns) for ns in per_block.values() if sum(ns)), default=1.0)
+    """The measured counterpart of Estimate.ep_load: per MoE block, the most rows any rank's experts were sent in
+    the counted step over the mean of the ranks holding that block (every EP group routes the same number of rows,
+    so that mean is each group's), the largest over blocks; 1 where nothing was counted."""
+    return max((_over_mean([sum(calls) for calls in by_rank]) for by_rank in _calls_by_block(ranks)), default=1.0)
 
 
 def peak_routed_load(ranks: list[RankResult]) -> float:
     """The measured counterpart of Estimate.ep_peak_load: routed_load call by call (each rank calls a block's
     experts once per micro-batch forward, in the same order), the largest over calls and blocks."""
+    return max((_over_mean(rows) for by_rank in _calls_by_block(ranks) for rows in zip(*by_rank)), default=1.0)
+
+
+def _calls_by_block(ranks: list[RankResult]) -> list[list[tuple[int, ...]]]:
+    """Per MoE block, each rank's rows per experts call (RankResult.expert_calls) of the ranks holding it."""
     per_block: dict[str, list[tuple[int, ...]]] = {}
     for r in ranks:
         for block, calls in r.expert_calls.items():
             per_block.setdefault(block, []).append(calls)
-    return max((max(ns) * len(ns) / sum(ns) for by_rank in per_block.values() for ns in zip(*by_rank) if sum(ns)),
-               default=1.0)
+    return list(per_block.values())
+
+
+def _over_mean(rows) -> float:
+    return max(rows) * len(rows) / sum(rows) if sum(rows) else 1.0
 
 
 def _many_worker(strategy_dicts: list[dict], cfg_data: list[dict], plan_data: list[dict | None], timeout_s: float,

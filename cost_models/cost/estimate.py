@@ -446,11 +446,10 @@ def _ep_unit(c: _Context, u: UnitProfile, f: float, b: float, kept: float,
     all-to-all seconds) of one micro-batch through `u` under expert parallelism (cost.moe's module doc): its routed
     experts' share of the compute at the busiest EP rank's load, and what they and the dispatch keep
     (cost.moe.ep_saved_bytes) at its load in the worst micro-batch (cost.moe.peak_imbalance: every micro-batch in
-    flight priced at it, an upper bound); dispatch and
-    combine all-to-alls in forward and again in backward, exposed (each sits between the router and the experts, or
-    the experts and what follows: nothing computes beside it in one micro-batch's stream). The all-to-all seconds
-    and bytes count the forward's twice under full recompute (the stage adds the forward's seconds to the
-    backward). As given without EP or MoE blocks."""
+    flight priced at it, an upper bound); dispatch and combine all-to-alls in forward and again in backward,
+    exposed (each sits between the router and the experts, or the experts and what follows: nothing computes beside
+    it in one micro-batch's stream). The all-to-all seconds and bytes count the forward's twice under full
+    recompute (the stage adds the forward's seconds to the backward). As given without EP or MoE blocks."""
     m, s = u.moe, c.s
     if m is None or s.ep == 1:
         return f, b, kept, 0.0, 0.0, 0.0

@@ -52,24 +52,30 @@ def imbalance(profile: ModelProfile, u: MoEUnit, ep: int) -> float:
         return 1.0
     if profile.moe_imbalance > 0:
         return profile.moe_imbalance
-    load = u.expert_load
-    if not load or sum(load) == 0:
+    if not u.expert_load or sum(u.expert_load) == 0:
         return DEFAULT_IMBALANCE
-    per = len(load) // ep   # experts per EP rank, in order (rank i holds experts i*per .. (i+1)*per - 1)
+    return _busiest_over_mean(u.expert_load, ep)
+
+
+def _busiest_over_mean(load: tuple[int, ...] | list[int], ep: int) -> float:
+    """The most token-expert pairs any EP rank's experts get over the mean (1 where there are none): rank i holds
+    experts i*per .. (i+1)*per - 1, in order, per = E / ep."""
+    per = len(load) // ep
     ranks = [sum(load[i * per:(i + 1) * per]) for i in range(ep)]
-    return max(ranks) / (sum(ranks) / ep)
+    return max(ranks) / (sum(ranks) / ep) if sum(ranks) else 1.0
 
 
 def peak_imbalance(profile: ModelProfile, u: MoEUnit, *, ep: int, dp: int, micro_batch_size: int,
                    microbatches: int) -> float:
     """The busiest EP rank's routed rows over the mean in the worst micro-batch, which sets the activations' peak
     (an average load does not: OOM waits for no mean). From the unit's load per window (window_load, measured
-    with --data) dealt as the run deals them (deal_windows); else as `imbalance`."""
+    with --data) dealt as the run deals them (deal_windows); else as `imbalance`. Memoised: the search asks it of
+    every strategy, over the same units."""
     if ep <= 1 or profile.moe_imbalance > 0 or not u.window_load:
         return imbalance(profile, u, ep)
     key = (id(u), ep, dp, micro_batch_size, microbatches)
     hit = _PEAKS.get(key)
-    if hit is None or hit[0] is not u:   # the search asks it of every strategy, over the same units
+    if hit is None or hit[0] is not u:
         if len(_PEAKS) >= 4096:
             _PEAKS.clear()
         hit = _PEAKS[key] = (u, _worst_group(u, ep=ep, dp=dp, micro_batch_size=micro_batch_size,
@@ -78,14 +84,10 @@ def peak_imbalance(profile: ModelProfile, u: MoEUnit, *, ep: int, dp: int, micro
 
 
 def _worst_group(u: MoEUnit, *, ep: int, dp: int, micro_batch_size: int, microbatches: int) -> float:
-    per = u.experts // ep
-    worst = 0.0
-    for group in deal_windows(len(u.window_load), ep=ep, dp=dp, micro_batch_size=micro_batch_size,
-                              microbatches=microbatches):
-        load = [sum(counts) for counts in zip(*(u.window_load[w] for w in group))]
-        ranks = [sum(load[i * per:(i + 1) * per]) for i in range(ep)]
-        worst = max(worst, max(ranks) / (sum(ranks) / ep) if sum(ranks) else 1.0)
-    return worst
+    groups = deal_windows(len(u.window_load), ep=ep, dp=dp, micro_batch_size=micro_batch_size,
+                          microbatches=microbatches)
+    return max(_busiest_over_mean([sum(counts) for counts in zip(*(u.window_load[w] for w in group))], ep)
+               for group in groups)
 
 
 def deal_windows(n: int, *, ep: int, dp: int, micro_batch_size: int, microbatches: int) -> list[list[int]]:

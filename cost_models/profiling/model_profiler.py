@@ -50,7 +50,7 @@ from cost_models.profiling.progress import Progress, ProgressFn
 from cost_models.profiling.split_backward import SPLIT_MEMO, split_kept_in_stages
 from cost_models.profiling.tensors import tensor_bytes
 from cost_models.profiling.timing import mixed_factor, time_units, unit_timing
-from cost_models.profiling.tp_watch import in_norm, model_tp_rules, param_split
+from cost_models.profiling.tp_watch import model_tp_rules, norm_style, param_split
 from cost_models.profiling.units import data_flow_edges, find_units
 from cost_models.records.errors import ConfigError, ProfileError
 from cost_models.records.formatting import fixed, now_utc
@@ -270,9 +270,10 @@ SETTLE_S = 5.0
 def settle(bound_s: float, poll_s: float = 0.5, threads: int | None = None) -> tuple[float, str | None]:
     """Wait up to `bound_s` until other programs' runnable tasks (host.background_runnable) leave this process's
     `threads` CPUs (default: torch's thread count) of os.cpu_count(). Returns the count it ended at, and, where it
-    was asked to wait and the machine was busy, a timing note: how long it waited and whether the load passed. Thread CPU time leaves the waits for a
-    core out of the unit times (host.work_clock), but the machine's speed under load drifts
-    (benchmarks/results/measurements.md, "Profiles under load"). Off Linux (no /proc/loadavg): (0.0, None)."""
+    was asked to wait and the machine was busy, a timing note: how long it waited and whether the load passed.
+    Thread CPU time leaves the waits for a core out of the unit times (host.work_clock), but the machine's speed
+    under load drifts (benchmarks/results/measurements.md, "Profiles under load"). Off Linux (no /proc/loadavg):
+    (0.0, None)."""
     if not os.path.exists(LOADAVG):
         return 0.0, None
     cpus, t0, threads = os.cpu_count() or 1, time.monotonic(), threads or torch.get_num_threads()
@@ -333,8 +334,7 @@ def _account_params(model: nn.Module, unit_results, rules: tuple[TPRule, ...] | 
                     tensors += 1
                     numels.append(p.numel())
                     splits.append(param_split(pname, rules) if rules is not None else 0)
-                    norms.append(next((st for st in ("norm", "head_norm")
-                                       if rules is not None and in_norm(pname, rules, st)), ""))
+                    norms.append(norm_style(pname, rules) if rules is not None else "")
                 elif owner[id(p)][0] != pname:
                     shared_here.append(pname)
                     aliases.setdefault(id(p), []).append((pname, name))

@@ -42,8 +42,7 @@ class _Watch:
         self.inside: str | None = None
         self.excluded, self.unweighted = excluded, unweighted
         self.tokens: dict[str, tuple[int, int]] = {}
-        self.load: dict[str, list[int]] = {}
-        self.calls: dict[str, list[tuple[int, ...]]] = {}   # the load of each call, in order
+        self.calls: dict[str, list[tuple[int, ...]]] = {}   # the load per expert of each call, in order
         self.saved: dict[str, dict[int, int]] = {b.name: {} for b in blocks}
         self.handles = []
         for b in blocks:
@@ -60,7 +59,6 @@ class _Watch:
             self.tokens[name] = (hidden.shape[0], hidden.shape[-1])
             if not index.is_meta:
                 counts = torch.bincount(index.reshape(-1).long(), minlength=n_experts)[:n_experts].tolist()
-                self.load[name] = [a + b for a, b in zip(self.load.get(name, [0] * n_experts), counts)]
                 self.calls.setdefault(name, []).append(tuple(counts))
             return None
         return hook
@@ -137,7 +135,7 @@ def _unit(unit: str, blocks: list[Block], watch: _Watch, unweighted: int) -> MoE
         tokens, hidden = watch.tokens.get(b.name, (0, 0))
         flops += 2 * tokens * top_k * p // n_experts
         saved += sum(watch.saved[b.name].values())
-        load = [a + c for a, c in zip(load, watch.load.get(b.name, [0] * n_experts))]
+        load = [a + c for a, c in zip(load, map(sum, zip(*watch.calls.get(b.name, [(0,) * n_experts]))))]
     return MoEUnit(blocks=len(blocks), experts=n_experts, top_k=top_k, hidden=hidden, expert_params=expert_params,
                    expert_tensors=expert_tensors, router_params=router, shared_expert_params=shared, tokens=tokens,
                    routed_fwd_flops=flops, routed_bwd_flops=2 * flops, routed_saved_bytes=saved,

@@ -184,11 +184,11 @@ def param_split(pname: str, rules: tuple[TPRule, ...]) -> int:
     return 0 if rule.style == "rowwise" and leaf != "weight" else 1
 
 
-def in_norm(pname: str, rules: tuple[TPRule, ...], style: str = "norm") -> bool:
-    """A parameter of a norm-style module: replicated, its gradient all-reduced over tp under SP (a head_norm's:
-    always)."""
+def norm_style(pname: str, rules: tuple[TPRule, ...]) -> str:
+    """"norm" for a parameter of a norm-style module (replicated, its gradient all-reduced over tp under SP),
+    "head_norm" for a per-head norm's (all-reduced always), else ""."""
     rule = style_of(pname.rpartition(".")[0], rules)
-    return rule is not None and rule.style == style
+    return rule.style if rule is not None and rule.style in ("norm", "head_norm") else ""
 
 
 def model_tp_rules(model: nn.Module) -> tuple[TPRule, ...] | None:
