@@ -193,15 +193,15 @@ def profile(
     """Measure a model unit by unit (parameters, FLOPs, activation bytes, times) and write profile.json."""
     from cost_models.profiling.cluster_source import check_cluster_args, parse_sizes, resolve_cluster
     from cost_models.records.files import ProfileFile
-    from executor.routing import DEFAULT_WINDOWS, check_routing_args
     from planner.summaries import UNIT_COLUMNS, unit_rows
 
     write_to, overwrite = _prepare_output(output, force)
     sizes = parse_sizes(probe_sizes) if probe_sizes else None
     check_cluster_args(cluster, nodes=nodes, ranks=ranks)
-    check_routing_args(init_from, data, routing_windows)
-    if cluster != "local":  # presets and files before the model (torch's import alone takes seconds)
+    if cluster != "local":  # presets and files before anything imports torch (its import alone takes seconds)
         cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
+    from executor.routing import DEFAULT_WINDOWS, check_routing_args
+    check_routing_args(init_from, data, routing_windows)
     from cost_models.models.source import resolve
     source = resolve(model, input_ref=input_fn)
     check_routing_args(init_from, data, routing_windows, source)

@@ -11,6 +11,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 torch.set_num_threads(1)
 
+# The modules with the most rank launches, longest first. Under `-n 2 --dist loadscope` each module runs whole on one
+# worker and xdist hands modules out in collection order (its reordering by test count is switched off below), so
+# the long ones start first and the two workers finish together (longest-first scheduling); the rest keep their
+# order after these.
+LONGEST_FIRST = ("test_hf_executor", "test_moe", "test_tensor_parallel", "test_checkpoint", "test_bad_inputs",
+                 "test_executor", "test_fault_matrix", "test_fidelity_smoke", "test_pipelining", "test_search_bounds",
+                 "test_profiler", "test_data", "test_context_parallel", "test_cluster_probe", "test_own_model",
+                 "test_cli_profile", "test_zoo_params", "test_checkpoint_trust", "test_plan", "test_verify")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):    # pytest-xdist >= 3.6 sorts modules by test count otherwise
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    place = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1][:-3], len(place)))
+
 
 @pytest.fixture(autouse=True)
 def _own_folder(tmp_path, monkeypatch):

@@ -300,6 +300,39 @@ def test_a_hung_rank_is_named_not_the_peer_that_timed_out_waiting_for_it(profile
     assert "Traceback" not in proc.stderr
 
 
+def test_a_stopped_child_the_agent_asked_to_end_is_killed_and_a_running_one_is_left():
+    """The launcher's watch for stopped ranks (elastic._end_stopped_ranks) on real child processes: a stopped one
+    with SIGTERM pending is SIGKILLed; a stopped one without it (a debugger's) and a running one are left alone."""
+    from cost_models.torch_compat.elastic import _end_stopped_ranks, _sigterm_pending
+    import threading
+    ended, paused, running = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                              for _ in range(3))
+    try:
+        deadline = time.monotonic() + 30
+        for p in (ended, paused):
+            p.send_signal(signal.SIGSTOP)
+            while psutil.Process(p.pid).status() != psutil.STATUS_STOPPED:   # before SIGTERM, which would win
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        ended.send_signal(signal.SIGTERM)
+        while not _sigterm_pending(ended.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not _sigterm_pending(paused.pid) and not _sigterm_pending(running.pid)
+        done = threading.Event()
+        watch = threading.Thread(target=_end_stopped_ranks, args=(done,), daemon=True)
+        watch.start()
+        assert ended.wait(timeout=30) == -signal.SIGKILL
+        time.sleep(1.5)   # three more rounds of the watch
+        done.set()
+        watch.join(timeout=30)
+        assert paused.poll() is None and running.poll() is None
+    finally:
+        for p in (ended, paused, running):
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lr, inject, every, cause", [
     ("1e6", "", "0", r"the loss is nan at step \d"),                 # AdamW's second step makes the loss NaN

@@ -110,3 +110,17 @@ def test_cluster_flag_errors_are_one_line():
         res = run("profile", "--model", "gpt-tiny", "-b", "1", "-s", "8", "--meta", *args, "-o", "-")
         assert res.exit_code == 2 and res.stderr.strip().splitlines() == [f"error: {res.stderr.strip()[7:]}"]
         assert message in res.stderr, res.stderr
+
+
+def test_a_bad_cluster_file_is_refused_before_torch_is_imported(tmp_path):
+    """A cluster file is read before anything imports torch (seconds on a small machine): its error comes at once."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1, "kind": ')
+    code = ("import sys, cli\n"
+            f"sys.argv = ['planner', 'profile', '--model', 'gpt-tiny', '-b', '1', '-s', '8', '--meta', '--cluster', "
+            f"{str(bad)!r}, '-o', '-']\n"
+            "try:\n    cli.main()\nexcept SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [f"error: {bad}: not valid JSON (Expecting value: line 1 column 31 "
+                                                 "(char 30))"]

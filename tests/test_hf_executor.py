@@ -44,14 +44,14 @@ def _tokens(path, count: int = 2000) -> str:
     return str(path)
 
 
-def _setup(name, tmp_path, *, data: bool = False):
+def _setup(name, tmp_path, *, data: bool = False, with_profile: bool = False):
     ref = MODELS[name]
     prof = profile_model(resolve(ref), micro_batch_size=1, seq_len=SEQ, meta=True)
     units = tuple(u.name for u in prof.units)
     cfg = TrainConfig(model_source=ref, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=1e-2,
                       unit_modules=tuple(u.modules for u in prof.units), init_from=_saved(ref, tmp_path / name),
                       data=_tokens(tmp_path / "tokens.bin") if data else None)
-    return units, cfg
+    return (units, cfg, prof) if with_profile else (units, cfg)
 
 
 def _attention(ref: str) -> str:
@@ -101,10 +101,9 @@ def two_rank_runs(tmp_path_factory):
     jobs: list[tuple[tuple[str, str], tuple, TrainConfig, list, list, list]] = []
     for name in sorted(MODELS):
         (root / name).mkdir()
-        units, cfg = _setup(name, root / name, data=True)
+        units, cfg, prof = _setup(name, root / name, data=True, with_profile=True)
         four = TrainConfig(**{**cfg.to_dict(), "steps": 4})
         pp = _strategy(units, 1, 2, m=4)
-        prof = profile_model(resolve(MODELS[name]), micro_batch_size=1, seq_len=SEQ, meta=True)
         saving = TrainConfig(**{**four.to_dict(), "warmup": 0, "checkpoint_dir": str(root / name / "ck")})
         jobs.append(((name, "family"), units, cfg, [_strategy(units, 2, 1, 3), pp], [four, saving],
                      [None, plan_for(pp, prof)]))

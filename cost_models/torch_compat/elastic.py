@@ -24,6 +24,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -161,7 +162,40 @@ def launch_ranks(config: Any, entry: Callable[..., Any], *args: Any) -> Any:
     from torch.distributed.launcher.api import elastic_launch
     if config.start_method == "forkserver":
         start_rank_server()
-    return elastic_launch(config, _rank_entry)(entry, dict(os.environ), *args)
+    done = threading.Event()
+    threading.Thread(target=_end_stopped_ranks, args=(done,), name="zeropipe-stopped-ranks", daemon=True).start()
+    try:
+        return elastic_launch(config, _rank_entry)(entry, dict(os.environ), *args)
+    finally:
+        done.set()
+
+
+STOPPED_POLL_S = 0.5   # how often the launcher looks for a stopped rank the agent has asked to end
+
+
+def _end_stopped_ranks(done: threading.Event) -> None:
+    """SIGKILL every rank of this launcher that is stopped (SIGSTOP, a frozen node) with the SIGTERM the agent sends
+    when a job ends still pending: a stopped process keeps it pending until continued, and torch's agent gives it
+    30 s before its own SIGKILL, which the user would wait through for the error line."""
+    import psutil
+    me = psutil.Process()
+    while not done.wait(STOPPED_POLL_S):
+        for proc in me.children(recursive=True):
+            try:
+                if proc.status() == psutil.STATUS_STOPPED and _sigterm_pending(proc.pid):
+                    os.kill(proc.pid, signal.SIGKILL)
+            except (psutil.Error, OSError):
+                continue   # it ended meanwhile
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether SIGTERM waits to be delivered to process `pid` (Linux's /proc/PID/status; elsewhere never known)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except OSError:
+        return False
+    return any(mask >> (signal.SIGTERM - 1) & 1 for mask in masks)
 
 
 def is_rank_process(proc: Any) -> bool:
