@@ -104,20 +104,30 @@ def _precision(strategy: Strategy) -> Precision:
     return mixed_precision(strategy.precision, device, strategy.pp)
 
 
+# (model source, its custom TP rules, seq_len, micro-batch, build dtype, seed) -> (ModelSource, example input, output
+# shape): the strategies of one launch (run_many) mostly share a model, and resolving it and running it on meta for
+# the output's shape is a good part of a small model's set-up
+_SHAPES: dict[tuple, tuple[Any, torch.Tensor, tuple[int, ...]]] = {}
+
+
 def _setup(cfg: TrainConfig, strategy: Strategy):
     """(model spec, one micro-batch of example input, the output's shape, the loss kind) for the plan's model."""
-    source = resolve(cfg.model_source)
     dtype = _precision(strategy).build
+    key = (cfg.model_source, cfg.tp_rules, cfg.seq_len, strategy.micro_batch_size, dtype, cfg.seed)
+    if key not in _SHAPES:
+        source = resolve(cfg.model_source)
+        with torch.device("meta"):
+            model = source.build(device=None, dtype=dtype, seed=cfg.seed)
+        example = source.example_input(model, strategy.micro_batch_size, cfg.seq_len, "cpu")[0]
+        with meta_forward_context(model), torch.no_grad():
+            out = example_logits(model, example.to("meta"))
+        _SHAPES[key] = source, example, tuple(out.shape)
+    source, example, out_shape = _SHAPES[key]
     spec = ModelSpec(build=lambda: source.build(device=None, dtype=dtype, seed=cfg.seed),
                      units=UnitMap.of([u for st in strategy.stages for u in st], cfg.unit_modules),
                      tp_rules=cfg.tp_rules)
-    with torch.device("meta"):
-        model = spec.build()
-    example = source.example_input(model, strategy.micro_batch_size, cfg.seq_len, "cpu")[0]
     loss = "cross_entropy" if cfg.input_kind == "tokens" else "mse"
-    with meta_forward_context(model), torch.no_grad():
-        out = example_logits(model, example.to("meta"))
-    return spec, example, tuple(out.shape), loss
+    return spec, example.clone(), out_shape, loss
 
 
 @dataclass
