@@ -104,16 +104,16 @@ def _precision(strategy: Strategy) -> Precision:
     return mixed_precision(strategy.precision, device, strategy.pp)
 
 
-# (model source, its custom TP rules, seq_len, micro-batch, build dtype, seed) -> (ModelSource, example input, output
-# shape): the strategies of one launch (run_many) mostly share a model, and resolving it and running it on meta for
-# the output's shape is a good part of a small model's set-up
+# (model source, the folder a relative one is read from, seq_len, micro-batch, build dtype) -> (ModelSource, example
+# input, output shape): the strategies of one launch (run_many) mostly share a model, and resolving it and running it
+# on meta for the output's shape is a good part of a small model's set-up
 _SHAPES: dict[tuple, tuple[Any, torch.Tensor, tuple[int, ...]]] = {}
 
 
 def _setup(cfg: TrainConfig, strategy: Strategy):
     """(model spec, one micro-batch of example input, the output's shape, the loss kind) for the plan's model."""
     dtype = _precision(strategy).build
-    key = (cfg.model_source, cfg.tp_rules, cfg.seq_len, strategy.micro_batch_size, dtype, cfg.seed)
+    key = (cfg.model_source, os.getcwd(), cfg.seq_len, strategy.micro_batch_size, dtype)
     if key not in _SHAPES:
         source = resolve(cfg.model_source)
         with torch.device("meta"):

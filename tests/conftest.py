@@ -22,7 +22,8 @@ LONGEST_FIRST = ("test_hf_executor", "test_moe", "test_tensor_parallel", "test_c
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):    # pytest-xdist >= 3.6 sorts modules by test count otherwise
+    # pytest-xdist >= 3.6 sorts modules by test count otherwise (unless asked for on the command line)
+    if hasattr(config.option, "loadscopereorder") and "--loadscope-reorder" not in config.invocation_params.args:
         config.option.loadscopereorder = False
 
 

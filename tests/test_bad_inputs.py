@@ -300,11 +300,10 @@ def test_a_hung_rank_is_named_not_the_peer_that_timed_out_waiting_for_it(profile
     assert "Traceback" not in proc.stderr
 
 
-def test_a_stopped_child_the_agent_asked_to_end_is_killed_and_a_running_one_is_left():
-    """The launcher's watch for stopped ranks (elastic._end_stopped_ranks) on real child processes: a stopped one
-    with SIGTERM pending is SIGKILLed; a stopped one without it (a debugger's) and a running one are left alone."""
-    from cost_models.torch_compat.elastic import _end_stopped_ranks, _sigterm_pending
-    import threading
+def test_a_stopped_process_the_agent_asked_to_end_is_killed_and_the_others_are_left():
+    """elastic.end_stopped on real processes: a stopped one with SIGTERM pending is SIGKILLed; a stopped one
+    without it (job control's stop) and a running one are left alone."""
+    from cost_models.torch_compat.elastic import _sigterm_pending, end_stopped
     ended, paused, running = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
                               for _ in range(3))
     try:
@@ -319,14 +318,10 @@ def test_a_stopped_child_the_agent_asked_to_end_is_killed_and_a_running_one_is_l
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert not _sigterm_pending(paused.pid) and not _sigterm_pending(running.pid)
-        done = threading.Event()
-        watch = threading.Thread(target=_end_stopped_ranks, args=(done,), daemon=True)
-        watch.start()
+        end_stopped([psutil.Process(p.pid) for p in (ended, paused, running)])
         assert ended.wait(timeout=30) == -signal.SIGKILL
-        time.sleep(1.5)   # three more rounds of the watch
-        done.set()
-        watch.join(timeout=30)
         assert paused.poll() is None and running.poll() is None
+        assert psutil.Process(paused.pid).status() == psutil.STATUS_STOPPED
     finally:
         for p in (ended, paused, running):
             p.kill()

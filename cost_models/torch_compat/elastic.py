@@ -174,18 +174,33 @@ STOPPED_POLL_S = 0.5   # how often the launcher looks for a stopped rank the age
 
 
 def _end_stopped_ranks(done: threading.Event) -> None:
-    """SIGKILL every rank of this launcher that is stopped (SIGSTOP, a frozen node) with the SIGTERM the agent sends
-    when a job ends still pending: a stopped process keeps it pending until continued, and torch's agent gives it
-    30 s before its own SIGKILL, which the user would wait through for the error line."""
+    """Until `done`: end_stopped over this launcher's ranks (spawned, or forked by its rank server) every
+    STOPPED_POLL_S."""
     import psutil
     me = psutil.Process()
     while not done.wait(STOPPED_POLL_S):
+        ranks = []
         for proc in me.children(recursive=True):
             try:
-                if proc.status() == psutil.STATUS_STOPPED and _sigterm_pending(proc.pid):
-                    os.kill(proc.pid, signal.SIGKILL)
-            except (psutil.Error, OSError):
+                if is_rank_process(proc):
+                    ranks.append(proc)
+            except psutil.Error:
                 continue   # it ended meanwhile
+        end_stopped(ranks)
+
+
+def end_stopped(procs: list) -> None:
+    """SIGKILL each of `procs` (psutil.Process) that is stopped (SIGSTOP; state T) with SIGTERM pending: the agent
+    sends SIGTERM to every rank when a job ends, a stopped process keeps it pending until continued, and the agent
+    waits LaunchConfig.shutdown_timeout (30 s by default) before its own SIGKILL, which the user would wait
+    through for the error line. A process stopped without SIGTERM pending (job control) is left alone."""
+    import psutil
+    for proc in procs:
+        try:
+            if proc.status() == psutil.STATUS_STOPPED and _sigterm_pending(proc.pid):
+                proc.send_signal(signal.SIGKILL)   # psutil checks the pid is still this process
+        except psutil.Error:
+            continue   # it ended meanwhile
 
 
 def _sigterm_pending(pid: int) -> bool:
