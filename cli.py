@@ -200,9 +200,8 @@ def profile(
     check_cluster_args(cluster, nodes=nodes, ranks=ranks)
     if cluster != "local":  # presets and files before anything imports torch (its import alone takes seconds)
         cluster_prof = resolve_cluster(cluster, nodes=nodes, ranks=ranks, dtype=dtype, sizes=sizes)
-    from executor.routing import DEFAULT_WINDOWS, check_routing_args
-    check_routing_args(init_from, data, routing_windows)
     from cost_models.models.source import resolve
+    from executor.routing import DEFAULT_WINDOWS, check_routing_args
     source = resolve(model, input_ref=input_fn)
     check_routing_args(init_from, data, routing_windows, source)
     prof = _profiled(source, tp_plan, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, meta=meta,
