@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +31,12 @@ def profile():
 def _cli(*args, env=None, timeout=240):
     return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def token_file(path: Path, tokens) -> Path:
+    """`tokens` written as a flat uint16 token file (executor.data.TokenFile's .bin)."""
+    np.asarray(tokens, dtype=np.uint16).tofile(path)
+    return path
 
 
 def _losses(proc) -> list[float]:
@@ -90,9 +97,12 @@ def test_damage_is_named_with_the_checkpoint_to_use_instead(tmp_path, profile):
 
 @pytest.mark.slow
 def test_kill_9_then_resume_gives_the_uninterrupted_losses(tmp_path, profile):
-    """ZeRO-1 over 2 ranks (DDP + ZeroRedundancyOptimizer: each rank owns half the optimizer states)."""
+    """ZeRO-1 over 2 ranks (DDP + ZeroRedundancyOptimizer: each rank owns half the optimizer states), on a token
+    file: the resumed run reads the windows the killed one would have, and the checkpoint records the file."""
+    rng = np.random.default_rng(1)
+    data = str(token_file(tmp_path / "tokens.bin", rng.integers(0, 512, size=100 * 17)))   # gpt-tiny's vocabulary
     plan = plan_file(tmp_path, S(2, 1, 1), profile)
-    common = ["--seed", "3", "--lr", "0.01", "-o", "-", "--json", "--warmup", "0"]
+    common = ["--data", data, "--seed", "3", "--lr", "0.01", "-o", "-", "--json", "--warmup", "0"]
     uninterrupted = _losses(_cli("run", plan, "--steps", "8", *common))
     ck = tmp_path / "ck"
     killed = _cli("run", plan, "--steps", "8", "--checkpoint-dir", ck, "--checkpoint-every", "3", *common,
@@ -100,8 +110,15 @@ def test_kill_9_then_resume_gives_the_uninterrupted_losses(tmp_path, profile):
     assert killed.returncode == 1
     assert killed.stderr.strip().splitlines() == ["error: rank 1 failed: killed by SIGKILL (signal 9)"]
     assert [s for s, _ in layout.complete_steps(ck)] == [3]    # step 5 was between checkpoints
+    # the checkpoint recorded its data file: another file, or none, is refused before any rank starts
+    other = str(token_file(tmp_path / "other.bin", rng.integers(0, 512, size=100 * 17)))
+    for given, words in ((["--data", other], f"this run has --data {other} (size"), ([], "this run has no --data")):
+        args = [a for a in common if a not in ("--data", data)] + given
+        refused = _cli("run", plan, "--steps", "8", "--resume", ck, *args)
+        assert refused.returncode == 2 and words in refused.stderr and "was trained on --data with size" in \
+            refused.stderr, refused.stderr
     resumed = _losses(_cli("run", plan, "--steps", "8", "--resume", ck, "--checkpoint-dir", ck,
-                           "--checkpoint-every", "3", "-o", "-", "--json", "--warmup", "0"))
+                           "--checkpoint-every", "3", *common))
     assert resumed == pytest.approx(uninterrupted[3:], rel=1e-6, abs=0)
     assert [s for s, _ in layout.complete_steps(ck)] == [3, 6, 8]
     # new checkpoints never silently replace old ones
@@ -111,14 +128,13 @@ def test_kill_9_then_resume_gives_the_uninterrupted_losses(tmp_path, profile):
     # a truncated latest checkpoint: one line, exit 2, naming the one before it, which still loads
     shard = ck / "step-00000008" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])
-    broken = _cli("run", plan, "--steps", "9", "--resume", ck, "-o", "-")
+    broken = _cli("run", plan, "--steps", "9", "--resume", ck, "--data", data, "-o", "-")
     assert broken.returncode == 2
     assert broken.stderr.strip().splitlines() == [
         f"error: checkpoint {ck / 'step-00000008'} is damaged: __1_0.distcp has {shard.stat().st_size:,} of its "
         f"{shard.stat().st_size + 100:,} bytes; resume from {ck / 'step-00000006'}, the latest checkpoint before it "
         f"that verifies"]
-    earlier = _losses(_cli("run", plan, "--steps", "8", "--resume", ck / "step-00000006", "-o", "-", "--json",
-                           "--warmup", "0"))
+    earlier = _losses(_cli("run", plan, "--steps", "8", "--resume", ck / "step-00000006", *common))
     assert earlier == pytest.approx(uninterrupted[6:], rel=1e-6, abs=0)
 
 

@@ -15,17 +15,12 @@ from executor.data import TokenFile
 from executor.launch import run_many
 from executor.train import TrainConfig, single_process_losses
 from tests.plans import plan_file
-from tests.test_checkpoint import _cli, _losses
+from tests.test_checkpoint import token_file as _bin
 from tests.test_executor import S
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 16
 VOCAB = 512   # gpt-tiny's
-
-
-def _bin(path: Path, tokens) -> Path:
-    np.asarray(tokens, dtype=np.uint16).tofile(path)
-    return path
 
 
 def test_windows_steps_and_the_wrap_are_the_documented_order(tmp_path):
@@ -85,25 +80,3 @@ def test_training_on_a_token_file_equals_one_process_on_the_same_windows(tmp_pat
     for s, ranks in zip(strategies, run_many(2, strategies, cfg)):
         for r in ranks:
             assert list(r.losses) == pytest.approx(reference, rel=1e-4), (s.name, r.rank)
-
-
-@pytest.mark.slow
-def test_kill_9_then_resume_on_a_token_file_reads_the_same_windows(tmp_path, profile):
-    rng = np.random.default_rng(1)
-    data = str(_bin(tmp_path / "tokens.bin", rng.integers(0, VOCAB, size=100 * (SEQ + 1))))
-    plan = str(plan_file(tmp_path, S(2, 1, 1), profile))
-    common = ["--data", data, "--seed", "3", "--lr", "0.01", "-o", "-", "--json", "--warmup", "0"]
-    uninterrupted = _losses(_cli("run", plan, "--steps", "7", *common))
-    ck = tmp_path / "ck"
-    killed = _cli("run", plan, "--steps", "7", "--checkpoint-dir", ck, "--checkpoint-every", "2", *common,
-                  env={"ZEROPIPE_INJECT_FAILURE": "1:5:kill"})
-    assert killed.returncode == 1 and "killed by SIGKILL" in killed.stderr
-    resumed = _losses(_cli("run", plan, "--steps", "7", "--resume", ck, *common))
-    assert resumed == pytest.approx(uninterrupted[4:], rel=1e-6, abs=0)   # from the checkpoint after step 4
-    # the checkpoint recorded its data file: another file, or none, is refused before any rank starts
-    other = str(_bin(tmp_path / "other.bin", rng.integers(0, VOCAB, size=100 * (SEQ + 1))))
-    for given, words in ((["--data", other], f"this run has --data {other} (size"), ([], "this run has no --data")):
-        args = [a for a in common if a not in ("--data", data)] + given
-        refused = _cli("run", plan, "--steps", "7", "--resume", ck, *args)
-        assert refused.returncode == 2 and words in refused.stderr and "was trained on --data with size" in \
-            refused.stderr, refused.stderr
