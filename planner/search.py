@@ -49,7 +49,8 @@ from cost_models.cost.compute import executed_precision
 from cost_models.cost.context_parallel import cp_view
 from cost_models.cost.estimate import (Estimate, activation_scale, dtype_ratio, estimate,
                                        held_params, optimizer_seconds, saved_bytes, unit_costs, unit_seconds)
-from cost_models.cost.memory import executor_state_bytes, overhead_bytes, saved_parts, zero_model_state_bytes
+from cost_models.cost.memory import (executor_state_bytes, overhead_bytes, saved_parts, tp_saved_bytes,
+                                     zero_model_state_bytes)
 from cost_models.cost.moe import check_ep, imbalance_source
 from cost_models.cost.sharing import busy_ranks
 from cost_models.records.cluster import Calibration, ClusterProfile
@@ -84,8 +85,8 @@ class _Partitions:
     micro-batch size), computed once per stage count."""
 
     def __init__(self, profile: ModelProfile, unit_fb: list[tuple[float, float]], *, dtype_ratio: float,
-                 at_batch: Callable[[int], list[tuple[float, float]]] | None = None) -> None:
-        self.profile, self.unit_fb = profile, unit_fb
+                 at_batch: Callable[[int], list[tuple[float, float]]] | None = None, cp: int = 1) -> None:
+        self.profile, self.unit_fb, self.cp = profile, unit_fb, cp
         self.cache: dict[int, tuple[tuple[str, ...], ...]] = {}
         self.bottlenecks: dict = {}
         # unit_fb at another micro-batch, as the estimate moves measured times (affine, compute._at_batch): None
@@ -110,13 +111,20 @@ class _Partitions:
             self.fb["experts", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
         return self.fb["experts", k]
 
-    def stage_kept(self, k: int) -> list[float]:
-        """Saved-for-backward bytes per stage of the cut `stages(k)` less the attention core (what selective
-        recompute keeps), per micro-batch at the profile's batch and dtype (times activation_scale: bytes)."""
-        if ("kept", k) not in self.fb:
-            where = {u.name: _least_saved(u, self.dtype_ratio) for u in self.profile.units}
-            self.fb["kept", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
-        return self.fb["kept", k]
+    def stage_kept(self, k: int, tp: int = 1, sp: bool = False, shard: bool = False) -> list[float]:
+        """The least saved-for-backward bytes per stage of the cut `stages(k)` with selective recompute, on one
+        rank of `tp` (_least_saved), per micro-batch at the profile's batch and dtype (times activation_scale:
+        bytes)."""
+        key = ("kept", k, tp, sp, shard)
+        if key not in self.fb:
+            where = {u.name: _least_saved(u, self.dtype_ratio, self.cp, tp=tp, sp=sp, shard=shard)
+                     for u in self.profile.units}
+            self.fb[key] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
+        return self.fb[key]
+
+    def rank_kept(self, pt: Point) -> list[float]:
+        """stage_kept on one of the point's tp ranks, SP's shards saved where an attempt may save them."""
+        return self.stage_kept(pt.pp * pt.v, pt.tp, pt.sp, _may_save_shards(pt))
 
     def stage_inputs(self, k: int) -> list[float]:
         """Per stage of the cut `stages(k)`, the inputs of its units that full recompute keeps per micro-batch
@@ -128,22 +136,20 @@ class _Partitions:
         return self.fb["inputs", k]
 
     def alive_kept(self, pt: Point) -> tuple[float, ...]:
-        """Per pipeline rank, stage_kept summed over the forwards it runs before its first backward (P6)."""
-        key = ("alive", pt.pp, pt.v, pt.schedule, pt.microbatches)
+        """Per pipeline rank, rank_kept summed over the forwards it runs before its first backward (P6)."""
+        key = ("alive", pt.pp, pt.v, pt.schedule, pt.microbatches, pt.tp, pt.sp)
         if key not in self.fb:
-            self.fb[key] = _over_alive(pt, self.stage_kept(pt.pp * pt.v))
+            self.fb[key] = _over_alive(pt, self.rank_kept(pt))
         return self.fb[key]
 
     def act_floors(self, pt: Point, act_scale: float) -> tuple[float, ...]:
         """P8's activation floor per pipeline rank of the point's cut and schedule (search._least_need), in bytes,
         the same for every ZeRO stage and dp of a shape."""
-        key = ("floors", pt.pp, pt.v, pt.tp, pt.schedule, pt.microbatches, act_scale)
+        key = ("floors", pt.pp, pt.v, pt.tp, pt.sp, pt.schedule, pt.microbatches, act_scale)
         if key not in self.fb:
-            k = pt.pp * pt.v
             split = get_spec(pt.schedule).split_backward
-            self.fb[key] = _over_alive(pt, [(c / pt.tp if split and sid else min(i, c / pt.tp)) * act_scale
-                                            for sid, (i, c) in enumerate(zip(self.stage_inputs(k),
-                                                                             self.stage_kept(k)))])
+            self.fb[key] = _over_alive(pt, [(c if split and sid else min(i, c)) * act_scale for sid, (i, c) in
+                                            enumerate(zip(self.stage_inputs(pt.pp * pt.v), self.rank_kept(pt)))])
         return self.fb[key]
 
     def stage_fb(self, k: int, mbs: int | None = None) -> list[tuple[float, float]]:
@@ -231,16 +237,22 @@ def _memory_aware_stages(point: Point, profile: ModelProfile, cluster: ClusterPr
     return stages_from_ranges([u.name for u in profile.units], dp_partition(problem))
 
 
-def _least_saved(u: UnitProfile, dtype_ratio: float) -> float:
+def _least_saved(u: UnitProfile, dtype_ratio: float, cp: int = 1, *, tp: int = 1, sp: bool = False,
+                 shard: bool = False) -> float:
     """The least a unit saves per micro-batch at the profile's scale with selective recompute (the attention core
     dropped), at any micro-batch (memory.saved_at: the fixed part left out, the growing part not in the profile's
     dtype counted at its own size): the pruning bounds' activation term. Under expert parallelism the experts keep
     less at an even load, called with weights that need no gradient (cost.moe.ep_saved_bytes, whose dispatch adds
-    more): left out, at any ep."""
+    more): left out, at any ep. On one of `tp` ranks: split by role as the estimate splits it (memory.tp_saved_bytes;
+    the vocabulary taken as split and, under SP, shards as saved where `shard` says an attempt may save them: the
+    lesser). Under context parallelism over cp ranks (`u` from its cp_view) selective recompute keeps the keys and
+    values gathered from the other cp - 1 ranks too (cost.context_parallel.cp_unit's `kept`)."""
     grow, grow_other, _, _ = saved_parts(u)
     unweighted = (max(0, u.moe.routed_saved_bytes - u.moe.routed_unweighted_bytes)
                   if u.moe and u.moe.routed_unweighted_bytes >= 0 else 0)   # -1: an older profile, as measured
-    return max(0.0, grow + grow_other / dtype_ratio - (u.tp.saved_core if u.tp else 0) - unweighted)
+    least = max(0.0, grow + grow_other / dtype_ratio - unweighted)
+    gathered = (cp - 1) * u.tp.core_kv_bytes / tp if u.tp else 0
+    return max(0.0, tp_saved_bytes(least, u.tp, tp=tp, sp=sp, selective=True, vocab=True, save_shard=shard)) + gathered
 
 
 def _core_bytes(profile: ModelProfile, *, micro_batch_size: int, precision: str,
@@ -516,7 +528,7 @@ class _RankBound(NamedTuple):
     """A pipeline rank's share of P2: `start_busy` = when micro-batch 0's forward can first reach it + its work
     for all micro-batches; `tail` = the backward the stages ahead still run after its last action; `params` = the
     parameters its stages hold, divided by tp (at best); `held` its stages; `alive` the least activation bytes it
-    keeps with selective recompute (P6), at the profile's micro-batch, before tp divides them. A named tuple, not a
+    keeps with selective recompute (P6), at the profile's micro-batch, on one tp rank. A named tuple, not a
     frozen dataclass: the search builds one per pipeline rank of every shape (benchmarks/long_context.py's 405B
     row: 8,355 shapes of up to 128 ranks), and a tuple is built without a dataclass's per-field setattr."""
 
@@ -543,7 +555,7 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
         # estimate above the profile's micro-batch, where the fixed part stays whole)
         scale = 1.0 / pt.tp
         fb = parts.stage_fb(k, pt.micro_batch_size)
-    params, kept, experts = parts.stage_params(k), parts.stage_kept(k), parts.stage_experts(k)
+    params, kept, experts = parts.stage_params(k), parts.rank_kept(pt), parts.stage_experts(k)
     if k == 1:
         return (_RankBound(start_busy=pt.microbatches * sum(fb[0]) * scale, tail=0.0, params=params[0] / pt.tp,
                            forward=pt.microbatches * fb[0][0] * scale, alive=kept[0], experts=experts[0]),)
@@ -665,21 +677,33 @@ def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], states: Sequence
                     room: float) -> frozenset[int]:
     """P6: the stages of pipeline ranks that cannot hold their model states (as the executor keeps them, tp
     dividing every parameter at best) plus their least activations with the attention core dropped (selective
-    recompute; _RankBound.alive) and everything divided by tp, in `room` (the device less the per-process
-    overhead): on the balanced cut they fit, if at all, only with full recompute. `states`: _rank_states."""
-    per_byte = act_scale / pt.tp
+    recompute; _RankBound.alive, on one tp rank), in `room` (the device less the per-process overhead): on the
+    balanced cut they fit, if at all, only with full recompute. `states`: _rank_states."""
     out: set[int] = set()
     for r, held in zip(ranks, states):
-        if held + r.alive * per_byte > room:
+        if held + r.alive * act_scale > room:
             out.update(r.held)
     return frozenset(out)
 
 
 def _rank_states(pt: Point, ranks: tuple["_RankBound", ...], req: PlanRequest) -> list[float]:
     """_states of each pipeline rank's parameters, from the per-parameter rates once (P6 and P8 ask it of every
-    rank of tens of thousands of points)."""
+    rank of tens of thousands of points), and the whole parameters and gradients ZeRO-2 / 3 hold beside them
+    (memory.comm_buffer_bytes: a pipeline's FSDP2 stages, and the distributed optimizer, hold them through the step;
+    one stage's ZeRO-2 its parameters; its largest unit's left out), of the dense parameters only."""
     dense, expert = _state_rates(pt.dp, pt.ep, _state_zero(pt), req.precision, req.optimizer, False)
+    dense += _buffer_rate(pt, req)
     return [dense * (r.params - r.experts) + expert * r.experts for r in ranks]
+
+
+def _buffer_rate(pt: Point, req: PlanRequest) -> float:
+    """memory.comm_buffer_bytes per parameter of a rank's stages, its largest unit's share left out (a bound)."""
+    if pt.dp == 1 or _state_zero(pt) < 2:
+        return 0.0
+    p_b, g_b, _ = BYTES_PER_PARAM[(req.precision, req.optimizer)]
+    if pt.pp > 1 or pt.distributed_optimizer:
+        return float(p_b + g_b)
+    return float(p_b) if pt.zero == 2 else 0.0
 
 
 def _least_need(pt: Point, states: Sequence[float], parts: "_Partitions", act_scale: float) -> float:
@@ -719,7 +743,8 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     memo: dict = {}
     # one micro-batch's activations with selective recompute (the attention core dropped), all divided by tp at
     # best: the least a stage holds without full recompute (P5)
-    kept = sum(_least_saved(u, dtype_ratio(profile, req.precision)) for u in profile.units)
+    kept = sum(_least_saved(u, dtype_ratio(profile, req.precision), points[0].cp if points else 1)
+               for u in profile.units)
     scales = {mbs: activation_scale(profile, micro_batch_size=mbs, precision=req.precision)
               for mbs in {pt.micro_batch_size for pt in points}}
     acts = {mbs: kept * scale for mbs, scale in scales.items()}
@@ -1024,7 +1049,7 @@ def _prepare(profile: ModelProfile, cluster: ClusterProfile, req: PlanRequest, g
     run = _as_run(req, cluster)
     at = functools.partial(bound_unit_times, profile, cluster, req)
     parts = _Partitions(profile, at(profile.micro_batch_size), dtype_ratio=dtype_ratio(profile, run.precision),
-                        at_batch=at)
+                        at_batch=at, cp=cp)
     tp = search_tp(profile, cluster, gpus, req)
     points = _points(profile, gpus, req, parts, tp, gpu=cluster.device.kind == "gpu", cp=cp)
     if not points:
