@@ -743,8 +743,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     memo: dict = {}
     # one micro-batch's activations with selective recompute (the attention core dropped), all divided by tp at
     # best: the least a stage holds without full recompute (P5)
-    kept = sum(_least_saved(u, dtype_ratio(profile, req.precision), points[0].cp if points else 1)
-               for u in profile.units)
+    kept = sum(_least_saved(u, dtype_ratio(profile, req.precision), parts.cp) for u in profile.units)
     scales = {mbs: activation_scale(profile, micro_batch_size=mbs, precision=req.precision)
               for mbs in {pt.micro_batch_size for pt in points}}
     acts = {mbs: kept * scale for mbs, scale in scales.items()}
