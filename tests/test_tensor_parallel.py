@@ -40,7 +40,7 @@ def cfg_for(model: str, **kw) -> TrainConfig:
         from cost_models.profiling.model_profiler import profile_model
         prof = profile_model(resolve(model), micro_batch_size=1, seq_len=SEQ, meta=True)
         units = {"unit_modules": tuple(u.modules for u in prof.units)}
-    base = dict(model_source=model, seq_len=SEQ, input_kind="tokens", steps=5, warmup=1, seed=3, lr=1e-2)
+    base = dict(model_source=model, seq_len=SEQ, input_kind="tokens", steps=3, warmup=0, seed=3, lr=1e-2)
     return TrainConfig(**{**base, **units, **kw})
 
 
@@ -242,7 +242,7 @@ def test_tp2_dp2_checkpoint_resumes_as_zero3_dp2(tmp_path):
     from cost_models.profiling.model_profiler import profile_model
     from executor.launch import RunConfig, launch
     from tests.plans import plan_for
-    cfg = cfg_for("llama-tiny")
+    cfg = cfg_for("llama-tiny", steps=5)   # a run of 3 steps, resumed for 1 and then 1 more
     prof = profile_model(resolve("llama-tiny"), micro_batch_size=1, seq_len=SEQ, meta=True, dtype="fp32")
     root = tmp_path / "ck"
     run_a = launch(plan_for(S(dp=2, tp=2, zero=3), prof), RunConfig(steps=3, warmup=0, seed=cfg.seed, lr=cfg.lr,
@@ -264,7 +264,7 @@ def test_tp2_dp2_checkpoint_resumes_as_zero3_dp2(tmp_path):
     assert [*run_b.losses, *run_c.losses] == pytest.approx(reference(cfg)[3:], rel=1e-4)
     # GPT's fused q/k/v projection, split part by part over tp (a strided shard DCP cannot chunk: saved whole),
     # resumes under ZeRO-3 dp=2
-    gpt = cfg_for("gpt-tiny")
+    gpt = cfg_for("gpt-tiny", steps=5)
     prof = profile_model(resolve("gpt-tiny"), micro_batch_size=1, seq_len=SEQ, meta=True, dtype="fp32")
     run_d = launch(plan_for(S(tp=2, sp=True), prof), RunConfig(steps=3, warmup=0, seed=gpt.seed, lr=gpt.lr,
                                                                checkpoint_dir=str(tmp_path / "gpt")))
