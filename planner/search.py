@@ -25,7 +25,7 @@ the rest in order of a lower bound (a heap), branch-and-bound against the k-th b
      (the planner's policy: a rank that cannot hold its warm-up's activations recomputes);
   P8 recompute floor: such a point (P6 / P7, never re-cut) where a pipeline rank cannot hold its model states and,
      per forward it runs before its first backward, the least its stage keeps under any attempt (full recompute's
-     unit inputs where recompute frees memory, the selective floor divided by tp where that is less) is not
+     unit inputs where recompute frees memory, the selective floor on one tp rank where that is less) is not
      costed: none of its attempts fits. The same for one stage (pp = v = 1, never re-cut), one micro-batch alive.
 A point that does not fit with time-balanced stages is retried with selective recompute, full recompute on the
 stages that overflow, then the memory-aware exact DP partition. Unit times are assumed no faster at larger tp per
@@ -216,7 +216,7 @@ def _state_rates(dp: int, ep: int, zero: int, precision: str, optimizer: str, pa
 
 def _state_zero(pt: Point) -> int:
     """The ZeRO stage whose model states at rest a point holds: the distributed optimizer holds ZeRO-2's shards
-    (its whole parameters and gradients are buffers, which the bounds leave out)."""
+    (its whole parameters and gradients are buffers: _buffer_rate)."""
     return 2 if pt.distributed_optimizer else pt.zero
 
 
@@ -711,7 +711,7 @@ def _least_need(pt: Point, states: Sequence[float], parts: "_Partitions", act_sc
     every parameter at best) and, per forward it runs before its first backward (one for a single stage), the least
     its stage keeps. Full recompute keeps a stage's unit inputs (estimate._stage), except under a split backward
     past the first stage, where a recomputed stage keeps what it saves (estimate._stage's bound); anything else
-    keeps at least the selective floor divided by tp (P6's). More than the room: no attempt fits. `states`:
+    keeps at least the selective floor on one tp rank (P6's). More than the room: no attempt fits. `states`:
     _rank_states."""
     return max(a + b for a, b in zip(states, parts.act_floors(pt, act_scale)))
 

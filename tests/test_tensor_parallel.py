@@ -109,13 +109,14 @@ def run_items(nproc: int, items: list[tuple[str, Strategy, TrainConfig]], timeou
 
 # --- what the checks compare against ------------------------------------------------------------------------------
 
-_REFERENCES: dict[str, list[float]] = {}
+_REFERENCES: dict[tuple[str, int], list[float]] = {}
 
 
 def reference(cfg: TrainConfig) -> list[float]:
-    if cfg.model_source not in _REFERENCES:
-        _REFERENCES[cfg.model_source] = single_process_losses(S(units=_units(cfg)), cfg)
-    return _REFERENCES[cfg.model_source]
+    key = (cfg.model_source, cfg.steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = single_process_losses(S(units=_units(cfg)), cfg)
+    return _REFERENCES[key]
 
 
 def _units(cfg: TrainConfig) -> tuple[str, ...]:
