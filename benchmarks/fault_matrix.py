@@ -768,8 +768,10 @@ def quick_cases() -> list[Case]:
 # running a case
 
 def planner_cmd() -> list[str]:
-    exe = shutil.which("planner")
-    return [exe] if exe else [sys.executable, "-c", "import cli; cli.main()"]
+    """The `planner` script installed beside this interpreter (what a user of this environment runs), else this
+    checkout's CLI through this interpreter: never another environment's `planner` found first on PATH."""
+    exe = Path(sys.executable).with_name("planner")
+    return [str(exe)] if exe.is_file() else [sys.executable, "-c", "import cli; cli.main()"]
 
 
 @contextlib.contextmanager
