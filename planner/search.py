@@ -49,8 +49,8 @@ from cost_models.cost.compute import executed_precision
 from cost_models.cost.context_parallel import cp_view
 from cost_models.cost.estimate import (Estimate, activation_scale, dtype_ratio, estimate,
                                        held_params, optimizer_seconds, saved_bytes, unit_costs, unit_seconds)
-from cost_models.cost.memory import (executor_state_bytes, overhead_bytes, saved_parts, tp_saved_bytes,
-                                     zero_model_state_bytes)
+from cost_models.cost.memory import (comm_buffer_bytes, executor_state_bytes, overhead_bytes, saved_parts,
+                                     tp_saved_bytes, zero_model_state_bytes)
 from cost_models.cost.moe import check_ep, imbalance_source
 from cost_models.cost.sharing import busy_ranks
 from cost_models.records.cluster import Calibration, ClusterProfile
@@ -698,12 +698,9 @@ def _rank_states(pt: Point, ranks: tuple["_RankBound", ...], req: PlanRequest) -
 
 def _buffer_rate(pt: Point, req: PlanRequest) -> float:
     """memory.comm_buffer_bytes per parameter of a rank's stages, its largest unit's share left out (a bound)."""
-    if pt.dp == 1 or _state_zero(pt) < 2:
-        return 0.0
     p_b, g_b, _ = BYTES_PER_PARAM[(req.precision, req.optimizer)]
-    if pt.pp > 1 or pt.distributed_optimizer:
-        return float(p_b + g_b)
-    return float(p_b) if pt.zero == 2 else 0.0
+    return comm_buffer_bytes(stage_params=1.0, largest_unit_params=0.0, zero=_state_zero(pt), pp=pt.pp, dp=pt.dp,
+                             param_bytes=p_b, grad_bytes=g_b, held_whole=pt.distributed_optimizer)
 
 
 def _least_need(pt: Point, states: Sequence[float], parts: "_Partitions", act_scale: float) -> float:
