@@ -34,6 +34,7 @@ FLOP (the estimate's narrow-GEMM curve) and per sample at smaller micro-batches 
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import functools
 import gc
@@ -43,6 +44,8 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Sequence, cast
+
+import numpy as np
 
 from cost_models.cost.comm import collective_time, group_ranks_per_node
 from cost_models.cost.compute import executed_precision
@@ -97,62 +100,67 @@ class _Partitions:
         self.names = [u.name for u in profile.units]
         self.fb: dict = {}   # k -> (forward, backward) per stage; ('params', k) -> parameters per stage
 
-    def stage_params(self, k: int) -> list[float]:
+    def stage_params(self, k: int) -> np.ndarray:
         """Parameters per stage of the cut `stages(k)` (tied copies left out: a lower bound)."""
         if ("params", k) not in self.fb:
             where = {u.name: u.params for u in self.profile.units}
-            self.fb["params", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
+            self.fb["params", k] = _frozen([float(sum(where[u] for u in st)) for st in self.stages(k)])
         return self.fb["params", k]
 
-    def stage_experts(self, k: int) -> list[float]:
+    def stage_experts(self, k: int) -> np.ndarray:
         """Routed experts' parameters per stage of the cut `stages(k)` (of stage_params; 0 in a dense model)."""
         if ("experts", k) not in self.fb:
             where = {u.name: u.moe.expert_params if u.moe else 0 for u in self.profile.units}
-            self.fb["experts", k] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
+            self.fb["experts", k] = _frozen([float(sum(where[u] for u in st)) for st in self.stages(k)])
         return self.fb["experts", k]
 
-    def stage_kept(self, k: int, tp: int = 1, sp: bool = False, shard: bool = False) -> list[float]:
+    def stage_kept(self, k: int, tp: int = 1, sp: bool = False, shard: bool = False) -> np.ndarray:
         """The least saved-for-backward bytes per stage of the cut `stages(k)` with selective recompute, on one
         rank of `tp` (_least_saved), per micro-batch at the profile's batch and dtype (times activation_scale:
         bytes)."""
         key = ("kept", k, tp, sp, shard)
         if key not in self.fb:
-            where = {u.name: _least_saved(u, self.dtype_ratio, self.cp, tp=tp, sp=sp, shard=shard)
-                     for u in self.profile.units}
-            self.fb[key] = [float(sum(where[u] for u in st)) for st in self.stages(k)]
+            if ("unit kept", tp, sp, shard) not in self.fb:   # every cut's stages sum the same units' figures
+                self.fb["unit kept", tp, sp, shard] = {
+                    u.name: _least_saved(u, self.dtype_ratio, self.cp, tp=tp, sp=sp, shard=shard)
+                    for u in self.profile.units}
+            where = self.fb["unit kept", tp, sp, shard]
+            self.fb[key] = _frozen([float(sum(where[u] for u in st)) for st in self.stages(k)])
         return self.fb[key]
 
-    def rank_kept(self, pt: Point) -> list[float]:
+    def rank_kept(self, pt: Point) -> np.ndarray:
         """stage_kept on one of the point's tp ranks, SP's shards saved where an attempt may save them."""
         return self.stage_kept(pt.pp * pt.v, pt.tp, pt.sp, _may_save_shards(pt))
 
-    def stage_inputs(self, k: int) -> list[float]:
+    def stage_inputs(self, k: int) -> np.ndarray:
         """Per stage of the cut `stages(k)`, the inputs of its units that full recompute keeps per micro-batch
         (estimate._stage: each unit's input but the model's own, at the profile's scale: times activation_scale)."""
         if ("inputs", k) not in self.fb:
             out = {u.name: float(self.profile.units[i - 1].output_bytes) if i else 0.0
                    for i, u in enumerate(self.profile.units)}
-            self.fb["inputs", k] = [sum(out[u] for u in st) for st in self.stages(k)]
+            self.fb["inputs", k] = _frozen([sum(out[u] for u in st) for st in self.stages(k)])
         return self.fb["inputs", k]
 
-    def alive_kept(self, pt: Point) -> tuple[float, ...]:
+    def alive_kept(self, pt: Point) -> np.ndarray:
         """Per pipeline rank, rank_kept summed over the forwards it runs before its first backward (P6)."""
         key = ("alive", pt.pp, pt.v, pt.schedule, pt.microbatches, pt.tp, pt.sp)
         if key not in self.fb:
             self.fb[key] = _over_alive(pt, self.rank_kept(pt))
         return self.fb[key]
 
-    def act_floors(self, pt: Point, act_scale: float) -> tuple[float, ...]:
+    def act_floors(self, pt: Point, act_scale: float) -> np.ndarray:
         """P8's activation floor per pipeline rank of the point's cut and schedule (search._least_need), in bytes,
         the same for every ZeRO stage and dp of a shape."""
         key = ("floors", pt.pp, pt.v, pt.tp, pt.sp, pt.schedule, pt.microbatches, act_scale)
         if key not in self.fb:
-            split = get_spec(pt.schedule).split_backward
-            self.fb[key] = _over_alive(pt, [(c if split and sid else min(i, c)) * act_scale for sid, (i, c) in
-                                            enumerate(zip(self.stage_inputs(pt.pp * pt.v), self.rank_kept(pt)))])
+            kept = self.rank_kept(pt)
+            least = np.minimum(self.stage_inputs(pt.pp * pt.v), kept)
+            if get_spec(pt.schedule).split_backward:   # past the first stage, a recomputed stage keeps what it
+                least[1:] = kept[1:]                      # saves (_least_need)
+            self.fb[key] = _over_alive(pt, least * act_scale)
         return self.fb[key]
 
-    def stage_fb(self, k: int, mbs: int | None = None) -> list[tuple[float, float]]:
+    def stage_fb(self, k: int, mbs: int | None = None) -> np.ndarray:
         """(forward, backward) per stage of the cut `stages(k)`, per micro-batch at the profile's batch, or at `mbs`
         where that is given (at_batch's times; linear without it)."""
         if (k, mbs) not in self.fb:
@@ -165,10 +173,15 @@ class _Partitions:
                 unit_fb = self.fb["at", mbs]
             else:
                 unit_fb = [(f * mbs / b0, b * mbs / b0) for f, b in self.unit_fb]
-            where = {name: i for i, name in enumerate(self.names)}
-            self.fb[k, mbs] = [(sum(unit_fb[where[u]][0] for u in st), sum(unit_fb[where[u]][1] for u in st))
-                               for st in self.stages(k)]
+            self.fb[k, mbs] = _stage_sums(unit_fb, self.stage_ids(k))
         return self.fb[k, mbs]
+
+    def stage_ids(self, k: int) -> tuple[tuple[int, ...], ...]:
+        """stages(k) as the units' indices in the profile."""
+        if ("ids", k) not in self.fb:
+            where = {name: i for i, name in enumerate(self.names)}
+            self.fb["ids", k] = tuple(tuple(where[u] for u in st) for st in self.stages(k))
+        return self.fb["ids", k]
 
     def stages(self, k: int) -> tuple[tuple[str, ...], ...]:
         if k not in self.cache:
@@ -489,7 +502,7 @@ class _UnitTimes:
         self.profile, self.cluster, self.req, self.cp = profile, cluster, req, cp
         self.names = [u.name for u in profile.units]
         self.cache: dict[tuple[int, bool, int, int], list[tuple[float, float]] | None] = {}
-        self.stage_cache: dict[tuple, list[tuple[float, float]]] = {}
+        self.stage_cache: dict[tuple, np.ndarray] = {}
 
     def units(self, tp: int, sp: bool, mbs: int, ep: int = 1) -> list[tuple[float, float]] | None:
         if (tp, sp, mbs, ep) not in self.cache:
@@ -510,7 +523,7 @@ class _UnitTimes:
                      optimizer=self.req.optimizer, ep=ep)
         return unit_costs(s, self.profile, self.cluster, cp=self.cp)
 
-    def stage_fb(self, pt: Point, parts: _Partitions) -> list[tuple[float, float]] | None:
+    def stage_fb(self, pt: Point, parts: _Partitions) -> np.ndarray | None:
         """(forward, backward) per stage of the point's cut, per micro-batch of its size (None: no proxy)."""
         k = pt.pp * pt.v
         key = (k, pt.tp, pt.sp, pt.micro_batch_size, pt.ep)
@@ -518,30 +531,35 @@ class _UnitTimes:
             per_unit = self.units(pt.tp, pt.sp, pt.micro_batch_size, pt.ep)
             if per_unit is None or k == 1 and len(self.names) == 1:
                 return None
-            where = {name: i for i, name in enumerate(self.names)}
-            self.stage_cache[key] = [(sum(per_unit[where[u]][0] for u in st), sum(per_unit[where[u]][1] for u in st))
-                                     for st in parts.stages(k)]
+            self.stage_cache[key] = _stage_sums(per_unit, parts.stage_ids(k))
         return self.stage_cache[key]
 
 
-class _RankBound(NamedTuple):
-    """A pipeline rank's share of P2: `start_busy` = when micro-batch 0's forward can first reach it + its work
-    for all micro-batches; `tail` = the backward the stages ahead still run after its last action; `params` = the
-    parameters its stages hold, divided by tp (at best); `held` its stages; `alive` the least activation bytes it
-    keeps with selective recompute (P6), at the profile's micro-batch, on one tp rank. A named tuple, not a
-    frozen dataclass: the search builds one per pipeline rank of every shape (benchmarks/long_context.py's 405B
-    row: 8,355 shapes of up to 128 ranks), and a tuple is built without a dataclass's per-field setattr."""
+class _Ranks(NamedTuple):
+    """P2's and P6's figures of one shape, an array over its pipeline ranks each: `start_busy` = when micro-batch
+    0's forward can first reach the rank + its work for all micro-batches; `tail` = the backward the stages ahead
+    still run after its last action; `params` = the parameters its stages hold, divided by tp (at best); `forward`
+    the forward part of its work (what full recompute runs again); `held` its stages (ranks x v); `alive` the least
+    activation bytes it keeps with selective recompute (P6), at the profile's micro-batch, on one tp rank;
+    `experts` of params, the routed experts' (whole: split ep ways where the point says). Arrays, not a record
+    per rank: the search bounds thousands of shapes of up to 128 ranks on large clusters, and an operation on a
+    whole array is one call where a loop over the ranks is one per rank."""
 
-    start_busy: float
-    tail: float
-    params: float
-    forward: float = 0.0   # the forward part of its work (what full recompute runs again)
-    held: tuple[int, ...] = (0,)
-    alive: float = 0.0
-    experts: float = 0.0   # of params, the routed experts' (whole: split ep ways where the point says)
+    start_busy: np.ndarray
+    tail: np.ndarray
+    params: np.ndarray
+    forward: np.ndarray
+    held: np.ndarray
+    alive: np.ndarray
+    experts: np.ndarray
+
+    def recomputing(self, stages: frozenset[int]) -> "_Ranks":
+        """These ranks with full recompute on `stages`: a rank holding any of them runs its forward twice (P6)."""
+        rerun = np.isin(self.held, tuple(stages)).any(axis=1)
+        return _Ranks(np.where(rerun, self.start_busy + self.forward, self.start_busy), *self[1:])
 
 
-def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = None) -> tuple[_RankBound, ...]:
+def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = None) -> _Ranks:
     """P2 per pipeline rank, for the point's stage cut (stage times scaled to its micro-batch and tp; no p2p,
     recompute or per-action overheads). Pipeline rank j holds stages whose work it must do for all m
     micro-batches, and cannot start before micro-batch 0's forward has passed the stages ahead of its first one;
@@ -556,32 +574,42 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
         scale = 1.0 / pt.tp
         fb = parts.stage_fb(k, pt.micro_batch_size)
     params, kept, experts = parts.stage_params(k), parts.rank_kept(pt), parts.stage_experts(k)
+    m, f, work = pt.microbatches, fb[:, 0], fb[:, 0] + fb[:, 1]
     if k == 1:
-        return (_RankBound(start_busy=pt.microbatches * sum(fb[0]) * scale, tail=0.0, params=params[0] / pt.tp,
-                           forward=pt.microbatches * fb[0][0] * scale, alive=kept[0], experts=experts[0]),)
-    spec = get_spec(pt.schedule)
-    f_before, b_before = [0.0], [0.0]
-    for f, b in fb:
-        f_before.append(f_before[-1] + f)
-        b_before.append(b_before[-1] + b)
-    out = []
+        return _Ranks(start_busy=m * work * scale, tail=np.zeros(1), params=params / pt.tp, forward=m * f * scale,
+                      held=np.zeros((1, 1), dtype=int), alive=kept, experts=experts)
+    held = _placement(pt.schedule, pt.pp, pt.v)
+    first = held[:, 0]   # placement's stages are ascending
+    # np.cumsum adds one stage at a time, in stage order (np.sum may pair terms and round otherwise)
+    f_before = np.concatenate(([0.0], np.cumsum(f)))[first]
+    tail = (np.zeros(pt.pp) if get_spec(pt.schedule).split_backward
+            else np.concatenate(([0.0], np.cumsum(fb[:, 1])))[first] * scale)
+    busy, fwd = m * work[held].sum(axis=1), m * f[held].sum(axis=1)
     # P6's activations: the forwards each rank runs before its first backward, all alive at once (1F1B's rank j
     # holds p - j micro-batches then), and at least one micro-batch of its largest stage
-    before = parts.alive_kept(pt)
-    m, split = pt.microbatches, spec.split_backward
-    for j, held in enumerate(placement(pt.schedule, pt.pp, pt.v)):
-        first = held[0]   # placement's stages are ascending
-        if len(held) == 1:   # one stage per rank (v = 1): the sums below without their loops
-            f, b = fb[first]
-            busy, fwd, held_params, alive, held_experts = m * (f + b), m * f, params[first], kept[first], experts[first]
-        else:
-            busy = m * sum(fb[st][0] + fb[st][1] for st in held)
-            fwd = m * sum(fb[st][0] for st in held)
-            held_params, held_experts = sum(params[st] for st in held), sum(experts[st] for st in held)
-            alive = max(kept[st] for st in held)
-        out.append(_RankBound((f_before[first] + busy) * scale, 0.0 if split else b_before[first] * scale,
-                              held_params / pt.tp, fwd * scale, held, max(alive, before[j]), held_experts))
-    return tuple(out)
+    alive = np.maximum(kept[held].max(axis=1), parts.alive_kept(pt))
+    return _Ranks(start_busy=(f_before + busy) * scale, tail=tail, params=params[held].sum(axis=1) / pt.tp,
+                  forward=fwd * scale, held=held, alive=alive, experts=experts[held].sum(axis=1))
+
+
+@functools.lru_cache(maxsize=1024)
+def _placement(schedule: str, p: int, v: int) -> np.ndarray:
+    """schedule.placement as a (p, v) array, read-only."""
+    return _frozen(placement(schedule, p, v), dtype=int)
+
+
+def _stage_sums(per_unit: Sequence[tuple[float, float]], ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """(forward, backward) per stage of units `ids`, as a (stages, 2) array, each summed one unit at a time in unit
+    order (np.sum may pair terms and round otherwise)."""
+    fs, bs = [f for f, _ in per_unit], [b for _, b in per_unit]
+    return _frozen([(sum([fs[i] for i in st]), sum([bs[i] for i in st])) for st in ids])
+
+
+def _frozen(values, dtype=float) -> np.ndarray:
+    """A read-only array of `values`: the search's caches hand the same one to every point of a shape."""
+    out = np.array(values, dtype=dtype)
+    out.flags.writeable = False
+    return out
 
 
 def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanRequest) -> float:
@@ -609,7 +637,7 @@ def _dp_bound(pt: Point, params: float, cluster: ClusterProfile, req: PlanReques
     return coll("reduce_scatter", params * g_b) + (2 if pt.zero == 3 else 1) * gather
 
 
-def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], profile: ModelProfile, cluster: ClusterProfile,
+def _point_bound(pt: Point, ranks: _Ranks, profile: ModelProfile, cluster: ClusterProfile,
                  req: PlanRequest, memo: dict | None = None) -> float:
     """P2 for one point: every rank ends after its work and its exposed data-parallel collectives, and the step
     after the last backward; then the optimizer step of the fullest rank. Two ranks (the schedule's critical one
@@ -618,9 +646,9 @@ def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], profile: ModelProfile
     caller keeps those alive, so their ids stay theirs)."""
     memo = {} if memo is None else memo
     if ("ranks", id(ranks)) not in memo:
-        memo["ranks", id(ranks)] = (max(r.start_busy + r.tail for r in ranks), max(ranks, key=lambda r: r.start_busy),
-                                    max(ranks, key=lambda r: r.start_busy + r.tail),
-                                    max(ranks, key=lambda r: r.params - r.experts + r.experts / pt.ep))
+        end = ranks.start_busy + ranks.tail
+        memo["ranks", id(ranks)] = (float(end.max()), int(ranks.start_busy.argmax()), int(end.argmax()),
+                                    int((ranks.params - ranks.experts + ranks.experts / pt.ep).argmax()))
     schedule, busiest, critical, fullest = memo["ranks", id(ranks)]
     cal = _calibration(cluster)
 
@@ -632,17 +660,20 @@ def _point_bound(pt: Point, ranks: tuple[_RankBound, ...], profile: ModelProfile
 
     experts_pt = replace(pt, dp=pt.dp // pt.ep, tp=pt.tp * pt.ep, ep=1) if pt.ep > 1 else None
 
-    def dp_time(r: _RankBound) -> float:
-        """The dense parameters' over dp, and under EP the experts' share over their own group (dp / ep ranks, ep x
-        tp apart: placed as _dp_bound places a group of that stride)."""
+    def dp_time(j: int) -> float:
+        """Rank j's: the dense parameters' over dp, and under EP the experts' share over their own group (dp / ep
+        ranks, ep x tp apart: placed as _dp_bound places a group of that stride)."""
+        params, experts = float(ranks.params[j]), float(ranks.experts[j])
         if experts_pt is None:
-            return group_time(pt, r.params)
-        dense = group_time(pt, r.params - r.experts)
-        return dense + (group_time(experts_pt, r.experts / pt.ep) if experts_pt.dp > 1 else 0.0)
+            return group_time(pt, params)
+        dense = group_time(pt, params - experts)
+        return dense + (group_time(experts_pt, experts / pt.ep) if experts_pt.dp > 1 else 0.0)
 
-    bound = max(schedule, busiest.start_busy + dp_time(busiest), critical.start_busy + dp_time(critical))
+    start = ranks.start_busy
+    bound = max(schedule, float(start[busiest]) + dp_time(busiest), float(start[critical]) + dp_time(critical))
     dense_dp, expert_dp = (pt.dp, pt.dp // pt.ep) if pt.zero >= 1 else (1, 1)
-    held = (fullest.params - fullest.experts) / dense_dp + fullest.experts / pt.ep / expert_dp
+    held = (float(ranks.params[fullest] - ranks.experts[fullest]) / dense_dp
+            + float(ranks.experts[fullest]) / pt.ep / expert_dp)
     busy = busy_ranks(cast(Strategy, pt))   # busy_ranks reads only fields a Point has too
     # the update alone, its fixed cost per tensor left out (a lower bound)
     return bound + optimizer_seconds(held, 0.0, profile=profile, cluster=cluster, precision=req.precision,
@@ -658,7 +689,7 @@ class _Bounds:
     min_need: float = math.inf             # the least bytes a point P8 dropped needs (states, activations, overhead)
     must: dict[Point, frozenset[int]] = field(default_factory=dict)   # P6: stages that must recompute fully
     # P8 at a point's turn, where P7 finds its stages: each shape's rank bounds and each micro-batch's scale
-    ranks: dict[tuple, tuple["_RankBound", ...]] = field(default_factory=dict)
+    ranks: dict[tuple, "_Ranks"] = field(default_factory=dict)
     scales: dict[int, float] = field(default_factory=dict)
 
     def floored(self, bound: float, pt: Point, need: float) -> None:
@@ -673,27 +704,23 @@ class _Bounds:
             self.memory_limited = (bound, pt)
 
 
-def _must_recompute(pt: Point, ranks: tuple["_RankBound", ...], states: Sequence[float], act_scale: float,
-                    room: float) -> frozenset[int]:
+def _must_recompute(pt: Point, ranks: _Ranks, states: np.ndarray, act_scale: float, room: float) -> frozenset[int]:
     """P6: the stages of pipeline ranks that cannot hold their model states (as the executor keeps them, tp
     dividing every parameter at best) plus their least activations with the attention core dropped (selective
-    recompute; _RankBound.alive, on one tp rank), in `room` (the device less the per-process overhead): on the
+    recompute; _Ranks.alive, on one tp rank), in `room` (the device less the per-process overhead): on the
     balanced cut they fit, if at all, only with full recompute. `states`: _rank_states."""
-    out: set[int] = set()
-    for r, held in zip(ranks, states):
-        if held + r.alive * act_scale > room:
-            out.update(r.held)
-    return frozenset(out)
+    over = states + ranks.alive * act_scale > room
+    return frozenset(ranks.held[over].ravel().tolist()) if over.any() else frozenset()
 
 
-def _rank_states(pt: Point, ranks: tuple["_RankBound", ...], req: PlanRequest) -> list[float]:
+def _rank_states(pt: Point, ranks: _Ranks, req: PlanRequest) -> np.ndarray:
     """_states of each pipeline rank's parameters, from the per-parameter rates once (P6 and P8 ask it of every
     rank of tens of thousands of points), and the whole parameters and gradients ZeRO-2 / 3 hold beside them
     (memory.comm_buffer_bytes: a pipeline's FSDP2 stages, and the distributed optimizer, hold them through the step;
     one stage's ZeRO-2 its parameters; its largest unit's left out), of the dense parameters only."""
     dense, expert = _state_rates(pt.dp, pt.ep, _state_zero(pt), req.precision, req.optimizer, False)
     dense += _buffer_rate(pt, req)
-    return [dense * (r.params - r.experts) + expert * r.experts for r in ranks]
+    return dense * (ranks.params - ranks.experts) + expert * ranks.experts
 
 
 def _buffer_rate(pt: Point, req: PlanRequest) -> float:
@@ -703,29 +730,32 @@ def _buffer_rate(pt: Point, req: PlanRequest) -> float:
                              param_bytes=p_b, grad_bytes=g_b, held_whole=pt.distributed_optimizer)
 
 
-def _least_need(pt: Point, states: Sequence[float], parts: "_Partitions", act_scale: float) -> float:
+def _least_need(pt: Point, states: np.ndarray, parts: "_Partitions", act_scale: float) -> float:
     """P8: the most bytes any pipeline rank needs under every attempt on this cut: its model states (tp dividing
     every parameter at best) and, per forward it runs before its first backward (one for a single stage), the least
     its stage keeps. Full recompute keeps a stage's unit inputs (estimate._stage), except under a split backward
     past the first stage, where a recomputed stage keeps what it saves (estimate._stage's bound); anything else
     keeps at least the selective floor on one tp rank (P6's). More than the room: no attempt fits. `states`:
     _rank_states."""
-    return max(a + b for a, b in zip(states, parts.act_floors(pt, act_scale)))
+    return float((states + parts.act_floors(pt, act_scale)).max())
 
 
-def _over_alive(pt: Point, per_stage: Sequence[float]) -> tuple[float, ...]:
+def _over_alive(pt: Point, per_stage: np.ndarray) -> np.ndarray:
     """Per pipeline rank, `per_stage` summed over the forwards it runs before its first backward (one stage: one)."""
     if pt.pp * pt.v == 1:
-        return (per_stage[0],)
-    return tuple(sum(per_stage[st] for st in stages)
-                 for stages in _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v))
+        return per_stage[:1]
+    held = _placement(pt.schedule, pt.pp, pt.v)
+    return (per_stage[held] * _alive_before_backward(pt.schedule, pt.pp, pt.microbatches, pt.v)).sum(axis=1)
 
 
 @functools.lru_cache(maxsize=4096)
-def _alive_before_backward(schedule: str, p: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
-    """Per pipeline rank, schedule.forwards_before_backward (P6 and P8 ask it of thousands of points of few
-    shapes)."""
-    return tuple(forwards_before_backward(schedule, j, p, m, v) for j in range(p))
+def _alive_before_backward(schedule: str, p: int, m: int, v: int) -> np.ndarray:
+    """Per pipeline rank and stage it holds (_placement's (p, v)), how many of the forwards the rank runs before its
+    first backward (schedule.forwards_before_backward) are on that stage. P6 and P8 ask it of thousands of points
+    of few shapes; GPipe's rank runs m x v forwards before its first backward, on v stages."""
+    held = placement(schedule, p, v)
+    counts = [collections.Counter(forwards_before_backward(schedule, j, p, m, v)) for j in range(p)]
+    return _frozen([[counts[j][st] for st in held[j]] for j in range(p)])
 
 
 def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile, parts: "_Partitions",
@@ -736,7 +766,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
     overhead, cap = overhead_bytes(cluster), cluster.device.memory_bytes
     out = _Bounds(survivors=[], pruned=0, min_state=math.inf, memory_limited=None)
     # the schedule's part is the same for every ZeRO stage (keyed by group, and by (group, P6's stages))
-    group_bound: dict[tuple, tuple[_RankBound, ...]] = {}
+    group_bound: dict[tuple, _Ranks] = {}
     memo: dict = {}
     # one micro-batch's activations with selective recompute (the attention core dropped), all divided by tp at
     # best: the least a stage holds without full recompute (P5)
@@ -763,7 +793,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
         limited = state > cap                                  # P1
         if not limited and pt.pp * pt.v == 1 and state + acts[pt.micro_batch_size] / pt.tp > cap:
             limited = True                                     # P5: one stage that fits only by full recompute
-            bound, memory_free = bound + group_bound[g][0].forward, bound
+            bound, memory_free = bound + float(group_bound[g].forward[0]), bound
         else:
             memory_free = bound
         if limited:
@@ -781,8 +811,7 @@ def _bounded(points: list[Point], profile: ModelProfile, cluster: ClusterProfile
         if must and pt.pp * pt.v > 1:   # P6: those ranks run their forward twice
             out.must[pt] = must
             if (g, must) not in group_bound:
-                group_bound[g, must] = tuple(_RankBound(r.start_busy + r.forward, *r[1:])
-                                             if must.intersection(r.held) else r for r in group_bound[g])
+                group_bound[g, must] = group_bound[g].recomputing(must)
             bound = max(bound, _point_bound(pt, group_bound[g, must], profile, cluster, req, memo))
         out.survivors.append((bound, pt))
     out.survivors.sort(key=lambda x: x[0])
@@ -987,7 +1016,10 @@ def _calibration(cluster: ClusterProfile) -> Calibration:
     """The cluster's calibration (neutral where it has none): the bounds scale as the estimate does, else a
     calibration's factors below 1 lifted bounds above their estimates (benchmarks/results/measurements.md,
     "Calibration") and pruned what the exhaustive search keeps."""
-    return cluster.calibration or Calibration()
+    return cluster.calibration or _NEUTRAL
+
+
+_NEUTRAL = Calibration()
 
 
 def _as_run(req: PlanRequest, cluster: ClusterProfile) -> PlanRequest:

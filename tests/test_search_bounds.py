@@ -273,7 +273,7 @@ def test_memory_floors_are_below_every_attempts_memory(seq_len, cp):
         states = S._rank_states(pt, ranks, run)
         scale = activation_scale(d.profile, micro_batch_size=pt.micro_batch_size, precision=run.precision)
         need = S._least_need(pt, states, d.parts, scale)
-        alive = max(h + r.alive * scale for r, h in zip(ranks, states))   # P6's, with selective recompute
+        alive = float((states + ranks.alive * scale).max())   # P6's, with selective recompute
         stages = d.parts.stages(pt.pp * pt.v)
         must = S._must_recompute(pt, ranks, states, scale, c.device.memory_bytes - overhead)
         every = [dict(), dict(selective=True), dict(recompute=(True,) * len(stages)),
