@@ -98,7 +98,9 @@ class _Partitions:
         self.dtype_ratio = dtype_ratio   # the plan's compute dtype's element size over the profile's
         self.unit_cost = [f + b for f, b in unit_fb]
         self.names = [u.name for u in profile.units]
-        self.fb: dict = {}   # k -> (forward, backward) per stage; ('params', k) -> parameters per stage
+        # per-cut caches, keyed by what they are: (k, mbs) -> (forward, backward) per stage, ('params', k) ->
+        # parameters per stage, ('ids', k), ('kept', k, tp, sp, shard), ('unit kept', tp, sp, shard), ...
+        self.fb: dict = {}
 
     def stage_params(self, k: int) -> np.ndarray:
         """Parameters per stage of the cut `stages(k)` (tied copies left out: a lower bound)."""
@@ -580,7 +582,8 @@ def _schedule_bound(pt: Point, parts: _Partitions, times: _UnitTimes | None = No
                       held=np.zeros((1, 1), dtype=int), alive=kept, experts=experts)
     held = _placement(pt.schedule, pt.pp, pt.v)
     first = held[:, 0]   # placement's stages are ascending
-    # np.cumsum adds one stage at a time, in stage order (np.sum may pair terms and round otherwise)
+    # np.cumsum adds one stage at a time, in stage order; a rank's v <= 4 stages (searched_v) sum left to right
+    # too (numpy's sum pairs terms only from 8 on)
     f_before = np.concatenate(([0.0], np.cumsum(f)))[first]
     tail = (np.zeros(pt.pp) if get_spec(pt.schedule).split_backward
             else np.concatenate(([0.0], np.cumsum(fb[:, 1])))[first] * scale)
@@ -741,7 +744,8 @@ def _least_need(pt: Point, states: np.ndarray, parts: "_Partitions", act_scale: 
 
 
 def _over_alive(pt: Point, per_stage: np.ndarray) -> np.ndarray:
-    """Per pipeline rank, `per_stage` summed over the forwards it runs before its first backward (one stage: one)."""
+    """Per pipeline rank, `per_stage` summed over the forwards it runs before its first backward (one stage: one),
+    as each held stage's value times its forwards: the per-forward sum up to its last bit."""
     if pt.pp * pt.v == 1:
         return per_stage[:1]
     held = _placement(pt.schedule, pt.pp, pt.v)
