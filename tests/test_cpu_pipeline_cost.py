@@ -99,6 +99,11 @@ def test_other_programs_runnable_beside_the_probe_share_the_cores():
     cluster = dataclasses.replace(preset("dgx-a100"), compute=probe,
                                   device=dataclasses.replace(preset("dgx-a100").device, kind="cpu"))
     assert (effective_cores(cluster, 4), contention(cluster, 4), contention(cluster, 1)) == (2.0, 2.0, 1.0)
+    # a probe whose ranks read above the host's cores (their windows timed one by one): the host's cores
+    above = dataclasses.replace(cluster, compute=dataclasses.replace(probe, flops_per_rank=1.03e9))
+    assert effective_cores(above, 4) == 2.0 and contention(above, 4) == 2.0
+    unknown = dataclasses.replace(cluster, compute=dataclasses.replace(probe, flops_per_rank=1.03e9, host_cores=0))
+    assert effective_cores(unknown, 4) == pytest.approx(2.06)
     loaded = dataclasses.replace(cluster, compute=dataclasses.replace(probe, background_runnable=2.0))
     assert effective_cores(loaded, 4) == pytest.approx(2 * 4 / 6)
     assert contention(loaded, 4) == pytest.approx(3.0) and contention(loaded, 1) == pytest.approx(1.5)
