@@ -23,10 +23,15 @@ from planner.run_record import RunFile
 from planner.search import plan
 
 DEMO_MODEL = "gpt-tiny"
-DEMO_MICRO_BATCH = 4
 DEMO_SEQ_LEN = 64
 DEMO_RANKS = 4
 DEMO_GLOBAL_BATCH = 64    # sequences per step
+# The profile's micro-batch: each rank's share of the batch under data parallelism over every rank, the plan a
+# quiet machine picks. A unit is timed at this size and at one sample, and the estimate interpolates between
+# them, so that plan is priced at its own size; from a smaller profile its time was extrapolated past the timings,
+# which missed how per-sample work grows with the working set (benchmarks/results/measurements.md, "The demo's
+# profile micro-batch").
+DEMO_MICRO_BATCH = DEMO_GLOBAL_BATCH // DEMO_RANKS
 # 8 timed steps after WARMUP_STEPS: the measured step is their median, and on a shared machine single steps stray
 # by a scheduler's slices (a median of 4 moved with one or two slow steps: benchmarks/results/measurements.md,
 # "The demo under two busy loops")
