@@ -104,12 +104,6 @@ def test_other_programs_runnable_beside_the_probe_share_the_cores():
     assert effective_cores(above, 4) == 2.0 and contention(above, 4) == 2.0
     unknown = dataclasses.replace(cluster, compute=dataclasses.replace(probe, flops_per_rank=1.03e9, host_cores=0))
     assert effective_cores(unknown, 4) == pytest.approx(2.06)
-    # beside other programs, the host's cores shared per task, whichever share the probe's ranks happened to get
-    # (a third of it as their session's share, autogroup's, beside two loops in other sessions)
-    grouped = dataclasses.replace(probe, flops_per_rank=1e9 / 3, background_runnable=2.0)
-    assert effective_cores(dataclasses.replace(cluster, compute=grouped), 4) == pytest.approx(2 * 4 / 6)
-    no_host = dataclasses.replace(grouped, host_cores=0)   # the probe's ratio, un-hidden: 2/3 x 6/4 x 4/6
-    assert effective_cores(dataclasses.replace(cluster, compute=no_host), 4) == pytest.approx(2 / 3)
     loaded = dataclasses.replace(cluster, compute=dataclasses.replace(probe, background_runnable=2.0))
     assert effective_cores(loaded, 4) == pytest.approx(2 * 4 / 6)
     assert contention(loaded, 4) == pytest.approx(3.0) and contention(loaded, 1) == pytest.approx(1.5)

@@ -108,23 +108,20 @@ def effective_cores(cluster: ClusterProfile, ranks_running: float | None = None)
 
     Other programs' runnable tasks (ComputeProbe.background_runnable, b) take their share: processor sharing
     (Kleinrock 1967, the module doc) gives each of k busy ranks cores / (k + b), as if the ranks alone had
-    cores x k / (k + b) (`ranks_running` = k). Those cores are the host's (ComputeProbe.host_cores) where it is
-    known, not the probe's ratio: beside programs in other sessions the probe's ranks, computing without a pause,
-    got either that per-task share or their session's share (Linux autogroup, sched(7)), a third of it beside two,
-    while training ranks, which wait on each other every step, got the per-task share either way
-    (benchmarks/results/measurements.md, "Busy loops in another session", "The demo's profile micro-batch").
-    Without the host's count the probe's ratio stands in, taken as ratio x (ranks + b) / ranks: it ran beside them
-    too, which hides them (its alone rate shared the cores as well). Never more than the host's cores: no more
-    rank-threads run at once, and a ratio above that is the probe's noise (each rank times its own window)."""
+    cores x k / (k + b) (`ranks_running` = k). The probe's own ratio ran beside them too, which hides them (its
+    alone rate shared the cores as well): the cores are then taken as that ratio x (ranks + b) / ranks.
+    Either way at most the cores the host gives the ranks (ComputeProbe.host_cores): no more rank-threads run at
+    once than there are cores, and a ratio above that is the probe's noise (each rank times its own window)."""
     c = cluster.compute
     if cluster.device.kind != "cpu" or c is None or c.flops_alone <= 0:
         return None
     cores = c.ranks * c.flops_per_rank / c.flops_alone
     b = c.background_runnable
-    if b <= 0 or ranks_running is None or ranks_running <= 0:
-        return min(cores, c.host_cores) if c.host_cores > 0 else cores
-    cores = c.host_cores if c.host_cores > 0 else cores * (c.ranks + b) / c.ranks
-    return cores * ranks_running / (ranks_running + b)
+    loaded = b > 0 and ranks_running is not None and ranks_running > 0
+    if loaded:
+        cores = cores * (c.ranks + b) / c.ranks
+    cores = min(cores, c.host_cores) if c.host_cores > 0 else cores
+    return cores * ranks_running / (ranks_running + b) if loaded and ranks_running is not None else cores
 
 
 def contention(cluster: ClusterProfile, ranks_running: float) -> float:
