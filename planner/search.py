@@ -105,15 +105,14 @@ class _Partitions:
     def stage_params(self, k: int) -> np.ndarray:
         """Parameters per stage of the cut `stages(k)` (tied copies left out: a lower bound)."""
         if ("params", k) not in self.fb:
-            where = {u.name: u.params for u in self.profile.units}
-            self.fb["params", k] = _frozen([float(sum(where[u] for u in st)) for st in self.stages(k)])
+            self.fb["params", k] = _stage_totals([u.params for u in self.profile.units], self.stage_ids(k))
         return self.fb["params", k]
 
     def stage_experts(self, k: int) -> np.ndarray:
         """Routed experts' parameters per stage of the cut `stages(k)` (of stage_params; 0 in a dense model)."""
         if ("experts", k) not in self.fb:
-            where = {u.name: u.moe.expert_params if u.moe else 0 for u in self.profile.units}
-            self.fb["experts", k] = _frozen([float(sum(where[u] for u in st)) for st in self.stages(k)])
+            self.fb["experts", k] = _stage_totals([u.moe.expert_params if u.moe else 0 for u in self.profile.units],
+                                                  self.stage_ids(k))
         return self.fb["experts", k]
 
     def stage_kept(self, k: int, tp: int = 1, sp: bool = False, shard: bool = False) -> np.ndarray:
@@ -123,11 +122,9 @@ class _Partitions:
         key = ("kept", k, tp, sp, shard)
         if key not in self.fb:
             if ("unit kept", tp, sp, shard) not in self.fb:   # every cut's stages sum the same units' figures
-                self.fb["unit kept", tp, sp, shard] = {
-                    u.name: _least_saved(u, self.dtype_ratio, self.cp, tp=tp, sp=sp, shard=shard)
-                    for u in self.profile.units}
-            where = self.fb["unit kept", tp, sp, shard]
-            self.fb[key] = _frozen([float(sum(where[u] for u in st)) for st in self.stages(k)])
+                self.fb["unit kept", tp, sp, shard] = [_least_saved(u, self.dtype_ratio, self.cp, tp=tp, sp=sp,
+                                                                    shard=shard) for u in self.profile.units]
+            self.fb[key] = _stage_totals(self.fb["unit kept", tp, sp, shard], self.stage_ids(k))
         return self.fb[key]
 
     def rank_kept(self, pt: Point) -> np.ndarray:
@@ -138,9 +135,9 @@ class _Partitions:
         """Per stage of the cut `stages(k)`, the inputs of its units that full recompute keeps per micro-batch
         (estimate._stage: each unit's input but the model's own, at the profile's scale: times activation_scale)."""
         if ("inputs", k) not in self.fb:
-            out = {u.name: float(self.profile.units[i - 1].output_bytes) if i else 0.0
-                   for i, u in enumerate(self.profile.units)}
-            self.fb["inputs", k] = _frozen([sum(out[u] for u in st) for st in self.stages(k)])
+            units = self.profile.units
+            self.fb["inputs", k] = _stage_totals([float(units[i - 1].output_bytes) if i else 0.0
+                                                  for i in range(len(units))], self.stage_ids(k))
         return self.fb["inputs", k]
 
     def alive_kept(self, pt: Point) -> np.ndarray:
@@ -601,11 +598,17 @@ def _placement(schedule: str, p: int, v: int) -> np.ndarray:
     return _frozen(placement(schedule, p, v), dtype=int)
 
 
+def _stage_totals(per_unit: Sequence[float], ids: Sequence[Sequence[int]]) -> np.ndarray:
+    """Per stage of units `ids` (indices into `per_unit`), the sum of its units' values, read-only, each summed one
+    unit at a time in unit order (np.sum may pair terms and round otherwise)."""
+    return _frozen([float(sum([per_unit[i] for i in st])) for st in ids])
+
+
 def _stage_sums(per_unit: Sequence[tuple[float, float]], ids: Sequence[Sequence[int]]) -> np.ndarray:
-    """(forward, backward) per stage of units `ids`, as a (stages, 2) array, each summed one unit at a time in unit
-    order (np.sum may pair terms and round otherwise)."""
-    fs, bs = [f for f, _ in per_unit], [b for _, b in per_unit]
-    return _frozen([(sum([fs[i] for i in st]), sum([bs[i] for i in st])) for st in ids])
+    """(forward, backward) per stage of units `ids`, as a (stages, 2) array (_stage_totals of each)."""
+    out = np.column_stack((_stage_totals([f for f, _ in per_unit], ids), _stage_totals([b for _, b in per_unit], ids)))
+    out.flags.writeable = False
+    return out
 
 
 def _frozen(values, dtype=float) -> np.ndarray:

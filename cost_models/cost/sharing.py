@@ -116,12 +116,10 @@ def effective_cores(cluster: ClusterProfile, ranks_running: float | None = None)
     if cluster.device.kind != "cpu" or c is None or c.flops_alone <= 0:
         return None
     cores = c.ranks * c.flops_per_rank / c.flops_alone
-    b = c.background_runnable
-    loaded = b > 0 and ranks_running is not None and ranks_running > 0
-    if loaded:
-        cores = cores * (c.ranks + b) / c.ranks
-    cores = min(cores, c.host_cores) if c.host_cores > 0 else cores
-    return cores * ranks_running / (ranks_running + b) if loaded and ranks_running is not None else cores
+    b, share = c.background_runnable, 1.0
+    if b > 0 and ranks_running is not None and ranks_running > 0:
+        cores, share = cores * (c.ranks + b) / c.ranks, ranks_running / (ranks_running + b)
+    return (min(cores, c.host_cores) if c.host_cores > 0 else cores) * share
 
 
 def contention(cluster: ClusterProfile, ranks_running: float) -> float:
